@@ -1,0 +1,22 @@
+# distlab: the distributed-training roadmap as one reproducible experiment pipeline.
+# Stages chain: data prep -> base model -> one job per experiment -> summary -> report.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/data.smk"
+include: "rules/model.smk"
+include: "rules/hardware.smk"
+include: "rules/train.smk"
+include: "rules/report.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        report_outputs(),

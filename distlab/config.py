@@ -1,0 +1,285 @@
+"""Config loading, validation and expansion into fully resolved experiment specs.
+
+Imported by the Snakefile at parse time, so it must stay light: no torch, no transformers
+(a no-op `snakemake` rerun has to answer in well under two seconds).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"
+
+# The one place every experiment inherits from. config.yaml's `defaults:` overrides these,
+# and each experiment overrides that.
+EXPERIMENT_DEFAULTS: dict = {
+    "tag": None,
+    "strategy": "ddp",
+    "launcher": "auto",
+    "method": "full",
+    "world_size": 1,
+    "micro_batch": 4,
+    "grad_accum": 1,
+    "seq_len": 128,
+    "steps": 30,
+    "warmup_steps": 5,
+    "precision": "fp32",
+    "seed": 1234,
+    "lr": 3.0e-4,
+    "weight_decay": 0.0,
+    "sampler": "distributed",
+    "device": "auto",
+    "cpu_threads_per_rank": 1,
+    "repeats": 1,
+    "checkpoint_every": 0,
+    "memory_budget_gib": None,
+    "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": None},
+    "deepspeed": {"zero_stage": 2, "offload_optimizer": "none", "offload_param": "none", "nvme_path": None},
+    "fsdp": {"reshard_after_forward": True, "cpu_offload": False, "via": "native"},
+    "pp": {"schedule": "gpipe", "microbatches": 4},
+    "ray": {"address": None, "min_workers": None, "max_failures": 0},
+}
+
+# Roadmap order; the report shows stages in this order.
+STAGE_ORDER = ["ddp", "accelerate", "deepspeed", "fsdp", "ray", "parallel"]
+
+
+class ConfigError(ValueError):
+    """A config problem, with the offending field named in the message."""
+
+
+def load_schema() -> dict:
+    with open(SCHEMA_PATH) as fh:
+        return yaml.safe_load(fh)
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in (override or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def validate_schema(config: dict) -> dict:
+    """Validate against config/schema.yaml and fill the schema's defaults (in place)."""
+    schema = load_schema()
+    validator_cls = jsonschema.Draft202012Validator
+    errors = sorted(validator_cls(schema).iter_errors(config), key=lambda e: list(e.path))
+    if errors:
+        lines = []
+        for err in errors:
+            where = ".".join(str(p) for p in err.absolute_path) or "(top level)"
+            lines.append(f"config field '{where}': {err.message}")
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
+    _fill_defaults(config, schema)
+    return config
+
+
+def _fill_defaults(instance, schema):
+    """Apply `default:` values of object properties recursively (jsonschema does not)."""
+    if not isinstance(instance, dict) or schema.get("type") not in (None, "object"):
+        return
+    for key, sub in schema.get("properties", {}).items():
+        if key not in instance and "default" in sub:
+            instance[key] = copy.deepcopy(sub["default"])
+        if key in instance:
+            _fill_defaults(instance[key], sub)
+
+
+def variant(spec: dict) -> str:
+    """The strategy-specific part of an experiment id (e.g. `z3-offopt`)."""
+    strategy = spec["strategy"]
+    if strategy == "deepspeed":
+        ds = spec["deepspeed"]
+        parts = [f"z{ds['zero_stage']}"]
+        if ds["offload_optimizer"] != "none":
+            parts.append(f"offopt{'' if ds['offload_optimizer'] == 'cpu' else '.nvme'}")
+        if ds["offload_param"] != "none":
+            parts.append(f"offparam{'' if ds['offload_param'] == 'cpu' else '.nvme'}")
+        return "-".join(parts)
+    if strategy == "fsdp":
+        fs = spec["fsdp"]
+        parts = ["full" if fs["reshard_after_forward"] else "gradop"]
+        if fs["cpu_offload"]:
+            parts.append("offload")
+        if fs["via"] == "accelerate":
+            parts.append("acc")
+        return "-".join(parts)
+    if strategy == "pp":
+        return f"{spec['pp']['schedule']}-m{spec['pp']['microbatches']}"
+    return ""
+
+
+def experiment_id(spec: dict) -> str:
+    parts = [spec["strategy"]]
+    extra = variant(spec)
+    if extra:
+        parts.append(extra)
+    parts += [spec["method"], f"w{spec['world_size']}", f"mb{spec['micro_batch']}", f"ga{spec['grad_accum']}"]
+    if spec["launcher"] == "ray":
+        parts.append("ray")
+    if spec.get("tag"):
+        parts.append(spec["tag"])
+    return "-".join(parts)
+
+
+def resolve_launcher(spec: dict) -> str:
+    if spec["launcher"] != "auto":
+        return spec["launcher"]
+    return "accelerate" if spec["strategy"] == "accelerate" else "torchrun"
+
+
+def expand_experiments(config: dict, gpu_count: int | None = None) -> dict[str, dict]:
+    """Every enabled experiment as {id: fully resolved spec}, in roadmap order.
+
+    gpu_count resolves device 'auto' (cuda when GPUs exist); None means "detect".
+    """
+    if gpu_count is None:
+        from distlab.hardware import gpu_count as detect
+
+        gpu_count = detect()
+    base = _deep_merge(EXPERIMENT_DEFAULTS, config.get("defaults", {}))
+    specs: dict[str, dict] = {}
+    stages = config.get("stages", {})
+    for stage in STAGE_ORDER:
+        block = stages.get(stage)
+        if not block or not block.get("enabled", True):
+            continue
+        for index, override in enumerate(block.get("experiments", [])):
+            spec = _deep_merge(base, override)
+            spec["stage"] = stage
+            spec["launcher"] = resolve_launcher(spec)
+            if spec["device"] == "auto":
+                spec["device"] = "cuda" if gpu_count > 0 else "cpu"
+            where = f"stages.{stage}.experiments[{index}]"
+            exp_id = experiment_id(spec)
+            spec["id"] = exp_id
+            if exp_id in specs:
+                raise ConfigError(
+                    f"config field '{where}': experiment id '{exp_id}' is used twice "
+                    f"(also by stage '{specs[exp_id]['stage']}'); give one of them a distinct `tag`"
+                )
+            check_experiment(spec, config, where, gpu_count)
+            specs[exp_id] = spec
+    return specs
+
+
+def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> None:
+    """Semantic checks the schema cannot express; each error names the field."""
+
+    def fail(field, message):
+        raise ConfigError(f"config field '{where}.{field}': {message}")
+
+    if spec["warmup_steps"] >= spec["steps"]:
+        fail("warmup_steps", f"warm-up steps ({spec['warmup_steps']}) must be fewer than steps ({spec['steps']}) "
+             "or no step is left to time")
+    max_pos = model_max_positions(config)
+    if max_pos is not None and spec["seq_len"] > max_pos:
+        fail("seq_len", f"sequence length {spec['seq_len']} exceeds the model's max_position_embeddings ({max_pos})")
+    if spec["device"] == "cuda" and gpu_count < spec["world_size"] and spec["launcher"] != "ray":
+        fail("device", f"cuda with world_size {spec['world_size']} needs that many GPUs; {gpu_count} found")
+    if spec["strategy"] == "deepspeed":
+        ds = spec["deepspeed"]
+        if ds["offload_param"] != "none" and ds["zero_stage"] != 3:
+            fail("deepspeed.offload_param", "parameter offload needs zero_stage 3")
+        if ds["offload_optimizer"] != "none" and ds["zero_stage"] == 0:
+            fail("deepspeed.offload_optimizer", "optimizer offload needs zero_stage 1, 2 or 3")
+        if "nvme" in (ds["offload_optimizer"], ds["offload_param"]) and not ds["nvme_path"]:
+            fail("deepspeed.nvme_path", "NVMe offload needs a nvme_path folder")
+    if spec["strategy"] == "tp":
+        heads = model_shape(config).get("num_attention_heads")
+        kv_heads = model_shape(config).get("num_key_value_heads", heads)
+        for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+            if count is not None and count % spec["world_size"]:
+                fail("world_size", f"tensor parallel degree {spec['world_size']} does not divide the model's "
+                     f"{name} ({count})")
+    if spec["strategy"] == "pp":
+        layers = model_shape(config).get("num_hidden_layers")
+        if layers is not None and layers < spec["world_size"]:
+            fail("world_size", f"pipeline of {spec['world_size']} stages needs at least that many decoder "
+                 f"layers; the model has {layers}")
+        if spec["micro_batch"] % spec["pp"]["microbatches"]:
+            fail("pp.microbatches", f"micro_batch {spec['micro_batch']} must divide into "
+                 f"{spec['pp']['microbatches']} pipeline micro-batches")
+    if spec["fsdp"]["via"] == "accelerate" and spec["strategy"] == "fsdp" and spec["device"] != "cuda":
+        fail("fsdp.via", "FSDP through Accelerate is a CUDA path (on CPU Accelerate wraps DDP instead); "
+             "use via: native")
+    if spec["precision"] == "fp16" and spec["device"] == "cpu":
+        fail("precision", "fp16 autocast is not supported on CPU; use fp32 or bf16")
+    if spec["launcher"] == "ray" and spec["strategy"] not in ("ddp", "fsdp", "deepspeed"):
+        fail("launcher", f"Ray Train sets up the process group for ddp, fsdp and deepspeed, not {spec['strategy']}")
+
+
+def model_shape(config: dict) -> dict:
+    """The base model's shape: its config.json when a local path is given, else `model.build`."""
+    model = config.get("model", {})
+    if model.get("path"):
+        cfg = Path(model["path"]) / "config.json"
+        if cfg.is_file():
+            with open(cfg) as fh:
+                return json.load(fh)
+        return {}
+    if model.get("hub_id"):
+        return {}
+    return model.get("build", {})
+
+
+def model_max_positions(config: dict):
+    return model_shape(config).get("max_position_embeddings")
+
+
+def check_config(config: dict) -> None:
+    """Checks across fields, run before any experiment is expanded."""
+    model = config["model"]
+    if model.get("path") and model.get("hub_id"):
+        raise ConfigError("config field 'model.hub_id': set either model.path or model.hub_id, not both")
+    if model.get("path"):
+        path = Path(model["path"])
+        if not path.is_dir():
+            raise ConfigError(f"config field 'model.path': model folder '{path}' does not exist")
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"config field 'model.path': '{path}' has no config.json (not a Hugging Face model folder)")
+    build = model["build"]
+    if build["hidden_size"] % build["num_attention_heads"]:
+        raise ConfigError("config field 'model.build.num_attention_heads': hidden_size "
+                          f"{build['hidden_size']} is not divisible by {build['num_attention_heads']} heads")
+    if build["num_attention_heads"] % build["num_key_value_heads"]:
+        raise ConfigError("config field 'model.build.num_key_value_heads': num_attention_heads must be a "
+                          "multiple of num_key_value_heads")
+    data = config["data"]
+    if data["source"] == "files":
+        if not data["files"]:
+            raise ConfigError("config field 'data.files': source 'files' needs at least one file")
+        for index, name in enumerate(data["files"]):
+            if not os.path.isfile(name):
+                raise ConfigError(f"config field 'data.files[{index}]': file '{name}' does not exist")
+    if data["source"] == "hf" and not data["hf_name"]:
+        raise ConfigError("config field 'data.hf_name': source 'hf' needs a dataset name")
+    if data["tokenizer"] and not os.path.exists(data["tokenizer"]):
+        raise ConfigError(f"config field 'data.tokenizer': '{data['tokenizer']}' does not exist")
+    for index, extra in enumerate(config["extra_results"]):
+        if not os.path.isdir(extra):
+            raise ConfigError(f"config field 'extra_results[{index}]': folder '{extra}' does not exist")
+
+
+def load(config: dict, gpu_count: int | None = None) -> tuple[dict, dict[str, dict]]:
+    """Validate a config dict and expand it: returns (config with defaults, specs by id)."""
+    validate_schema(config)
+    check_config(config)
+    specs = expand_experiments(config, gpu_count)
+    if not specs:
+        raise ConfigError("config field 'stages': no enabled experiment; nothing to run")
+    return config, specs
+
+
+def load_file(path: str | os.PathLike, gpu_count: int | None = None):
+    with open(path) as fh:
+        return load(yaml.safe_load(fh) or {}, gpu_count)

@@ -1,0 +1,104 @@
+"""The one training loop every strategy runs under (torchrun, accelerate launch or Ray).
+
+It knows the Strategy interface and nothing about strategy names: data order, gradient
+accumulation, timing and the per-step record are the same for all of them.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
+
+from distlab.strategies.base import RunContext, Strategy
+
+
+class IndexStream:
+    """Endless micro-batches of sample indices for this data-parallel rank, epoch after epoch.
+
+    sampler=distributed: DistributedSampler, disjoint shards of one seeded permutation.
+    sampler=none: every rank walks the same permutation (the duplication demo).
+    """
+
+    def __init__(self, n_samples: int, spec: dict, dp_rank: int, dp_size: int):
+        self.spec = spec
+        if spec["sampler"] == "distributed":
+            self.sampler = DistributedSampler(range(n_samples), num_replicas=dp_size, rank=dp_rank,
+                                              shuffle=True, seed=spec["seed"], drop_last=True)
+        else:
+            generator = torch.Generator().manual_seed(spec["seed"])
+            self.sampler = RandomSampler(range(n_samples), generator=generator)
+        self.epoch = 0
+        self._batches = self._epoch_batches()
+
+    def epoch_plan(self) -> list[int]:
+        """Every index this rank is due to read in epoch 0 (for the coverage proof)."""
+        if isinstance(self.sampler, DistributedSampler):
+            self.sampler.set_epoch(0)
+            plan = list(self.sampler)
+            self.sampler.set_epoch(self.epoch)
+            return plan
+        return list(range(len(self.sampler)))  # every rank plans the whole data set
+
+    def _epoch_batches(self):
+        if isinstance(self.sampler, DistributedSampler):
+            self.sampler.set_epoch(self.epoch)
+        return iter(BatchSampler(self.sampler, self.spec["micro_batch"], drop_last=True))
+
+    def next(self) -> list[int]:
+        try:
+            return next(self._batches)
+        except StopIteration:
+            self.epoch += 1
+            self._batches = self._epoch_batches()
+            return next(self._batches)
+
+
+def train(ctx: RunContext, strategy: Strategy, train_blocks: torch.Tensor, start_step: int = 0,
+          stream: IndexStream | None = None, on_step_end=None) -> dict:
+    """Run optimizer steps start_step..steps-1; returns the per-step record of this rank.
+
+    on_step_end(step) runs after each step (periodic checkpoints); it is outside the timer.
+    """
+    spec = ctx.spec
+    n_micro = spec["grad_accum"]
+    if stream is None:
+        stream = IndexStream(len(train_blocks), spec, strategy.data_parallel_rank, strategy.data_parallel_size)
+    cuda = ctx.device.type == "cuda"
+    records = []
+    state_bytes = None
+    strategy.take_comm_seconds()
+    for step in range(start_step, spec["steps"]):
+        if cuda:
+            torch.cuda.synchronize(ctx.device)
+        start = time.perf_counter()
+        losses, consumed = [], []
+        for micro in range(n_micro):
+            indices = stream.next()
+            consumed.extend(indices)
+            batch = train_blocks[indices].to(ctx.device, non_blocking=True)
+            loss = strategy.forward_backward(batch, micro, n_micro)
+            if loss is not None:  # pipeline stages without the loss return None
+                losses.append(loss)
+        if step == spec["steps"] - 1:
+            # Counted while gradients and optimizer state both exist: the peak model state.
+            state_bytes = strategy.state_bytes()
+        strategy.optimizer_step()
+        if cuda:
+            torch.cuda.synchronize(ctx.device)
+        elapsed = time.perf_counter() - start
+        # .item() after the timer: the loss sync must not be billed to the step.
+        local_loss = float(torch.stack(losses).float().mean().item()) if losses else None
+        records.append({"step": step, "loss": local_loss, "step_time_s": elapsed,
+                        "comm_inflight_s": strategy.take_comm_seconds(), "samples": consumed})
+        if on_step_end is not None:
+            on_step_end(step)
+    return {"records": records, "stream": stream, "state_bytes": state_bytes}
+
+
+def gather(obj) -> list:
+    """all_gather_object to every rank (small Python objects only: per-step records)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,77 @@
+"""The base model: built once with a fixed seed, then loaded like any Hugging Face model."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def build_base_model(build: dict, tokenizer, out_dir) -> dict:
+    """A small Llama-architecture model saved with save_pretrained (safetensors)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=build["hidden_size"],
+        intermediate_size=build["intermediate_size"],
+        num_hidden_layers=build["num_hidden_layers"],
+        num_attention_heads=build["num_attention_heads"],
+        num_key_value_heads=build["num_key_value_heads"],
+        max_position_embeddings=build["max_position_embeddings"],
+        tie_word_embeddings=build["tie_word_embeddings"],
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(build["seed"])
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(out_dir))
+    return {"parameters": sum(p.numel() for p in model.parameters()), "config": config.to_dict()}
+
+
+def load_model(path_or_id: str, dtype=None):
+    """Load through the Auto classes so a real local Llama/Mistral/Qwen folder works the same."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path_or_id), dtype=dtype or torch.float32)
+
+
+def decoder_layer_class(model):
+    """The repeated block class (LlamaDecoderLayer, Qwen2DecoderLayer, ...), found, not named.
+
+    Transformers models declare it in `_no_split_modules`; fall back to the class of the
+    children of the largest ModuleList.
+    """
+    import torch
+
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in names:
+            return type(module)
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    if not lists:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+    return type(max(lists, key=len)[0])
+
+
+def decoder_layers(model) -> list:
+    cls = decoder_layer_class(model)
+    return [m for m in model.modules() if isinstance(m, cls)]
+
+
+def linear_module_names(model) -> list[str]:
+    """Leaf names of the linear layers inside decoder layers: LoRA's default targets."""
+    import torch
+
+    names = set()
+    for layer in decoder_layers(model):
+        for name, module in layer.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                names.add(name.rsplit(".", 1)[-1])
+    return sorted(names)
+
+
+def model_source(config: dict, results_dir: str) -> str:
+    model = config["model"]
+    return model.get("path") or model.get("hub_id") or str(Path(results_dir) / "prep" / "model")

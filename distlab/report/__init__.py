@@ -1,0 +1,1 @@
+"""Summary table and milestone report built from the runs' metrics.json files."""

@@ -1,0 +1,58 @@
+"""One module per roadmap stage (`stage<N>_<name>.py`), each with build(runs) -> Card.
+
+Goals are computed from measured runs only: passed, failed (ran but missed the goal) or
+not run. Modules are discovered, so adding a stage touches no registry.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+
+PASSED, FAILED, NOT_RUN = "passed", "failed", "not run"
+
+
+@dataclass
+class Goal:
+    kind: str  # "minimal" or "bonus"
+    text: str
+    status: str
+    evidence: str = ""
+    links: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Figure:
+    title: str
+    png_b64: str
+    how: str
+
+
+@dataclass
+class Table:
+    title: str
+    frame: object  # pandas DataFrame
+    how: str = ""
+
+
+@dataclass
+class Card:
+    number: int
+    title: str
+    goals: list[Goal] = field(default_factory=list)
+    figures: list[Figure] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def ok_runs(runs: list[dict], stage: str) -> list[dict]:
+    return [r for r in runs if r["stage"] == stage and r.get("status") == "ok"]
+
+
+def all_cards(runs: list[dict]) -> list[Card]:
+    cards = []
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name.startswith("stage"):
+            module = importlib.import_module(f"{__name__}.{info.name}")
+            cards.append(module.build(runs))
+    return sorted(cards, key=lambda c: c.number)

@@ -1,0 +1,111 @@
+"""Stage 1 - PyTorch DDP with torchrun: 1 vs N ranks, DistributedSampler, gradient sync."""
+from __future__ import annotations
+
+import os
+
+from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs
+from distlab.report.plots import figure, loss_curves, to_png_b64
+
+
+def _link(run):
+    return os.path.join(run["_dir"], "metrics.json")
+
+
+def scaling_groups(runs):
+    """Runs that differ only in world size (same machine, model shape, seq_len, method,
+    sampler on): the honest 1-vs-N comparison."""
+    groups = {}
+    for run in runs:
+        s = run["spec"]
+        if s["sampler"] != "distributed" or s["strategy"] != "ddp":
+            continue
+        key = (run["machine"], s["method"], s["seq_len"], s["micro_batch"] * s["grad_accum"] * s["world_size"],
+               s["precision"], s["device"])
+        groups.setdefault(key, {})[s["world_size"]] = run
+    return {k: v for k, v in groups.items() if 1 in v and len(v) > 1}
+
+
+def loss_parity(group: dict) -> float:
+    base = group[1]["loss"]["per_step"]
+    worst = 0.0
+    for world, run in group.items():
+        other = run["loss"]["per_step"]
+        n = min(len(base), len(other))
+        worst = max([worst] + [abs(a - b) for a, b in zip(base[:n], other[:n])])
+    return worst
+
+
+def build(runs: list[dict]) -> Card:
+    card = Card(1, "Stage 1 - PyTorch DDP with torchrun")
+    ddp = [r for r in ok_runs(runs, "ddp") if r["spec"]["strategy"] == "ddp"]
+    multi = [r for r in ddp if r["actual"]["world_size"] >= 2 and r["actual"]["outer_wrapper"] == "DistributedDataParallel"]
+    if multi:
+        best = max(multi, key=lambda r: r["actual"]["world_size"])
+        med = best["timing"]["step_time_s"]["median"]
+        card.goals.append(Goal("minimal", "DDP training ran on 2+ ranks, time measured", PASSED,
+                               f"{best['experiment']} on {best['machine']}: {best['actual']['world_size']} ranks "
+                               f"({best['actual']['backend']}), median step {med * 1000:.1f} ms over "
+                               f"{best['timing']['step_time_s']['n']} timed steps", [_link(best)]))
+    else:
+        status = FAILED if ddp else NOT_RUN
+        card.goals.append(Goal("minimal", "DDP training ran on 2+ ranks, time measured", status,
+                               "no successful DDP run with world size >= 2"))
+
+    groups = scaling_groups(ddp)
+    if groups:
+        fig, ax = figure()
+        rows = []
+        for (machine, method, seq, gbs, precision, device), group in groups.items():
+            worlds = sorted(group)
+            tps = [group[w]["throughput"]["tokens_per_s"] for w in worlds]
+            ax.plot(worlds, [t / tps[0] for t in tps], marker="o", label=f"{machine} gbs={gbs} seq={seq}")
+            for w in worlds:
+                run = group[w]
+                st = run["timing"]["step_time_s"]
+                rows.append({"machine": machine, "ranks": w, "global batch": gbs,
+                             "median step (ms)": round(st["median"] * 1000, 1),
+                             "step p25-p75 (ms)": f"{st['p25'] * 1000:.1f}-{st['p75'] * 1000:.1f}",
+                             "tokens/s": round(run["throughput"]["tokens_per_s"], 1),
+                             "speedup vs 1 rank": round(run["throughput"]["tokens_per_s"] / tps[0], 3),
+                             "all-reduce in flight (ms/step)": round(
+                                 (run["timing"]["comm_inflight_s_per_step"]["median"] or 0) * 1000, 2),
+                             "max loss diff vs 1 rank": f"{loss_parity({1: group[1], w: run}):.2e}"})
+        top = max(worlds)
+        ax.plot([1, top], [1, top], linestyle="--", color="grey", label="linear")
+        ax.set_xlabel("ranks")
+        ax.set_ylabel("throughput / 1-rank throughput")
+        ax.set_title("DDP speedup, same global batch")
+        ax.legend(fontsize=7)
+        how = ("tokens/s = global tokens per step / median step time (max over ranks) after warm-up; "
+               "same model, data, seed and global batch at each rank count")
+        card.figures.append(Figure("Speedup 1 vs N ranks", to_png_b64(fig), how))
+        import pandas as pd
+
+        card.tables.append(Table("1 vs N ranks", pd.DataFrame(rows), how))
+        first = next(iter(groups.values()))
+        card.goals.append(Goal("bonus", "Speedup graph 1 vs 2 ranks", PASSED,
+                               f"{len(groups)} comparison(s); e.g. {max(first)} ranks: "
+                               f"{first[max(first)]['throughput']['tokens_per_s'] / first[1]['throughput']['tokens_per_s']:.2f}x "
+                               "the 1-rank tokens/s", [_link(first[w]) for w in sorted(first)]))
+    else:
+        card.goals.append(Goal("bonus", "Speedup graph 1 vs 2 ranks", NOT_RUN,
+                               "needs a 1-rank and a 2+-rank DDP run with the same global batch"))
+
+    for run in ddp:
+        if run["spec"]["sampler"] == "none":
+            cov = run["data"]
+            card.notes.append(
+                f"Without DistributedSampler ({run['experiment']}): {cov['duplicate_reads']} of {cov['reads']} "
+                f"sample reads were duplicates ({cov['duplicate_fraction']:.0%}); every rank read the same "
+                f"{cov['samples_read_by_every_rank']} samples, so {run['actual']['world_size']} ranks did the work of one.")
+        elif run["actual"]["world_size"] > 1:
+            cov = run["data"]
+            card.notes.append(
+                f"With DistributedSampler ({run['experiment']}): {cov['duplicate_reads']} duplicate reads of "
+                f"{cov['reads']}; the epoch plan is {'disjoint' if cov['epoch_plan_disjoint'] else 'NOT disjoint'} "
+                f"across ranks and covers {cov['epoch_plan_covered']} of {cov['epoch_size']} samples "
+                f"({cov['epoch_plan_dropped']} dropped to keep shards equal).")
+    if ddp:
+        card.figures.append(Figure("Loss curves", loss_curves(ddp, "Stage 1 loss"),
+                                   "mean training loss over data-parallel ranks per optimizer step"))
+    return card

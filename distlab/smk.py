@@ -1,0 +1,28 @@
+"""Glue for the scripts Snakemake runs: send their output to the rule's log."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+
+
+@contextlib.contextmanager
+def logged(snakemake):
+    """Redirect stdout/stderr (Python and child processes) to snakemake.log[0]."""
+    path = snakemake.log[0]
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as log:
+        saved = os.dup(1), os.dup(2)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True)
+        try:
+            yield path
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)

@@ -1,0 +1,159 @@
+"""The one interface every strategy implements; the training loop knows nothing else.
+
+A strategy owns: the process group, wrapping model + optimizer, one micro-batch's
+forward/backward (with its gradient-sync rule), the optimizer step, checkpoint save/load,
+and an honest description of what actually happened (checked against the spec).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+class FidelityError(RuntimeError):
+    """The run is not what its spec says (wrong wrapper, world size, device)."""
+
+
+@dataclass
+class RunContext:
+    spec: dict
+    run_dir: str
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def autocast(spec: dict, device: torch.device):
+    if spec["precision"] == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+class Strategy:
+    """Defaults fit any data-parallel wrapper whose forward returns a HF output with .loss."""
+
+    name = "base"
+    #: class names one of which must appear in the wrapped model's module tree
+    expected_wrappers: tuple[str, ...] = ()
+
+    def __init__(self, ctx: RunContext):
+        self.ctx = ctx
+        self.spec = ctx.spec
+        self.model = None
+        self.optimizer = None
+        self.comm_seconds = 0.0  # accumulated since the last take_comm_seconds()
+
+    # -- process group ------------------------------------------------------------------
+    def init_distributed(self) -> None:
+        """Join the process group torchrun (or Ray Train) described in the environment."""
+        if dist.is_initialized():  # Ray Train sets it up before calling the train function
+            return
+        backend = "nccl" if self.ctx.device.type == "cuda" else "gloo"
+        if self.ctx.device.type == "cuda":
+            torch.cuda.set_device(self.ctx.device)
+        dist.init_process_group(backend=backend, device_id=self.ctx.device if backend == "nccl" else None)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def data_parallel_size(self) -> int:
+        return dist.get_world_size()
+
+    # -- model --------------------------------------------------------------------------
+    def build_optimizer(self, params):
+        return torch.optim.AdamW(params, lr=self.spec["lr"], weight_decay=self.spec["weight_decay"])
+
+    def trainable(self, model):
+        return [p for p in model.parameters() if p.requires_grad]
+
+    def wrap(self, model) -> None:
+        """Set self.model and self.optimizer."""
+        raise NotImplementedError
+
+    def sync_context(self, is_last_micro: bool):
+        """Context for one micro-batch's backward; data-parallel wrappers skip sync until the last."""
+        return contextlib.nullcontext()
+
+    def forward_backward(self, input_ids: torch.Tensor, micro_index: int, n_micro: int) -> torch.Tensor:
+        with self.sync_context(micro_index == n_micro - 1):
+            with autocast(self.spec, self.ctx.device):
+                loss = self.model(input_ids=input_ids, labels=input_ids).loss
+            (loss / n_micro).backward()
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def take_comm_seconds(self) -> float:
+        value, self.comm_seconds = self.comm_seconds, 0.0
+        return value
+
+    def unwrapped(self):
+        """The plain Hugging Face module (for saving, evaluation, counting)."""
+        return self.model
+
+    # -- truth --------------------------------------------------------------------------
+    def state_bytes(self) -> dict:
+        from distlab.metrics import model_state_bytes
+
+        return model_state_bytes(self.model, self.optimizer)
+
+    def describe(self) -> dict:
+        names = sorted({type(m).__name__ for m in self.model.modules()} | {type(self.model).__name__})
+        return {
+            "strategy": self.name,
+            "outer_wrapper": type(self.model).__name__,
+            "wrappers_found": [n for n in names if n in self.expected_wrappers],
+            "world_size": dist.get_world_size(),
+            "backend": dist.get_backend(),
+            "data_parallel_size": self.data_parallel_size,
+            "device": str(self.ctx.device),
+        }
+
+    def verify(self, described: dict) -> None:
+        """Fail the run when what happened differs from the spec."""
+        spec = self.spec
+        if described["world_size"] != spec["world_size"]:
+            raise FidelityError(f"spec world_size {spec['world_size']} but the process group has "
+                                f"{described['world_size']} ranks")
+        if self.expected_wrappers and not described["wrappers_found"]:
+            raise FidelityError(f"strategy {self.name} expected one of {self.expected_wrappers} to wrap the model; "
+                                f"found outer wrapper {described['outer_wrapper']}")
+        if described["device"].split(":")[0] != spec["device"]:
+            raise FidelityError(f"spec device {spec['device']} but the model is on {described['device']}")
+
+    # -- checkpoints --------------------------------------------------------------------
+    # All three are collective: every rank calls them.
+    def full_state_dict(self) -> dict | None:
+        """The whole unsharded model state (HF parameter names) on rank 0, None elsewhere:
+        what the consolidated Hugging Face export is written from."""
+        return self.unwrapped().state_dict() if dist.get_rank() == 0 else None
+
+    def save_checkpoint(self, path: str) -> None:
+        raise NotImplementedError(f"{self.name} has no checkpoint save yet")
+
+    def load_checkpoint(self, path: str) -> None:
+        raise NotImplementedError(f"{self.name} has no checkpoint load yet")
+
+
+def local_device(spec: dict) -> torch.device:
+    """cuda:<LOCAL_RANK> or cpu, exactly as the spec says: never a silent fallback."""
+    if spec["device"] == "cuda":
+        if not torch.cuda.is_available():
+            raise FidelityError("spec device cuda but torch.cuda.is_available() is False")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")

@@ -1,0 +1,281 @@
+"""One rank of one experiment: `python -m distlab.worker --job job.json` under torchrun
+(or the same `run_rank` under accelerate launch / a Ray Train worker).
+
+Loads the base model, applies LoRA if asked, lets the strategy wrap it, verifies the
+result matches the spec, trains, and has rank 0 write metrics.json and steps.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from distlab import metrics as M
+from distlab.data import load_blocks
+from distlab.loop import gather, train
+from distlab.lora import apply_lora, parameter_counts
+from distlab.model import load_model
+from distlab.strategies import get_strategy_class
+from distlab.strategies.base import RunContext, local_device
+
+
+OOM_EXIT_CODE = 75
+
+
+def make_context(job: dict) -> RunContext:
+    spec = job["spec"]
+    return RunContext(spec=spec, run_dir=job["run_dir"], device=local_device(spec),
+                      rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)),
+                      local_rank=int(os.environ.get("LOCAL_RANK", 0)), extras=job)
+
+
+def coverage(records_by_rank: list[list[dict]], plans: list[list[int]], n_samples: int) -> dict:
+    """Did data-parallel ranks read disjoint samples, and does the epoch plan cover the data?"""
+    consumed = [sorted({i for rec in recs for i in rec["samples"]}) for recs in records_by_rank]
+    reads = sum(len(rec["samples"]) for recs in records_by_rank for rec in recs)
+    distinct = len(set().union(*map(set, consumed))) if consumed else 0
+    overlap = len(set.intersection(*map(set, consumed))) if len(consumed) > 1 else 0
+    planned = [set(p) for p in plans]
+    union = set().union(*planned)
+    pairwise_disjoint = sum(len(p) for p in planned) == len(union)
+    return {
+        "epoch_size": n_samples,
+        "reads": reads,
+        "distinct_samples_read": distinct,
+        "duplicate_reads": reads - distinct,
+        "duplicate_fraction": (reads - distinct) / reads if reads else 0.0,
+        "samples_read_by_every_rank": overlap,
+        "epoch_plan_disjoint": pairwise_disjoint,
+        "epoch_plan_covered": len(union),
+        "epoch_plan_dropped": n_samples - len(union),  # drop_last remainder
+        "per_rank_reads": [sum(len(rec["samples"]) for rec in recs) for recs in records_by_rank],
+    }
+
+
+def memory_record(ctx: RunContext) -> dict:
+    out = {"peak_rss_bytes": M.peak_rss_bytes()}
+    if ctx.device.type == "cuda":
+        out["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
+        out["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(ctx.device)
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(ctx.device.index)
+            out["nvml_used_bytes"] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+            pynvml.nvmlShutdown()
+        except Exception as exc:  # recorded, not hidden
+            out["nvml_error"] = str(exc)
+    return out
+
+
+def apply_memory_budget(ctx: RunContext) -> dict | None:
+    """memory_budget_gib: enforced on CUDA (the allocator refuses past it, so a model that
+    does not fit really fails with OOM); on CPU only compared after the run."""
+    gib = ctx.spec["memory_budget_gib"]
+    if gib is None:
+        return None
+    budget = int(gib * 2**30)
+    if ctx.device.type == "cuda":
+        total = torch.cuda.get_device_properties(ctx.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), ctx.device)
+        return {"bytes": budget, "enforced": True,
+                "how": "torch.cuda.set_per_process_memory_fraction(budget / device total)"}
+    return {"bytes": budget, "enforced": False,
+            "how": "compared after the run with this rank's model-state bytes and peak RSS (not enforced on CPU)"}
+
+
+def budget_verdict(budget: dict | None, memory: dict, state_bytes: dict | None) -> dict | None:
+    if budget is None:
+        return None
+    verdict = dict(budget)
+    if "cuda_max_reserved_bytes" in memory:
+        verdict["measured_bytes"] = memory["cuda_max_reserved_bytes"]
+        verdict["measured_what"] = "torch.cuda.max_memory_reserved"
+    else:
+        state = sum(v for k, v in (state_bytes or {}).items() if isinstance(v, int))
+        verdict["measured_bytes"] = state
+        verdict["measured_what"] = "model-state bytes (params+grads+optimizer) held by the rank"
+        verdict["peak_rss_bytes"] = memory["peak_rss_bytes"]
+    verdict["fits"] = verdict["measured_bytes"] <= budget["bytes"]
+    return verdict
+
+
+def record_oom(job: dict, error: BaseException) -> None:
+    """A rank that ran out of memory leaves oom-rank<N>.json; the launcher turns that into
+    a metrics.json with status 'oom' so the pipeline goes on and the report shows it."""
+    rank = int(os.environ.get("RANK", 0))
+    record = {"rank": rank, "error": str(error).splitlines()[0][:500], "memory": {}}
+    if torch.cuda.is_available():
+        try:
+            record["memory"] = {"cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(),
+                                "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved()}
+        except Exception as exc:
+            record["memory"] = {"error": str(exc)}
+    Path(job["run_dir"], f"oom-rank{rank}.json").write_text(json.dumps(record))
+
+
+def peak_flops_per_rank(ctx: RunContext, hardware: dict) -> tuple[float | None, str]:
+    if ctx.device.type == "cuda":
+        gpus = hardware.get("gpus", [])
+        gpu = gpus[ctx.device.index] if ctx.device.index < len(gpus) else None
+        peak = gpu and gpu.get("peak_bf16_flops")
+        return peak, f"dense bf16 peak of {gpu['name'] if gpu else 'unknown GPU'} (torchtitan table)"
+    probe = hardware.get("cpu_peak", {}).get("per_thread")
+    if not probe:
+        return None, "no CPU probe in hardware.json"
+    threads = ctx.spec["cpu_threads_per_rank"]
+    return probe["flops_per_s"] * threads, (f"measured fp32 matmul peak of one thread x {threads} "
+                                            "thread(s) per rank (hardware rule)")
+
+
+def run_rank(job: dict) -> tuple[dict, list] | None:
+    """Everything one rank does; returns (metrics, step rows) on rank 0, None elsewhere."""
+    started = time.time()
+    spec = job["spec"]
+    if spec["device"] == "cpu":
+        # On CPU a "device" is cpu_threads_per_rank cores, the same for every world size.
+        torch.set_num_threads(spec["cpu_threads_per_rank"])
+    ctx = make_context(job)
+    budget = apply_memory_budget(ctx)
+    strategy = get_strategy_class(spec["strategy"])(ctx)
+    strategy.init_distributed()
+    ctx.rank, ctx.world_size = dist.get_rank(), dist.get_world_size()
+
+    torch.manual_seed(spec["seed"])
+    model = load_model(job["model_source"])
+    flops = M.model_flops_per_token(model, spec["seq_len"])
+    lora_targets = None
+    if spec["method"] == "lora":
+        model, lora_targets = apply_lora(model, spec["lora"], spec["seed"])
+    counts = parameter_counts(model)
+    strategy.wrap(model)
+    described = strategy.describe()
+    strategy.verify(described)
+
+    train_blocks = load_blocks(job["data_dir"], "train")
+    if train_blocks.shape[1] != spec["seq_len"]:
+        raise ValueError(f"data blocks are {train_blocks.shape[1]} tokens, spec seq_len is {spec['seq_len']}")
+
+    result = train(ctx, strategy, train_blocks)
+    stream, records = result["stream"], result["records"]
+    state_bytes = result["state_bytes"]
+    memory = memory_record(ctx)
+    memory["budget"] = budget_verdict(budget, memory, state_bytes)
+
+    all_records = gather(records)
+    plans = gather(stream.epoch_plan())
+    all_state = gather(state_bytes)
+    all_memory = gather(memory)
+    comm = gather([r["comm_inflight_s"] for r in records])
+
+    if ctx.is_main:
+        out = summarize_run(job, ctx, strategy, described, flops, counts, lora_targets, all_records, plans,
+                            all_state, all_memory, comm, len(train_blocks), started)
+    else:
+        out = None
+    save_dir = job.get("checkpoint_dir")
+    if save_dir:
+        t0 = time.perf_counter()
+        strategy.save_checkpoint(save_dir)
+        dist.barrier()
+        if out is not None:
+            out[0]["checkpoint"] = {"path": os.path.relpath(save_dir, job["run_dir"]),
+                                 "save_seconds": time.perf_counter() - t0}
+    return out
+
+
+def summarize_run(job, ctx, strategy, described, flops, counts, lora_targets, all_records, plans, all_state,
+                  all_memory, comm, n_samples, started) -> dict:
+    spec = job["spec"]
+    hardware = json.loads(Path(job["hardware_json"]).read_text())
+    warm = spec["warmup_steps"]
+    # A step ends when the slowest rank finishes: the step time is the max over ranks.
+    step_times = [max(recs[i]["step_time_s"] for recs in all_records) for i in range(len(all_records[0]))]
+    losses = []
+    for i in range(len(all_records[0])):
+        values = [recs[i]["loss"] for recs in all_records if recs[i]["loss"] is not None]
+        losses.append(sum(values) / len(values) if values else None)
+    timed = M.summarize(step_times[warm:])
+    dp = strategy.data_parallel_size
+    samples_per_step = spec["micro_batch"] * spec["grad_accum"] * dp
+    tokens_per_step = samples_per_step * spec["seq_len"]
+    tps = tokens_per_step / timed["median"]
+    peak, peak_how = peak_flops_per_rank(ctx, hardware)
+    per_rank_tps = tps / ctx.world_size
+    comm_per_step = [max(c[i] for c in comm) for i in range(len(step_times))]
+    return {
+        "schema_version": M.METRICS_SCHEMA_VERSION,
+        "experiment": spec["id"],
+        "stage": spec["stage"],
+        "machine": hardware["machine"],
+        "status": "ok",
+        "spec": spec,
+        "actual": described,
+        "parameters": counts,
+        "lora_targets": lora_targets,
+        "loss": {"first": losses[0], "last": losses[-1], "per_step": losses},
+        "timing": {
+            "step_time_s": timed,
+            "how": f"wall time of each optimizer step (max over ranks), steps {warm}..{len(step_times) - 1} "
+                   f"after {warm} warm-up steps; median and spread",
+            "comm_inflight_s_per_step": M.summarize(comm_per_step[warm:]),
+            "comm_how": "all-reduce launch-to-completion time per step (overlaps backward); from a DDP comm hook "
+                        "or the strategy's own counter",
+        },
+        "throughput": {
+            "tokens_per_s": tps, "samples_per_s": samples_per_step / timed["median"],
+            "tokens_per_s_per_rank": per_rank_tps, "samples_per_step": samples_per_step,
+            "tokens_per_step": tokens_per_step,
+        },
+        "flops": {**flops, "peak_flops_per_rank": peak, "peak_how": peak_how,
+                  "mfu": M.mfu(flops["flops_per_token"], per_rank_tps, peak)},
+        "memory": {"per_rank": all_memory, "model_state_bytes_per_rank": all_state},
+        "data": coverage(all_records, plans, n_samples),
+        "versions": M.library_versions(),
+        "environment": M.allowed_environment(job.get("env_allowlist", [])),
+        "wall_seconds_rank0": time.time() - started,
+    }, [
+        {"step": i, "loss": losses[i], "step_time_s": step_times[i], "comm_inflight_s": comm_per_step[i],
+         "warmup": i < warm, "samples_by_rank": [recs[i]["samples"] for recs in all_records]}
+        for i in range(len(step_times))
+    ]
+
+
+def write_outputs(run_dir: str, summary) -> None:
+    metrics, steps = summary
+    run = Path(run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    with open(run / "steps.jsonl", "w") as fh:
+        for row in steps:
+            fh.write(json.dumps(row) + "\n")
+    (run / "metrics.json").write_text(json.dumps(metrics, indent=1, default=str))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--job", required=True, help="job.json written by distlab.launch")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help="accepted for the deepspeed launcher; LOCAL_RANK is used")
+    args = parser.parse_args(argv)
+    job = json.loads(Path(args.job).read_text())
+    try:
+        summary = run_rank(job)
+    except torch.OutOfMemoryError as error:
+        record_oom(job, error)
+        # Peers may be blocked in a collective: exit hard, torchrun tears the group down.
+        os._exit(OOM_EXIT_CODE)
+    if summary is not None:
+        metrics, steps = summary
+        write_outputs(job["run_dir"], (metrics, steps))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

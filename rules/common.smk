@@ -1,0 +1,81 @@
+# Helpers shared by the rules (no rules here). The config is validated and expanded
+# into one resolved spec per experiment before any job can start.
+import glob
+import os
+import sys
+
+sys.path.insert(0, workflow.basedir)  # distlab/ works from a checkout without `pip install -e .`
+
+from distlab.config import ConfigError, load as load_config
+from distlab.hardware import machine_tag
+from snakemake.exceptions import WorkflowError
+
+try:
+    config, SPECS = load_config(config)
+except ConfigError as error:
+    raise WorkflowError(str(error)) from None
+
+RESULTS = config["results_dir"]
+MACHINE = machine_tag(config["machine"])
+PREP = f"{RESULTS}/prep"
+RUN = f"{RESULTS}/{MACHINE}/{{experiment}}"
+
+
+wildcard_constraints:
+    experiment="[A-Za-z0-9._-]+",
+    seq_len="[0-9]+",
+
+
+def tokenizer_path():
+    """The user's tokenizer, or the one the pipeline trains on the corpus."""
+    return config["data"]["tokenizer"] or f"{PREP}/tokenizer/tokenizer.json"
+
+
+def model_config_path():
+    """config.json of the base model: the user's local folder, or the one the pipeline builds."""
+    if config["model"]["path"]:
+        return os.path.join(config["model"]["path"], "config.json")
+    return f"{PREP}/model/config.json"
+
+
+def model_source():
+    model = config["model"]
+    return model["path"] or model["hub_id"] or f"{PREP}/model"
+
+
+def data_dir(wildcards):
+    return f"{PREP}/data/seq{SPECS[wildcards.experiment]['seq_len']}"
+
+
+def experiment_spec(wildcards):
+    """Only this experiment's resolved spec: editing another experiment leaves this job alone."""
+    return SPECS[wildcards.experiment]
+
+
+def experiment_threads(wildcards):
+    spec = SPECS[wildcards.experiment]
+    return spec["world_size"] * spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else spec["world_size"]
+
+
+def experiment_gpus(wildcards):
+    spec = SPECS[wildcards.experiment]
+    return spec["world_size"] if spec["device"] == "cuda" else 0
+
+
+def this_machine_metrics():
+    return expand(f"{RUN}/metrics.json", experiment=list(SPECS))
+
+
+def shared_metrics():
+    """metrics.json of every machine folder already under results/ (or extra_results):
+    copying another machine's folder in makes the summary and report include it."""
+    roots = [RESULTS] + list(config["extra_results"])
+    found = []
+    for root in roots:
+        found += glob.glob(os.path.join(root, "*", "*", "metrics.json"))
+    mine = os.path.normpath(os.path.join(RESULTS, MACHINE))
+    return sorted(f for f in found if not os.path.normpath(f).startswith(mine + os.sep))
+
+
+def report_outputs():
+    return [f"{RESULTS}/summary.csv", f"{RESULTS}/report/index.html", f"{RESULTS}/report/README.md"]

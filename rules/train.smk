@@ -1,0 +1,27 @@
+# One job per experiment: the launcher its spec names starts the ranks of the shared loop.
+
+
+rule train:
+    input:
+        data=data_dir,
+        model=model_config_path(),
+        hardware=f"{RESULTS}/{MACHINE}/hardware.json",
+    output:
+        metrics=f"{RUN}/metrics.json",
+        steps=f"{RUN}/steps.jsonl",
+        checkpoint=directory(f"{RUN}/checkpoint"),
+    params:
+        spec=experiment_spec,
+        model_source=model_source(),
+        env_allowlist=config["env_allowlist"],
+    log:
+        f"{RUN}/train.log",
+    benchmark:
+        f"{RUN}/benchmark.tsv"
+    threads: experiment_threads
+    resources:
+        gpu=experiment_gpus,
+    conda:
+        "../envs/train.yaml"
+    script:
+        "../scripts/train.py"

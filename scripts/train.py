@@ -1,0 +1,24 @@
+"""Rule train: write this experiment's job file and start its ranks."""
+import os
+from pathlib import Path
+
+from distlab.launch import launch
+from distlab.smk import logged
+
+with logged(snakemake):
+    run_dir = os.path.dirname(snakemake.output.metrics)
+    job = {
+        "spec": dict(snakemake.params.spec),
+        "run_dir": run_dir,
+        "data_dir": snakemake.input.data,
+        "model_source": snakemake.params.model_source,
+        "hardware_json": snakemake.input.hardware,
+        "env_allowlist": list(snakemake.params.env_allowlist),
+        "checkpoint_dir": snakemake.output.checkpoint,
+    }
+    status = launch(job)
+    print(f"experiment {job['spec']['id']}: {status}")
+    if status == "oom":
+        # Recorded as a result (the model did not fit), not a pipeline failure.
+        Path(snakemake.output.checkpoint).mkdir(parents=True, exist_ok=True)
+        Path(snakemake.output.checkpoint, "NO_CHECKPOINT").write_text("run ended out of memory; see metrics.json\n")
