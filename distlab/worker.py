@@ -20,7 +20,7 @@ from distlab.data import load_blocks
 from distlab.loop import gather, train
 from distlab.lora import apply_lora, parameter_counts
 from distlab.model import load_model
-from distlab.strategies import get_strategy_class
+from distlab.strategies import strategy_for
 from distlab.strategies.base import RunContext, local_device
 
 
@@ -143,7 +143,7 @@ def run_rank(job: dict) -> tuple[dict, list] | None:
         torch.set_num_threads(spec["cpu_threads_per_rank"])
     ctx = make_context(job)
     budget = apply_memory_budget(ctx)
-    strategy = get_strategy_class(spec["strategy"])(ctx)
+    strategy = strategy_for(spec)(ctx)
     strategy.init_distributed()
     ctx.rank, ctx.world_size = dist.get_rank(), dist.get_world_size()
 

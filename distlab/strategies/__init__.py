@@ -13,6 +13,17 @@ REGISTRY = {
 }
 
 
+def strategy_key(spec: dict) -> str:
+    """Which module runs a spec: FSDP requested through Accelerate is Accelerate's to run."""
+    if spec["strategy"] == "fsdp" and spec.get("fsdp", {}).get("via") == "accelerate":
+        return "accelerate"
+    return spec["strategy"]
+
+
+def strategy_for(spec: dict):
+    return get_strategy_class(strategy_key(spec))
+
+
 def get_strategy_class(name: str):
     try:
         target = REGISTRY[name]
