@@ -94,7 +94,9 @@ def build_dataset(texts: list[str], tokenizer, seq_len: int, eval_fraction: floa
     n_eval = max(1, int(round(len(blocks) * eval_fraction)))
     splits = {"eval": order[:n_eval], "train": np.sort(order[n_eval:])}
     dataset = datasets.DatasetDict({
-        name: datasets.Dataset.from_dict({"input_ids": [blocks[i] for i in idx]}) for name, idx in splits.items()
+        # `block` keeps each block's position in the packed stream: provenance for the split.
+        name: datasets.Dataset.from_dict({"input_ids": [blocks[i] for i in idx], "block": idx.tolist()})
+        for name, idx in splits.items()
     })
     dataset.save_to_disk(str(out_dir))
     return dataset
@@ -104,4 +106,4 @@ def load_blocks(path, split: str = "train"):
     """One split's blocks as an int64 tensor [n_blocks, seq_len], from the Arrow dataset."""
     import datasets
 
-    return datasets.load_from_disk(str(path))[split].with_format("torch")[:]["input_ids"]
+    return datasets.load_from_disk(str(path))[split].with_format("torch", columns=["input_ids"])[:]["input_ids"]

@@ -38,9 +38,14 @@ def model_config_path():
     return f"{PREP}/model/config.json"
 
 
-def model_source():
-    model = config["model"]
-    return model["path"] or model["hub_id"] or f"{PREP}/model"
+def model_inputs():
+    """The base model's config.json as an input, unless it comes from the hub by id."""
+    return [] if config["model"]["hub_id"] else [model_config_path()]
+
+
+def model_source(wildcards, input):
+    """What from_pretrained loads: the hub id, or the folder of the model's config.json."""
+    return config["model"]["hub_id"] or os.path.dirname(input.model[0])
 
 
 def data_dir(wildcards):

@@ -4,7 +4,7 @@
 rule train:
     input:
         data=data_dir,
-        model=model_config_path(),
+        model=model_inputs(),
         hardware=f"{RESULTS}/{MACHINE}/hardware.json",
     output:
         metrics=f"{RUN}/metrics.json",
@@ -12,7 +12,7 @@ rule train:
         checkpoint=directory(f"{RUN}/checkpoint"),
     params:
         spec=experiment_spec,
-        model_source=model_source(),
+        model_source=model_source,
         env_allowlist=config["env_allowlist"],
     log:
         f"{RUN}/train.log",

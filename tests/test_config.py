@@ -1,0 +1,98 @@
+"""Config promises: bad input stops with a message naming the field; specs resolve predictably."""
+import copy
+
+import pytest
+
+from conftest import tiny_config
+from distlab.config import ConfigError, EXPERIMENT_DEFAULTS, experiment_id, load
+
+
+def specs_of(cfg, gpus=0):
+    return load(cfg, gpu_count=gpus)[1]
+
+
+def ddp_config(*experiments, **top):
+    return tiny_config({"ddp": {"experiments": list(experiments)}}, **top)
+
+
+BAD_CONFIGS = [
+    # (description, mutate(cfg), field named in the error)
+    ("unknown top-level key", lambda c: c.update(epochs=3), "epochs"),
+    ("unknown experiment key", lambda c: c["stages"]["ddp"]["experiments"][0].update(wrld_size=2), "wrld_size"),
+    ("world size 0", lambda c: c["stages"]["ddp"]["experiments"][0].update(world_size=0), "world_size"),
+    ("world size as text", lambda c: c["stages"]["ddp"]["experiments"][0].update(world_size="2"), "world_size"),
+    ("steps fewer than warm-up", lambda c: c["stages"]["ddp"]["experiments"][0].update(steps=3, warmup_steps=3),
+     "warmup_steps"),
+    ("sequence beyond the model's positions", lambda c: c["stages"]["ddp"]["experiments"][0].update(seq_len=4096),
+     "seq_len"),
+    ("model path that does not exist", lambda c: c["model"].update(path="/nonexistent/model"), "model.path"),
+    ("unknown strategy", lambda c: c["stages"]["ddp"]["experiments"][0].update(strategy="horovod"), "strategy"),
+    ("negative learning rate", lambda c: c["stages"]["ddp"]["experiments"][0].update(lr=-1.0), "lr"),
+    ("unknown stage", lambda c: c["stages"].update(stage9={"experiments": []}), "stages"),
+    ("data file missing", lambda c: c["data"].update(source="files", files=["/nope.txt"]), "data.files[0]"),
+    ("heads not dividing width", lambda c: c["model"]["build"].update(hidden_size=66), "num_attention_heads"),
+    ("cuda without GPUs", lambda c: c["stages"]["ddp"]["experiments"][0].update(device="cuda"), "device"),
+    ("param offload without ZeRO-3", lambda c: c["stages"]["ddp"]["experiments"][0].update(
+        strategy="deepspeed", deepspeed={"zero_stage": 2, "offload_param": "cpu"}), "deepspeed.offload_param"),
+    ("fp16 on CPU", lambda c: c["stages"]["ddp"]["experiments"][0].update(precision="fp16"), "precision"),
+    ("two experiments with one id", lambda c: c["stages"]["ddp"]["experiments"].append(
+        copy.deepcopy(c["stages"]["ddp"]["experiments"][0])), "experiments[1]"),
+]
+
+
+@pytest.mark.parametrize("what,mutate,field", BAD_CONFIGS, ids=[b[0] for b in BAD_CONFIGS])
+def test_bad_config_is_refused_with_the_field_named(what, mutate, field):
+    cfg = ddp_config({"world_size": 1})
+    mutate(cfg)
+    with pytest.raises(ConfigError) as err:
+        load(cfg, gpu_count=0)
+    assert field in str(err.value), str(err.value)
+
+
+def test_experiment_inherits_defaults_then_config_defaults_then_overrides():
+    cfg = ddp_config({"world_size": 2, "lr": 1e-3})
+    cfg["defaults"]["steps"] = 11
+    (spec,) = specs_of(cfg).values()
+    assert spec["world_size"] == 2 and spec["lr"] == 1e-3  # experiment override
+    assert spec["steps"] == 11  # config defaults
+    assert spec["weight_decay"] == EXPERIMENT_DEFAULTS["weight_decay"]  # built-in default
+    assert spec["stage"] == "ddp" and spec["device"] == "cpu" and spec["launcher"] == "torchrun"
+
+
+def test_nested_strategy_options_merge_key_by_key():
+    cfg = ddp_config({"strategy": "deepspeed", "world_size": 2, "deepspeed": {"zero_stage": 3}})
+    (spec,) = specs_of(cfg).values()
+    assert spec["deepspeed"]["zero_stage"] == 3
+    assert spec["deepspeed"]["offload_optimizer"] == EXPERIMENT_DEFAULTS["deepspeed"]["offload_optimizer"]
+
+
+def test_experiment_ids_read_like_the_spec():
+    cfg = ddp_config({"world_size": 2, "micro_batch": 4}, {"world_size": 2, "micro_batch": 4, "sampler": "none",
+                                                            "tag": "nosampler"},
+                     {"strategy": "deepspeed", "world_size": 2, "deepspeed": {"zero_stage": 3,
+                                                                              "offload_optimizer": "cpu"}})
+    assert list(specs_of(cfg)) == ["ddp-full-w2-mb4-ga1", "ddp-full-w2-mb4-ga1-nosampler",
+                                   "deepspeed-z3-offopt-full-w2-mb4-ga1"]
+
+
+def test_device_auto_means_cuda_only_where_gpus_exist():
+    cfg = ddp_config({"world_size": 1, "device": "auto"})
+    assert next(iter(specs_of(copy.deepcopy(cfg), gpus=0).values()))["device"] == "cpu"
+    assert next(iter(specs_of(copy.deepcopy(cfg), gpus=2).values()))["device"] == "cuda"
+
+
+def test_disabled_stage_contributes_no_experiment():
+    cfg = ddp_config({"world_size": 1})
+    cfg["stages"]["fsdp"] = {"enabled": False, "experiments": [{"strategy": "fsdp", "world_size": 2}]}
+    assert all(s["stage"] == "ddp" for s in specs_of(cfg).values())
+
+
+def test_schema_defaults_fill_missing_sections():
+    cfg, _ = load(ddp_config({"world_size": 1}), gpu_count=0)
+    assert cfg["results_dir"] == "results" and cfg["machine"] is None
+    assert "OMP_NUM_THREADS" in cfg["env_allowlist"]
+
+
+def test_id_is_a_pure_function_of_the_spec():
+    spec = dict(EXPERIMENT_DEFAULTS, stage="ddp", launcher="torchrun")
+    assert experiment_id(spec) == experiment_id(copy.deepcopy(spec)) == "ddp-full-w1-mb4-ga1"

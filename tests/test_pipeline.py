@@ -1,0 +1,84 @@
+"""The workflow as a user runs it: `snakemake --cores all` on a tiny config in a temp folder."""
+import copy
+import json
+import re
+
+import pytest
+import yaml
+
+from conftest import snakemake, tiny_config
+
+STAGES = {"ddp": {"experiments": [{"world_size": 1, "micro_batch": 8},
+                                  {"world_size": 2, "micro_batch": 4}]}}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """One complete run of the real workflow (data prep, model, hardware, 2 trainings, report)."""
+    work = tmp_path_factory.mktemp("pipeline")
+    cfg = tiny_config(STAGES, machine="laptop")
+    snakemake(work, "--cores", "2", config=cfg)
+    return work, cfg
+
+
+def scheduled_jobs(proc_stdout: str) -> dict:
+    """Job counts from a dry run's 'Job stats' table."""
+    table = proc_stdout.split("Job stats:")[1].split("Reasons:")[0] if "Job stats:" in proc_stdout else ""
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m.group(1) != "total"}
+
+
+def test_pipeline_produces_measured_stage1_report(finished):
+    work, _ = finished
+    results = work / "results"
+    metrics = json.loads((results / "laptop" / "ddp-full-w2-mb4-ga1" / "metrics.json").read_text())
+    assert metrics["actual"]["world_size"] == 2 and metrics["status"] == "ok"
+    assert metrics["timing"]["step_time_s"]["n"] == 4 and metrics["throughput"]["tokens_per_s"] > 0
+    assert (results / "laptop" / "hardware.json").is_file()
+    summary = (results / "summary.csv").read_text().splitlines()
+    assert len(summary) == 3 and summary[0].startswith("machine,")
+    html = (results / "report" / "index.html").read_text()
+    assert "Stage 1" in html and "data:image/png;base64," in html
+    readme = (results / "report" / "README.md").read_text()
+    assert "**passed** (minimal)" in readme and "**passed** (bonus)" in readme
+
+
+def test_benchmark_and_log_recorded_for_training_jobs(finished):
+    run = finished[0] / "results" / "laptop" / "ddp-full-w1-mb8-ga1"
+    assert (run / "benchmark.tsv").read_text().startswith("s\t")
+    assert (run / "train.log").is_file()
+
+
+def test_nothing_to_do_on_a_rerun(finished):
+    work, cfg = finished
+    proc = snakemake(work, "--cores", "2", "-n", config=cfg)
+    assert "Nothing to be done" in proc.stdout + proc.stderr
+
+
+def test_changing_one_experiment_reruns_only_it(finished):
+    work, cfg = finished
+    changed = copy.deepcopy(cfg)
+    changed["stages"]["ddp"]["experiments"][1]["lr"] = 1e-3
+    proc = snakemake(work, "--cores", "2", "-n", config=changed)
+    jobs = scheduled_jobs(proc.stdout)
+    assert jobs.get("train") == 1, proc.stdout
+    assert "experiment=ddp-full-w2-mb4-ga1" in proc.stdout
+    assert "experiment=ddp-full-w1-mb8-ga1" not in proc.stdout
+    assert not {"prepare_data", "train_tokenizer", "build_base_model", "hardware"} & set(jobs)
+
+
+def test_bad_config_stops_before_any_job_and_leaves_results_untouched(finished):
+    work, cfg = finished
+    before = {p: p.stat().st_mtime_ns for p in (work / "results").rglob("*") if p.is_file()}
+    bad = copy.deepcopy(cfg)
+    bad["stages"]["ddp"]["experiments"][0]["world_size"] = 0
+    proc = snakemake(work, "--cores", "2", config=bad, check=False)
+    assert proc.returncode != 0
+    assert "stages.ddp.experiments.0.world_size" in proc.stdout + proc.stderr
+    after = {p: p.stat().st_mtime_ns for p in (work / "results").rglob("*") if p.is_file()}
+    assert before == after
+
+
+def test_workflow_passes_snakemakes_linter(tmp_path):
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(tiny_config(STAGES)))
+    proc = snakemake(tmp_path, "--lint", "--configfile", str(tmp_path / "c.yaml"), check=False)
+    assert "Congratulations" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
