@@ -35,6 +35,11 @@ def _nvml():
 
 
 def gpu_count() -> int:
+    """GPUs on this machine (pynvml). DISTLAB_GPU_COUNT overrides it for planning only
+    (dry-running a GPU config on a laptop); the ranks still check torch.cuda at run time."""
+    planned = os.environ.get("DISTLAB_GPU_COUNT")
+    if planned is not None:
+        return int(planned)
     nvml = _nvml()
     if nvml is None:
         return 0

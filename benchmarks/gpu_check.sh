@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# GPU check kit: prove distlab's CUDA paths on a real GPU in one short run (< 8 min).
+#
+#   bash benchmarks/gpu_check.sh [OUT_DIR]
+#
+# Runs config/gpu_check.yaml through Snakemake in its own work folder (build/gpu_check,
+# so the default config's CPU experiments are not merged in): DDP over NCCL with bf16,
+# DeepSpeed ZeRO-3 with CPU offload, FSDP2 with mixed precision, a run under a memory
+# budget that must end in a recorded OOM, checkpoint validation of those runs; MFU
+# against the dense-bf16 peak in distlab.hardware.GPU_PEAK_BF16 (H200: 989e12).
+# Everything lands in OUT_DIR (default: $OUT, else build/gpu_check_out), one folder to
+# copy back whole. Without a CUDA GPU it says so in one line and exits 2.
+#
+# Packages the GPU machine lacks travel as wheels in .whl/ (see benchmarks/gpu_wheels.sh);
+# they are installed into /tmp/site, nothing is fetched there.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+OUT_DIR=${1:-${OUT:-$REPO/build/gpu_check_out}}
+WORK=$REPO/build/gpu_check
+PY=${PYTHON:-python3}
+
+if ! "$PY" - <<'PYEOF' 2>/dev/null
+import sys
+import torch
+sys.exit(0 if torch.cuda.is_available() and torch.cuda.device_count() > 0 else 1)
+PYEOF
+then
+  echo "gpu_check: no CUDA GPU visible to torch on this machine ($(hostname)); nothing was run." >&2
+  exit 2
+fi
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
+mkdir -p "$WORK" "$OUT_DIR"
+{
+  echo "date: $(date -u +%FT%TZ)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$PY" -c "import torch, transformers, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+  "$PY" -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1
+} > "$OUT_DIR/versions.txt" 2>&1
+
+start=$(date +%s)
+timeout 440 "$PY" -m snakemake -s "$REPO/Snakefile" -d "$WORK" --configfile "$REPO/config/gpu_check.yaml" \
+  --cores all --keep-going --rerun-incomplete > "$OUT_DIR/snakemake.log" 2>&1
+status=$?
+echo "snakemake exit $status after $(( $(date +%s) - start )) s" | tee -a "$OUT_DIR/versions.txt"
+
+# One folder to copy back: summary, report, every run's metrics/validation, the logs.
+cp "$WORK/results/summary.csv" "$OUT_DIR/" 2>/dev/null
+cp -r "$WORK/results/report" "$OUT_DIR/" 2>/dev/null
+(cd "$WORK/results" && tar czf "$OUT_DIR/runs.tgz" --exclude='checkpoint*' --exclude='*.safetensors' \
+   --exclude='*.pt' --exclude='prep' . 2>/dev/null)
+"$PY" - "$WORK/results" <<'PYEOF' | tee "$OUT_DIR/figures.txt"
+import json, pathlib, sys
+for m in sorted(pathlib.Path(sys.argv[1]).glob("*/*/metrics.json")):
+    r = json.loads(m.read_text())
+    t, f, mem = r.get("throughput", {}), r.get("flops", {}), r.get("memory", {}).get("per_rank", [{}])
+    peak = max((x.get("cuda_max_allocated_bytes") or 0) for x in mem) if mem else 0
+    mfu = f.get("mfu")
+    print(f"{r['experiment']:45s} status={r['status']:4s} tokens/s={t.get('tokens_per_s', 0):10.0f} "
+          f"mfu={'-' if mfu is None else f'{mfu:.1%}'} peak_alloc={peak / 2**30:.2f}GiB")
+PYEOF
+exit $status
