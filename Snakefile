@@ -13,10 +13,15 @@ include: "rules/data.smk"
 include: "rules/model.smk"
 include: "rules/hardware.smk"
 include: "rules/train.smk"
+include: "rules/validate.smk"
 include: "rules/report.smk"
+include: "rules/bench.smk"
+include: "rules/advise.smk"
+include: "rules/kuberay.smk"
 
 
 rule all:
     default_target: True
     input:
         report_outputs(),
+        kuberay_outputs(),

@@ -39,10 +39,11 @@ EXPERIMENT_DEFAULTS: dict = {
     "checkpoint_every": 0,
     "memory_budget_gib": None,
     "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": None},
-    "deepspeed": {"zero_stage": 2, "offload_optimizer": "none", "offload_param": "none", "nvme_path": None},
+    "deepspeed": {"zero_stage": 2, "offload_optimizer": "none", "offload_param": "none", "nvme_path": None,
+                  "optimizer_impl": "torch"},
     "fsdp": {"reshard_after_forward": True, "cpu_offload": False, "via": "native"},
     "pp": {"schedule": "gpipe", "microbatches": 4},
-    "ray": {"address": None, "min_workers": None, "max_failures": 0},
+    "ray": {"address": None, "min_workers": None, "max_failures": 0, "storage_path": None, "resize_interval_s": 60.0},
 }
 
 # Roadmap order; the report shows stages in this order.
@@ -104,10 +105,13 @@ def variant(spec: dict) -> str:
             parts.append(f"offopt{'' if ds['offload_optimizer'] == 'cpu' else '.nvme'}")
         if ds["offload_param"] != "none":
             parts.append(f"offparam{'' if ds['offload_param'] == 'cpu' else '.nvme'}")
+        if ds["optimizer_impl"] == "deepspeed":
+            parts.append("dsadam")
         return "-".join(parts)
     if strategy == "fsdp":
         fs = spec["fsdp"]
-        parts = ["full" if fs["reshard_after_forward"] else "gradop"]
+        # "fullshard", not "full": the method part of the id is already "full"/"lora".
+        parts = ["fullshard" if fs["reshard_after_forward"] else "gradop"]
         if fs["cpu_offload"]:
             parts.append("offload")
         if fs["via"] == "accelerate":
@@ -134,7 +138,12 @@ def experiment_id(spec: dict) -> str:
 def resolve_launcher(spec: dict) -> str:
     if spec["launcher"] != "auto":
         return spec["launcher"]
-    return "accelerate" if spec["strategy"] == "accelerate" else "torchrun"
+    return "accelerate" if accelerate_runs(spec) else "torchrun"
+
+
+def accelerate_runs(spec: dict) -> bool:
+    """Experiments the Accelerate strategy runs: its own, and FSDP requested through it."""
+    return spec["strategy"] == "accelerate" or (spec["strategy"] == "fsdp" and spec["fsdp"]["via"] == "accelerate")
 
 
 def expand_experiments(config: dict, gpu_count: int | None = None) -> dict[str, dict]:
@@ -157,6 +166,10 @@ def expand_experiments(config: dict, gpu_count: int | None = None) -> dict[str, 
             spec = _deep_merge(base, override)
             spec["stage"] = stage
             spec["launcher"] = resolve_launcher(spec)
+            if spec["launcher"] == "ray":
+                for key in ("address", "storage_path"):  # the cluster-wide `ray:` block fills what is unset
+                    if spec["ray"][key] is None:
+                        spec["ray"][key] = config.get("ray", {}).get(key)
             if spec["device"] == "auto":
                 spec["device"] = "cuda" if gpu_count > 0 else "cpu"
             where = f"stages.{stage}.experiments[{index}]"
@@ -181,6 +194,10 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
     if spec["warmup_steps"] >= spec["steps"]:
         fail("warmup_steps", f"warm-up steps ({spec['warmup_steps']}) must be fewer than steps ({spec['steps']}) "
              "or no step is left to time")
+    timed = spec["steps"] - spec["warmup_steps"]
+    if spec["repeats"] > 1 and timed < 2 * spec["repeats"]:
+        fail("repeats", f"{spec['repeats']} repeat windows need at least {2 * spec['repeats']} timed steps "
+             f"(steps - warmup_steps = {timed}); raise steps or lower repeats")
     max_pos = model_max_positions(config)
     if max_pos is not None and spec["seq_len"] > max_pos:
         fail("seq_len", f"sequence length {spec['seq_len']} exceeds the model's max_position_embeddings ({max_pos})")
@@ -194,6 +211,8 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
             fail("deepspeed.offload_optimizer", "optimizer offload needs zero_stage 1, 2 or 3")
         if "nvme" in (ds["offload_optimizer"], ds["offload_param"]) and not ds["nvme_path"]:
             fail("deepspeed.nvme_path", "NVMe offload needs a nvme_path folder")
+    if spec["strategy"] in ("tp", "pp") and spec["method"] != "full":
+        fail("method", f"{spec['strategy']} runs full fine-tuning only (LoRA would wrap the split layers)")
     if spec["strategy"] == "tp":
         heads = model_shape(config).get("num_attention_heads")
         kv_heads = model_shape(config).get("num_key_value_heads", heads)
@@ -206,6 +225,9 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
         if layers is not None and layers < spec["world_size"]:
             fail("world_size", f"pipeline of {spec['world_size']} stages needs at least that many decoder "
                  f"layers; the model has {layers}")
+        if spec["world_size"] > 1 and model_shape(config).get("tie_word_embeddings"):
+            fail("world_size", "pipeline stages cannot share the tied input/output embedding of this model "
+                 "(tie_word_embeddings true); use world_size 1 or an untied model")
         if spec["micro_batch"] % spec["pp"]["microbatches"]:
             fail("pp.microbatches", f"micro_batch {spec['micro_batch']} must divide into "
                  f"{spec['pp']['microbatches']} pipeline micro-batches")
@@ -216,6 +238,21 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
         fail("precision", "fp16 autocast is not supported on CPU; use fp32 or bf16")
     if spec["launcher"] == "ray" and spec["strategy"] not in ("ddp", "fsdp", "deepspeed"):
         fail("launcher", f"Ray Train sets up the process group for ddp, fsdp and deepspeed, not {spec['strategy']}")
+    ray = spec["ray"]
+    if spec["launcher"] != "ray" and (ray["min_workers"] is not None or ray["max_failures"]):
+        fail("ray", "min_workers and max_failures are Ray Train settings; they need launcher: ray")
+    if ray["min_workers"] is not None and ray["min_workers"] > spec["world_size"]:
+        fail("ray.min_workers", f"elastic lower bound {ray['min_workers']} exceeds world_size {spec['world_size']} "
+             "(the upper bound)")
+    if spec["launcher"] == "ray" and (ray["max_failures"] or (ray["min_workers"] or spec["world_size"]) < spec["world_size"]) \
+            and not spec["checkpoint_every"]:
+        fail("checkpoint_every", "a Ray run that recovers from failures or resizes resumes from its last "
+             "checkpoint; set checkpoint_every > 0")
+    if spec["launcher"] == "ray" and accelerate_runs(spec):
+        fail("launcher", "FSDP through Accelerate starts from accelerate launch (or torchrun), not Ray Train")
+    if spec["launcher"] == "accelerate" and not accelerate_runs(spec):
+        fail("launcher", f"accelerate launch starts the accelerate strategy (and fsdp with via: accelerate), "
+             f"not {spec['strategy']}; use torchrun")
 
 
 def model_shape(config: dict) -> dict:

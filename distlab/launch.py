@@ -6,6 +6,7 @@ launch, Ray) register themselves in LAUNCHERS.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -58,7 +59,11 @@ def run_torchrun(job: dict, job_path: str, log_path: str | None, timeout: float 
     _run(torchrun_command(job["spec"], job_path), rank_environment(job["spec"]), log_path, timeout)
 
 
-LAUNCHERS = {"torchrun": run_torchrun}
+from distlab.launchers_accelerate import run_accelerate  # noqa: E402  (accelerate launch, its own module)
+
+from distlab.ray_launcher import run_ray  # noqa: E402  (Ray Train driver, its own module)
+
+LAUNCHERS = {"torchrun": run_torchrun, "accelerate": run_accelerate, "ray": run_ray}
 
 
 def write_job(job: dict) -> str:
@@ -87,6 +92,33 @@ def write_oom_metrics(job: dict) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def assigned_gpus(job: dict):
+    """CUDA runs hold their own disjoint GPUs (distlab.gpu_alloc) while the ranks run; every
+    launcher's rank environment inherits CUDA_VISIBLE_DEVICES, and devices.json records it."""
+    spec = job["spec"]
+    if spec["device"] != "cuda":
+        yield None
+        return
+    from distlab.gpu_alloc import allocate
+
+    lock_dir = job.get("gpu_lock_dir") or os.environ.get("DISTLAB_GPU_LOCK_DIR") or \
+        str(Path(job["run_dir"]).resolve().parent.parent / ".gpu-locks")
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    with allocate(spec["world_size"], lock_dir) as ids:
+        Path(job["run_dir"], "devices.json").write_text(json.dumps(
+            {"cuda_visible_devices": ids, "inherited": previous, "lock_dir": lock_dir,
+             "how": "exclusive fcntl locks, one per GPU, held while the ranks ran (distlab.gpu_alloc)"}))
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+        try:
+            yield ids
+        finally:
+            if previous is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = previous
+
+
 def launch(job: dict, log_path: str | None = None, timeout: float | None = None) -> str:
     """Run the experiment; returns its status ('ok' or 'oom'). Any other failure raises."""
     launcher = job["spec"]["launcher"]
@@ -97,7 +129,8 @@ def launch(job: dict, log_path: str | None = None, timeout: float | None = None)
     for stale in Path(job["run_dir"]).glob("oom-rank*.json"):
         stale.unlink()
     try:
-        LAUNCHERS[launcher](job, job_path, log_path, timeout)
+        with assigned_gpus(job):
+            LAUNCHERS[launcher](job, job_path, log_path, timeout)
     except RuntimeError:
         if write_oom_metrics(job):
             return "oom"

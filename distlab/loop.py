@@ -30,7 +30,28 @@ class IndexStream:
             generator = torch.Generator().manual_seed(spec["seed"])
             self.sampler = RandomSampler(range(n_samples), generator=generator)
         self.epoch = 0
+        self.position = 0  # micro-batches drawn in the current epoch
         self._batches = self._epoch_batches()
+
+    def state(self) -> dict:
+        """Where this rank is in the data: saved in checkpoints so a resume reads on, not over."""
+        return {"epoch": self.epoch, "position": self.position}
+
+    def restore(self, state: dict) -> "IndexStream":
+        """Continue exactly where `state` was taken (same seed, sampler and world size)."""
+        if not isinstance(self.sampler, DistributedSampler):
+            # RandomSampler draws each epoch's permutation from one generator: replay the
+            # finished epochs so the generator stands where it stood.
+            self.sampler.generator.manual_seed(self.spec["seed"])
+            for _ in range(state["epoch"]):
+                for _ in self.sampler:
+                    pass
+        self.epoch = state["epoch"]
+        self._batches = self._epoch_batches()
+        self.position = 0
+        for _ in range(state["position"]):
+            self.next()
+        return self
 
     def epoch_plan(self) -> list[int]:
         """Every index this rank is due to read in epoch 0 (for the coverage proof)."""
@@ -48,25 +69,29 @@ class IndexStream:
 
     def next(self) -> list[int]:
         try:
-            return next(self._batches)
+            batch = next(self._batches)
         except StopIteration:
             self.epoch += 1
+            self.position = 0
             self._batches = self._epoch_batches()
-            return next(self._batches)
+            batch = next(self._batches)
+        self.position += 1
+        return batch
 
 
 def train(ctx: RunContext, strategy: Strategy, train_blocks: torch.Tensor, start_step: int = 0,
-          stream: IndexStream | None = None, on_step_end=None) -> dict:
+          stream: IndexStream | None = None, on_step_end=None, records: list | None = None) -> dict:
     """Run optimizer steps start_step..steps-1; returns the per-step record of this rank.
 
     on_step_end(step) runs after each step (periodic checkpoints); it is outside the timer.
+    records: the records of steps before start_step when resuming; new ones are appended to it.
     """
     spec = ctx.spec
     n_micro = spec["grad_accum"]
     if stream is None:
         stream = IndexStream(len(train_blocks), spec, strategy.data_parallel_rank, strategy.data_parallel_size)
     cuda = ctx.device.type == "cuda"
-    records = []
+    records = [] if records is None else records
     state_bytes = None
     strategy.take_comm_seconds()
     for step in range(start_step, spec["steps"]):

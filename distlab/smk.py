@@ -5,6 +5,7 @@ import contextlib
 import logging
 import os
 import sys
+import traceback
 
 
 @contextlib.contextmanager
@@ -21,6 +22,10 @@ def logged(snakemake):
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True)
         try:
             yield path
+        except BaseException:
+            # The rule's log must say why the script failed, not only Snakemake's summary.
+            traceback.print_exc()
+            raise
         finally:
             sys.stdout.flush()
             sys.stderr.flush()

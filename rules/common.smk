@@ -57,14 +57,42 @@ def experiment_spec(wildcards):
     return SPECS[wildcards.experiment]
 
 
+def on_ray_cluster(spec):
+    """Ranks that run on an existing Ray cluster use its cores and GPUs, not this machine's."""
+    return spec["launcher"] == "ray" and spec["ray"]["address"] is not None
+
+
 def experiment_threads(wildcards):
     spec = SPECS[wildcards.experiment]
+    if on_ray_cluster(spec):
+        return 1
     return spec["world_size"] * spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else spec["world_size"]
 
 
 def experiment_gpus(wildcards):
     spec = SPECS[wildcards.experiment]
-    return spec["world_size"] if spec["device"] == "cuda" else 0
+    return spec["world_size"] if spec["device"] == "cuda" and not on_ray_cluster(spec) else 0
+
+
+def reshard_world_size(spec):
+    """The other world size checkpoint validation loads at: 2 -> 1, 1 -> 2."""
+    return 1 if spec["world_size"] > 1 else 2
+
+
+def validation_threads(wildcards):
+    spec = SPECS[wildcards.experiment]
+    ranks = max(spec["world_size"], reshard_world_size(spec))
+    return ranks * spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else ranks
+
+
+def validation_gpus(wildcards):
+    spec = SPECS[wildcards.experiment]
+    return max(spec["world_size"], reshard_world_size(spec)) if spec["device"] == "cuda" else 0
+
+
+def this_machine_validations():
+    """validation.json of every experiment: the report waits for them (checkpoint table)."""
+    return expand(f"{RUN}/validation.json", experiment=list(SPECS))
 
 
 def this_machine_metrics():
@@ -84,3 +112,39 @@ def shared_metrics():
 
 def report_outputs():
     return [f"{RESULTS}/summary.csv", f"{RESULTS}/report/index.html", f"{RESULTS}/report/README.md"]
+
+
+def collectives_plan():
+    """The bandwidth benchmark's ranks, device and message sizes (rule collectives)."""
+    bench = config["collectives"]
+    device = "cuda" if any(spec["device"] == "cuda" for spec in SPECS.values()) else "cpu"
+    world = bench["world_size"] or max([2] + [spec["world_size"] for spec in SPECS.values()])
+    return {"world_size": world, "device": device, "min_bytes": bench["min_bytes"],
+            "max_bytes": bench["max_bytes_cuda"] if device == "cuda" else bench["max_bytes_cpu"],
+            "factor": bench["factor"], "iters": bench["iters"], "warmup": bench["warmup"]}
+
+
+def collectives_outputs():
+    return [f"{RESULTS}/{MACHINE}/collectives.json"] if config["collectives"]["enabled"] else []
+
+
+def advice_outputs():
+    """The advisor needs the model's config.json on disk (not a hub id)."""
+    return [] if config["model"]["hub_id"] else [f"{RESULTS}/{MACHINE}/advice.json"]
+
+
+def ray_experiment_specs():
+    """Resolved specs of the experiments Ray Train runs (the KubeRay manifests run them)."""
+    return {exp_id: spec for exp_id, spec in SPECS.items() if spec["launcher"] == "ray"}
+
+
+def kuberay_outputs():
+    return [f"{RESULTS}/kuberay/raycluster.yaml", f"{RESULTS}/kuberay/checks.json"] if ray_experiment_specs() else []
+
+
+# profiles/ray-head: the Ray head's address comes from RAY_ADDRESS; declaring it stops the
+# workflow before any job starts when it is missing.
+if any(spec["ray"]["address"] == "env" for spec in ray_experiment_specs().values()):
+
+    envvars:
+        "RAY_ADDRESS",

@@ -19,6 +19,9 @@ rule report:
     input:
         summary=f"{RESULTS}/summary.csv",
         metrics=this_machine_metrics() + shared_metrics(),
+        validations=this_machine_validations(),
+        collectives=collectives_outputs(),
+        advice=advice_outputs(),
     output:
         html=report(f"{RESULTS}/report/index.html", category="Report", labels={"page": "milestones"}),
         readme=report(f"{RESULTS}/report/README.md", category="Report", labels={"page": "milestones (markdown)"}),

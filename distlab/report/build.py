@@ -1,25 +1,37 @@
-"""The milestone report: one card per roadmap stage, as self-contained HTML and Markdown."""
+"""The milestone report: where you stand (overview), what to run next (advisor), one card per
+roadmap stage, then what spans stages: strategy ranking, machines side by side, collective
+bandwidth with the data-parallel break-even batch, loss curves. Self-contained HTML (plots
+embedded, readable on a phone, printable) and Markdown.
+"""
 from __future__ import annotations
 
 import datetime
 import html
 import os
 
-from distlab.report.cards import FAILED, NOT_RUN, PASSED, all_cards
-from distlab.report.collect import load_runs, summary_frame
+from distlab import advisor as adv
+from distlab import collectives as coll
+from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Table, all_cards
+from distlab.report.cards.checkpoint_table import checkpoint_card
+from distlab.report.collect import (COLLECTIVES_SCHEMA_VERSION, HARDWARE_SCHEMA_VERSION, clear_winner, load_runs,
+                                    machine_files, read_json, summary_frame)
+from distlab.report.plots import bandwidth_curves, loss_panels, ranking
 
 BADGE = {PASSED: "#1a7f37", FAILED: "#cf222e", NOT_RUN: "#6e7781"}
+NO_CLEAR_WINNER = "no clear winner"
 
 CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:980px;margin:auto;padding:1rem;
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:980px;margin:auto;padding:.75rem;
 color:#1f2328;line-height:1.45}
-.card{border:1px solid #d0d7de;border-radius:8px;padding:1rem;margin:1rem 0;break-inside:avoid}
+p,li{overflow-wrap:anywhere}
+.card{border:1px solid #d0d7de;border-radius:8px;padding:.8rem 1rem;margin:1rem 0;break-inside:avoid}
 .badge{color:#fff;border-radius:4px;padding:0 .4rem;font-size:.85em;white-space:nowrap}
-table{border-collapse:collapse;font-size:.85em;display:block;overflow-x:auto}
-td,th{border:1px solid #d0d7de;padding:.2rem .4rem;text-align:right}
+table{border-collapse:collapse;font-size:.8em;display:block;overflow-x:auto;max-width:100%}
+td,th{border:1px solid #d0d7de;padding:.2rem .4rem;text-align:right;white-space:nowrap}
 img{max-width:100%;height:auto}
 .how{color:#57606a;font-size:.85em}
-@media print{.card{page-break-inside:avoid}}
+nav{display:flex;flex-wrap:wrap;gap:.2rem .8rem}
+@media print{.card{page-break-inside:avoid} nav{display:none} a{color:inherit}}
 """
 
 
@@ -27,25 +39,236 @@ def _rel(path, out_dir):
     return os.path.relpath(path, out_dir)
 
 
-def render_html(cards, frame, out_dir) -> str:
+def _metrics_link(run):
+    return os.path.join(run["_dir"], "metrics.json")
+
+
+def _label(run):
+    return f"{run['machine']}/{run['experiment']}"
+
+
+def overview_card(cards: list[Card], runs: list[dict], advice: dict) -> Card:
+    import pandas as pd
+
+    rows = []
+    for card in cards:
+        row = {"stage": card.title}
+        for kind in ("minimal", "bonus"):
+            goals = [g for g in card.goals if g.kind == kind]
+            row[kind] = (FAILED if any(g.status == FAILED for g in goals) else
+                         PASSED if goals and all(g.status == PASSED for g in goals) else NOT_RUN)
+        rows.append(row)
+    frame = pd.DataFrame(rows, columns=["stage", "minimal", "bonus"])
+    card = Card(0, "Where you stand")
+    if len(frame):
+        done = int((frame[["minimal", "bonus"]] == PASSED).sum().sum())
+        card.notes.append(f"{done} of {2 * len(frame)} stage goals passed from {len(runs)} measured run(s) "
+                          f"({sum(r.get('status') == 'ok' for r in runs)} ok, "
+                          f"{sum(r.get('status') == 'oom' for r in runs)} out of memory).")
+    for machine, a in sorted(advice.items()):
+        card.notes.append(f"Advisor for {machine}: {a['recommendation_label']} - {a['reasons'][0]}.")
+    card.tables.append(Table("Roadmap goals", frame, "passed / failed / not run, computed from the runs below"))
+    return card
+
+
+def advisor_card(advice: dict, runs: list[dict]) -> Card:
+    import pandas as pd
+
+    card = Card(90, "Advisor: what to run on this hardware")
+    if not advice:
+        card.notes.append("No advice.json found (rule `advise`); run `snakemake advise`.")
+        return card
+    for machine, a in sorted(advice.items()):
+        card.notes.append(f"{machine}: recommended {a['recommendation_label']}. " + " ".join(
+            f"{r[0].upper()}{r[1:]}." for r in a["reasons"]))
+        unit, scale = adv.unit_for(max(r["total_bytes"] for r in a["estimates"]))
+        frame = pd.DataFrame([{"strategy": r["strategy"], f"params {unit}": round(r["params"] / scale, 2),
+                               f"grads {unit}": round(r["grads"] / scale, 2),
+                               f"optimizer {unit}": round(r["optimizer"] / scale, 2),
+                               f"gathered {unit}": round(r["gathered"] / scale, 2),
+                               f"activations {unit}": round(r["activation_bytes"] / scale, 2),
+                               f"total {unit}/device": round(r["total_bytes"] / scale, 2),
+                               f"in CPU RAM {unit}": round(r["cpu_offloaded"] / scale, 2),
+                               "fits": "yes" if r["total_bytes"] <= a["usable_bytes_per_device"] else "no"}
+                              for r in a["estimates"]])
+        plan = a["devices"]
+        card.tables.append(Table(f"Estimated memory per device on {machine} ({plan['devices']} device(s), "
+                                 f"{adv.human(a['usable_bytes_per_device'])} usable each)", frame,
+                                 " ".join(a["how"].split())))
+        checked = adv.check_against_runs(a, [r for r in runs if r["machine"] == machine])
+        if checked:
+            wrong = [c for c in checked if c["verdict"] != "right"]
+            card.tables.append(Table(f"Estimate vs measured on {machine}", pd.DataFrame(checked),
+                                     "model state = params + grads + optimizer bytes the rank held at the last "
+                                     "step, counted from its tensors; right = within 25%. On CPU the activation "
+                                     "estimate is not checked: peak RSS includes the interpreter and libraries."))
+            card.notes.append(f"The estimate was wrong for {len(wrong)} of {len(checked)} run(s)"
+                              + (": " + "; ".join(f"{c['experiment']} ({c['where'] or 'total'})" for c in wrong)
+                                 if wrong else "."))
+    return card
+
+
+def ranking_card(runs: list[dict]) -> Card:
+    import pandas as pd
+
+    card = Card(91, "Strategy ranking across all runs")
+    ok = [r for r in runs if r.get("_throughput") and r["spec"]["sampler"] == "distributed"]
+    if not ok:
+        card.notes.append("No successful run yet.")
+        return card
+    skipped = [r["experiment"] for r in runs if r.get("_throughput") and r["spec"]["sampler"] != "distributed"]
+    if skipped:
+        card.notes.append(f"Left out: {', '.join(sorted(set(skipped)))} (no DistributedSampler: its ranks read the "
+                          "same samples, so its tokens/s counts duplicates).")
+    for machine in sorted({r["machine"] for r in ok}):
+        mine = sorted((r for r in ok if r["machine"] == machine), key=lambda r: -r["_throughput"]["median"])
+        rows = []
+        for i, run in enumerate(mine):
+            t, nxt = run["_throughput"], mine[i + 1] if i + 1 < len(mine) else None
+            versus = "" if nxt is None else ("faster" if clear_winner(run, nxt) else NO_CLEAR_WINNER)
+            rows.append({"rank": i + 1, "experiment": run["experiment"], "stage": run["stage"],
+                         "tokens/s": round(t["median"], 1), "spread": f"{t['low']:.1f}-{t['high']:.1f}",
+                         "vs next": versus, "ranks": run["actual"]["world_size"],
+                         "wrapped by": run["actual"].get("outer_wrapper"),
+                         "checkpoint check": run.get("_validation") and
+                         ("passed" if run["_validation"].get("passed") else "failed") or "-"})
+        how = (f"{mine[0]['_throughput']['how']}; tokens = every rank's tokens per optimizer step; device "
+               f"{mine[0]['spec']['device']}; torch {mine[0]['versions'].get('torch')}. Runs of different "
+               "global batch or method are not like-for-like: read the ranking with the stage cards.")
+        card.tables.append(Table(f"{machine}: fastest first", pd.DataFrame(rows), how))
+        card.figures.append(Figure(f"{machine}: tokens/s by run", ranking(
+            [{"label": r["experiment"], **r["_throughput"]} for r in mine], f"{machine}: tokens/s"), how))
+    return card
+
+
+def machines_card(runs: list[dict], hardware: dict) -> Card | None:
+    import pandas as pd
+
+    machines = sorted({r["machine"] for r in runs})
+    if len(machines) < 2:
+        return None
+    card = Card(92, "Machines side by side")
+    rows = {}
+    for run in runs:
+        t = run.get("_throughput")
+        cell = f"{t['median']:.1f} ({t['low']:.1f}-{t['high']:.1f})" if t else run.get("status")
+        rows.setdefault(run["experiment"], {"experiment": run["experiment"]})[run["machine"]] = cell
+    for experiment, row in rows.items():
+        pair = [r for r in runs if r["experiment"] == experiment and r.get("_throughput")]
+        if len(pair) >= 2:
+            best = max(pair, key=lambda r: r["_throughput"]["median"])
+            others = [r for r in pair if r is not best]
+            row["faster"] = best["machine"] if all(clear_winner(best, o) for o in others) else NO_CLEAR_WINNER
+    card.tables.append(Table("tokens/s per experiment and machine (median, spread)",
+                             pd.DataFrame(list(rows.values())),
+                             "each cell measured on that machine; 'no clear winner' when the spreads overlap"))
+    hw = [{"machine": m, "cpu": h.get("cpu", {}).get("model"), "cores": h.get("cpu", {}).get("usable_cores"),
+           "gpus": ", ".join(g["name"] for g in h.get("gpus", [])) or "none"} for m, h in sorted(hardware.items())]
+    if hw:
+        card.tables.append(Table("Hardware", pd.DataFrame(hw), "from each machine's hardware.json"))
+    return card
+
+
+def collectives_card(bench: dict, runs: list[dict]) -> Card:
+    import pandas as pd
+
+    card = Card(93, "Communication: collective bandwidth and when N ranks beat 1")
+    if not bench:
+        card.notes.append("No collectives.json (rule `collectives`); the benchmark has not run.")
+        return card
+    series, rows = [], []
+    for machine, result in sorted(bench.items()):
+        n = result["world_size"]
+        for backend in sorted({r["backend"] for r in result["results"]}):
+            for op in coll.OPS:
+                ok = [r for r in result["results"] if r["backend"] == backend and r["op"] == op and r["status"] == "ok"]
+                bad = [r for r in result["results"] if r["backend"] == backend and r["op"] == op
+                       and r["status"] != "ok"]
+                if bad:
+                    card.notes.append(f"{machine} {backend} {op}: {bad[0]['status']} ({bad[0].get('reason')})")
+                if not ok:
+                    continue
+                series.append({"label": f"{machine} {backend} {op}", "sizes": [r["size_bytes"] for r in ok],
+                               "busbw": [r["busbw_bytes_per_s"] for r in ok]})
+                for r in ok:
+                    rows.append({"machine": machine, "backend": backend, "op": op, "ranks": n, "bytes": r["size_bytes"],
+                                 "time us": round(r["time_s_median"] * 1e6, 1),
+                                 "algbw GB/s": round(r["algbw_bytes_per_s"] / 1e9, 3),
+                                 "busbw GB/s": round(r["busbw_bytes_per_s"] / 1e9, 3)})
+        card.notes.extend(break_even_notes(machine, result, runs))
+    how = next(iter(bench.values()))["how"] + ". " + " ".join(
+        f"{m}: {r['world_size']} ranks, {r['device']}, {r.get('threads_per_rank')} thread(s)/rank, torch "
+        f"{r['versions'].get('torch')}." for m, r in sorted(bench.items()))
+    card.figures.append(Figure("Bus bandwidth vs message size",
+                               bandwidth_curves(series, "bus bandwidth (nccl-tests busbw)"), how))
+    card.tables.append(Table("Measured collectives", pd.DataFrame(rows), how))
+    return card
+
+
+def break_even_notes(machine: str, result: dict, runs: list[dict]) -> list[str]:
+    """The global batch above which N data-parallel ranks beat one, from measured numbers."""
+    n = result["world_size"]
+    singles = [r for r in runs if r["machine"] == machine and r.get("status") == "ok" and r["stage"] == "ddp"
+               and r["actual"]["world_size"] == 1]
+    if not singles:
+        return [f"{machine}: no 1-rank DDP run, so no break-even batch (needs its compute time per sample)."]
+    one = singles[0]
+    backend = "nccl" if result["device"] == "cuda" else "gloo"
+    grad_bytes = one["parameters"]["trainable"] * 4  # fp32 gradients (autocast keeps fp32 weights)
+    allreduce = coll.time_at(result, "all_reduce", backend, grad_bytes)
+    if allreduce is None:
+        return [f"{machine}: no {backend} all-reduce measurement, so no break-even batch."]
+    per_sample = one["timing"]["step_time_s"]["median"] / one["throughput"]["samples_per_step"]
+    b_star = coll.break_even_global_batch(per_sample, allreduce, n)
+    text = (f"{machine}: one sample costs {per_sample * 1e3:.1f} ms of compute ({one['experiment']}, median step / "
+            f"samples per step); all-reducing the {grad_bytes / 2**20:.1f} MiB of gradients over {n} ranks costs "
+            f"{allreduce * 1e3:.1f} ms ({backend}, interpolated from the benchmark). With no overlap, {n} ranks "
+            f"beat 1 once the global batch exceeds B* = a*N/(c*(N-1)) = {b_star:.1f} samples (upper bound: DDP "
+            "overlaps the all-reduce with backward).")
+    peers = [r for r in runs if r["machine"] == machine and r.get("status") == "ok" and r["stage"] == "ddp"
+             and r["actual"]["world_size"] == n and r["spec"]["sampler"] == "distributed"
+             and r["throughput"]["samples_per_step"] == one["throughput"]["samples_per_step"]]
+    if peers:
+        speed = peers[0]["throughput"]["tokens_per_s"] / one["throughput"]["tokens_per_s"]
+        batch = one["throughput"]["samples_per_step"]
+        text += (f" Measured at global batch {batch}: {n} ranks ran {speed:.2f}x the 1-rank tokens/s "
+                 f"({peers[0]['experiment']}); the estimate predicted {'a speedup' if batch > b_star else 'no speedup'}.")
+    return [text]
+
+
+def loss_card(runs: list[dict]) -> Card:
+    card = Card(94, "Loss curves per stage")
+    by_stage = {}
+    for run in runs:
+        if run.get("status") == "ok":
+            by_stage.setdefault(run["stage"], []).append(run)
+    if by_stage:
+        card.figures.append(Figure("Loss per optimizer step, one panel per stage", loss_panels(by_stage),
+                                   "mean training loss over data-parallel ranks per optimizer step, warm-up included"))
+    return card
+
+
+def render_html(sections: list[Card], frame, out_dir: str, versions: str) -> str:
+    machines = ", ".join(sorted(set(frame["machine"]))) if len(frame) else "none"
+    nav = " ".join(f"<a href='#s{c.number}'>{html.escape(c.title.split(' - ')[0])}</a>" for c in sections)
     parts = ["<!doctype html><html lang='en'><head><meta charset='utf-8'>",
-             "<meta name='viewport' content='width=device-width, initial-scale=1'>",
+             "<meta name='viewport' content='width=device-width, initial-scale=1'><link rel='icon' href='data:,'>",
              f"<title>distlab milestone report</title><style>{CSS}</style></head><body>",
              "<h1>distlab milestone report</h1>",
-             f"<p class='how'>Built {datetime.datetime.now().isoformat(timespec='seconds')} from "
-             f"{len(frame)} run(s) on machine(s): "
-             f"{html.escape(', '.join(sorted(set(frame['machine']))) if len(frame) else 'none')}. "
-             "Every figure is measured by the pipeline; each says how.</p>"]
-    for card in cards:
-        parts.append(f"<section class='card'><h2>{html.escape(card.title)}</h2><ul>")
-        for goal in card.goals:
-            links = " ".join(f"<a href='{html.escape(_rel(l, out_dir))}'>evidence</a>" for l in goal.links)
-            parts.append(f"<li><span class='badge' style='background:{BADGE[goal.status]}'>{goal.status}</span> "
-                         f"<b>{goal.kind}</b>: {html.escape(goal.text)}<br><span class='how'>"
-                         f"{html.escape(goal.evidence)}</span> {links}</li>")
-        parts.append("</ul>")
-        for note in card.notes:
-            parts.append(f"<p>{html.escape(note)}</p>")
+             f"<p class='how'>Built {datetime.datetime.now().isoformat(timespec='seconds')} from {len(frame)} run(s) "
+             f"on machine(s): {html.escape(machines)}. Every figure is measured by the pipeline; each says how. "
+             f"{html.escape(versions)}</p><nav>{nav}</nav>"]
+    for card in sections:
+        parts.append(f"<section class='card' id='s{card.number}'><h2>{html.escape(card.title)}</h2>")
+        if card.goals:
+            parts.append("<ul>")
+            for goal in card.goals:
+                links = " ".join(f"<a href='{html.escape(_rel(l, out_dir))}'>evidence</a>" for l in goal.links)
+                parts.append(f"<li><span class='badge' style='background:{BADGE[goal.status]}'>{goal.status}</span> "
+                             f"<b>{goal.kind}</b>: {html.escape(goal.text)}<br><span class='how'>"
+                             f"{html.escape(goal.evidence)}</span> {links}</li>")
+            parts.append("</ul>")
+        parts += [f"<p>{html.escape(note)}</p>" for note in card.notes]
         for table in card.tables:
             parts.append(f"<h3>{html.escape(table.title)}</h3>{table.frame.to_html(index=False, border=0)}"
                          f"<p class='how'>{html.escape(table.how)}</p>")
@@ -57,10 +280,18 @@ def render_html(cards, frame, out_dir) -> str:
     return "\n".join(parts)
 
 
-def render_markdown(cards, frame, out_dir) -> str:
+def _table_markdown(frame) -> str:
+    try:
+        return frame.to_markdown(index=False)
+    except ImportError:  # tabulate missing: still readable
+        return "```\n" + frame.to_string(index=False) + "\n```"
+
+
+def render_markdown(sections: list[Card], frame, out_dir: str, versions: str) -> str:
     lines = ["# distlab milestone report", "",
-             f"{len(frame)} run(s); open index.html for the plots. Every figure is measured by the pipeline.", ""]
-    for card in cards:
+             f"{len(frame)} run(s); open index.html for the plots. Every figure is measured by the pipeline. "
+             f"{versions}", ""]
+    for card in sections:
         lines += [f"## {card.title}", ""]
         for goal in card.goals:
             links = " ".join(f"[evidence]({_rel(l, out_dir)})" for l in goal.links)
@@ -69,28 +300,41 @@ def render_markdown(cards, frame, out_dir) -> str:
         for note in card.notes:
             lines += [note, ""]
         for table in card.tables:
-            lines += [f"### {table.title}", "", table.frame.to_markdown(index=False) if _has_tabulate()
-                      else "```\n" + table.frame.to_string(index=False) + "\n```", "", f"_{table.how}_", ""]
+            lines += [f"### {table.title}", "", _table_markdown(table.frame), "", f"_{table.how}_", ""]
+        for fig in card.figures:
+            lines += [f"- Figure in index.html: {fig.title} ({fig.how})", ""]
     return "\n".join(lines)
 
 
-def _has_tabulate() -> bool:
-    try:
-        import tabulate  # noqa: F401
-        return True
-    except ImportError:
-        return False
+def _versions(runs: list[dict]) -> str:
+    seen = {}
+    for run in runs:
+        v = run.get("versions") or {}
+        seen.setdefault(run["machine"], ", ".join(f"{k} {v[k]}" for k in ("python", "torch", "deepspeed",
+                                                                           "accelerate", "ray") if v.get(k)))
+    return " ".join(f"Versions on {m}: {v}." for m, v in sorted(seen.items()))
 
 
-def build_report(metrics_paths, html_path, md_path) -> None:
+def build_report(metrics_paths, html_path, md_path, advice_paths=()) -> None:
     runs = load_runs(metrics_paths)
-    frame = summary_frame(runs)
     for run in runs:
         run["_dir"] = os.path.abspath(run["_dir"])
-    cards = all_cards(runs)
+    frame = summary_frame(runs)
+    hardware = machine_files(runs, "hardware.json", HARDWARE_SCHEMA_VERSION)
+    bench = machine_files(runs, "collectives.json", COLLECTIVES_SCHEMA_VERSION)
+    advice = machine_files(runs, "advice.json", 1)  # other machines' advice comes with their folders
+    for path in advice_paths:
+        a = read_json(path, "advice", 1)
+        advice[os.path.basename(os.path.dirname(os.path.abspath(path)))] = a
+    stage_cards = all_cards(runs)
+    sections = [overview_card(stage_cards, runs, advice), advisor_card(advice, runs), *stage_cards,
+                checkpoint_card(runs),
+                ranking_card(runs), machines_card(runs, hardware), collectives_card(bench, runs), loss_card(runs)]
+    sections = [s for s in sections if s is not None]
     out_dir = os.path.dirname(os.path.abspath(html_path))
     os.makedirs(out_dir, exist_ok=True)
+    versions = _versions(runs)
     with open(html_path, "w") as fh:
-        fh.write(render_html(cards, frame, out_dir))
+        fh.write(render_html(sections, frame, out_dir, versions))
     with open(md_path, "w") as fh:
-        fh.write(render_markdown(cards, frame, out_dir))
+        fh.write(render_markdown(sections, frame, out_dir, versions))

@@ -1,28 +1,114 @@
-"""Read every run's metrics.json (this machine's and shared ones) into one table."""
+"""Read every run (this machine's and other machines' folders) into one table.
+
+A run is results/<machine>/<experiment>/: metrics.json, and when present steps.jsonl (per
+step times), validation.json (checkpoint checks) and devices.json (GPU ids it held).
+Machine-level files sit next to the runs: hardware.json, collectives.json. Anything
+corrupt or from another schema version is refused with the file named, never skipped.
+"""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from distlab.metrics import METRICS_SCHEMA_VERSION
+
+VALIDATION_SCHEMA_VERSION = 1
+COLLECTIVES_SCHEMA_VERSION = 1
+HARDWARE_SCHEMA_VERSION = 1
 
 
 class ResultsError(ValueError):
     """A results file that cannot be trusted (corrupt, or another schema version)."""
 
 
+def read_json(path: Path, what: str, version: int | None) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ResultsError(f"{path}: unreadable {what} file ({exc}); fix or remove it") from None
+    if not isinstance(data, dict):
+        raise ResultsError(f"{path}: {what} file is not a JSON object; fix or remove it")
+    if version is not None and data.get("schema_version") != version:
+        raise ResultsError(f"{path}: {what} schema_version {data.get('schema_version')!r}, this distlab reads "
+                           f"{version}; refusing to mix it into the report")
+    return data
+
+
+def read_steps(path: Path) -> list[dict]:
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            float(row["step_time_s"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ResultsError(f"{path}: line {number} is not a step record ({exc}); fix or remove the file") \
+                from None
+        rows.append(row)
+    return rows
+
+
+def throughput_stats(run: dict) -> dict | None:
+    """Tokens/s with a spread, as the report compares runs.
+
+    repeats = R >= 2: the timed steps (after warm-up) are split into R consecutive windows;
+    each window's tokens/s = tokens per step / its median step time; median over windows,
+    spread = [min, max] over windows. R = 1: one window; spread = tokens per step over the
+    75th and 25th percentile step time. Two runs whose spreads overlap have no clear winner.
+    """
+    tokens = (run.get("throughput") or {}).get("tokens_per_step")
+    if not tokens:
+        return None
+    repeats = max(1, int(run["spec"].get("repeats", 1)))
+    timed = [r["step_time_s"] for r in run.get("_steps", []) if not r.get("warmup")]
+    if not timed:
+        st = run["timing"]["step_time_s"]
+        return {"median": tokens / st["median"], "low": tokens / st["p75"], "high": tokens / st["p25"],
+                "windows": [], "repeats": 1,
+                "how": "no steps.jsonl: spread = tokens/step over p75 and p25 step time from metrics.json"}
+    if repeats == 1 or len(timed) < 2 * repeats:
+        ordered = sorted(timed)
+        q = statistics.quantiles(ordered, n=4, method="inclusive") if len(ordered) > 1 else [ordered[0]] * 3
+        return {"median": tokens / statistics.median(ordered), "low": tokens / q[2], "high": tokens / q[0],
+                "windows": [], "repeats": 1,
+                "how": f"{len(timed)} timed steps; median tokens/s, spread from the step-time interquartile range"}
+    size, extra = divmod(len(timed), repeats)
+    windows, start = [], 0
+    for k in range(repeats):
+        end = start + size + (1 if k < extra else 0)
+        windows.append(tokens / statistics.median(timed[start:end]))
+        start = end
+    return {"median": statistics.median(windows), "low": min(windows), "high": max(windows), "windows": windows,
+            "repeats": repeats,
+            "how": f"{len(timed)} timed steps in {repeats} windows; median and min-max of the windows' tokens/s"}
+
+
+def clear_winner(a: dict, b: dict) -> bool:
+    """True when the two runs' throughput spreads do not overlap."""
+    sa, sb = a.get("_throughput"), b.get("_throughput")
+    if not sa or not sb:
+        return False
+    return sa["low"] > sb["high"] or sb["low"] > sa["high"]
+
+
 def load_run(path: str | Path) -> dict:
     path = Path(path)
-    try:
-        run = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ResultsError(f"{path}: unreadable metrics file ({exc})") from None
-    if not isinstance(run, dict) or run.get("schema_version") != METRICS_SCHEMA_VERSION:
-        found = run.get("schema_version") if isinstance(run, dict) else None
-        raise ResultsError(f"{path}: metrics schema_version {found!r}, this distlab reads "
-                           f"{METRICS_SCHEMA_VERSION}; refusing to mix it into the report")
+    run = read_json(path, "metrics", METRICS_SCHEMA_VERSION)
+    for key in ("experiment", "machine", "stage", "spec", "status"):
+        if key not in run:
+            raise ResultsError(f"{path}: metrics file lacks '{key}'; fix or remove it")
     run["_path"] = str(path)
     run["_dir"] = str(path.parent)
+    steps = path.parent / "steps.jsonl"
+    run["_steps"] = read_steps(steps) if steps.is_file() else []
+    validation = path.parent / "validation.json"
+    run["_validation"] = read_json(validation, "validation", VALIDATION_SCHEMA_VERSION) \
+        if validation.is_file() else None
+    devices = path.parent / "devices.json"
+    run["_devices"] = read_json(devices, "devices", None) if devices.is_file() else None
+    run["_throughput"] = throughput_stats(run) if run["status"] == "ok" else None
     return run
 
 
@@ -33,9 +119,20 @@ def load_runs(paths) -> list[dict]:
         key = (run["machine"], run["experiment"])
         if key in seen:
             raise ResultsError(f"{run['_path']} and {seen[key]}: the same experiment of machine "
-                               f"'{run['machine']}' twice; rename one machine folder")
+                               f"'{run['machine']}' twice; give one machine another tag (config `machine`) "
+                               "so neither overwrites the other")
         seen[key] = run["_path"]
     return runs
+
+
+def machine_files(runs: list[dict], name: str, version: int) -> dict[str, dict]:
+    """{machine: parsed <machine folder>/<name>} for every machine that has one."""
+    out = {}
+    for run in runs:
+        path = Path(run["_dir"]).parent / name
+        if run["machine"] not in out and path.is_file():
+            out[run["machine"]] = read_json(path, name, version)
+    return out
 
 
 def _get(run, *keys, default=None):
@@ -47,6 +144,13 @@ def _get(run, *keys, default=None):
     return value
 
 
+def validation_status(run: dict) -> str | None:
+    v = run.get("_validation")
+    if v is None:
+        return None
+    return "passed" if v.get("passed") else "failed"
+
+
 def summary_row(run: dict) -> dict:
     spec = run["spec"]
     step = _get(run, "timing", "step_time_s", default={}) or {}
@@ -54,19 +158,21 @@ def summary_row(run: dict) -> dict:
     rss = [m.get("peak_rss_bytes", 0) for m in _get(run, "memory", "per_rank", default=[]) or []]
     cuda_peak = [m.get("cuda_max_allocated_bytes") for m in _get(run, "memory", "per_rank", default=[]) or []]
     cuda_peak = [v for v in cuda_peak if v is not None]
+    spread = run.get("_throughput") or {}
     return {
         "machine": run["machine"], "stage": run["stage"], "experiment": run["experiment"],
         "status": run.get("status"), "strategy": spec["strategy"], "launcher": spec["launcher"],
         "method": spec["method"], "device": spec["device"], "world_size": spec["world_size"],
         "micro_batch": spec["micro_batch"], "grad_accum": spec["grad_accum"], "seq_len": spec["seq_len"],
         "sampler": spec["sampler"], "precision": spec["precision"], "steps": spec["steps"],
-        "warmup_steps": spec["warmup_steps"],
+        "warmup_steps": spec["warmup_steps"], "repeats": spec.get("repeats", 1),
         "actual_wrapper": _get(run, "actual", "outer_wrapper"),
         "actual_world_size": _get(run, "actual", "world_size"),
         "step_time_median_s": step.get("median"), "step_time_p25_s": step.get("p25"),
         "step_time_p75_s": step.get("p75"), "step_time_min_s": step.get("min"), "step_time_max_s": step.get("max"),
         "timed_steps": step.get("n"),
         "tokens_per_s": _get(run, "throughput", "tokens_per_s"),
+        "tokens_per_s_low": spread.get("low"), "tokens_per_s_high": spread.get("high"),
         "tokens_per_s_per_rank": _get(run, "throughput", "tokens_per_s_per_rank"),
         "samples_per_s": _get(run, "throughput", "samples_per_s"),
         "mfu": _get(run, "flops", "mfu"),
@@ -78,6 +184,8 @@ def summary_row(run: dict) -> dict:
         "state_optimizer_bytes_rank0": state0.get("optimizer"),
         "trainable_params": _get(run, "parameters", "trainable"), "total_params": _get(run, "parameters", "total"),
         "duplicate_fraction": _get(run, "data", "duplicate_fraction"),
+        "checkpoint_validation": validation_status(run),
+        "gpu_ids": ",".join(_get(run, "_devices", "cuda_visible_devices", default=[]) or []) or None,
         "torch": _get(run, "versions", "torch"),
         "path": run["_dir"],
     }

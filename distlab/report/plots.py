@@ -33,3 +33,52 @@ def loss_curves(runs: list[dict], title: str) -> str:
     ax.set_title(title)
     ax.legend(fontsize=7)
     return to_png_b64(fig)
+
+
+def ranking(rows: list[dict], title: str) -> str:
+    """Horizontal bars: median tokens/s with the spread as error bars, best on top."""
+    rows = sorted(rows, key=lambda r: r["median"])
+    fig, ax = figure(6.4, 0.9 + 0.32 * len(rows))
+    y = range(len(rows))
+    med = [r["median"] for r in rows]
+    err = [[r["median"] - r["low"] for r in rows], [r["high"] - r["median"] for r in rows]]
+    ax.barh(y, med, xerr=err, color="#4c72b0", alpha=0.85, capsize=3)
+    ax.set_yticks(list(y), [r["label"] for r in rows], fontsize=7)
+    ax.set_xlabel("tokens/s (median; bar = spread)")
+    ax.set_title(title)
+    return to_png_b64(fig)
+
+
+def bandwidth_curves(series: list[dict], title: str) -> str:
+    """busbw vs message size, one line per (machine, backend, op)."""
+    fig, ax = figure(6.4, 3.8)
+    for s in series:
+        ax.plot(s["sizes"], [b / 1e9 for b in s["busbw"]], marker="o", markersize=3, label=s["label"])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    return to_png_b64(fig)
+
+
+def loss_panels(by_stage: dict[str, list[dict]]) -> str:
+    """One small panel per stage, its runs' loss curves overlaid."""
+    stages = list(by_stage)
+    cols = min(3, len(stages))
+    rows = (len(stages) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(3.3 * cols, 2.6 * rows), squeeze=False)
+    for ax in axes.flat[len(stages):]:
+        ax.set_visible(False)
+    for ax, stage in zip(axes.flat, stages):
+        for run in by_stage[stage]:
+            losses = [v for v in run["loss"]["per_step"] if v is not None]
+            ax.plot(range(len(losses)), losses, linewidth=1, label=f"{run['machine']}/{run['experiment']}")
+        ax.set_title(stage, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=5)
+    fig.supxlabel("optimizer step", fontsize=8)
+    fig.supylabel("training loss", fontsize=8)
+    fig.tight_layout()
+    return to_png_b64(fig)

@@ -137,16 +137,25 @@ class Strategy:
             raise FidelityError(f"spec device {spec['device']} but the model is on {described['device']}")
 
     # -- checkpoints --------------------------------------------------------------------
-    # All three are collective: every rank calls them.
+    # All three are collective: every rank calls them. distlab/checkpoint.py wraps them
+    # (atomic folder, manifest, trainer state, export); distlab/validate.py checks them.
     def full_state_dict(self) -> dict | None:
-        """The whole unsharded model state (HF parameter names) on rank 0, None elsewhere:
-        what the consolidated Hugging Face export is written from."""
+        """The whole unsharded model state on rank 0, None elsewhere, keyed exactly like
+        unwrapped().state_dict() (peft names for LoRA): the Hugging Face export, the reload
+        logits and the LoRA base-weight check are computed from it."""
         return self.unwrapped().state_dict() if dist.get_rank() == 0 else None
 
     def save_checkpoint(self, path: str) -> None:
+        """Write the native format (model, optimizer and any scheduler state) under `path`.
+        Only safetensors, JSON or tensors torch.load(weights_only=True) can read. RNG, step and
+        data position are saved by distlab.checkpoint, not here."""
         raise NotImplementedError(f"{self.name} has no checkpoint save yet")
 
     def load_checkpoint(self, path: str) -> None:
+        """Load what save_checkpoint wrote into the wrapped model and optimizer. Validation also
+        calls it at another world size (2 -> 1, 1 -> 2): a format that cannot load there must
+        raise NotImplementedError saying why (recorded 'unsupported'); any other exception is
+        recorded as a failed check."""
         raise NotImplementedError(f"{self.name} has no checkpoint load yet")
 
 

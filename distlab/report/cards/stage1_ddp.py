@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs
+from distlab.report.collect import clear_winner
 from distlab.report.plots import figure, loss_curves, to_png_b64
 
 
@@ -69,6 +70,9 @@ def build(runs: list[dict]) -> Card:
                              "speedup vs 1 rank": round(run["throughput"]["tokens_per_s"] / tps[0], 3),
                              "all-reduce in flight (ms/step)": round(
                                  (run["timing"]["comm_inflight_s_per_step"]["median"] or 0) * 1000, 2),
+                             "vs 1 rank": "-" if w == 1 else (
+                                 "no clear winner" if not clear_winner(run, group[1]) else
+                                 "faster" if run["throughput"]["tokens_per_s"] > tps[0] else "slower"),
                              "max loss diff vs 1 rank": f"{loss_parity({1: group[1], w: run}):.2e}"})
         top = max(worlds)
         ax.plot([1, top], [1, top], linestyle="--", color="grey", label="linear")
@@ -77,7 +81,8 @@ def build(runs: list[dict]) -> Card:
         ax.set_title("DDP speedup, same global batch")
         ax.legend(fontsize=7)
         how = ("tokens/s = global tokens per step / median step time (max over ranks) after warm-up; "
-               "same model, data, seed and global batch at each rank count")
+               "same model, data, seed and global batch at each rank count; 'no clear winner' when the "
+               "throughput spreads (see repeats) overlap")
         card.figures.append(Figure("Speedup 1 vs N ranks", to_png_b64(fig), how))
         import pandas as pd
 

@@ -1,0 +1,204 @@
+"""Collective bandwidth benchmark: all-reduce, all-gather, reduce-scatter over message sizes.
+
+Run under torchrun (one process per rank):
+    python -m torch.distributed.run --nproc-per-node 2 -m distlab.collectives --out c.json
+gloo is measured on CPU tensors; where GPUs exist NCCL is measured on CUDA tensors in the
+same process group ("cpu:gloo,cuda:nccl").
+
+Bandwidths follow nccl-tests (doc/PERFORMANCE.md): `size` is the whole buffer in bytes
+(all-gather: the gathered output, reduce-scatter: the input), algbw = size / time, and
+busbw = algbw * factor with factor 2(n-1)/n for all-reduce and (n-1)/n for all-gather and
+reduce-scatter, so busbw is comparable with the link's peak whatever the rank count.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+SCHEMA_VERSION = 1
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+BUSBW_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+}
+
+
+def message_sizes(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
+    """min, min*factor, ... up to max (inclusive), as nccl-tests' -b/-e/-f do."""
+    if min_bytes <= 0 or max_bytes < min_bytes or factor < 2:
+        raise ValueError(f"bad size sweep: min {min_bytes}, max {max_bytes}, factor {factor}")
+    sizes, size = [], min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= factor
+    return sizes
+
+
+def bandwidths(op: str, size_bytes: int, seconds: float, world: int) -> tuple[float, float]:
+    """(algbw, busbw) in bytes/s, nccl-tests formulas."""
+    algbw = size_bytes / seconds
+    return algbw, algbw * BUSBW_FACTOR[op](world)
+
+
+def iterations_for(size_bytes: int, iters: int) -> int:
+    """Fewer timed repetitions for huge messages keeps the sweep cheap; never under 3."""
+    return max(3, min(iters, int(iters * (1 << 22) / max(size_bytes, 1 << 22))))
+
+
+def _run_op(op: str, size_bytes: int, device, world: int):
+    import torch
+    import torch.distributed as dist
+
+    elements = max(world, size_bytes // 4 // world * world)  # float32; divisible by the rank count
+    if op == "all_reduce":
+        buffer = torch.ones(elements, device=device)
+        return lambda: dist.all_reduce(buffer), elements * 4
+    if op == "all_gather":
+        shard = torch.ones(elements // world, device=device)
+        out = torch.empty(elements, device=device)
+        return lambda: dist.all_gather_single(out, shard), elements * 4
+    full = torch.ones(elements, device=device)
+    shard = torch.empty(elements // world, device=device)
+    return lambda: dist.reduce_scatter_single(shard, full), elements * 4
+
+
+def _time_op(call, device, iters: int, warmup: int) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    cuda = device.type == "cuda"
+    for _ in range(warmup):
+        call()
+    if cuda:
+        torch.cuda.synchronize(device)
+    times = []
+    for _ in range(iters):
+        dist.barrier()  # every rank starts together; the barrier itself is outside the timer
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        call()
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def benchmark(backends: list[tuple[str, str]], sizes: list[int], iters: int, warmup: int) -> list[dict]:
+    """Every (backend, device type) x op x size; each time is the slowest rank's (max over ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = []
+    for backend, device_type in backends:
+        device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", 0))) if device_type == "cuda" \
+            else torch.device("cpu")
+        for op in OPS:
+            for size in sizes:
+                row = {"backend": backend, "device": device_type, "op": op, "requested_bytes": size}
+                try:
+                    call, actual = _run_op(op, size, device, world)
+                    local = _time_op(call, device, iterations_for(size, iters), warmup)
+                except (RuntimeError, NotImplementedError) as exc:  # e.g. an op the backend lacks
+                    row.update(status="unsupported", reason=str(exc).splitlines()[0][:300])
+                    rows.append(row)
+                    continue
+                per_rank = [None] * world
+                dist.all_gather_object(per_rank, local)
+                slowest = [max(r[i] for r in per_rank) for i in range(len(local))]
+                median = statistics.median(slowest)
+                algbw, busbw = bandwidths(op, actual, median, world)
+                row.update(status="ok", size_bytes=actual, iters=len(slowest), time_s_median=median,
+                           time_s_min=min(slowest), time_s_max=max(slowest), algbw_bytes_per_s=algbw,
+                           busbw_bytes_per_s=busbw)
+                rows.append(row)
+                if rank == 0:
+                    print(f"{backend:5s} {op:15s} {actual:>12d} B  {median * 1e6:10.1f} us  "
+                          f"algbw {algbw / 1e9:7.3f} GB/s  busbw {busbw / 1e9:7.3f} GB/s", flush=True)
+    return rows
+
+
+
+def time_at(result: dict, op: str, backend: str, size_bytes: float) -> float | None:
+    """Measured time of `op` for a message of size_bytes, interpolated log-log between the
+    two nearest measured sizes (extrapolated at constant bandwidth past the largest)."""
+    import math
+
+    points = sorted((r["size_bytes"], r["time_s_median"]) for r in result["results"]
+                    if r["op"] == op and r["backend"] == backend and r["status"] == "ok")
+    if not points:
+        return None
+    if size_bytes <= points[0][0]:
+        return points[0][1]
+    if size_bytes >= points[-1][0]:
+        return points[-1][1] * size_bytes / points[-1][0]
+    for (s0, t0), (s1, t1) in zip(points, points[1:]):
+        if s0 <= size_bytes <= s1:
+            w = (math.log(size_bytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
+            return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
+    return None
+
+
+def break_even_global_batch(seconds_per_sample: float, allreduce_s: float, world: int) -> float:
+    """Global batch B above which `world` data-parallel ranks finish a step sooner than one.
+
+    One rank: B*c. N ranks, no compute/communication overlap: B*c/N + a. Equal at
+    B* = a*N / (c*(N-1)). DDP overlaps the all-reduce with backward, so B* is an upper bound.
+    """
+    if world < 2:
+        raise ValueError("break-even needs at least 2 ranks")
+    return allreduce_s * world / (seconds_per_sample * (world - 1))
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="collectives.json to write (rank 0)")
+    parser.add_argument("--min-bytes", type=int, default=1024)
+    parser.add_argument("--max-bytes", type=int, default=16 << 20)
+    parser.add_argument("--factor", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: NCCL on GPU tensors and gloo on CPU tensors; cpu: gloo only")
+    parser.add_argument("--machine", default=None, help="machine tag recorded in the output")
+    args = parser.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    from distlab.metrics import library_versions
+
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda but torch sees no GPU; refusing to measure something else")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl")
+        backends = [("nccl", "cuda"), ("gloo", "cpu")]
+    else:
+        dist.init_process_group(backend="gloo")
+        backends = [("gloo", "cpu")]
+    sizes = message_sizes(args.min_bytes, args.max_bytes, args.factor)
+    rows = benchmark(backends, sizes, args.iters, args.warmup)
+    if dist.get_rank() == 0:
+        result = {
+            "schema_version": SCHEMA_VERSION, "machine": args.machine, "world_size": dist.get_world_size(),
+            "device": args.device, "threads_per_rank": torch.get_num_threads(),
+            "results": rows, "versions": library_versions(),
+            "how": ("per size: warm-up calls, then timed calls each started after a barrier (CUDA synchronised); "
+                    "a call's time is the slowest rank's; median over calls. float32 buffers. "
+                    "algbw = size/time; busbw = algbw*2(n-1)/n (all-reduce), *(n-1)/n (all-gather, "
+                    "reduce-scatter) as in nccl-tests"),
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

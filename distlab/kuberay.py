@@ -1,0 +1,150 @@
+"""KubeRay manifests for the Ray stage: a RayCluster (apiVersion ray.io/v1) sized from the
+config's `kubernetes:` block, and a RayJob that runs this pipeline's Ray experiments on it.
+
+The RayJob's entrypoint is Snakemake itself with profiles/ray-head: Ray sets RAY_ADDRESS
+for a job's entrypoint, and that profile points every `launcher: ray` experiment at it.
+Head and workers mount one volume claim at the same path, so the prepared data, the base
+model and the run folders are where every rank looks for them.
+
+Light on purpose (no Ray, no torch): it runs in a Snakemake rule and in the tests.
+"""
+from __future__ import annotations
+
+import copy
+import re
+import shlex
+
+API_VERSION = "ray.io/v1"
+K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|Ki|Mi|Gi|Ti|k|M|G|T)?$")
+
+
+def ray_specs(specs: dict[str, dict]) -> list[dict]:
+    return [s for s in specs.values() if s["launcher"] == "ray"]
+
+
+def _resources(cpu, memory, gpus: int = 0) -> dict:
+    amounts = {"cpu": str(cpu), "memory": str(memory)}
+    if gpus:
+        amounts["nvidia.com/gpu"] = str(gpus)
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def _container(kube: dict, name: str, cpu, memory, gpus: int = 0) -> dict:
+    container = {"name": name, "image": kube["image"], "imagePullPolicy": "IfNotPresent",
+                 "resources": _resources(cpu, memory, gpus),
+                 "env": [{"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}]}
+    if kube["volume_claim"]:
+        container["volumeMounts"] = [{"name": "distlab-work", "mountPath": kube["workdir"]}]
+    return container
+
+
+def _pod(kube: dict, container: dict) -> dict:
+    spec = {"containers": [container]}
+    if kube["volume_claim"]:
+        spec["volumes"] = [{"name": "distlab-work", "persistentVolumeClaim": {"claimName": kube["volume_claim"]}}]
+    return {"spec": spec}
+
+
+def raycluster_spec(kube: dict, ray_version: str) -> dict:
+    """The `spec` shared by the RayCluster and the RayJob's rayClusterSpec."""
+    head, workers = kube["head"], kube["workers"]
+    head_container = _container(kube, "ray-head", head["cpu"], head["memory"])
+    head_container["ports"] = [{"containerPort": 6379, "name": "gcs"}, {"containerPort": 10001, "name": "client"}]
+    worker_container = _container(kube, "ray-worker", workers["cpu"], workers["memory"], workers["gpus"])
+    worker_params = {"num-cpus": str(workers["cpu"])}
+    if workers["gpus"]:
+        worker_params["num-gpus"] = str(workers["gpus"])
+    return {
+        "rayVersion": ray_version,
+        # The head schedules no training: ranks go to the worker group only.
+        "headGroupSpec": {"rayStartParams": {"num-cpus": "0", "dashboard-host": "127.0.0.1"},
+                          "template": _pod(kube, head_container)},
+        "workerGroupSpecs": [{
+            "groupName": "trainers",
+            "replicas": workers["replicas"],
+            "minReplicas": workers["min_replicas"],
+            "maxReplicas": workers["max_replicas"],
+            "rayStartParams": worker_params,
+            "template": _pod(kube, worker_container),
+        }],
+    }
+
+
+def raycluster(kube: dict, ray_version: str) -> dict:
+    return {"apiVersion": API_VERSION, "kind": "RayCluster",
+            "metadata": {"name": kube["name"], "namespace": kube["namespace"], "labels": {"app": "distlab"}},
+            "spec": raycluster_spec(kube, ray_version)}
+
+
+def entrypoint(kube: dict, specs: dict[str, dict], results_dir: str) -> str:
+    """Snakemake with the ray-head profile, asked for exactly the Ray experiments' metrics."""
+    machine = kube["machine"]
+    targets = [f"{results_dir}/{machine}/{s['id']}/metrics.json" for s in ray_specs(specs)]
+    command = ["snakemake", "--profile", "profiles/ray-head", "--config", f"machine={machine}", "--", *targets]
+    return f"cd {shlex.quote(kube['workdir'])} && " + " ".join(shlex.quote(c) for c in command)
+
+
+def rayjob(kube: dict, specs: dict[str, dict], ray_version: str, results_dir: str) -> dict:
+    """A RayJob that brings up its own cluster (same spec as the RayCluster), runs the
+    pipeline's Ray experiments and tears the cluster down when they finish."""
+    return {"apiVersion": API_VERSION, "kind": "RayJob",
+            "metadata": {"name": f"{kube['name']}-train", "namespace": kube["namespace"],
+                         "labels": {"app": "distlab"}},
+            "spec": {"entrypoint": entrypoint(kube, specs, results_dir),
+                     "shutdownAfterJobFinishes": True,
+                     "ttlSecondsAfterFinished": 600,
+                     "rayClusterSpec": copy.deepcopy(raycluster_spec(kube, ray_version))}}
+
+
+def _worker_group(manifest: dict) -> dict:
+    spec = manifest["spec"] if manifest["kind"] == "RayCluster" else manifest["spec"]["rayClusterSpec"]
+    return spec["workerGroupSpecs"][0]
+
+
+def check(manifest: dict, specs: dict[str, dict]) -> dict[str, dict]:
+    """Named checks, each {status: passed|failed, detail}: required fields, names and
+    quantities Kubernetes accepts, and GPU/CPU counts that fit every Ray experiment."""
+    checks: dict[str, dict] = {}
+
+    def record(name, ok, detail):
+        checks[name] = {"status": "passed" if ok else "failed", "detail": detail}
+
+    kind = manifest.get("kind")
+    record("api_version", manifest.get("apiVersion") == API_VERSION, f"apiVersion {manifest.get('apiVersion')!r}")
+    name = manifest.get("metadata", {}).get("name", "")
+    record("name", bool(K8S_NAME.match(name)) and len(name) <= 63, f"metadata.name {name!r} (RFC 1123 label)")
+    cluster = manifest.get("spec", {}) if kind == "RayCluster" else manifest.get("spec", {}).get("rayClusterSpec", {})
+    required = ["rayVersion", "headGroupSpec", "workerGroupSpecs"]
+    missing = [k for k in required if k not in cluster]
+    record("required_fields", not missing, f"missing {missing}" if missing else f"{kind} has {required}")
+    if missing:
+        return checks
+    if kind == "RayJob":
+        record("entrypoint", "profiles/ray-head" in manifest["spec"].get("entrypoint", ""),
+               "the entrypoint runs snakemake with profiles/ray-head")
+    group = _worker_group(manifest)
+    low, count, high = group["minReplicas"], group["replicas"], group["maxReplicas"]
+    record("replicas", 0 <= low <= count <= high, f"minReplicas {low} <= replicas {count} <= maxReplicas {high}")
+    containers = [cluster["headGroupSpec"]["template"]["spec"]["containers"][0],
+                  group["template"]["spec"]["containers"][0]]
+    bad = [f"{c['name']}.{k}={v}" for c in containers for k, v in c["resources"]["limits"].items()
+           if not QUANTITY.match(v)]
+    record("quantities", not bad, f"not Kubernetes quantities: {bad}" if bad else "cpu, memory and GPU quantities parse")
+    worker = containers[1]
+    gpus = int(worker["resources"]["limits"].get("nvidia.com/gpu", 0))
+    record("gpu_request_matches_ray", str(gpus or "") == group["rayStartParams"].get("num-gpus", ""),
+           f"the pod asks Kubernetes for {gpus} GPU(s) and tells Ray num-gpus "
+           f"{group['rayStartParams'].get('num-gpus', 0)}")
+    cpus = float(group["rayStartParams"]["num-cpus"])
+    for spec in ray_specs(specs):
+        if spec["device"] == "cuda":
+            slots, unit = high * gpus, "GPUs"
+        else:
+            slots, unit = high * int(cpus // spec["cpu_threads_per_rank"]), f"CPU slots of {spec['cpu_threads_per_rank']} cores"
+        needed = spec["ray"]["min_workers"] or spec["world_size"]
+        ok = spec["world_size"] <= slots and (spec["device"] != "cuda" or gpus > 0)
+        record(f"fits:{spec['id']}", ok,
+               f"{spec['world_size']} ranks on {spec['device']} (at least {needed}); the workers offer {slots} {unit} "
+               f"at maxReplicas {high}")
+    return checks

@@ -1,0 +1,88 @@
+"""The checkpoint section of the report: one row per trained experiment from its
+validation.json (distlab/validate.py): reload diff, resharding, resume parity, export,
+size and save/load seconds. Not a stage card: build.py places it after the stage cards.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Goal, Table
+
+TITLE = "Checkpoints users can trust"
+
+
+def validation_of(run: dict) -> dict | None:
+    """The run's validation.json next to its metrics.json, or None when validation has not run."""
+    path = Path(run["_dir"], "validation.json")
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return {"passed": False, "status": "unreadable", "checks": {}, "reason": f"{path} is not valid JSON"}
+
+
+def _cell(check: dict | None, passed_text) -> str:
+    """'not run', the check's status, or (when it passed) the measured value."""
+    if not check:
+        return "not run"
+    return passed_text(check) if check["status"] == PASSED else check["status"]
+
+
+def row(run: dict, validation: dict) -> dict:
+    checks = validation.get("checks", {})
+    sizes = checks.get("size_and_time") or {}
+    return {
+        "machine": run["machine"], "experiment": run["experiment"], "strategy": run["spec"]["strategy"],
+        "validated": validation.get("status"),
+        "reload max |dlogit|": _cell(checks.get("reload"), lambda c: f"{c['max_abs_logit_diff']:.1e}"),
+        "reshard": _cell(checks.get("reshard"), lambda c: f"{c['from_world_size']}->{c['to_world_size']} ranks "
+                                                          f"({c['max_abs_logit_diff']:.1e})"),
+        "resume max |dloss|": _cell(checks.get("resume_parity"),
+                                    lambda c: f"{c['max_abs_loss_diff']:.1e} ({c['steps_resumed']} steps)"),
+        "export": _cell(checks.get("export"), lambda c: "HF + adapter" if "adapter_max_abs_logit_diff" in c else "HF"),
+        "size (MB)": round(sizes["checkpoint_bytes"] / 1e6, 2) if sizes.get("checkpoint_bytes") else None,
+        "save (s)": round(sizes["save_seconds"], 3) if sizes.get("save_seconds") is not None else None,
+        "load (s)": round(sizes["load_seconds"], 3) if sizes.get("load_seconds") is not None else None,
+    }
+
+
+def checkpoint_card(runs: list[dict]) -> Card | None:
+    """The checkpoint table and its goal; None when no run has a validation.json."""
+    import pandas as pd
+
+    pairs = [(r, validation_of(r)) for r in runs if r.get("status") == "ok"]
+    pairs = [(r, v) for r, v in pairs if v is not None]
+    if not pairs:
+        return None
+    card = Card(90, TITLE)
+    failed = [r["experiment"] for r, v in pairs if not v.get("passed")]
+    links = [os.path.join(r["_dir"], "validation.json") for r, _ in pairs]
+    if failed:
+        reasons = "; ".join(f"{r['experiment']}: {v.get('reason', v.get('status'))}" for r, v in pairs
+                            if not v.get("passed"))
+        card.goals.append(Goal("minimal", "Every trained experiment's checkpoint validated", FAILED,
+                               f"{len(pairs) - len(failed)} of {len(pairs)} validated; {reasons}", links))
+    else:
+        card.goals.append(Goal("minimal", "Every trained experiment's checkpoint validated", PASSED,
+                               f"all {len(pairs)} checkpoints reloaded, resumed and exported within tolerance",
+                               links))
+    unvalidated = [r["experiment"] for r in runs if r.get("status") == "ok" and validation_of(r) is None]
+    if unvalidated:
+        card.notes.append(f"No validation.json yet for: {', '.join(unvalidated)} ({NOT_RUN}).")
+    from distlab.validate import MERGE_TOLERANCE, PARITY_TOLERANCE, RELOAD_TOLERANCE
+
+    tolerances = {"reload, reshard and export logits": RELOAD_TOLERANCE, "merged LoRA export": MERGE_TOLERANCE,
+                  **{f"resume loss ({p})": t for p, t in PARITY_TOLERANCE.items()}}
+    how = ("Each experiment's checkpoint validated in its own Snakemake job by processes that did not train: "
+           "reload = max |logit diff| of the consolidated model on a fixed eval batch vs the logits recorded at "
+           "save time; reshard = the final checkpoint loaded at another world size; resume = max |loss diff| of "
+           "training resumed from the mid-run checkpoint vs the uninterrupted run's own steps; export = "
+           "AutoModelForCausalLM (and PeftModel for LoRA) loads it and generates; size = bytes on disk; save and "
+           "load = strategy.save_checkpoint / load_checkpoint wall seconds. Max abs tolerances: "
+           + ", ".join(f"{k} {v:g}" for k, v in tolerances.items()) + " (each validation.json states the one it "
+           "used). 'unsupported' = the format cannot do it, with the reason in validation.json.")
+    card.tables.append(Table("Checkpoint validation", pd.DataFrame([row(r, v) for r, v in pairs]), how))
+    return card

@@ -1,0 +1,207 @@
+"""Stage 4 - native FSDP2: a sharded fine-tune with a validated checkpoint, and FSDP full
+shard next to DeepSpeed ZeRO-3 on the same model, data and global batch.
+
+Everything comes from the runs' metrics.json (what fully_shard really did is under
+`actual`) and, for the checkpoint, from validation.json written by checkpoint validation.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs
+from distlab.report.collect import clear_winner
+from distlab.report.plots import loss_curves, to_png_b64
+
+GOAL_RUN = "FSDP fine-tune ran, checkpoint saved"
+GOAL_VS = "ZeRO-3 vs FSDP throughput"
+MIB = 2**20
+
+
+def _link(run) -> str:
+    return os.path.join(run["_dir"], "metrics.json")
+
+
+def fsdp_runs(runs: list[dict]) -> list[dict]:
+    """Successful native FSDP runs whose parameters really were sharded DTensors."""
+    return [r for r in ok_runs(runs, "fsdp") if r["spec"]["strategy"] == "fsdp"
+            and "FSDPModule" in (r.get("actual") or {}).get("wrappers_found", [])]
+
+
+def validation(run: dict) -> dict | None:
+    if "_validation" in run:
+        return run["_validation"]
+    path = Path(run["_dir"], "validation.json")
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def global_batch(run: dict) -> int:
+    return run["throughput"]["samples_per_step"]
+
+
+def comparable_key(run: dict) -> tuple:
+    s = run["spec"]
+    # Micro-batch shape too: two passes of 2 are not the same work as one pass of 4.
+    return (run["machine"], s["device"], s["world_size"], s["micro_batch"], s["grad_accum"], s["seq_len"],
+            s["method"], s["precision"])
+
+
+def is_full_shard(run: dict) -> bool:
+    fs = run["spec"]["fsdp"]
+    return fs["reshard_after_forward"] and not fs["cpu_offload"] and fs["via"] == "native"
+
+
+def is_plain_zero3(run: dict) -> bool:
+    ds = run["spec"]["deepspeed"]
+    return (run["spec"]["strategy"] == "deepspeed" and ds["zero_stage"] == 3 and ds["offload_optimizer"] == "none"
+            and ds["offload_param"] == "none")
+
+
+def state_mib(run: dict) -> float | None:
+    """Largest per-rank model state (params + grads + optimizer) the run counted."""
+    per_rank = (run.get("memory") or {}).get("model_state_bytes_per_rank") or []
+    totals = [sum(v for k, v in s.items() if isinstance(v, int)) for s in per_rank if s]
+    return max(totals) / MIB if totals else None
+
+
+def peak_mib(run: dict) -> tuple[float | None, str]:
+    per_rank = (run.get("memory") or {}).get("per_rank") or []
+    cuda = [m["cuda_max_allocated_bytes"] for m in per_rank if m.get("cuda_max_allocated_bytes") is not None]
+    if cuda:
+        return max(cuda) / MIB, "torch.cuda.max_memory_allocated"
+    rss = [m["peak_rss_bytes"] for m in per_rank if m.get("peak_rss_bytes")]
+    return (max(rss) / MIB, "peak RSS of the rank process") if rss else (None, "")
+
+
+def tokens_per_s(run) -> tuple[float, float, float]:
+    stats = run.get("_throughput")
+    if stats:
+        return stats["median"], stats["low"], stats["high"]
+    tokens, st = run["throughput"]["tokens_per_step"], run["timing"]["step_time_s"]
+    return tokens / st["median"], tokens / st["p75"], tokens / st["p25"]
+
+
+def row(run: dict, label: str) -> dict:
+    st = run["timing"]["step_time_s"]
+    tps, low, high = tokens_per_s(run)
+    peak, peak_what = peak_mib(run)
+    state = state_mib(run)
+    return {"run": label, "experiment": run["experiment"], "machine": run["machine"],
+            "ranks": run["actual"]["world_size"], "global batch": global_batch(run),
+            "tokens/s": round(tps, 1), "tokens/s range": f"{low:.0f}-{high:.0f}",
+            "median step (ms)": round(st["median"] * 1000, 1),
+            "step p25-p75 (ms)": f"{st['p25'] * 1000:.1f}-{st['p75'] * 1000:.1f}",
+            "model state / rank (MiB)": round(state, 2) if state is not None else None,
+            "peak memory / rank (MiB)": round(peak, 1) if peak is not None else None,
+            "peak measured as": peak_what, "last loss": round(run["loss"]["last"], 4)}
+
+
+def run_goal(runs: list[dict], fsdp: list[dict]) -> Goal:
+    if not fsdp:
+        tried = [r for r in runs if r["stage"] == "fsdp"]
+        return Goal("minimal", GOAL_RUN, FAILED if tried else NOT_RUN,
+                    f"{len(tried)} stage-4 run(s), none finished with sharded parameters" if tried
+                    else "no FSDP experiment in the results")
+    checked = [(r, validation(r)) for r in fsdp]
+    passed = [r for r, v in checked if v and v.get("passed")]
+    if passed:
+        run = passed[0]
+        a = run["actual"]
+        return Goal("minimal", GOAL_RUN, PASSED,
+                    f"{run['experiment']}: {a['dtensor_parameters']} parameters sharded as {a['placements']} over "
+                    f"{a['world_size']} ranks, {a['fsdp_layers']} decoder layers as fully_shard units; checkpoint "
+                    "saved and its validation passed",
+                    [_link(run), os.path.join(run["_dir"], "validation.json")])
+    failed = [(r, v) for r, v in checked if v is not None]
+    if failed:
+        run, v = failed[0]
+        bad = [name for name, c in (v.get("checks") or {}).items() if c.get("status") == "failed"]
+        return Goal("minimal", GOAL_RUN, FAILED,
+                    f"{run['experiment']} trained, but checkpoint validation failed ({', '.join(bad) or 'see file'})",
+                    [_link(run), os.path.join(run["_dir"], "validation.json")])
+    run = fsdp[0]
+    saved = (run.get("checkpoint") or {}).get("status", "no record")
+    return Goal("minimal", GOAL_RUN, NOT_RUN,
+                f"{run['experiment']} trained with sharded parameters (checkpoint save: {saved}), but checkpoint "
+                "validation has not run, so the checkpoint part is not checked", [_link(run)])
+
+
+def build(runs: list[dict]) -> Card:
+    card = Card(4, "Stage 4 - FSDP (native FSDP2)")
+    fsdp = fsdp_runs(runs)
+    card.goals.append(run_goal(runs, fsdp))
+
+    zero3 = [r for r in runs if r.get("status") == "ok" and is_plain_zero3(r)]
+    pairs = []
+    for f in (r for r in fsdp if is_full_shard(r)):
+        match = [z for z in zero3 if comparable_key(z) == comparable_key(f)]
+        if match:
+            pairs.append((f, match[0]))
+    if pairs:
+        import pandas as pd
+
+        rows = []
+        for f, z in pairs:
+            rows += [row(f, "FSDP full shard"), row(z, "DeepSpeed ZeRO-3")]
+        frame = pd.DataFrame(rows)
+        how = ("tokens/s = global tokens per step / median step time (max over ranks) after warm-up, range from "
+               "the step-time spread; model state = params + grads + optimizer tensors a rank holds (local "
+               "shards), counted on the last step; same machine, model, data, world size, micro-batch and "
+               "gradient accumulation")
+        card.tables.append(Table("ZeRO-3 vs FSDP full shard", frame, how))
+        fig, (left, right) = _pair_axes()
+        labels = [f"{r['run']}\n{r['experiment'][:28]}" for r in rows]
+        colors = ["tab:blue" if r["run"].startswith("FSDP") else "tab:orange" for r in rows]
+        left.bar(range(len(rows)), frame["tokens/s"], color=colors)
+        left.set_ylabel("tokens/s")
+        right.bar(range(len(rows)), frame["model state / rank (MiB)"].fillna(0), color=colors)
+        right.set_ylabel("model state per rank (MiB)")
+        for ax in (left, right):
+            ax.set_xticks(range(len(rows)), labels, fontsize=6, rotation=20)
+        card.figures.append(Figure("ZeRO-3 vs FSDP: throughput and per-rank model state", to_png_b64(fig), how))
+        f, z = pairs[0]
+        ratio = tokens_per_s(f)[0] / tokens_per_s(z)[0]
+        verdict = ("the spreads do not overlap" if clear_winner(f, z)
+                   else "the spreads overlap, so this machine does not tell them apart")
+        card.goals.append(Goal("bonus", GOAL_VS, PASSED,
+                               f"{f['experiment']} vs {z['experiment']} ({f['machine']}, {f['actual']['world_size']} "
+                               f"ranks, global batch {global_batch(f)}): FSDP at {ratio:.2f}x ZeRO-3's median tokens/s; "
+                               f"{verdict}", [_link(f), _link(z)]))
+    else:
+        missing = ("no FSDP full-shard run" if not any(is_full_shard(r) for r in fsdp) else
+                   "no DeepSpeed ZeRO-3 run (no offload) with the same machine, world size, micro-batch, "
+                   "gradient accumulation and seq_len")
+        card.goals.append(Goal("bonus", GOAL_VS, NOT_RUN, missing))
+
+    if fsdp:
+        import pandas as pd
+
+        rows = []
+        for run in fsdp:
+            r = row(run, "FSDP")
+            a, fs = run["actual"], run["spec"]["fsdp"]
+            r["run"] = ("full shard" if fs["reshard_after_forward"] else "no reshard (grad-op)") + \
+                (" + CPU offload" if fs["cpu_offload"] else "")
+            r["mixed precision"] = a.get("mixed_precision")
+            rows.append(r)
+            if a.get("cpu_offload_note"):
+                card.notes.append(f"{run['experiment']}: {a['cpu_offload_note']}.")
+        card.tables.append(Table("FSDP variants", pd.DataFrame(rows),
+                                 "same measurements as above; all FSDP runs of this stage"))
+        card.figures.append(Figure("Loss curves", loss_curves(fsdp, "Stage 4 loss"),
+                                   "mean training loss over data-parallel ranks per optimizer step"))
+    card.notes.append("Communication time is not split out for FSDP (its all-gathers and reduce-scatters overlap "
+                      "compute inside fully_shard); the step time includes it.")
+    return card
+
+
+def _pair_axes():
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.4))
+    for ax in axes:
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig, axes
+

@@ -1,0 +1,193 @@
+"""Native FSDP2 (`torch.distributed.fsdp.fully_shard`): every parameter is a DTensor
+sharded on dim 0 over a 1-D device mesh; each decoder layer is one all-gather unit.
+
+reshard_after_forward=True frees the gathered layer after its forward (full shard,
+ZeRO-3-like); False keeps it until backward (the SHARD_GRAD_OP / ZeRO-2 equivalent).
+Checkpoints are sharded DCP folders (each rank writes its own shard), shared with the
+tensor- and pipeline-parallel strategies through dcp_save/dcp_load below.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from distlab.model import decoder_layers
+from distlab.strategies.base import FidelityError, Strategy
+
+DCP_FORMAT = "dcp"
+
+
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+    expected_wrappers = ("FSDPModule",)
+    mixed_precision = False  # set by wrap()
+
+    def wrap(self, model) -> None:
+        device = self.ctx.device
+        fs = self.spec["fsdp"]
+        self.mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        self.mixed_precision = self.spec["precision"] != "fp32" and device.type == "cuda"
+        kwargs = {"mesh": self.mesh, "reshard_after_forward": fs["reshard_after_forward"]}
+        if self.mixed_precision:
+            low = torch.bfloat16 if self.spec["precision"] == "bf16" else torch.float16
+            # Compute in low precision, reduce gradients in fp32 (the usual FSDP recipe).
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        # pin_memory needs a CUDA runtime; on CPU ranks the "offload" target is the device itself.
+        kwargs["offload_policy"] = (CPUOffloadPolicy(pin_memory=device.type == "cuda") if fs["cpu_offload"]
+                                    else OffloadPolicy())
+        if not fs["cpu_offload"]:
+            model.to(device)
+        self.layers = decoder_layers(model)
+        for layer in self.layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)  # the root: embeddings, final norm, head
+        self.model = model
+        self.optimizer = self.build_optimizer(self.trainable(model))
+
+    def sync_context(self, is_last_micro: bool):
+        # Accumulate unsharded gradients locally; reduce-scatter only on the last micro-batch.
+        self.model.set_requires_gradient_sync(is_last_micro)
+        return super().sync_context(is_last_micro)
+
+    def forward_backward(self, input_ids, micro_index, n_micro):
+        if not self.mixed_precision:
+            return super().forward_backward(input_ids, micro_index, n_micro)
+        # MixedPrecisionPolicy already casts parameters: autocast on top would be a second policy.
+        with self.sync_context(micro_index == n_micro - 1):
+            loss = self.model(input_ids=input_ids, labels=input_ids).loss
+            (loss / n_micro).backward()
+        return loss.detach()
+
+    # -- truth --------------------------------------------------------------------------
+    def describe(self) -> dict:
+        out = super().describe()
+        out["wrappers_found"] = ["FSDPModule"] if isinstance(self.model, FSDPModule) else []
+        out.update(sharding_facts(self.model, self.layers))
+        out["reshard_after_forward"] = resharding(self.layers)
+        out["mixed_precision"] = ("MixedPrecisionPolicy" if self.mixed_precision
+                                  else ("autocast" if self.spec["precision"] != "fp32" else "none (fp32)"))
+        offload = self.spec["fsdp"]["cpu_offload"]
+        out["cpu_offload"] = offload
+        out["param_shard_devices"] = sorted({str(p.to_local().device) for p in self.model.parameters()
+                                             if isinstance(p, DTensor)})
+        if offload and self.ctx.device.type == "cpu":
+            out["cpu_offload_note"] = ("CPUOffloadPolicy on CPU ranks: shards already live in host memory, so the "
+                                       "offload moves nothing; it is measured for its overhead only")
+        return out
+
+    def verify(self, described: dict) -> None:
+        super().verify(described)
+        check_sharded(described, self.spec["world_size"])
+        if described["fsdp_layers"] != len(self.layers) or not self.layers:
+            raise FidelityError(f"FSDP: {described['fsdp_layers']} of {len(self.layers)} decoder layers are "
+                                "fully_shard units")
+        wanted = ["cpu"] if self.spec["fsdp"]["cpu_offload"] else [str(self.ctx.device)]
+        if described["param_shard_devices"] != wanted:
+            raise FidelityError(f"FSDP shards live on {described['param_shard_devices']}, expected {wanted} "
+                                f"(cpu_offload {self.spec['fsdp']['cpu_offload']})")
+        resharded = described["reshard_after_forward"]
+        if resharded is not None and resharded != self.spec["fsdp"]["reshard_after_forward"]:
+            raise FidelityError(f"FSDP layers reshard after forward: {resharded}; spec asks for "
+                                f"{self.spec['fsdp']['reshard_after_forward']}")
+
+    # -- checkpoints --------------------------------------------------------------------
+    def full_state_dict(self) -> dict | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if dist.get_rank() == 0 else None
+
+    def save_checkpoint(self, path: str) -> None:
+        dcp_save(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        dcp_load(self, path)
+
+
+def sharding_facts(model, layers) -> dict:
+    """What fully_shard really did: DTensor parameters, their placements and mesh size."""
+    params = list(model.parameters())
+    dtensors = [p for p in params if isinstance(p, DTensor)]
+    meshes = sorted({p.device_mesh.size() for p in dtensors})
+    placements = sorted({str(tuple(p.placements)) for p in dtensors})
+    return {
+        "parameters": len(params),
+        "dtensor_parameters": len(dtensors),
+        "sharded_on_dim0": sum(1 for p in dtensors if p.placements and isinstance(p.placements[0], Shard)
+                               and p.placements[0].dim == 0),
+        "mesh_sizes": meshes,
+        "placements": placements,
+        "fsdp_layers": sum(1 for layer in layers if isinstance(layer, FSDPModule)),
+    }
+
+
+def resharding(layers) -> bool | None:
+    """Whether the layers' FSDP groups really free parameters after forward (read from the
+    param group FSDP2 built; None when this torch keeps it elsewhere)."""
+    try:
+        groups = [layer._get_fsdp_state()._fsdp_param_group for layer in layers]
+        flags = {g.post_forward_mesh_info is not None for g in groups if g is not None}
+    except AttributeError:
+        return None
+    return flags.pop() if len(flags) == 1 else None
+
+
+def check_sharded(described: dict, world_size: int) -> None:
+    if described["dtensor_parameters"] != described["parameters"] or not described["parameters"]:
+        raise FidelityError(f"FSDP: only {described['dtensor_parameters']} of {described['parameters']} parameters "
+                            "are DTensors; the model is not sharded")
+    if described["sharded_on_dim0"] != described["parameters"]:
+        raise FidelityError(f"FSDP: parameters placed {described['placements']}, expected Shard(dim=0)")
+    if described["mesh_sizes"] != [world_size]:
+        raise FidelityError(f"FSDP: parameters sharded over meshes of size {described['mesh_sizes']}, spec "
+                            f"world_size is {world_size}")
+
+
+# -- sharded checkpoints (DCP), shared by every strategy whose ranks hold different pieces --
+def _dcp_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Flattened optimizer state: keys per parameter name ("param_groups.<fqn>.lr"). Nested
+    # param_groups lists would collide across pipeline stages, whose groups hold different
+    # parameters, and DCP keeps only one rank's copy of a duplicated key.
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def dcp_save(strategy: Strategy, path: str) -> None:
+    """Each rank writes its own shards of model and optimizer (torch.distributed.checkpoint);
+    written to a temporary folder and renamed by rank 0, so a killed save leaves no checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from distlab.checkpoint import atomic_dir
+
+    model_state, optim_state = get_state_dict(strategy.model, strategy.optimizer, options=_dcp_options())
+    tmp, commit = atomic_dir(path) if dist.get_rank() == 0 else (Path(str(path) + ".tmp"), None)
+    dist.barrier()  # the temporary folder exists before anyone writes into it
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    if commit is not None:
+        (tmp / "format.json").write_text(json.dumps({"format": DCP_FORMAT, "strategy": strategy.name,
+                                                     "world_size": dist.get_world_size()}))
+        commit()
+    dist.barrier()
+
+
+def dcp_load(strategy: Strategy, path: str) -> None:
+    """Load a dcp_save folder into the already wrapped model and optimizer (same layout)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    fmt = json.loads((Path(path) / "format.json").read_text())
+    if fmt.get("format") != DCP_FORMAT:
+        raise ValueError(f"{path}: checkpoint format {fmt.get('format')!r}, expected {DCP_FORMAT!r}")
+    model_state, optim_state = get_state_dict(strategy.model, strategy.optimizer, options=_dcp_options())
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(strategy.model, strategy.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"], options=_dcp_options())

@@ -1,0 +1,312 @@
+"""Pipeline parallel with torch.distributed.pipelining: rank r holds a contiguous run of
+decoder layers (the embedding on the first stage, final norm and LM head on the last);
+activations travel rank to rank by point-to-point sends.
+
+Each loop micro-batch is cut into pp.microbatches pipeline micro-batches and run by the
+schedule the spec names (GPipe: all forwards, then all backwards; 1F1B: interleaved so
+at most p activations are alive). The loss exists only on the last stage; the other
+stages return None to the loop. Every stage reads the same batch (the first uses the
+tokens, the last the labels): the data-parallel size is 1.
+
+The bubble is measured, not only computed: each rank times the compute it does inside
+a schedule step (stage forward, loss, stage backward) against the step's wall time;
+the rest is time spent waiting on neighbours. Written per rank to pipeline-rank<r>.json
+after each step (outside the step timer), next to the formula (p-1)/(m+p-1).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from distlab.model import decoder_layers
+from distlab.strategies.base import FidelityError, Strategy, autocast
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def split_layers(n_layers: int, n_stages: int) -> list[range]:
+    """Contiguous runs of layers, sizes differing by at most one (earlier stages get more)."""
+    if n_stages > n_layers:
+        raise ValueError(f"a pipeline of {n_stages} stages needs at least {n_stages} decoder layers; "
+                         f"the model has {n_layers}")
+    base, extra = divmod(n_layers, n_stages)
+    bounds, start = [], 0
+    for stage in range(n_stages):
+        size = base + (1 if stage < extra else 0)
+        bounds.append(range(start, start + size))
+        start += size
+    return bounds
+
+
+def bubble_formula(stages: int, microbatches: int) -> float:
+    """GPipe / 1F1B idle fraction with equal stage times (Huang et al. 2019; Narayanan et al. 2021)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def _child_name(parent: nn.Module, child: nn.Module) -> str:
+    for name, module in parent.named_children():
+        if module is child:
+            return name
+    raise ValueError(f"{type(child).__name__} is not a direct child of {type(parent).__name__}")
+
+
+class StageModule(nn.Module):
+    """This rank's slice of a Hugging Face causal LM, called the way the full model calls it."""
+
+    def __init__(self, model, layer_ids: range, first: bool, last: bool):
+        super().__init__()
+        self.hf = model
+        base = model.base_model
+        self.config = model.config
+        self.first, self.last = first, last
+        layers = decoder_layers(model)
+        self.layers = [layers[i] for i in layer_ids]
+        self.embed = model.get_input_embeddings() if first else None
+        self.head = model.get_output_embeddings() if last else None
+        self.norm = getattr(base, "norm", None) if last else None
+        self.rotary = getattr(base, "rotary_emb", None)
+        if self.rotary is None or (last and self.norm is None):
+            raise NotImplementedError(f"pipeline parallel: {type(base).__name__} has no rotary_emb/norm; this "
+                                      "stage splitter knows the Llama-family layout (Llama, Mistral, Qwen2)")
+
+    def forward(self, x):
+        from transformers.masking_utils import create_causal_mask
+
+        h = self.embed(x) if self.first else x
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        position_embeddings = self.rotary(h, positions)
+        mask = create_causal_mask(self.config, h, None, None, position_ids=positions)
+        for layer in self.layers:
+            out = layer(h, attention_mask=mask, position_embeddings=position_embeddings, position_ids=positions)
+            h = out[0] if isinstance(out, tuple) else out
+        if self.last:
+            return self.head(self.norm(h))
+        return h
+
+
+def prune_to_stage(model, keep: range, first: bool, last: bool) -> None:
+    """Drop what other stages own, keeping Hugging Face parameter names for what stays."""
+    if model.config.tie_word_embeddings and not (first and last):
+        raise NotImplementedError("pipeline parallel with tied input/output embeddings would put one weight on "
+                                  "two stages; use a model with tie_word_embeddings false")
+    layers = decoder_layers(model)
+    owners = {}
+    for module in model.modules():
+        for name, child in module.named_children():
+            owners[id(child)] = (module, name)
+    for index, layer in enumerate(layers):
+        if index not in keep:
+            parent, name = owners[id(layer)]
+            setattr(parent, name, None)
+    base = model.base_model
+    if not first:
+        embed = model.get_input_embeddings()
+        setattr(base, _child_name(base, embed), None)
+    if not last:
+        head = model.get_output_embeddings()
+        setattr(model, _child_name(model, head), None)
+        if getattr(base, "norm", None) is not None:
+            base.norm = None
+
+
+class ComputeTimer:
+    """Seconds spent inside `with timer:` blocks. On CUDA, kernels run after the Python call
+    returns, so each block is bracketed by CUDA events on the current stream and read after
+    the step's synchronize: the GPU's own busy span, without adding a synchronize per block."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds = 0.0
+        self.events = []
+        self.depth = 0  # a block inside another is already counted by the outer one
+
+    def __enter__(self):
+        self.depth += 1
+        if self.depth > 1:
+            return
+        if self.cuda:
+            self.events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            self.events[-1][0].record()
+        else:
+            self._start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        if self.depth:
+            return False
+        if self.cuda:
+            self.events[-1][1].record()
+        else:
+            self.seconds += time.perf_counter() - self._start
+        return False
+
+    def take(self) -> float:
+        """Busy seconds since the last take (CUDA: call after synchronize)."""
+        busy = self.seconds + sum(start.elapsed_time(end) for start, end in self.events) / 1000
+        self.seconds, self.events = 0.0, []
+        return busy
+
+
+class PipelineParallelStrategy(Strategy):
+    name = "pp"
+    expected_wrappers = ("PipelineStage",)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return 0
+
+    @property
+    def data_parallel_size(self) -> int:
+        return 1
+
+    def wrap(self, model) -> None:
+        if self.spec["method"] != "full":
+            raise NotImplementedError("pipeline parallel runs full fine-tuning only")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.bounds = split_layers(len(decoder_layers(model)), world)
+        self.first, self.last = rank == 0, rank == world - 1
+        keep = self.bounds[rank]
+        self.stage_module = StageModule(model, keep, self.first, self.last)
+        prune_to_stage(model, keep, self.first, self.last)
+        model.to(self.ctx.device)
+        self.model = model  # the pruned HF model: parameter names stay Hugging Face names
+        self.n_pipe = self.spec["pp"]["microbatches"]
+        self.stage = PipelineStage(self.stage_module, rank, world, self.ctx.device)
+        # scale_grads=False: the loss below is already divided by every micro-batch count, so
+        # gradients accumulated over the loop's micro-batches are not rescaled twice.
+        self.schedule = SCHEDULES[self.spec["pp"]["schedule"]](self.stage, self.n_pipe, loss_fn=self._loss,
+                                                               scale_grads=False)
+        self.optimizer = self.build_optimizer(self.trainable(model))
+        self._n_micro = 1
+        self.compute = ComputeTimer(self.ctx.device)
+        self._timings: list[dict] = []
+        self._step_wall = self._step_busy = 0.0
+        self._time_stage_compute()
+
+    def _loss(self, logits, labels):
+        with self.compute:
+            shifted = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                      labels[:, 1:].reshape(-1))
+            return shifted / (self.n_pipe * self._n_micro)
+
+    def _time_stage_compute(self) -> None:
+        """Wrap the stage's compute calls so the schedule's busy time can be told from waiting."""
+        for name in ("forward_one_chunk", "backward_one_chunk"):
+            inner = getattr(self.stage, name)
+
+            def timed(*args, _inner=inner, **kwargs):
+                with self.compute:
+                    return _inner(*args, **kwargs)
+
+            setattr(self.stage, name, timed)
+
+    def forward_backward(self, input_ids, micro_index, n_micro):
+        self._n_micro = n_micro
+        losses = [] if self.last else None
+        start = time.perf_counter()
+        with autocast(self.spec, self.ctx.device):
+            args = (input_ids,) if self.first else ()
+            self.schedule.step(*args, target=input_ids if self.last else None, losses=losses, return_outputs=False)
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
+        self._step_wall += time.perf_counter() - start
+        self._step_busy += self.compute.take()
+        if not self.last:
+            return None
+        # Undo the scaling that made the gradients right: report the plain mean loss.
+        return (torch.stack([l.detach() for l in losses]).mean() * self.n_pipe * n_micro)
+
+    def optimizer_step(self) -> None:
+        super().optimizer_step()
+        self._timings.append({"schedule_wall_s": self._step_wall, "stage_compute_s": self._step_busy})
+        self._step_wall = self._step_busy = 0.0
+
+    def take_comm_seconds(self) -> float:
+        # The loop calls this after its step timer stops: the place to write the bubble record
+        # without billing the file write to the step. (Point-to-point time is inside the
+        # idle fraction, not reported as all-reduce time.)
+        if self._timings and len(self._timings) > self.spec["warmup_steps"]:
+            self._write_bubble()
+        return 0.0
+
+    def _write_bubble(self) -> None:
+        from distlab.metrics import summarize
+
+        warm = self.spec["warmup_steps"]
+        timed = self._timings[warm:]
+        idle = [1 - t["stage_compute_s"] / t["schedule_wall_s"] for t in timed if t["schedule_wall_s"] > 0]
+        record = {
+            "rank": dist.get_rank(), "stage": dist.get_rank(), "stages": dist.get_world_size(),
+            "microbatches": self.n_pipe, "schedule": self.spec["pp"]["schedule"],
+            "idle_fraction": summarize(idle),
+            "formula_bubble": bubble_formula(dist.get_world_size(), self.n_pipe),
+            "per_step": self._timings,
+            "how": ("idle fraction = 1 - (time in this stage's forward_one_chunk + loss + backward_one_chunk; "
+                    "CUDA: event-timed) / "
+                    "wall time of schedule.step, per optimizer step after warm-up; the idle part is waiting on "
+                    "neighbour stages (bubble) plus point-to-point transfer time"),
+        }
+        Path(self.ctx.run_dir).mkdir(parents=True, exist_ok=True)
+        Path(self.ctx.run_dir, f"pipeline-rank{dist.get_rank()}.json").write_text(json.dumps(record, indent=1))
+
+    # -- truth --------------------------------------------------------------------------
+    def describe(self) -> dict:
+        out = super().describe()
+        mine = {"layers": list(self.bounds[dist.get_rank()]), "embedding": self.first, "head": self.last,
+                "decoder_layers_held": len(decoder_layers(self.model))}
+        stages = [None] * dist.get_world_size()
+        dist.all_gather_object(stages, mine)  # every rank describes, so this collective is matched
+        out.update({
+            "wrappers_found": ["PipelineStage"] if isinstance(self.stage, PipelineStage) else [],
+            "pipeline_stages": self.stage.num_stages,
+            "stage_index": self.stage.stage_index,
+            "stages": stages,
+            "schedule": type(self.schedule).__name__,
+            "pipeline_microbatches": self.n_pipe,
+            "bubble_formula": bubble_formula(self.stage.num_stages, self.n_pipe),
+        })
+        return out
+
+    def verify(self, described: dict) -> None:
+        super().verify(described)
+        if described["pipeline_stages"] != self.spec["world_size"]:
+            raise FidelityError(f"pipeline has {described['pipeline_stages']} stages, spec world_size "
+                                f"{self.spec['world_size']}")
+        wanted = SCHEDULES[self.spec["pp"]["schedule"]].__name__
+        if described["schedule"] != wanted:
+            raise FidelityError(f"pipeline schedule {described['schedule']}, spec asks for {wanted}")
+        held = [i for stage in described["stages"] for i in stage["layers"]]
+        total = sum(len(r) for r in self.bounds)
+        if sorted(held) != list(range(total)) or any(s["decoder_layers_held"] != len(s["layers"])
+                                                     for s in described["stages"]):
+            raise FidelityError(f"pipeline stages hold layers {[s['layers'] for s in described['stages']]}, "
+                                f"not each of the {total} layers exactly once")
+
+    # -- checkpoints --------------------------------------------------------------------
+    def full_state_dict(self) -> dict | None:
+        mine = {name: value.detach().cpu() for name, value in self.model.state_dict().items()}
+        parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        if dist.get_rank() != 0:
+            return None
+        merged = {}
+        for part in parts:
+            merged.update(part)
+        return merged
+
+    def save_checkpoint(self, path: str) -> None:
+        from distlab.strategies.fsdp import dcp_save
+
+        dcp_save(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        from distlab.strategies.fsdp import dcp_load
+
+        dcp_load(self, path)

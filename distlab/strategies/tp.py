@@ -1,0 +1,129 @@
+"""Tensor parallel (Megatron-style) with torch.distributed.tensor.parallel.
+
+Inside each decoder layer the attention q/k/v and MLP gate/up projections are split by
+output columns and o/down by input rows, so each layer needs one all-reduce forward and
+one backward. Which linear gets which split comes from the model itself: Hugging Face
+models declare it in `config.base_model_tp_plan` (the same plan `from_pretrained(tp_plan=
+"auto")` uses); here it is applied with torch's parallelize_module so it runs on a CPU
+(gloo) mesh as well as on CUDA. Attention modules size their heads from the projection
+output (`view(..., -1, head_dim)`), so a rank simply sees heads/tp of them.
+
+Every TP rank computes the same batch: the data-parallel size is 1.
+"""
+from __future__ import annotations
+
+import fnmatch
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from distlab.model import decoder_layers
+from distlab.strategies.base import FidelityError, Strategy
+
+#: HF plan styles this module applies; anything else in a decoder-layer plan is refused.
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+def layer_plan(model) -> dict[str, str]:
+    """{name inside a decoder layer: style} from the model's declared base_model_tp_plan."""
+    plan = getattr(model.config, "base_model_tp_plan", None) or {}
+    layer_names = {name for layer in decoder_layers(model)[:1] for name, _ in layer.named_modules()}
+    out = {}
+    for pattern, style in plan.items():
+        # Keys look like "layers.*.self_attn.q_proj": strip the per-layer prefix.
+        if ".*." not in pattern:
+            continue
+        inner = pattern.split(".*.", 1)[1]
+        if not any(fnmatch.fnmatchcase(name, inner) for name in layer_names):
+            continue
+        if style not in STYLES:
+            raise NotImplementedError(f"tensor parallel: plan style '{style}' for '{pattern}' is not supported "
+                                      f"(supported: {sorted(STYLES)})")
+        out[inner] = style
+    if not out:
+        raise NotImplementedError(f"tensor parallel: {type(model).__name__} declares no base_model_tp_plan for its "
+                                  "decoder layers; cannot tell which linear layers to split")
+    return out
+
+
+class TensorParallelStrategy(Strategy):
+    name = "tp"
+    expected_wrappers = ()
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return 0
+
+    @property
+    def data_parallel_size(self) -> int:
+        return 1
+
+    def wrap(self, model) -> None:
+        if self.spec["method"] != "full":
+            raise NotImplementedError("tensor parallel runs full fine-tuning only (LoRA wraps the split linears)")
+        check_heads(model.config, dist.get_world_size())
+        model.to(self.ctx.device)
+        self.mesh = init_device_mesh(self.ctx.device.type, (dist.get_world_size(),))
+        self.plan = layer_plan(model)
+        self.layers = decoder_layers(model)
+        for layer in self.layers:
+            parallelize_module(layer, self.mesh, {name: STYLES[style]() for name, style in self.plan.items()})
+        self.model = model
+        self.optimizer = self.build_optimizer(self.trainable(model))
+
+    def describe(self) -> dict:
+        out = super().describe()
+        split = {}
+        for layer in self.layers:
+            for name, module in layer.named_modules():
+                weight = getattr(module, "weight", None)
+                if isinstance(weight, DTensor):
+                    split[name] = str(tuple(weight.placements))
+        attn_heads = getattr(self.model.config, "num_attention_heads", None)
+        out.update({
+            "tp_degree": self.mesh.size(),
+            "tp_plan": self.plan,
+            "split_linears_per_layer": split,
+            "split_linears": sum(1 for layer in self.layers for m in layer.modules()
+                                 if isinstance(getattr(m, "weight", None), DTensor)),
+            "heads_per_rank": attn_heads // self.mesh.size() if attn_heads else None,
+            "wrappers_found": ["parallelize_module"] if split else [],
+        })
+        return out
+
+    def verify(self, described: dict) -> None:
+        super().verify(described)
+        expected = len(self.plan) * len(self.layers)
+        if described["split_linears"] != expected:
+            raise FidelityError(f"tensor parallel: {described['split_linears']} linear layers are split, the plan "
+                                f"asks for {expected}")
+        if described["tp_degree"] != self.spec["world_size"]:
+            raise FidelityError(f"tensor parallel degree {described['tp_degree']} but spec world_size "
+                                f"{self.spec['world_size']}")
+
+    def full_state_dict(self) -> dict | None:
+        # Every rank joins the gathers (full_tensor is collective); rank 0 keeps the result.
+        state = {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
+                 for name, value in self.model.state_dict().items()}
+        return state if dist.get_rank() == 0 else None
+
+    def save_checkpoint(self, path: str) -> None:
+        from distlab.strategies.fsdp import dcp_save
+
+        dcp_save(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        from distlab.strategies.fsdp import dcp_load
+
+        dcp_load(self, path)
+
+
+def check_heads(config, degree: int) -> None:
+    """Runtime twin of the config check, for models whose shape is only known once loaded."""
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        count = getattr(config, name, None)
+        if count is not None and count % degree:
+            raise ValueError(f"tensor parallel degree {degree} does not divide the model's {name} ({count})")
+

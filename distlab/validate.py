@@ -1,0 +1,217 @@
+"""Checkpoint validation: one job per trained experiment, in processes that did not train.
+
+The driver (validate_run, the Snakemake rule's script) checks the manifest, then starts the
+ranks of distlab/validate_ranks.py under the experiment's launcher for two phases:
+  "same"    at the saved world size: export (rank 0, first thing it loads), reload, LoRA
+            base weights, resume parity from the mid-run checkpoint;
+  "reshard" at the other world size (2 -> 1, 1 -> 2): load the final checkpoint there;
+and writes results/<machine>/<experiment>/validation.json:
+  {"schema_version": 1, "experiment": id, "passed": bool, "status": ..., "checks": {name: {"status":
+   "passed"|"failed"|"unsupported", ...details, the tolerance used}}}
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+VALIDATION_SCHEMA_VERSION = 1
+PASSED, FAILED, UNSUPPORTED = "passed", "failed", "unsupported"
+# The eval forward runs in fp32 on a consolidated model, whatever the training precision.
+RELOAD_TOLERANCE = 1e-5
+# Merging LoRA into the base weights changes float rounding, not the function.
+MERGE_TOLERANCE = 1e-4
+# Resume parity compares training trajectories: bit-exact is expected for fp32 on one machine;
+# autocast precisions get room for reduced-precision kernels that are not bit-reproducible.
+PARITY_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 1e-2}
+
+
+def phase_checks(phase: str, spec: dict) -> list[str]:
+    """The checks a phase records (export runs once, on rank 0, before any phase)."""
+    if phase == "reshard":
+        return ["reshard"]
+    return ["compatibility", "reload", "resume_parity"] + (["lora_base_frozen"] if spec["method"] == "lora" else [])
+
+
+def broken_checks(checks: dict, names: list[str]) -> dict:
+    """{check: reason} of those that raised an unexpected exception or were never reached."""
+    compat = checks.get("compatibility", {})
+    if compat.get("status") == FAILED and not compat.get("exception"):
+        return {}  # a refused checkpoint stops the phase by design
+    return {n: checks.get(n, {}).get("reason", "not reached") for n in names
+            if n not in checks or checks[n].get("exception")}
+
+
+def required_checks(spec: dict) -> list[str]:
+    names = ["manifest", "compatibility", "reload", "resume_parity", "export"]
+    return names + (["lora_base_frozen"] if spec["method"] == "lora" else [])
+
+
+def verdict(result: dict, spec: dict) -> dict:
+    """passed: every required check passed and no check failed (resharding may be unsupported)."""
+    checks = result["checks"]
+    failed = [n for n, c in checks.items() if c["status"] == FAILED]
+    missing = [n for n in required_checks(spec) if checks.get(n, {}).get("status") != PASSED]
+    result["passed"] = not failed and not missing
+    result["status"] = PASSED if result["passed"] else FAILED
+    if not result["passed"]:
+        result["reason"] = "; ".join([f"{n} failed" for n in failed] +
+                                     [f"{n} {checks[n]['status'] if n in checks else 'not run'}"
+                                      for n in missing if n not in failed])
+    return result
+
+
+# -- the driver -----------------------------------------------------------------------------------
+def validate_run(run_dir, model_source: str, data_dir: str, out_path, log_path=None, timeout: float = 600) -> dict:
+    from distlab import checkpoint as ckpt
+
+    run_dir = Path(run_dir)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    spec = metrics["spec"]
+    result = {"schema_version": VALIDATION_SCHEMA_VERSION, "experiment": spec["id"], "passed": False,
+              "status": None, "checks": {}}
+    root = run_dir / "checkpoint"
+    if metrics.get("status") != "ok":
+        result.update(status="nothing to validate",
+                      reason=f"the run ended with status {metrics.get('status')!r}; it saved no checkpoint")
+        return _write(out_path, result)
+    if (root / "UNSUPPORTED.json").is_file():
+        why = json.loads((root / "UNSUPPORTED.json").read_text())["reason"]
+        result["checks"] = {n: {"status": UNSUPPORTED, "reason": f"no checkpoint: {why}"} for n in required_checks(spec)}
+        return _write(out_path, verdict(result, spec))
+    final = root / "final"
+    parity = sorted(p for p in root.glob("step-*") if p.is_dir())
+    problems = [p for folder in [final, *parity] for p in ckpt.verify_manifest(folder)]
+    result["checks"]["manifest"] = {
+        "status": FAILED if problems else PASSED, "problems": problems,
+        "checked": [str(f) for f in [final, *parity]],
+        "how": "every file's size and sha256 against MANIFEST.json, and no unlisted file"}
+    if problems:
+        for name in required_checks(spec)[1:]:
+            result["checks"][name] = {"status": FAILED, "reason": "not attempted: the manifest check failed"}
+        return _write(out_path, verdict(result, spec))
+
+    work = run_dir / "validation-work"
+    work.mkdir(exist_ok=True)
+    job = {"spec": spec, "run_dir": str(run_dir), "model_source": model_source, "data_dir": data_dir,
+           "final": str(final), "parity": str(parity[-1]) if parity else None,
+           "expected_losses": metrics["loss"]["per_step"]}
+    other, why_not = reshard_target(spec)
+    plans = launch_plans(spec, other if why_not is None else None)
+    for index, plan in enumerate(plans):
+        result["checks"].update(_run_phase(dict(job, plan=plan), work / f"launch{index}", log_path, timeout))
+        for name, world in plan[1:]:
+            # A library may not survive its process changing groups (DeepSpeed caches the first
+            # one): a phase that broke in the reused process gets a fresh launch of its own.
+            broken = broken_checks(result["checks"], phase_checks(name, spec))
+            if broken:
+                retry = _run_phase(dict(job, plan=[[name, world]]), work / f"launch{index}-{name}", log_path, timeout)
+                for n in phase_checks(name, spec):
+                    if n in retry:
+                        result["checks"][n] = dict(retry[n], first_attempt_in_reused_process=broken.get(n))
+    if why_not is not None:
+        result["checks"]["reshard"] = {"status": UNSUPPORTED, "to_world_size": other, "reason": why_not}
+    for name in required_checks(spec) + ["reshard"]:
+        if name not in result["checks"]:
+            result["checks"][name] = {"status": FAILED, "reason": "not reached: the validation ranks exited early "
+                                      f"(see {log_path or 'the log'})"}
+    result["checks"]["size_and_time"] = _size_and_time(final, result["checks"]["reload"])
+    return _write(out_path, verdict(result, spec))
+
+
+def reshard_target(spec: dict) -> tuple[int, str | None]:
+    """The other world size (2 -> 1, 1 -> 2) and why it cannot run here, if it cannot."""
+    other = 1 if spec["world_size"] > 1 else 2
+    if spec["device"] == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < other:
+            return other, f"needs {other} GPUs, this machine has {torch.cuda.device_count()}"
+    return other, None
+
+
+def launch_plans(spec: dict, other: int | None) -> list[list[list]]:
+    """[[phase, world size], ...] per launch. A process start costs seconds of imports, so one
+    launch serves both world sizes: the larger world runs first, then rank 0 goes on alone in a
+    one-rank group. Accelerate's launcher fixes the process count from its config file, so it
+    gets one launch per world size."""
+    phases = [["same", spec["world_size"]]] + ([["reshard", other]] if other else [])
+    if spec["launcher"] == "accelerate":
+        return [[phase] for phase in phases]
+    return [sorted(phases, key=lambda p: -p[1])]
+
+
+def _size_and_time(final: Path, reload: dict) -> dict:
+    from distlab import checkpoint as ckpt
+
+    meta = ckpt.read_meta(final)
+    state = final / "state"
+    return {"status": PASSED if reload.get("load_seconds") is not None else UNSUPPORTED,
+            "state_bytes": ckpt.dir_bytes(state), "checkpoint_bytes": ckpt.dir_bytes(final),
+            "export_bytes": ckpt.dir_bytes(final / "export") if (final / "export").is_dir() else None,
+            "save_seconds": meta["save"]["save_seconds"], "export_seconds": meta["save"].get("export_seconds"),
+            "load_seconds": reload.get("load_seconds"),
+            "how": "bytes: sum of file sizes; save: strategy.save_checkpoint wall time at the end of training; "
+                   "load: strategy.load_checkpoint wall time in the validation ranks (rank 0, to a barrier)"}
+
+
+def _write(path, result: dict) -> dict:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+def _run_phase(job: dict, folder: Path, log_path, timeout) -> dict:
+    """Start one launch's ranks; returns the checks rank 0 recorded (partial if they died)."""
+    from distlab.launch import assigned_gpus
+
+    folder.mkdir(exist_ok=True)
+    out = folder / "checks.json"
+    out.unlink(missing_ok=True)
+    job_path = folder / "job.json"
+    spec = dict(job["spec"], world_size=job["plan"][0][1])
+    # The ranks' run_dir is this launch's folder: what strategies and launchers write there
+    # (accelerate config, devices.json) must not overwrite the training run's files.
+    job_path.write_text(json.dumps(dict(job, out=str(out), run_dir=str(folder))))
+    log = open(log_path, "a") if log_path else None
+    # The GPUs are held for this launch only, from the same lock folder training used.
+    locks = os.environ.get("DISTLAB_GPU_LOCK_DIR") or str(Path(job["run_dir"]).resolve().parent.parent / ".gpu-locks")
+    with assigned_gpus({"spec": spec, "run_dir": str(folder), "gpu_lock_dir": locks}):
+        cmd, env = phase_command(spec, job_path, folder)
+        _wait(cmd, env, log, timeout)
+    return json.loads(out.read_text()) if out.is_file() else {}
+
+
+def phase_command(spec: dict, job_path: Path, folder: Path) -> tuple[list[str], dict]:
+    """The launcher the experiment trained under (accelerate launch checks its own config file),
+    else torchrun; Ray-launched runs validate under torchrun, the same process group."""
+    if spec["launcher"] == "accelerate":
+        from distlab.launchers_accelerate import launch_environment, write_accelerate_config
+
+        config = write_accelerate_config(spec, folder, str(job_path))
+        return ([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                 "-m", "distlab.validate_ranks", "--job", str(job_path)], launch_environment(spec))
+    from distlab.launch import rank_environment
+
+    return ([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={spec['world_size']}",
+             "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--max-restarts=0",
+             "-m", "distlab.validate_ranks", "--job", str(job_path)], rank_environment(spec))
+
+
+def _wait(cmd: list[str], env: dict, log, timeout) -> None:
+    try:
+        print(f"$ {' '.join(cmd)}", file=log or sys.stdout, flush=True)
+        # Own session: on timeout the whole group (launcher and ranks) is killed, no orphans.
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            print(f"validation ranks killed after the {timeout} s timeout", file=log or sys.stdout, flush=True)
+    finally:
+        if log:
+            log.close()

@@ -1,0 +1,25 @@
+# The advisor: which strategy to run on this hardware, from hardware.json and the model's
+# config.json alone (`snakemake advise`). The report checks it against the measured runs.
+
+
+rule advise:
+    input:
+        hardware=f"{RESULTS}/{MACHINE}/hardware.json",
+        model=model_config_path(),
+    output:
+        json=f"{RESULTS}/{MACHINE}/advice.json",
+        md=report(
+            f"{RESULTS}/{MACHINE}/advice.md",
+            category="Advisor",
+            labels={"page": "strategy advice", "machine": MACHINE},
+        ),
+    params:
+        advisor=config["advisor"],
+        defaults=config["defaults"],
+        cpu_ranks=max(spec["world_size"] for spec in SPECS.values()),
+    log:
+        f"{RESULTS}/{MACHINE}/logs/advise.log",
+    conda:
+        "../envs/report.yaml"
+    script:
+        "../scripts/advise.py"

@@ -1,0 +1,25 @@
+# Measured, not recited: the collective bandwidth of this machine's links (gloo on CPU
+# tensors; NCCL on GPU tensors too where GPUs exist), nccl-tests' algbw and busbw.
+
+
+rule collectives:
+    output:
+        report(
+            f"{RESULTS}/{MACHINE}/collectives.json",
+            category="Hardware",
+            labels={"measurement": "collective bandwidth", "machine": MACHINE},
+        ),
+    params:
+        plan=collectives_plan(),
+        machine=MACHINE,
+    log:
+        f"{RESULTS}/{MACHINE}/logs/collectives.log",
+    benchmark:
+        f"{RESULTS}/{MACHINE}/logs/collectives.benchmark.tsv"
+    threads: collectives_plan()["world_size"]
+    resources:
+        gpu=collectives_plan()["world_size"] if collectives_plan()["device"] == "cuda" else 0,
+    conda:
+        "../envs/train.yaml"
+    script:
+        "../scripts/collectives.py"

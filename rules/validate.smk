@@ -1,0 +1,27 @@
+# Checkpoint validation: one job per trained experiment, in processes that did not train.
+# Reload, resharding, resume parity, the Hugging Face export, LoRA base weights, size and
+# save/load seconds -> validation.json (distlab/validate.py says how each is measured).
+
+
+rule validate_checkpoint:
+    input:
+        metrics=f"{RUN}/metrics.json",
+        checkpoint=f"{RUN}/checkpoint",
+        data=data_dir,
+        model=model_inputs(),
+    output:
+        f"{RUN}/validation.json",
+    params:
+        spec=experiment_spec,
+        model_source=model_source,
+    log:
+        f"{RUN}/validate.log",
+    benchmark:
+        f"{RUN}/validate-benchmark.tsv"
+    threads: validation_threads
+    resources:
+        gpu=validation_gpus,
+    conda:
+        "../envs/train.yaml"
+    script:
+        "../scripts/validate.py"

@@ -1,0 +1,11 @@
+"""Rule validate_checkpoint: validate one experiment's checkpoints into validation.json."""
+import os
+
+from distlab.smk import logged
+from distlab.validate import validate_run
+
+with logged(snakemake):
+    # The ranks inherit this script's stdout/stderr, which logged() sends to the rule's log.
+    result = validate_run(os.path.dirname(snakemake.input.metrics), snakemake.params.model_source,
+                          snakemake.input.data, snakemake.output[0])
+    print(f"experiment {result['experiment']}: checkpoint validation {result['status']}")

@@ -1,0 +1,45 @@
+"""One real, tiny workflow run shared by the report, merge and browser tests (a pytest
+plugin, so the session-scoped fixture runs once however many modules use it).
+
+To save the minute data prep costs, the session's `prepared` tokenizer, data, model and
+hardware.json are copied where the workflow expects them; Snakemake then runs the rest
+for real: two trainings, the collective benchmark, the advisor, the summary, the report.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import snakemake, tiny_config
+
+MACHINE = "testbox"  # the machine tag of the `prepared` hardware.json
+STAGES = {"ddp": {"experiments": [{"world_size": 1, "micro_batch": 8},
+                                  {"world_size": 2, "micro_batch": 4, "repeats": 2}]}}
+
+
+def pipeline_config() -> dict:
+    cfg = tiny_config(STAGES, machine=MACHINE,
+                      collectives={"min_bytes": 1024, "max_bytes_cpu": 262144, "iters": 4, "warmup": 1})
+    cfg["defaults"].update(steps=8, warmup_steps=2)
+    return cfg
+
+
+def seed_prepared(prepared: Path, work: Path) -> None:
+    prep = work / "results" / "prep"
+    shutil.copytree(prepared / "tokenizer", prep / "tokenizer")
+    shutil.copytree(prepared / "data32", prep / "data" / "seq32")
+    shutil.copytree(prepared / "model", prep / "model")
+    (work / "results" / MACHINE).mkdir(parents=True)
+    shutil.copy(prepared / "hardware.json", work / "results" / MACHINE / "hardware.json")
+
+
+@pytest.fixture(scope="session")
+def finished_pipeline(prepared, tmp_path_factory):
+    """(workdir, config) of a completed `snakemake --cores 2` run; tests copy it before changing it."""
+    work = tmp_path_factory.mktemp("report-pipeline")
+    seed_prepared(prepared, work)
+    cfg = pipeline_config()
+    snakemake(work, "--cores", "2", config=cfg)
+    return work, cfg

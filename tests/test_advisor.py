@@ -1,0 +1,125 @@
+"""The advisor: roadmap rules from hardware and a config.json alone, memory estimates that
+match what models and runs really hold, and GPU presets that validate and advise as documented."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from distlab import advisor
+from distlab.config import load
+
+REPO = Path(__file__).resolve().parent.parent
+PRESETS = REPO / "config" / "presets"
+GIB = 2**30
+LLAMA7B = json.loads((PRESETS / "models" / "llama-2-7b" / "config.json").read_text())
+NO_GPU = {"machine": "box", "gpus": []}
+
+
+def plan(gpus, nvlink=False, nodes=1, **defaults):
+    cfg = {"advisor": {"gpu_memory_gib": gpus, "nvlink": nvlink, "nodes": nodes, "headroom": 0.1},
+           "defaults": {"precision": "bf16", **defaults}}
+    return advisor.advise(LLAMA7B, NO_GPU, cfg)
+
+
+def test_parameter_count_matches_the_published_llama_sizes():
+    assert advisor.parameter_counts(advisor.model_shape(LLAMA7B))["total"] == 6_738_415_616
+    big = json.loads((PRESETS / "models" / "llama-2-70b" / "config.json").read_text())
+    assert advisor.parameter_counts(advisor.model_shape(big))["total"] == 68_976_648_192
+
+
+def test_parameter_counts_match_the_real_model_with_and_without_lora(prepared):
+    from distlab.lora import apply_lora
+    from distlab.model import load_model
+
+    model = load_model(str(prepared / "model"))
+    shape = advisor.model_shape(model.config.to_dict())
+    assert advisor.parameter_counts(shape)["total"] == sum(p.numel() for p in model.parameters())
+    lora = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": None}
+    model, _ = apply_lora(model, lora, seed=0)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert advisor.parameter_counts(shape, lora)["trainable"] == trainable
+
+
+def test_zero_stage_formulas_follow_the_deepspeed_memory_docs():
+    counts = {"total": 1000, "trainable": 1000, "largest_unit": 0}
+    n = 4
+    state = {k: advisor.model_state(k, counts, n, "bf16", lora=False) for k in advisor.ROW_ORDER}
+    held = {k: v["params"] + v["grads"] + v["optimizer"] for k, v in state.items()}
+    assert held["ddp"] == 16 * 1000
+    assert held["zero1"] == 4 * 1000 + 12 * 1000 / n
+    assert held["zero2"] == 2 * 1000 + 14 * 1000 / n
+    assert held["zero3"] == 16 * 1000 / n
+    assert state["zero3-offopt"]["cpu_offloaded"] == 12 * 1000 / n
+
+
+def test_fits_one_gpu_means_ddp():
+    advice = plan([80, 80], method="lora", micro_batch=1, seq_len=512)
+    assert advice["recommendation"] == "ddp"
+
+
+def test_too_big_for_one_gpu_but_not_for_all_means_zero3_or_fsdp():
+    advice = plan([80, 80], nvlink=True, method="full", micro_batch=1, seq_len=1024)
+    assert advice["recommendation"] == "zero3" and "ZeRO-3 or FSDP" in advice["reasons"][0]
+
+
+def test_still_too_big_means_offload():
+    advice = plan([24, 24], method="full", micro_batch=1, seq_len=512)
+    assert advice["recommendation"].startswith("zero3-offopt")
+
+
+def test_different_gpu_sizes_are_limited_by_the_smallest():
+    advice = plan([80, 24], method="lora", micro_batch=1, seq_len=512)
+    assert advice["devices"]["smallest_bytes"] == 24 * GIB
+    assert any("limited by the smallest (24 GiB)" in r for r in advice["reasons"])
+
+
+def test_no_nvlink_avoids_tensor_and_pipeline_parallel_and_several_machines_suggest_ray():
+    advice = plan([24, 24], nvlink=False, nodes=2, method="lora", micro_batch=1, seq_len=512)
+    assert any("avoid tensor and pipeline parallel" in r for r in advice["reasons"])
+    assert any("Ray Train" in r for r in advice["reasons"])
+    assert advice["devices"]["devices"] == 4
+
+
+def test_estimate_check_says_where_it_was_wrong():
+    advice = plan([24], method="full", micro_batch=1, seq_len=128, precision="fp32")
+    shape = advice["model"]["shape"]
+    psi = advisor.parameter_counts(shape)["total"]
+    spec = {"strategy": "ddp", "world_size": 1, "method": "full", "micro_batch": 1, "seq_len": 128,
+            "precision": "fp32", "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": None}}
+    held = {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
+    run = {"machine": "m", "experiment": "e", "status": "ok", "spec": spec,
+           "memory": {"model_state_bytes_per_rank": [held], "per_rank": [{}]}}
+    assert advisor.check_against_runs(advice, [run])[0]["verdict"] == "right"
+    held["optimizer"] = 16 * psi  # e.g. an optimizer keeping an extra fp32 copy the formula forgot
+    (row,) = advisor.check_against_runs(advice, [run])
+    assert row["verdict"] == "WRONG" and row["where"].startswith("optimizer: estimated")
+
+
+# preset -> (recommendation, devices, estimated GiB per device of the recommended row)
+EXPECTED = {
+    "llama7b-lora-2x24gb": ("ddp", 2, 16.64),
+    "llama70b-lora-zero3-offload-1x24gb": ("zero3-offopt-offparam", 1, 8.92),
+    "llama7b-full-fsdp-2x80gb": ("zero3", 2, 60.08),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_gpu_preset_is_schema_valid_and_advised_as_documented(name, monkeypatch):
+    monkeypatch.chdir(REPO)  # presets name their model folders relative to the repository
+    raw = yaml.safe_load((PRESETS / f"{name}.yaml").read_text())
+    config, specs = load(raw, gpu_count=2)
+    assert specs and all(s["device"] == "cuda" for s in specs.values())
+    model_config = json.loads((Path(config["model"]["path"]) / "config.json").read_text())
+    advice = advisor.advise(model_config, NO_GPU, config)
+    pick, devices, gib = EXPECTED[name]
+    assert advice["recommendation"] == pick and advice["devices"]["devices"] == devices
+    row = next(r for r in advice["estimates"] if r["key"] == pick)
+    assert row["total_bytes"] / GIB == pytest.approx(gib, abs=0.01)
+    assert row["total_bytes"] <= advice["usable_bytes_per_device"]
+
+
+def test_every_preset_is_covered_by_a_test():
+    assert {p.stem for p in PRESETS.glob("*.yaml")} == set(EXPECTED)

@@ -1,0 +1,213 @@
+"""Checkpoint promises: what a run saves reloads to the same logits, resumes to the same
+losses, loads at another world size, exports to plain Hugging Face, and refuses to load when
+it was altered or made for another model or config."""
+import copy
+import json
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from conftest import resolve, run_experiment
+from distlab import checkpoint as ckpt
+from distlab.loop import IndexStream
+from distlab.validate import validate_run
+
+
+@pytest.fixture(scope="module")
+def trained(prepared, tmp_path_factory):
+    """A 2-rank DDP run of 6 steps with checkpoints every 2 steps, and its validation."""
+    run = tmp_path_factory.mktemp("ckpt") / "ddp-w2"
+    run_experiment(prepared, run, resolve({"world_size": 2, "micro_batch": 4, "checkpoint_every": 2}))
+    result = validate_run(run, str(prepared / "model"), str(prepared / "data32"), run / "validation.json",
+                          log_path=str(run / "validate.log"))
+    return run, result
+
+
+def validate_copy(trained, prepared, tmp_path, damage):
+    """Validate a damaged copy of the trained run (the original stays intact for other tests)."""
+    run = tmp_path / "copy"
+    shutil.copytree(trained[0], run)
+    damage(run / "checkpoint")
+    return validate_run(run, str(prepared / "model"), str(prepared / "data32"), run / "validation.json",
+                        log_path=str(run / "validate.log"))
+
+
+@pytest.mark.parametrize("sampler", ["distributed", "none"])
+def test_data_stream_restored_from_its_state_reads_on_where_it_stopped(sampler):
+    spec = {"sampler": sampler, "seed": 3, "micro_batch": 4}
+    first = IndexStream(40, spec, dp_rank=1, dp_size=2)
+    for _ in range(13):  # into the third epoch: epochs and positions both matter
+        first.next()
+    state = json.loads(json.dumps(first.state()))
+    resumed = IndexStream(40, spec, dp_rank=1, dp_size=2).restore(state)
+    assert [resumed.next() for _ in range(12)] == [first.next() for _ in range(12)]
+    assert state["epoch"] > 0 and state["position"] > 0
+
+
+@pytest.mark.slow
+def test_ddp_checkpoint_validates_reload_reshard_resume_and_export(trained):
+    run, result = trained
+    checks = result["checks"]
+    assert result["passed"] is True, json.dumps(result, indent=1)
+    assert checks["reload"]["max_abs_logit_diff"] <= checks["reload"]["tolerance"] == 1e-5
+    assert checks["reshard"]["from_world_size"] == 2 and checks["reshard"]["to_world_size"] == 1
+    assert checks["reshard"]["status"] == "passed"
+    parity = checks["resume_parity"]
+    assert parity["resumed_at_step"] == 4 and parity["steps_resumed"] == 2
+    assert parity["max_abs_loss_diff"] <= parity["tolerance"]
+    # The resumed trajectory is a real one: the loss moved between the two resumed steps.
+    assert parity["resumed_losses"][0] != parity["resumed_losses"][1]
+    assert checks["export"]["generated_tokens"] > 0
+    sizes = checks["size_and_time"]
+    assert sizes["state_bytes"] > 0 and sizes["save_seconds"] > 0 and sizes["load_seconds"] > 0
+    assert json.loads((run / "validation.json").read_text())["schema_version"] == 1
+
+
+@pytest.mark.slow
+def test_checkpoint_folder_has_native_state_trainer_state_export_and_manifest(trained):
+    run, _ = trained
+    final = run / "checkpoint" / "final"
+    for name in ["state/model.safetensors", "state/optimizer.pt", "trainer/rank0.json", "trainer/rank1.json",
+                 "trainer/rng-rank1.safetensors", "export/config.json", "export/model.safetensors",
+                 "export/tokenizer.json", "eval_logits.safetensors", ckpt.META]:
+        assert (final / name).is_file(), name
+    manifest = json.loads((final / ckpt.MANIFEST).read_text())["files"]
+    assert manifest["state/model.safetensors"]["sha256"] == ckpt.sha256_file(final / "state/model.safetensors")
+    assert ckpt.verify_manifest(final) == []
+    # The mid-run checkpoint validation resumes from moved in; the crash-recovery ones are gone.
+    assert (run / "checkpoint" / "step-000004" / ckpt.MANIFEST).is_file()
+    assert not (run / "resume").exists()
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert [s["steps_done"] for s in metrics["checkpoint"]["periodic_saves"]] == [2, 4]
+
+
+@pytest.mark.slow
+def test_truncated_checkpoint_file_fails_validation_naming_the_file(trained, prepared, tmp_path):
+    def truncate(root):
+        path = root / "final" / "state" / "model.safetensors"
+        path.write_bytes(path.read_bytes()[:1000])
+
+    result = validate_copy(trained, prepared, tmp_path, truncate)
+    assert result["passed"] is False
+    problems = result["checks"]["manifest"]["problems"]
+    assert any("state/model.safetensors" in p and "truncated" in p for p in problems), problems
+
+
+@pytest.mark.slow
+def test_altered_checkpoint_file_fails_validation_naming_the_file(trained, prepared, tmp_path):
+    def flip_a_byte(root):
+        path = root / "step-000004" / "state" / "optimizer.pt"
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    result = validate_copy(trained, prepared, tmp_path, flip_a_byte)
+    assert result["passed"] is False and result["checks"]["reload"]["status"] == "failed"
+    problems = result["checks"]["manifest"]["problems"]
+    assert any("step-000004/state/optimizer.pt" in p and "sha256" in p for p in problems), problems
+
+
+@pytest.mark.slow
+def test_checkpoint_from_a_different_config_is_refused_naming_the_field(trained):
+    run, _ = trained
+    meta = ckpt.read_meta(run / "checkpoint" / "final")
+    spec = resolve({"world_size": 2, "micro_batch": 4, "checkpoint_every": 2, "lr": 1e-3})
+    with pytest.raises(ckpt.CheckpointMismatch, match=r"different experiment config.*field lr 0\.0003"):
+        ckpt.check_compatible(meta, spec, meta["model"], "final")
+    # Fields that leave the trajectory alone do not block a load.
+    ckpt.check_compatible(meta, dict(spec, lr=3e-4, checkpoint_every=5, warmup_steps=1), meta["model"], "final")
+
+
+@pytest.mark.slow
+def test_checkpoint_from_a_different_model_is_refused_naming_the_difference(trained):
+    run, _ = trained
+    meta = ckpt.read_meta(run / "checkpoint" / "final")
+    other = copy.deepcopy(meta["model"])
+    other["config"]["hidden_size"] = 128
+    other["parameters"]["model.embed_tokens.weight"] = [512, 128]
+    spec = resolve({"world_size": 2, "micro_batch": 4, "checkpoint_every": 2})
+    with pytest.raises(ckpt.CheckpointMismatch, match="different model.*hidden_size 64 .*vs 128"):
+        ckpt.check_compatible(meta, spec, other, "final")
+
+
+@pytest.mark.slow
+def test_export_opens_with_plain_transformers_and_matches_the_saved_logits(trained, prepared):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = trained[0] / "checkpoint" / "final"
+    model = AutoModelForCausalLM.from_pretrained(str(final / "export")).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(final / "export"))
+    batch = ckpt.eval_batch(prepared / "data32")
+    saved = load_file(str(final / "eval_logits.safetensors"))["logits"]
+    assert torch.equal(ckpt.logits_of(model, batch), saved)
+    prompt = tokenizer("The class", return_tensors="pt").input_ids
+    out = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert out.shape[1] == prompt.shape[1] + 5
+    # Trained weights, not the base model's: the export is the run's result.
+    base = AutoModelForCausalLM.from_pretrained(str(prepared / "model")).eval()
+    assert not torch.equal(ckpt.logits_of(base, batch), saved)
+
+
+@pytest.mark.slow
+def test_loading_never_unpickles_arbitrary_objects(trained, tmp_path):
+    class Exploit:
+        def __reduce__(self):
+            return (print, ("unpickled arbitrary code",))
+
+    state = trained[0] / "checkpoint" / "final" / "state"
+    # The real optimizer state loads with weights_only=True...
+    assert "state" in torch.load(state / "optimizer.pt", weights_only=True)
+    # ...and an object planted in its place is refused by the same call.
+    planted = tmp_path / "optimizer.pt"
+    planted.write_bytes(pickle.dumps({"state": Exploit()}, protocol=2))
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(planted, weights_only=True)
+
+
+@pytest.mark.slow
+def test_lora_checkpoint_keeps_frozen_base_weights_bit_identical_and_exports_adapters(prepared, tmp_path):
+    run = tmp_path / "lora"
+    run_experiment(prepared, run, resolve({"world_size": 1, "micro_batch": 4, "method": "lora"}, steps=4))
+    result = validate_run(run, str(prepared / "model"), str(prepared / "data32"), run / "validation.json",
+                          log_path=str(run / "validate.log"))
+    checks = result["checks"]
+    assert result["passed"] is True, json.dumps(result, indent=1)
+    assert checks["lora_base_frozen"]["tensors_compared"] > 0 and checks["lora_base_frozen"]["changed"] == []
+    assert (run / "checkpoint" / "final" / "export" / "adapter" / "adapter_model.safetensors").is_file()
+    assert checks["export"]["adapter_max_abs_logit_diff"] <= checks["export"]["adapter_tolerance"]
+    assert checks["reshard"]["to_world_size"] == 2 and checks["reshard"]["status"] == "passed"
+
+
+def test_run_that_ran_out_of_memory_has_nothing_to_validate(tmp_path):
+    spec = resolve({"world_size": 1})
+    (tmp_path / "metrics.json").write_text(json.dumps({"status": "oom", "spec": spec}))
+    result = validate_run(tmp_path, "unused", "unused", tmp_path / "validation.json")
+    assert result["status"] == "nothing to validate" and result["passed"] is False and result["checks"] == {}
+    assert "oom" in result["reason"]
+
+
+def test_strategy_without_checkpoint_support_is_recorded_unsupported_not_passed(tmp_path):
+    spec = resolve({"world_size": 1})
+    (tmp_path / "metrics.json").write_text(json.dumps({"status": "ok", "spec": spec}))
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "UNSUPPORTED.json").write_text(json.dumps({"reason": "ddp has no checkpoint save"}))
+    result = validate_run(tmp_path, "unused", "unused", tmp_path / "validation.json")
+    assert result["passed"] is False and result["status"] == "failed"
+    assert {c["status"] for c in result["checks"].values()} == {"unsupported"}
+    assert "ddp has no checkpoint save" in result["checks"]["reload"]["reason"]
+
+
+@pytest.mark.slow
+def test_report_checkpoint_table_shows_measured_validation_per_experiment(trained):
+    from distlab.report.cards import PASSED
+    from distlab.report.cards.checkpoint_table import checkpoint_card
+    from distlab.report.collect import load_run
+
+    card = checkpoint_card([load_run(trained[0] / "metrics.json")])
+    assert card.goals[0].status == PASSED
+    (row,) = card.tables[0].frame.to_dict("records")
+    assert row["validated"] == "passed" and row["reshard"].startswith("2->1 ranks")
+    assert row["size (MB)"] > 0 and row["load (s)"] > 0

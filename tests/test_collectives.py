@@ -1,0 +1,44 @@
+"""The collective bandwidth benchmark's arithmetic (nccl-tests formulas) and the break-even
+batch; the benchmark itself runs on real gloo ranks in the report pipeline (test_report)."""
+from __future__ import annotations
+
+import pytest
+
+from distlab import collectives as coll
+
+
+def test_busbw_follows_the_nccl_tests_formulas():
+    # 8 ranks, 1 GB in 0.1 s: algbw 10 GB/s for every op.
+    assert coll.bandwidths("all_reduce", 1e9, 0.1, 8) == pytest.approx((1e10, 1e10 * 2 * 7 / 8))
+    assert coll.bandwidths("all_gather", 1e9, 0.1, 8) == pytest.approx((1e10, 1e10 * 7 / 8))
+    assert coll.bandwidths("reduce_scatter", 1e9, 0.1, 8) == pytest.approx((1e10, 1e10 * 7 / 8))
+
+
+def test_message_sizes_sweep_from_min_to_max_by_factor():
+    assert coll.message_sizes(1024, 16384, 4) == [1024, 4096, 16384]
+    with pytest.raises(ValueError, match="bad size sweep"):
+        coll.message_sizes(4096, 1024)
+
+
+def test_huge_messages_get_fewer_timed_calls_but_never_under_three():
+    assert coll.iterations_for(1024, 20) == 20
+    assert coll.iterations_for(512 << 20, 20) == 3
+
+
+def test_allreduce_time_is_interpolated_between_measured_sizes():
+    result = {"results": [
+        {"op": "all_reduce", "backend": "gloo", "status": "ok", "size_bytes": 1 << 20, "time_s_median": 0.001},
+        {"op": "all_reduce", "backend": "gloo", "status": "ok", "size_bytes": 4 << 20, "time_s_median": 0.004},
+    ]}
+    assert coll.time_at(result, "all_reduce", "gloo", 2 << 20) == pytest.approx(0.002)
+    assert coll.time_at(result, "all_reduce", "gloo", 8 << 20) == pytest.approx(0.008)  # constant bandwidth
+    assert coll.time_at(result, "all_reduce", "nccl", 2 << 20) is None
+
+
+def test_break_even_batch_is_where_n_ranks_and_one_take_equal_time():
+    c, a, n = 0.05, 0.02, 2  # 50 ms compute per sample, 20 ms all-reduce
+    b = coll.break_even_global_batch(c, a, n)
+    assert b * c / n + a == pytest.approx(b * c)
+    assert (b + 1) * c / n + a < (b + 1) * c  # above it, N ranks win
+    with pytest.raises(ValueError):
+        coll.break_even_global_batch(c, a, 1)

@@ -1,0 +1,141 @@
+"""The milestone report: measured cards, honest comparisons, evidence that resolves,
+refusal of files it cannot trust, and `snakemake --report` output."""
+from __future__ import annotations
+
+import csv
+import json
+import re
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import snakemake
+from distlab.report.collect import ResultsError, clear_winner, load_run, throughput_stats
+pytest_plugins = ["report_fixtures"]
+MACHINE = "testbox"  # report_fixtures.MACHINE (not imported: the plugin module must load first)
+
+
+def _run_with_steps(times, repeats, tokens=1000):
+    steps = [{"step_time_s": 9.9, "warmup": True}] + [{"step_time_s": t, "warmup": False} for t in times]
+    return {"spec": {"repeats": repeats}, "throughput": {"tokens_per_step": tokens}, "_steps": steps}
+
+
+def test_repeats_split_timed_steps_into_windows_with_median_and_spread():
+    run = _run_with_steps([1.0, 1.0, 2.0, 2.0, 4.0, 4.0], repeats=3)
+    stats = throughput_stats(run)
+    assert stats["windows"] == [1000.0, 500.0, 250.0]  # warm-up step left out
+    assert (stats["median"], stats["low"], stats["high"]) == (500.0, 250.0, 1000.0)
+
+
+def test_single_repeat_spread_is_the_step_time_interquartile_range():
+    stats = throughput_stats(_run_with_steps([1.0, 2.0, 3.0, 4.0, 5.0], repeats=1))
+    assert stats["median"] == pytest.approx(1000 / 3.0)
+    assert stats["low"] == pytest.approx(1000 / 4.0) and stats["high"] == pytest.approx(1000 / 2.0)
+
+
+def test_overlapping_spreads_are_no_clear_winner():
+    a = {"_throughput": {"low": 90.0, "high": 110.0}}
+    b = {"_throughput": {"low": 105.0, "high": 130.0}}
+    c = {"_throughput": {"low": 120.0, "high": 140.0}}
+    assert not clear_winner(a, b) and clear_winner(a, c)
+
+
+def test_repeats_need_two_timed_steps_per_window():
+    from conftest import resolve
+    from distlab.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"experiments\[0\]\.repeats"):
+        resolve({"repeats": 3}, steps=6, warmup_steps=2)
+
+
+def test_report_shows_every_stage_card_and_the_cross_stage_sections(finished_pipeline):
+    work, _ = finished_pipeline
+    readme = (work / "results" / "report" / "README.md").read_text()
+    html = (work / "results" / "report" / "index.html").read_text()
+    for section in ("Where you stand", "Advisor: what to run", "Stage 1 - PyTorch DDP", "Strategy ranking",
+                    "Communication: collective bandwidth", "Loss curves per stage"):
+        assert section in readme and section in html
+    # Goals are computed: stage 1 ran, stages without runs say so instead of passing.
+    assert "**passed** (minimal) DDP training ran on 2+ ranks" in readme
+    assert re.search(r"\*\*not run\*\* \(minimal\)", readme)
+    assert html.count("data:image/png;base64,") >= 4 and "<script" not in html
+
+
+def test_every_evidence_link_points_at_a_file_that_exists(finished_pipeline):
+    work, _ = finished_pipeline
+    report_dir = work / "results" / "report"
+    links = re.findall(r"\[evidence\]\(([^)]+)\)", (report_dir / "README.md").read_text())
+    assert links
+    for link in links:
+        assert (report_dir / link).is_file(), link
+
+
+def test_summary_carries_throughput_spread_and_repeats(finished_pipeline):
+    work, _ = finished_pipeline
+    rows = list(csv.DictReader(open(work / "results" / "summary.csv")))
+    two = next(r for r in rows if r["experiment"] == "ddp-full-w2-mb4-ga1")
+    assert two["repeats"] == "2"
+    assert float(two["tokens_per_s_low"]) <= float(two["tokens_per_s"]) <= float(two["tokens_per_s_high"])
+
+
+def test_bandwidth_section_derives_the_break_even_batch_from_measurements(finished_pipeline):
+    work, _ = finished_pipeline
+    bench = json.loads((work / "results" / MACHINE / "collectives.json").read_text())
+    assert bench["world_size"] == 2 and {r["op"] for r in bench["results"]} == {"all_reduce", "all_gather",
+                                                                                 "reduce_scatter"}
+    assert all(r["status"] == "ok" and r["busbw_bytes_per_s"] > 0 for r in bench["results"])
+    readme = (work / "results" / "report" / "README.md").read_text()
+    assert re.search(r"2 ranks beat 1 once the global batch exceeds B\* = a\*N/\(c\*\(N-1\)\) = [0-9.]+ samples",
+                     readme)
+    assert "Measured at global batch 8" in readme
+
+
+def test_advisor_estimate_is_checked_against_the_runs(finished_pipeline):
+    work, _ = finished_pipeline
+    advice = json.loads((work / "results" / MACHINE / "advice.json").read_text())
+    assert advice["recommendation"] == "ddp"
+    readme = (work / "results" / "report" / "README.md").read_text()
+    assert "Estimate vs measured on testbox" in readme
+    assert "The estimate was wrong for 0 of 2 run(s)." in readme  # fp32 DDP holds exactly 16 bytes/param
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: p.write_text("{not json"), "unreadable metrics file"),
+    (lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "schema_version": 99})),
+     "schema_version 99"),
+])
+def test_corrupt_or_foreign_results_are_refused_naming_the_file(finished_pipeline, tmp_path, damage, message):
+    work, _ = finished_pipeline
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text((work / "results" / MACHINE / "ddp-full-w1-mb8-ga1" / "metrics.json").read_text())
+    damage(metrics)
+    with pytest.raises(ResultsError, match=re.escape(str(metrics)) + ".*" + re.escape(message)):
+        load_run(metrics)
+
+
+def test_validation_json_travels_with_its_run(finished_pipeline, tmp_path):
+    import shutil
+
+    work, _ = finished_pipeline
+    run_dir = tmp_path / "run"
+    shutil.copytree(work / "results" / MACHINE / "ddp-full-w1-mb8-ga1", run_dir)
+    (run_dir / "validation.json").write_text(json.dumps(
+        {"schema_version": 1, "experiment": "ddp-full-w1-mb8-ga1", "passed": False,
+         "checks": {"reload": {"status": "failed"}}}))
+    assert load_run(run_dir / "metrics.json")["_validation"]["passed"] is False
+    (run_dir / "validation.json").write_text(json.dumps({"schema_version": 7}))
+    with pytest.raises(ResultsError, match="validation.json: validation schema_version 7"):
+        load_run(run_dir / "metrics.json")
+
+
+@pytest.mark.slow
+def test_snakemake_report_zip_has_categories_and_labels(finished_pipeline):
+    work, cfg = finished_pipeline
+    snakemake(work, "--report", "report.zip", config=cfg)
+    with zipfile.ZipFile(work / "report.zip") as archive:
+        names = archive.namelist()
+    text = " ".join(names)
+    for produced in ("summary.csv", "index.html", "collectives.json", "advice.md"):
+        assert produced in text, produced
+    assert Path(work / "report.zip").stat().st_size > 10_000
