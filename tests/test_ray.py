@@ -73,15 +73,16 @@ class LocalRayCluster:
     def add_node(self, name: str, cpus: int = 1) -> None:
         self._start(name, [f"--address={self.address}"], cpus)
 
-    def stop_node(self, name: str) -> None:
-        proc = self.nodes.pop(name)
+    def stop_node(self, name: str, grace: float = 10) -> None:
+        """SIGTERM (Ray drains the node), then SIGKILL whatever of its tree is left."""
+        proc = self.nodes[name]
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(60)
+                proc.wait(grace)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # its own session: only what it started
-                proc.wait(10)
+                pass
+        self.crash_node(name)
 
     def crash_node(self, name: str) -> None:
         """SIGKILL a node's `ray start` and every process under it (raylet, its workers): a
@@ -89,11 +90,12 @@ class LocalRayCluster:
         import psutil
 
         proc = self.nodes.pop(name)
-        tree = [psutil.Process(proc.pid)]
-        tree += tree[0].children(recursive=True)
-        for member in tree:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                member.kill()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            tree = [psutil.Process(proc.pid)]
+            tree += tree[0].children(recursive=True)
+            for member in tree:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    member.kill()
         proc.wait(30)
 
     def shutdown(self) -> None:
