@@ -97,7 +97,8 @@ def assigned_gpus(job: dict):
     """CUDA runs hold their own disjoint GPUs (distlab.gpu_alloc) while the ranks run; every
     launcher's rank environment inherits CUDA_VISIBLE_DEVICES, and devices.json records it."""
     spec = job["spec"]
-    if spec["device"] != "cuda":
+    # On an existing Ray cluster, Ray places the ranks and assigns their GPUs.
+    if spec["device"] != "cuda" or (spec["launcher"] == "ray" and spec["ray"]["address"]):
         yield None
         return
     from distlab.gpu_alloc import allocate

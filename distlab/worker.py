@@ -297,7 +297,8 @@ def summarize_run(job, ctx, strategy, described, flops, counts, lora_targets, al
     tps = tokens_per_step / timed["median"]
     peak, peak_how = peak_flops_per_rank(ctx, hardware)
     per_rank_tps = tps / ctx.world_size
-    comm_per_step = [max(c[i] for c in comm) for i in range(len(step_times))]
+    measured = all(v is not None for c in comm for v in c)
+    comm_per_step = [max(c[i] for c in comm) if measured else None for i in range(len(step_times))]
     return {
         "schema_version": M.METRICS_SCHEMA_VERSION,
         "experiment": spec["id"],
@@ -313,9 +314,11 @@ def summarize_run(job, ctx, strategy, described, flops, counts, lora_targets, al
             "step_time_s": timed,
             "how": f"wall time of each optimizer step (max over ranks), steps {warm}..{len(step_times) - 1} "
                    f"after {warm} warm-up steps; median and spread",
-            "comm_inflight_s_per_step": M.summarize(comm_per_step[warm:]),
-            "comm_how": "all-reduce launch-to-completion time per step (overlaps backward); from a DDP comm hook "
-                        "or the strategy's own counter",
+            "comm_inflight_s_per_step": M.summarize(comm_per_step[warm:] if measured else []),
+            "comm_how": ("all-reduce launch-to-completion time per step (overlaps backward); from a DDP comm hook "
+                         "or the strategy's own counter") if measured else
+                        f"not measured for strategy {spec['strategy']} (its collectives are not timed without "
+                        "changing them)",
         },
         "throughput": {
             "tokens_per_s": tps, "samples_per_s": samples_per_step / timed["median"],
@@ -336,6 +339,16 @@ def summarize_run(job, ctx, strategy, described, flops, counts, lora_targets, al
     ]
 
 
+def _nan_to_none(value):
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _nan_to_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_nan_to_none(v) for v in value]
+    return value
+
+
 def write_outputs(run_dir: str, summary) -> None:
     metrics, steps = summary
     run = Path(run_dir)
@@ -343,7 +356,8 @@ def write_outputs(run_dir: str, summary) -> None:
     with open(run / "steps.jsonl", "w") as fh:
         for row in steps:
             fh.write(json.dumps(row) + "\n")
-    (run / "metrics.json").write_text(json.dumps(metrics, indent=1, default=str))
+    # Strict JSON (no NaN): a figure that was not measured is null, with its reason beside it.
+    (run / "metrics.json").write_text(json.dumps(_nan_to_none(metrics), indent=1, default=str))
 
 
 def main(argv=None) -> None:

@@ -22,6 +22,7 @@ rule report:
         validations=this_machine_validations(),
         collectives=collectives_outputs(),
         advice=advice_outputs(),
+        kuberay=kuberay_outputs(),
     output:
         html=report(f"{RESULTS}/report/index.html", category="Report", labels={"page": "milestones"}),
         readme=report(f"{RESULTS}/report/README.md", category="Report", labels={"page": "milestones (markdown)"}),

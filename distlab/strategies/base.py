@@ -52,7 +52,6 @@ class Strategy:
         self.spec = ctx.spec
         self.model = None
         self.optimizer = None
-        self.comm_seconds = 0.0  # accumulated since the last take_comm_seconds()
 
     # -- process group ------------------------------------------------------------------
     def init_distributed(self) -> None:
@@ -98,9 +97,10 @@ class Strategy:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def take_comm_seconds(self) -> float:
-        value, self.comm_seconds = self.comm_seconds, 0.0
-        return value
+    def take_comm_seconds(self) -> float | None:
+        """Collective time since the last call, or None where this strategy does not
+        measure it (recorded as 'not measured', never as 0)."""
+        return None
 
     def unwrapped(self):
         """The plain Hugging Face module (for saving, evaluation, counting)."""

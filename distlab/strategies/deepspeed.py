@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from pathlib import Path
 
@@ -272,10 +271,10 @@ class DeepSpeedStrategy(Strategy):
         if engine.global_steps != before + 1:
             raise FidelityError("DeepSpeed's engine.step() did not advance the optimizer step")
 
-    def take_comm_seconds(self) -> float:
+    def take_comm_seconds(self) -> None:
         # DeepSpeed's comms logger makes every collective blocking to time it, which would
-        # change what is measured; so communication time is not measured (NaN, not 0).
-        return math.nan
+        # change what is measured; so communication time is not measured (None, not 0).
+        return None
 
     def unwrapped(self):
         return self.model.module

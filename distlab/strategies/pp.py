@@ -228,13 +228,13 @@ class PipelineParallelStrategy(Strategy):
         self._timings.append({"schedule_wall_s": self._step_wall, "stage_compute_s": self._step_busy})
         self._step_wall = self._step_busy = 0.0
 
-    def take_comm_seconds(self) -> float:
+    def take_comm_seconds(self) -> None:
         # The loop calls this after its step timer stops: the place to write the bubble record
         # without billing the file write to the step. (Point-to-point time is inside the
         # idle fraction, not reported as all-reduce time.)
         if self._timings and len(self._timings) > self.spec["warmup_steps"]:
             self._write_bubble()
-        return 0.0
+        return None  # point-to-point time is not measured apart from the bubble
 
     def _write_bubble(self) -> None:
         from distlab.metrics import summarize
