@@ -255,6 +255,23 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
              f"not {spec['strategy']}; use torchrun")
 
 
+def validated_experiments(config: dict, specs: dict[str, dict]) -> list[str]:
+    """Ids whose checkpoints get a validation job, per `validation.scope`."""
+    scope = config.get("validation", {}).get("scope", "per_strategy")
+    if scope == "none":
+        return []
+    if scope == "all":
+        return list(specs)
+    chosen, seen = [], set()
+    for exp_id, spec in specs.items():
+        key = (spec["strategy"], spec["method"], spec["launcher"], spec["fsdp"]["via"] if spec["strategy"] == "fsdp"
+               else None)
+        if key not in seen:
+            seen.add(key)
+            chosen.append(exp_id)
+    return chosen
+
+
 def model_shape(config: dict) -> dict:
     """The base model's shape: its config.json when a local path is given, else `model.build`."""
     model = config.get("model", {})

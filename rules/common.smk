@@ -6,7 +6,7 @@ import sys
 
 sys.path.insert(0, workflow.basedir)  # distlab/ works from a checkout without `pip install -e .`
 
-from distlab.config import ConfigError, load as load_config
+from distlab.config import ConfigError, load as load_config, validated_experiments
 from distlab.hardware import machine_tag
 from snakemake.exceptions import WorkflowError
 
@@ -91,8 +91,8 @@ def validation_gpus(wildcards):
 
 
 def this_machine_validations():
-    """validation.json of every experiment: the report waits for them (checkpoint table)."""
-    return expand(f"{RUN}/validation.json", experiment=list(SPECS))
+    """validation.json of the experiments validation.scope selects: the report waits for them."""
+    return expand(f"{RUN}/validation.json", experiment=validated_experiments(config, SPECS))
 
 
 def this_machine_metrics():

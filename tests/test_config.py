@@ -96,3 +96,15 @@ def test_schema_defaults_fill_missing_sections():
 def test_id_is_a_pure_function_of_the_spec():
     spec = dict(EXPERIMENT_DEFAULTS, stage="ddp", launcher="torchrun")
     assert experiment_id(spec) == experiment_id(copy.deepcopy(spec)) == "ddp-full-w1-mb4-ga1"
+
+
+def test_validation_scope_picks_one_experiment_per_strategy_method_and_launcher():
+    from distlab.config import validated_experiments
+
+    cfg = ddp_config({"world_size": 1, "micro_batch": 8}, {"world_size": 2}, {"world_size": 2, "method": "lora"})
+    cfg, specs = load(cfg, gpu_count=0)
+    assert validated_experiments(cfg, specs) == ["ddp-full-w1-mb8-ga1", "ddp-lora-w2-mb4-ga1"]
+    cfg["validation"]["scope"] = "all"
+    assert validated_experiments(cfg, specs) == list(specs)
+    cfg["validation"]["scope"] = "none"
+    assert validated_experiments(cfg, specs) == []

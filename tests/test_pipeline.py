@@ -8,17 +8,16 @@ import yaml
 
 from conftest import snakemake, tiny_config
 
-STAGES = {"ddp": {"experiments": [{"world_size": 1, "micro_batch": 8},
-                                  {"world_size": 2, "micro_batch": 4}]}}
+from report_fixtures import MACHINE, STAGES
+
+pytest_plugins = ["report_fixtures"]
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """One complete run of the real workflow (data prep, model, hardware, 2 trainings, report)."""
-    work = tmp_path_factory.mktemp("pipeline")
-    cfg = tiny_config(STAGES, machine="laptop")
-    snakemake(work, "--cores", "2", config=cfg)
-    return work, cfg
+def finished(finished_pipeline):
+    """The session's complete run of the real workflow (2 trainings, validation, report).
+    These tests only read it or dry-run against it."""
+    return finished_pipeline
 
 
 def scheduled_jobs(proc_stdout: str) -> dict:
@@ -30,10 +29,10 @@ def scheduled_jobs(proc_stdout: str) -> dict:
 def test_pipeline_produces_measured_stage1_report(finished):
     work, _ = finished
     results = work / "results"
-    metrics = json.loads((results / "laptop" / "ddp-full-w2-mb4-ga1" / "metrics.json").read_text())
+    metrics = json.loads((results / MACHINE / "ddp-full-w2-mb4-ga1" / "metrics.json").read_text())
     assert metrics["actual"]["world_size"] == 2 and metrics["status"] == "ok"
-    assert metrics["timing"]["step_time_s"]["n"] == 4 and metrics["throughput"]["tokens_per_s"] > 0
-    assert (results / "laptop" / "hardware.json").is_file()
+    assert metrics["timing"]["step_time_s"]["n"] == 6 and metrics["throughput"]["tokens_per_s"] > 0
+    assert (results / MACHINE / "hardware.json").is_file()
     summary = (results / "summary.csv").read_text().splitlines()
     assert len(summary) == 3 and summary[0].startswith("machine,")
     html = (results / "report" / "index.html").read_text()
@@ -43,7 +42,7 @@ def test_pipeline_produces_measured_stage1_report(finished):
 
 
 def test_benchmark_and_log_recorded_for_training_jobs(finished):
-    run = finished[0] / "results" / "laptop" / "ddp-full-w1-mb8-ga1"
+    run = finished[0] / "results" / MACHINE / "ddp-full-w1-mb8-ga1"
     assert (run / "benchmark.tsv").read_text().startswith("s\t")
     assert (run / "train.log").is_file()
 

@@ -159,6 +159,19 @@ class Strategy:
         raise NotImplementedError(f"{self.name} has no checkpoint load yet")
 
 
+class ModelParallel:
+    """Mixin for model-parallel strategies (TP, PP): the ranks split the model, not the data,
+    so every rank reads the whole batch (data-parallel size 1, rank 0 for the sampler)."""
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return 0
+
+    @property
+    def data_parallel_size(self) -> int:
+        return 1
+
+
 def local_device(spec: dict) -> torch.device:
     """cuda:<LOCAL_RANK> or cpu, exactly as the spec says: never a silent fallback."""
     if spec["device"] == "cuda":

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from distlab.model import decoder_layers
-from distlab.strategies.base import FidelityError, Strategy, autocast
+from distlab.strategies.base import FidelityError, ModelParallel, Strategy, autocast
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -154,17 +154,9 @@ class ComputeTimer:
         return busy
 
 
-class PipelineParallelStrategy(Strategy):
+class PipelineParallelStrategy(ModelParallel, Strategy):
     name = "pp"
     expected_wrappers = ("PipelineStage",)
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return 0
-
-    @property
-    def data_parallel_size(self) -> int:
-        return 1
 
     def wrap(self, model) -> None:
         if self.spec["method"] != "full":

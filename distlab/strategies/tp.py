@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from distlab.model import decoder_layers
-from distlab.strategies.base import FidelityError, Strategy
+from distlab.strategies.base import FidelityError, ModelParallel, Strategy
 
 #: HF plan styles this module applies; anything else in a decoder-layer plan is refused.
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -48,17 +48,9 @@ def layer_plan(model) -> dict[str, str]:
     return out
 
 
-class TensorParallelStrategy(Strategy):
+class TensorParallelStrategy(ModelParallel, Strategy):
     name = "tp"
     expected_wrappers = ()
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return 0
-
-    @property
-    def data_parallel_size(self) -> int:
-        return 1
 
     def wrap(self, model) -> None:
         if self.spec["method"] != "full":

@@ -63,15 +63,16 @@ def checkpoint_card(runs: list[dict]) -> Card | None:
     if failed:
         reasons = "; ".join(f"{r['experiment']}: {v.get('reason', v.get('status'))}" for r, v in pairs
                             if not v.get("passed"))
-        card.goals.append(Goal("minimal", "Every trained experiment's checkpoint validated", FAILED,
+        card.goals.append(Goal("minimal", "Every validated checkpoint passed reload, reshard, resume and export", FAILED,
                                f"{len(pairs) - len(failed)} of {len(pairs)} validated; {reasons}", links))
     else:
-        card.goals.append(Goal("minimal", "Every trained experiment's checkpoint validated", PASSED,
+        card.goals.append(Goal("minimal", "Every validated checkpoint passed reload, reshard, resume and export", PASSED,
                                f"all {len(pairs)} checkpoints reloaded, resumed and exported within tolerance",
                                links))
     unvalidated = [r["experiment"] for r in runs if r.get("status") == "ok" and validation_of(r) is None]
     if unvalidated:
-        card.notes.append(f"No validation.json yet for: {', '.join(unvalidated)} ({NOT_RUN}).")
+        card.notes.append(f"Not validated ({NOT_RUN}; config validation.scope, default: the first experiment of "
+                          f"each strategy x method x launcher): {', '.join(unvalidated)}.")
     from distlab.validate import MERGE_TOLERANCE, PARITY_TOLERANCE, RELOAD_TOLERANCE
 
     tolerances = {"reload, reshard and export logits": RELOAD_TOLERANCE, "merged LoRA export": MERGE_TOLERANCE,
