@@ -98,7 +98,7 @@ def assigned_gpus(job: dict):
     launcher's rank environment inherits CUDA_VISIBLE_DEVICES, and devices.json records it."""
     spec = job["spec"]
     # On an existing Ray cluster, Ray places the ranks and assigns their GPUs.
-    if spec["device"] != "cuda" or (spec["launcher"] == "ray" and spec.get("ray", {}).get("address")):
+    if spec["device"] != "cuda" or (spec.get("launcher") == "ray" and spec.get("ray", {}).get("address")):
         yield None
         return
     from distlab.gpu_alloc import allocate
