@@ -5,7 +5,12 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+# The embedded default. A config file given with --configfile (a preset, the GPU kit) is a
+# whole config and replaces it rather than merging: merged, their stages would add up.
+# --config key=value still edits the default.
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
 
 
 include: "rules/common.smk"

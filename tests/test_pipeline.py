@@ -81,3 +81,18 @@ def test_workflow_passes_snakemakes_linter(tmp_path):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(tiny_config(STAGES)))
     proc = snakemake(tmp_path, "--lint", "--configfile", str(tmp_path / "c.yaml"), check=False)
     assert "Congratulations" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_a_config_file_on_the_command_line_replaces_the_embedded_default(tmp_path, monkeypatch):
+    import shutil
+
+    from conftest import REPO
+
+    (tmp_path / "config").mkdir()
+    shutil.copy(REPO / "config" / "config.yaml", tmp_path / "config" / "config.yaml")
+    monkeypatch.setenv("DISTLAB_GPU_COUNT", "1")
+    gpu = snakemake(tmp_path, "-n", "--configfile", str(REPO / "config" / "gpu_check.yaml"))
+    assert scheduled_jobs(gpu.stdout)["train"] == 4  # the GPU kit's experiments only, no default stage
+    monkeypatch.setenv("DISTLAB_GPU_COUNT", "0")
+    default = snakemake(tmp_path, "-n", "--config", "machine=other")
+    assert scheduled_jobs(default.stdout)["train"] >= 20  # --config edits the default, which still applies
