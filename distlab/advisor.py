@@ -257,7 +257,8 @@ def check_against_runs(advice: dict, runs: list[dict], tolerance: float = 0.25) 
         est = {r["key"]: r for r in estimate(shape, workload, spec["world_size"])}[key]
         # Measured state counts every tensor the rank holds, wherever it lives (offload included).
         expected = est["params"] + est["grads"] + est["optimizer"] + est["cpu_offloaded"]
-        measured = sum(held.get(k, 0) for k in ("params", "grads", "optimizer"))
+        measured = sum(held.get(k, 0) or 0 for k in ("params", "grads", "optimizer", "offloaded_params",
+                                                     "offloaded_grads", "offloaded_optimizer"))
         ratio = measured / expected if expected else None
         parts = []
         for part in ("params", "grads", "optimizer"):
