@@ -45,6 +45,16 @@ class Card:
     notes: list[str] = field(default_factory=list)
 
 
+def tokens_per_s(run) -> tuple[float, float, float]:
+    """(median, low, high) tokens/s: collect's spread over repeats when it computed one,
+    else from the step-time interquartile range."""
+    stats = run.get("_throughput")
+    if stats:
+        return stats["median"], stats["low"], stats["high"]
+    tokens, st = run["throughput"]["tokens_per_step"], run["timing"]["step_time_s"]
+    return tokens / st["median"], tokens / st["p75"], tokens / st["p25"]
+
+
 def ok_runs(runs: list[dict], stage: str) -> list[dict]:
     return [r for r in runs if r["stage"] == stage and r.get("status") == "ok"]
 

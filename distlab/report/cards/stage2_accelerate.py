@@ -12,7 +12,7 @@ import os
 
 from matplotlib.ticker import ScalarFormatter
 
-from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs
+from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs, tokens_per_s
 from distlab.report.plots import figure, loss_curves, to_png_b64
 
 STAGE = "accelerate"
@@ -47,15 +47,6 @@ def stepped_as_asked(run) -> str | None:
     if counts.get("micro_batches") != steps * run["spec"]["grad_accum"]:
         return f"{counts.get('micro_batches')} micro-batches for {steps} steps x ga {run['spec']['grad_accum']}"
     return None
-
-
-def tokens_per_s(run) -> tuple[float, float, float]:
-    """(median, low, high) tokens/s: collect's spread when it computed one, else the IQR."""
-    stats = run.get("_throughput")
-    if stats:
-        return stats["median"], stats["low"], stats["high"]
-    tokens, st = run["throughput"]["tokens_per_step"], run["timing"]["step_time_s"]
-    return tokens / st["median"], tokens / st["p75"], tokens / st["p25"]
 
 
 def config_pairs(runs: list[dict]) -> list[tuple[dict, dict]]:

@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs
+from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs, tokens_per_s
 from distlab.report.collect import clear_winner
 from distlab.report.plots import loss_curves, to_png_b64
 
@@ -72,14 +72,6 @@ def peak_mib(run: dict) -> tuple[float | None, str]:
         return max(cuda) / MIB, "torch.cuda.max_memory_allocated"
     rss = [m["peak_rss_bytes"] for m in per_rank if m.get("peak_rss_bytes")]
     return (max(rss) / MIB, "peak RSS of the rank process") if rss else (None, "")
-
-
-def tokens_per_s(run) -> tuple[float, float, float]:
-    stats = run.get("_throughput")
-    if stats:
-        return stats["median"], stats["low"], stats["high"]
-    tokens, st = run["throughput"]["tokens_per_step"], run["timing"]["step_time_s"]
-    return tokens / st["median"], tokens / st["p75"], tokens / st["p25"]
 
 
 def row(run: dict, label: str) -> dict:
