@@ -139,3 +139,13 @@ def test_snakemake_report_zip_has_categories_and_labels(finished_pipeline):
     for produced in ("summary.csv", "index.html", "collectives.json", "advice.md"):
         assert produced in text, produced
     assert Path(work / "report.zip").stat().st_size > 10_000
+
+
+def test_overview_counts_a_stage_whose_bonus_goals_only_partly_ran():
+    from distlab.report.build import overview_card
+    from distlab.report.cards import NOT_RUN, PASSED, Card, Goal
+
+    card = Card(5, "Stage 5", goals=[Goal("minimal", "ran", PASSED), Goal("bonus", "a", PASSED),
+                                     Goal("bonus", "b", NOT_RUN), Goal("bonus", "c", NOT_RUN)])
+    row = overview_card([card], [], {}).tables[0].frame.iloc[0]
+    assert row["minimal"] == PASSED and row["bonus"] == "1 of 3 passed"
