@@ -102,6 +102,10 @@ class Strategy:
         measure it (recorded as 'not measured', never as 0)."""
         return None
 
+    def finish(self) -> None:
+        """Once on every rank after the last step, outside any timer: write what the
+        strategy measured across the whole run (e.g. the pipeline bubble)."""
+
     def unwrapped(self):
         """The plain Hugging Face module (for saving, evaluation, counting)."""
         return self.model

@@ -221,12 +221,11 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
         self._step_wall = self._step_busy = 0.0
 
     def take_comm_seconds(self) -> None:
-        # The loop calls this after its step timer stops: the place to write the bubble record
-        # without billing the file write to the step. (Point-to-point time is inside the
-        # idle fraction, not reported as all-reduce time.)
-        if self._timings and len(self._timings) > self.spec["warmup_steps"]:
+        return None  # point-to-point time is inside the measured idle fraction, not timed apart
+
+    def finish(self) -> None:
+        if len(self._timings) > self.spec["warmup_steps"]:
             self._write_bubble()
-        return None  # point-to-point time is not measured apart from the bubble
 
     def _write_bubble(self) -> None:
         from distlab.metrics import summarize
