@@ -24,14 +24,21 @@ GPU_PEAK_BF16 = {
 
 
 def _nvml():
-    """pynvml, initialised; None when there is no NVIDIA driver (the normal CPU case)."""
-    try:
-        import pynvml
+    """pynvml, initialised; None when there is no NVIDIA driver (the normal CPU case).
 
+    Any other NVML failure is raised: treating a broken driver as "no GPU" would silently
+    turn device 'auto' into a CPU run on a GPU machine.
+    """
+    import pynvml
+
+    try:
         pynvml.nvmlInit()
-        return pynvml
-    except Exception:  # NVMLError_LibraryNotFound / DriverNotLoaded on machines without GPUs
+    except (pynvml.NVMLError_LibraryNotFound, pynvml.NVMLError_DriverNotLoaded):
         return None
+    except pynvml.NVMLError as exc:
+        raise RuntimeError(f"NVML is installed but failed to start ({exc}); fix the NVIDIA driver, or set "
+                           "device: cpu explicitly") from exc
+    return pynvml
 
 
 def gpu_count() -> int:

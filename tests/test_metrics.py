@@ -40,3 +40,24 @@ def test_only_allow_listed_environment_lands_in_results(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "secret")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert M.allowed_environment(["OMP_NUM_THREADS"]) == {"OMP_NUM_THREADS": "1"}
+
+
+def test_a_machine_without_an_nvidia_driver_has_no_gpus_but_a_broken_driver_is_an_error(monkeypatch):
+    import pynvml
+    import pytest
+
+    from distlab import hardware
+
+    monkeypatch.delenv("DISTLAB_GPU_COUNT", raising=False)
+
+    def missing():
+        raise pynvml.NVMLError_LibraryNotFound()
+
+    def broken():
+        raise pynvml.NVMLError_Unknown()
+
+    monkeypatch.setattr(pynvml, "nvmlInit", missing)
+    assert hardware.gpu_count() == 0
+    monkeypatch.setattr(pynvml, "nvmlInit", broken)
+    with pytest.raises(RuntimeError, match="NVML"):
+        hardware.gpu_count()
