@@ -257,7 +257,7 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     start_step = checkpoints.resume()
     result = train(ctx, strategy, train_blocks, start_step=start_step, stream=checkpoints.stream,
                    on_step_end=checkpoints.on_step_end, records=checkpoints.records)
-    strategy.finish()
+    described.update(strategy.finish() or {})
     stream, records = result["stream"], result["records"]
     state_bytes = result["state_bytes"]
     memory = memory_record(ctx)

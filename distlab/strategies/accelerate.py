@@ -41,8 +41,7 @@ class AccelerateStrategy(Strategy):
         self.fsdp = uses_accelerate_fsdp(self.spec)
         self.accelerator = None
         self.hook = None
-        # Counted as they happen; describe() hands out this dict, which the worker writes
-        # after training, so the counts there are the final ones.
+        # Counted as they happen; finish() reports the final counts.
         self.counts = {"micro_batches": 0, "gradient_syncs": 0, "optimizer_steps_taken": 0,
                        "optimizer_steps_skipped": 0, "allreduce_calls": 0}
 
@@ -172,9 +171,12 @@ class AccelerateStrategy(Strategy):
             "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
             "fsdp_sharded_modules": sum(isinstance(m, FSDPModule) for m in self.model.modules()),
             "launched_with": self._launch_config(),
-            "counts": self.counts,
+            "counts": dict(self.counts),
         }
         return described
+
+    def finish(self) -> dict:
+        return {"accelerate": {**self.describe()["accelerate"], "counts": dict(self.counts)}}
 
     def _launch_config(self) -> dict | None:
         """The config file `accelerate launch` read (spec launcher accelerate), with what the

@@ -102,9 +102,11 @@ class Strategy:
         measure it (recorded as 'not measured', never as 0)."""
         return None
 
-    def finish(self) -> None:
-        """Once on every rank after the last step, outside any timer: write what the
-        strategy measured across the whole run (e.g. the pipeline bubble)."""
+    def finish(self) -> dict | None:
+        """Once on every rank after the last step, outside any timer: what the strategy
+        measured across the whole run. Returned keys are merged into the run's `actual`
+        record (rank 0's); a strategy may also write side files (the pipeline bubble)."""
+        return None
 
     def unwrapped(self):
         """The plain Hugging Face module (for saving, evaluation, counting)."""
