@@ -1,0 +1,1 @@
+"""distlab: the distributed-training roadmap as one reproducible Snakemake pipeline."""
