@@ -84,23 +84,12 @@ class Phase:
 
     def build(self, spec: dict):
         """A fresh model + strategy exactly as the worker builds them; returns (strategy, signature)."""
-        import torch
-
-        from distlab import checkpoint as ckpt
-        from distlab.lora import apply_lora
-        from distlab.model import load_model
+        from distlab.model_setup import prepare_model
 
         self.ctx.spec = spec
-        torch.manual_seed(spec["seed"])
-        model = load_model(self.job["model_source"])
-        if spec["method"] == "lora":
-            model, _ = apply_lora(model, spec["lora"], spec["seed"])
-        signature = ckpt.model_signature(model)
         strategy = self.strategy_cls(self.ctx)
         strategy.init_distributed()  # joins the existing group; some strategies set up their state here
-        strategy.wrap(model)
-        strategy.verify(strategy.describe())
-        return strategy, signature
+        return strategy, prepare_model(strategy, self.job["model_source"], spec).signature
 
     def consolidated_logits(self, strategy):
         """Collective: the strategy's full state in a plain HF model, its logits on rank 0."""

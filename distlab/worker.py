@@ -20,8 +20,7 @@ from distlab import checkpoint as ckpt
 from distlab import metrics as M
 from distlab.data import load_blocks
 from distlab.loop import IndexStream, gather, train
-from distlab.lora import apply_lora, parameter_counts
-from distlab.model import load_model
+from distlab.model_setup import prepare_model
 from distlab.strategies import strategy_for
 from distlab.strategies.base import RunContext, local_device
 
@@ -237,17 +236,9 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     strategy.init_distributed()
     ctx.rank, ctx.world_size = dist.get_rank(), dist.get_world_size()
 
-    torch.manual_seed(spec["seed"])
-    model = load_model(job["model_source"])
-    flops = M.model_flops_per_token(model, spec["seq_len"])
-    lora_targets = None
-    if spec["method"] == "lora":
-        model, lora_targets = apply_lora(model, spec["lora"], spec["seed"])
-    counts = parameter_counts(model)
-    signature = ckpt.model_signature(model)  # before a wrapper shards the parameters
-    strategy.wrap(model)
-    described = strategy.describe()
-    strategy.verify(described)
+    prepared = prepare_model(strategy, job["model_source"], spec)
+    described, flops, counts = prepared.described, prepared.flops, prepared.parameter_counts
+    lora_targets, signature = prepared.lora_targets, prepared.signature
 
     train_blocks = load_blocks(job["data_dir"], "train")
     if train_blocks.shape[1] != spec["seq_len"]:

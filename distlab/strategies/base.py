@@ -72,6 +72,14 @@ class Strategy:
         return dist.get_world_size()
 
     # -- model --------------------------------------------------------------------------
+    def load_model(self, model_source: str):
+        """The model this rank starts from, before LoRA and wrap(): by default every rank
+        loads the whole model (fp32, host memory). Strategies that shard or split the model
+        override this so that no rank ever holds more than its part (distlab.model_setup)."""
+        from distlab.model import load_model
+
+        return load_model(model_source)
+
     def build_optimizer(self, params):
         return torch.optim.AdamW(params, lr=self.spec["lr"], weight_decay=self.spec["weight_decay"])
 

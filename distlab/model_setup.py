@@ -1,0 +1,43 @@
+"""Build one rank's model the one way every caller shares (training and checkpoint
+validation): the strategy loads it, LoRA is applied, the strategy wraps it, and the result
+is checked against the spec.
+
+The strategy's `load_model` decides what this rank materialises (the whole model, a
+meta-device skeleton it shards before loading weights, only its pipeline stage, ...);
+`wrap` must end with real weights for what this rank holds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class PreparedModel:
+    signature: dict  # config + parameter shapes before any wrapper shards them (checkpoint identity)
+    parameter_counts: dict  # total / trainable (LoRA applied)
+    lora_targets: list | None  # module names LoRA adapted, None for full fine-tuning
+    flops: dict  # FLOPs per token of the model as built (distlab.metrics)
+    described: dict  # what wraps the model, really (Strategy.describe), already verified
+
+
+def prepare_model(strategy, model_source: str, spec: dict) -> PreparedModel:
+    """strategy.load_model -> LoRA -> strategy.wrap -> strategy.verify; collective."""
+    import torch
+
+    from distlab import checkpoint as ckpt
+    from distlab import metrics as M
+    from distlab.lora import apply_lora, parameter_counts
+
+    torch.manual_seed(spec["seed"])
+    model = strategy.load_model(model_source)
+    flops = M.model_flops_per_token(model, spec["seq_len"])
+    lora_targets = None
+    if spec["method"] == "lora":
+        model, lora_targets = apply_lora(model, spec["lora"], spec["seed"])
+    counts = parameter_counts(model)
+    signature = ckpt.model_signature(model)  # before a wrapper shards the parameters
+    strategy.wrap(model)
+    described = strategy.describe()
+    strategy.verify(described)
+    return PreparedModel(signature=signature, parameter_counts=counts, lora_targets=lora_targets, flops=flops,
+                         described=described)
