@@ -102,8 +102,9 @@ def train(ctx: RunContext, strategy: Strategy, train_blocks: torch.Tensor, start
         for micro in range(n_micro):
             indices = stream.next()
             consumed.extend(indices)
-            batch = train_blocks[indices].to(ctx.device, non_blocking=True)
-            loss = strategy.forward_backward(batch, micro, n_micro)
+            input_ids = train_blocks[indices].to(ctx.device, non_blocking=True)
+            # Causal LM on packed text: every token is a label (HF shifts them inside the model).
+            loss = strategy.forward_backward({"input_ids": input_ids, "labels": input_ids}, micro, n_micro)
             if loss is not None:  # pipeline stages without the loss return None
                 losses.append(loss)
         if step == spec["steps"] - 1:

@@ -95,7 +95,8 @@ def _rank_main(job_path: str) -> None:
     def step(strategy, index):
         mb = strategy.spec["micro_batch"]
         start = (index * strategy.data_parallel_size + strategy.data_parallel_rank) * mb
-        strategy.forward_backward(blocks[start:start + mb], 0, 1)
+        ids = blocks[start:start + mb]
+        strategy.forward_backward({"input_ids": ids, "labels": ids}, 0, 1)
         strategy.optimizer_step()
 
     def same(a, b):

@@ -101,7 +101,7 @@ class AccelerateStrategy(Strategy):
     def _count_step(self, optimizer, args, kwargs) -> None:
         self.counts["optimizer_steps_taken"] += 1
 
-    def forward_backward(self, input_ids: torch.Tensor, micro_index: int, n_micro: int) -> torch.Tensor:
+    def forward_backward(self, batch: dict, micro_index: int, n_micro: int) -> torch.Tensor:
         accelerator = self.accelerator
         if n_micro != accelerator.gradient_accumulation_steps:
             raise FidelityError(f"the loop accumulates {n_micro} micro-batches per step, Accelerate "
@@ -112,7 +112,7 @@ class AccelerateStrategy(Strategy):
             if accelerator.sync_gradients != (micro_index == n_micro - 1):
                 raise FidelityError(f"Accelerate's sync_gradients is {accelerator.sync_gradients} on "
                                     f"micro-batch {micro_index + 1} of {n_micro}")
-            loss = self.model(input_ids=input_ids, labels=input_ids).loss
+            loss = self.model(**batch).loss
             accelerator.backward(loss)  # divides by gradient_accumulation_steps
         self.counts["micro_batches"] += 1
         self.counts["gradient_syncs"] += int(accelerator.sync_gradients)

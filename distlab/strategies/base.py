@@ -94,10 +94,12 @@ class Strategy:
         """Context for one micro-batch's backward; data-parallel wrappers skip sync until the last."""
         return contextlib.nullcontext()
 
-    def forward_backward(self, input_ids: torch.Tensor, micro_index: int, n_micro: int) -> torch.Tensor:
+    def forward_backward(self, batch: dict, micro_index: int, n_micro: int) -> torch.Tensor:
+        """One micro-batch: batch = {"input_ids", "labels"} ([micro_batch, seq_len] each; a
+        label of -100 is not trained on). Returns the detached loss (None on ranks without it)."""
         with self.sync_context(micro_index == n_micro - 1):
             with autocast(self.spec, self.ctx.device):
-                loss = self.model(input_ids=input_ids, labels=input_ids).loss
+                loss = self.model(**batch).loss
             (loss / n_micro).backward()
         return loss.detach()
 

@@ -248,13 +248,13 @@ class DeepSpeedStrategy(Strategy):
                                                        config=self.config_path)
         self.model, self.optimizer = engine, optimizer
 
-    def forward_backward(self, input_ids, micro_index: int, n_micro: int):
+    def forward_backward(self, batch, micro_index: int, n_micro: int):
         engine = self.model
         if n_micro != engine.gradient_accumulation_steps():
             raise FidelityError(f"the loop accumulates {n_micro} micro-batches but the DeepSpeed engine "
                                 f"{engine.gradient_accumulation_steps()}")
         # bf16/fp16 are DeepSpeed's (low-precision module + fp32 master), not autocast.
-        loss = engine(input_ids=input_ids, labels=input_ids).loss
+        loss = engine(**batch).loss
         engine.backward(loss)  # scales by 1/gradient_accumulation_steps
         if engine.global_steps == self.spec["steps"] - 1:
             self._record_peak_state()

@@ -55,12 +55,12 @@ class FSDPStrategy(Strategy):
         self.model.set_requires_gradient_sync(is_last_micro)
         return super().sync_context(is_last_micro)
 
-    def forward_backward(self, input_ids, micro_index, n_micro):
+    def forward_backward(self, batch, micro_index, n_micro):
         if not self.mixed_precision:
-            return super().forward_backward(input_ids, micro_index, n_micro)
+            return super().forward_backward(batch, micro_index, n_micro)
         # MixedPrecisionPolicy already casts parameters: autocast on top would be a second policy.
         with self.sync_context(micro_index == n_micro - 1):
-            loss = self.model(input_ids=input_ids, labels=input_ids).loss
+            loss = self.model(**batch).loss
             (loss / n_micro).backward()
         return loss.detach()
 

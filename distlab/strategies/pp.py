@@ -199,13 +199,14 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
 
             setattr(self.stage, name, timed)
 
-    def forward_backward(self, input_ids, micro_index, n_micro):
+    def forward_backward(self, batch, micro_index, n_micro):
         self._n_micro = n_micro
         losses = [] if self.last else None
         start = time.perf_counter()
         with autocast(self.spec, self.ctx.device):
-            args = (input_ids,) if self.first else ()
-            self.schedule.step(*args, target=input_ids if self.last else None, losses=losses, return_outputs=False)
+            args = (batch["input_ids"],) if self.first else ()
+            self.schedule.step(*args, target=batch["labels"] if self.last else None, losses=losses,
+                               return_outputs=False)
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
         self._step_wall += time.perf_counter() - start
