@@ -20,21 +20,17 @@ OUT_DIR=${1:-${OUT:-$REPO/build/gpu_check_out}}
 WORK=$REPO/build/gpu_check
 PY=${PYTHON:-python3}
 
-if ! "$PY" - <<'PYEOF' 2>/dev/null
-import sys
-import torch
-sys.exit(0 if torch.cuda.is_available() and torch.cuda.device_count() > 0 else 1)
-PYEOF
-then
-  echo "gpu_check: no CUDA GPU visible to torch on this machine ($(hostname)); nothing was run." >&2
-  exit 2
-fi
-
 if compgen -G ".whl/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
+# Preflight (distlab/gpu_preflight.py): torch >= the project's lowest, every import the
+# jobs need and their own requirements, the torch APIs used, CUDA and free memory. It says
+# exactly what is missing; 2 = no CUDA GPU, 3 = something else is missing.
+"$PY" -m distlab.gpu_preflight --min-free-gib "${DISTLAB_MIN_FREE_GIB:-8}"
+preflight=$?
+[ $preflight -eq 0 ] || exit $preflight
 mkdir -p "$WORK" "$OUT_DIR"
 {
   echo "date: $(date -u +%FT%TZ)"
