@@ -1,35 +1,100 @@
 #!/usr/bin/env bash
-# Wheels for the GPU check kit: the packages distlab needs that the GPU machine's image
-# lacks (it has torch, transformers, peft, accelerate, pandas, matplotlib, pynvml, but no
-# snakemake, datasets or deepspeed and no network). Run here, where pip works:
-#   bash benchmarks/gpu_wheels.sh      -> .whl/ (git-ignored), carried with the working tree
+# Wheels for the GPU check kit: every package the kit's jobs need that the GPU box's image
+# lacks (snakemake, datasets, jsonschema, deepspeed and all of their own requirements:
+# platformdirs, connection_pool, pulp, ...), for the box's Python, WITHOUT torch (the box's
+# CUDA torch is the one to use). Run where pip reaches a package index:
+#
+#   bash benchmarks/gpu_wheels.sh                -> .whl/ (git-ignored), carried to the box
+#
+# Settings (environment variables):
+#   PYTHON_VERSION  the target interpreter, e.g. 3.12 (default: the box's, 3.12)
+#   PLATFORMS       space-separated wheel platforms (default: manylinux x86_64 tags)
+#   DEST            the wheel folder to fill (default: .whl)
+#   CACHE           where the whole closure is built once and reused (default: build/wheel-cache/py<ver>)
+#   KEEP_BOX=1      keep the packages the box already has (a clean venv needs them: the test)
+#
+# How: `pip wheel` builds or fetches a wheel of every requirement and dependency for the
+# interpreter running this script (some, like connection_pool, are sdist-only: built here
+# as pure-Python wheels); each compiled wheel is then swapped for the target version's
+# build. deepspeed is built with --no-deps (its torch requirement must not pull a torch);
+# its other requirements are named below. Ray is not in the set: the kit runs no Ray
+# experiment and distlab imports ray only in its Ray launcher (and ray[train] alone is
+# ~70 MB, over what one device call may carry with the rest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-rm -rf .whl && mkdir -p .whl
-PLAT=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
-      --platform manylinux1_x86_64)
-# 1. Wheels of everything, built or fetched for this Python (some deps are sdist-only).
-python3 -m pip wheel -q -w .whl "snakemake==9.27.1" "datasets==5.2.0" "jsonschema==4.26.0" "pydantic>=2" hjson
-# deepspeed alone, without its torch requirement (the GPU image's torch is the one to use).
-DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps --no-build-isolation -w .whl "deepspeed==0.19.8"
-# 2. Compiled wheels are per Python version: swap each for its cp312 build (the GPU image's Python).
-for whl in .whl/*-cp3[0-9]*-*.whl .whl/*-py3[0-9]*-none-*.whl; do
-  [ -e "$whl" ] || continue
-  base=$(basename "$whl"); name=${base%%-*}; ver=$(echo "$base" | cut -d- -f2)
-  rm -f "$whl"
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    "${PLAT[@]}" -d .whl "$name==$ver"
+PYTHON=${PYTHON:-python3}
+HERE_VERSION=$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+PYTHON_VERSION=${PYTHON_VERSION:-3.12}
+PLATFORMS=${PLATFORMS:-"manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64"}
+DEST=${DEST:-.whl}
+CACHE=${CACHE:-build/wheel-cache/py$PYTHON_VERSION}
+KEEP_BOX=${KEEP_BOX:-0}
+
+# The kit's package set beyond torch (versions: those distlab is tested with).
+REQUIREMENTS=("snakemake==9.27.1" "datasets==5.2.0" "jsonschema==4.26.0" "platformdirs==4.14.9")
+DEEPSPEED="deepspeed==0.19.8"
+DEEPSPEED_DEPS=("hjson==3.1.0" "pydantic==2.13.4" "py-cpuinfo" "msgpack" "ninja" "einops" "nvidia-ml-py")
+
+# What the box's image already holds (.library/device/KINDS.md, read 2026-11-17): its own
+# builds are used, not shadowed by ours.
+BOX_HAS="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
+certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
+cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock
+flatbuffers flax fonttools formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx
+huggingface-hub humanize hypothesis idna imageio iniconfig interface-meta jax jax-cuda13-pjrt
+jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib kiwisolver lazy-loader lightning lightning-utilities
+linear-operator lineax llvmlite lxml markdown markdown-it-py markupsafe matplotlib mdurl meson ml-dtypes
+mpi4py mpmath msgpack multidict multipledispatch mypy-extensions nanobind narwhals networkx ninja numba
+numba-cuda numpy numpyro nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc nvidia-cuda-runtime
+nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand nvidia-cusolver nvidia-cusparse
+nvidia-cusparselt-cu13 nvidia-ml-py nvidia-nccl-cu13 nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx onnx
+onnx-ir onnxruntime onnxscript opencv-python-headless optax opt-einsum opt-einsum-fx optimistix
+orbax-checkpoint packaging pandas pathspec patsy peft pillow pip pluggy portalocker prometheus-client
+propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments pyparsing pyproject-hooks pyre-extensions
+pytest pytest-benchmark pytest-cov pytest-mock pytest-timeout pytest-xdist python-dateutil pytorch-lightning
+pyyaml regex requests rich sacrebleu safetensors scikit-build-core scikit-image scikit-learn scipy seaborn
+sentencepiece sentence-transformers setuptools shellingham simplejson six sortedcontainers statsmodels sympy
+tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm tokenizers
+toolz torch torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope
+triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray
+xxhash yarl zipp"
+
+normalize() { echo "$1" | tr 'A-Z_.' 'a-z--'; }
+inputs="v2|$PYTHON_VERSION|$PLATFORMS|${REQUIREMENTS[*]}|$DEEPSPEED|${DEEPSPEED_DEPS[*]}"
+
+# 1. The whole closure, once per input set (a stamp file says what the cache holds).
+if [ "$(cat "$CACHE/.inputs" 2>/dev/null)" != "$inputs" ]; then
+  rm -rf "$CACHE" && mkdir -p "$CACHE"
+  "$PYTHON" -m pip wheel -q -w "$CACHE" "${REQUIREMENTS[@]}" "${DEEPSPEED_DEPS[@]}"
+  DS_BUILD_OPS=0 "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w "$CACHE" "$DEEPSPEED"
+  # No torch, nor the CUDA libraries a torch would pull (nvidia_ml_py, NVML's bindings, stays).
+  find "$CACHE" -name 'torch-[0-9]*.whl' -o -name 'triton-[0-9]*.whl' -o -name 'cuda_*.whl' \
+    -o -name 'nvidia_*.whl' ! -name 'nvidia_ml_py-*' | xargs -r rm -f
+  # 2. Compiled wheels are per Python version and platform: swap each for the target's build.
+  if [ "$PYTHON_VERSION" != "$HERE_VERSION" ] || [ -n "${FORCE_SWAP:-}" ]; then
+    plat_args=(); for p in $PLATFORMS; do plat_args+=(--platform "$p"); done
+    for whl in "$CACHE"/*.whl; do
+      base=$(basename "$whl"); tags=${base%.whl}; abi=$(echo "$tags" | rev | cut -d- -f2 | rev)
+      [ "$abi" = "none" ] && [[ "$tags" == *-any ]] && continue  # pure Python: fits every version
+      name=${base%%-*}; version=$(echo "$base" | cut -d- -f2)
+      rm -f "$whl"
+      "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYTHON_VERSION" \
+        --implementation cp "${plat_args[@]}" -d "$CACHE" "$name==$version"
+    done
+  fi
+  echo "$inputs" > "$CACHE/.inputs"
+fi
+
+# 3. DEST = the closure, less what the box has (unless KEEP_BOX=1).
+if [ "$DEST" = ".whl" ]; then
+  grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+fi
+rm -rf "$DEST" && mkdir -p "$DEST"
+for whl in "$CACHE"/*.whl; do
+  name=$(normalize "$(basename "$whl" | cut -d- -f1)")
+  if [ "$KEEP_BOX" != 1 ] && [[ " $(echo $BOX_HAS) " == *" $name "* ]]; then
+    continue
+  fi
+  cp "$whl" "$DEST/"
 done
-# Drop what the GPU image already has (its list: .library/device/README.md), so that its
-# own builds of torch, numpy, pyarrow ... are used and the carry stays small.
-for have in torch numpy pyarrow pandas fsspec huggingface_hub requests urllib3 certifi idna charset_normalizer \
-            tqdm pyyaml PyYAML packaging filelock aiohttp aiosignal frozenlist multidict yarl propcache \
-            aiohappyeyeballs attrs jinja2 MarkupSafe psutil tabulate wrapt xxhash typing_extensions \
-            hf_xet httpx httpcore h11 anyio sniffio click rich pygments markdown_it_py mdurl shellingham typer \
-            platformdirs msgpack ninja py_cpuinfo einops annotated_doc networkx mpmath sympy triton setuptools \
-            nvidia_ml_py safetensors regex tokenizers six python_dateutil pytz tzdata; do
-  rm -f .whl/"$have"-[0-9]*.whl
-done
-rm -f .whl/nvidia_*.whl .whl/cuda_*.whl
-du -sh .whl && ls .whl | wc -l
+echo "gpu_wheels: $(ls "$DEST" | wc -l) wheels, $(du -sh "$DEST" | cut -f1), python $PYTHON_VERSION -> $DEST"

@@ -57,17 +57,19 @@ class Report:
     def __init__(self):
         self.problems: list[str] = []
         self.notes: list[str] = []
+        self.warnings: list[str] = []
         self.no_gpu: str | None = None
 
     def lines(self) -> list[str]:
         out = [f"gpu_check preflight: MISSING: {p}" for p in self.problems]
+        out += [f"gpu_check preflight: warning: {w}" for w in self.warnings]
         if self.no_gpu:
             out.append(f"gpu_check preflight: {self.no_gpu}")
         return out
 
     @property
     def status(self) -> int:
-        return 3 if self.problems else 2 if self.no_gpu else 0
+        return 3 if self.problems else 2 if self.no_gpu else 0  # warnings alone do not stop the kit
 
 
 def lowest_supported_torch(pyproject: Path = PYPROJECT) -> str:
@@ -116,8 +118,11 @@ def check_modules(report: Report, modules: dict[str, str] = KIT_MODULES) -> None
                                       else ""))
 
 
-def missing_requirements(dists: list[str]) -> list[str]:
-    """'<dist> needs <req> (not installed)' for each unmet non-optional Requires-Dist, recursively."""
+def missing_requirements(dists: list[str], conflicts: list[str] | None = None) -> list[str]:
+    """'<dist> needs <req> (not installed)' for each unmet non-optional Requires-Dist, recursively.
+
+    Version mismatches go to `conflicts` when given: they are reported, not fatal (the box's
+    own builds are often newer than a pin, and such a package usually imports fine)."""
     from importlib import metadata
 
     from packaging.requirements import Requirement
@@ -138,10 +143,12 @@ def missing_requirements(dists: list[str]) -> list[str]:
             if req.marker is not None and not req.marker.evaluate({"extra": ""}):
                 continue
             try:
-                metadata.version(req.name)
+                installed = metadata.version(req.name)
             except metadata.PackageNotFoundError:
                 missing.append(f"{name} needs {req} (not installed)")
                 continue
+            if conflicts is not None and req.specifier and not req.specifier.contains(installed, prereleases=True):
+                conflicts.append(f"{name} asks for {req}, {req.name} {installed} is installed")
             todo.append(req.name)
     return sorted(set(missing))
 
@@ -184,8 +191,10 @@ def preflight(min_free_gib: float = 8.0, modules: dict[str, str] = KIT_MODULES) 
     report = Report()
     torch = check_torch(report, lowest_supported_torch())
     check_modules(report, modules)
-    for line in missing_requirements(sorted(set(modules.values()) - {"torch"})):
+    conflicts: list[str] = []
+    for line in missing_requirements(sorted(set(modules.values()) - {"torch"}), conflicts):
         report.problems.append(line)
+    report.warnings.extend(conflicts)
     if torch is not None:
         check_torch_apis(report)
         if not report.problems:

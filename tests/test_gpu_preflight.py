@@ -32,7 +32,7 @@ def machine(monkeypatch):
         return module
 
     monkeypatch.setattr(pf, "_quiet_import", fake_import)
-    monkeypatch.setattr(pf, "missing_requirements", lambda dists: [])
+    monkeypatch.setattr(pf, "missing_requirements", lambda dists, conflicts=None: [])
     monkeypatch.setattr(pf, "check_torch_apis", lambda report: None)
     return state
 
@@ -68,7 +68,7 @@ def test_each_missing_module_is_named_with_its_distribution(machine):
 
 
 def test_a_missing_transitive_requirement_is_named_with_who_needs_it(machine, monkeypatch):
-    monkeypatch.setattr(pf, "missing_requirements", lambda dists: ["snakemake needs platformdirs (not installed)"])
+    monkeypatch.setattr(pf, "missing_requirements", lambda dists, conflicts=None: ["snakemake needs platformdirs (not installed)"])
     report = pf.preflight()
     assert report.status == 3
     assert report.lines() == ["gpu_check preflight: MISSING: snakemake needs platformdirs (not installed)"]
@@ -77,7 +77,7 @@ def test_a_missing_transitive_requirement_is_named_with_who_needs_it(machine, mo
 def test_requirement_closure_finds_an_uninstalled_dependency(monkeypatch):
     from importlib import metadata
 
-    requires = {"kit": ["dep-a>=1", "optional-b; extra == 'x'"], "dep-a": ["platformdirs"]}
+    requires = {"kit": ["dep-a>=2", "optional-b; extra == 'x'"], "dep-a": ["platformdirs"]}
     installed = {"kit", "dep-a"}
 
     def version(name):
@@ -88,7 +88,9 @@ def test_requirement_closure_finds_an_uninstalled_dependency(monkeypatch):
     monkeypatch.setattr(metadata, "requires", lambda name: requires.get(name) if name in installed else
                         (_ for _ in ()).throw(metadata.PackageNotFoundError(name)))
     monkeypatch.setattr(metadata, "version", version)
-    assert pf.missing_requirements(["kit"]) == ["dep-a needs platformdirs (not installed)"]
+    conflicts = []
+    assert pf.missing_requirements(["kit"], conflicts) == ["dep-a needs platformdirs (not installed)"]
+    assert conflicts == ["kit asks for dep-a>=2, dep-a 1.0 is installed"]
 
 
 def test_no_cuda_gpu_is_its_own_status_and_one_line(machine):
