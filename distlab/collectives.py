@@ -49,6 +49,16 @@ def iterations_for(size_bytes: int, iters: int) -> int:
     return max(3, min(iters, int(iters * (1 << 22) / max(size_bytes, 1 << 22))))
 
 
+def single_tensor_collectives():
+    """(all_gather, reduce_scatter) on single output/input tensors. torch 2.13 names them
+    all_gather_single / reduce_scatter_single and deprecates the older names, which are
+    all torch 2.6-2.12 have (all_gather_into_tensor / reduce_scatter_tensor, same arguments)."""
+    import torch.distributed as dist
+
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,
+            getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)
+
+
 def _run_op(op: str, size_bytes: int, device, world: int):
     import torch
     import torch.distributed as dist
@@ -60,10 +70,10 @@ def _run_op(op: str, size_bytes: int, device, world: int):
     if op == "all_gather":
         shard = torch.ones(elements // world, device=device)
         out = torch.empty(elements, device=device)
-        return lambda: dist.all_gather_single(out, shard), elements * 4
+        return lambda: single_tensor_collectives()[0](out, shard), elements * 4
     full = torch.ones(elements, device=device)
     shard = torch.empty(elements // world, device=device)
-    return lambda: dist.reduce_scatter_single(shard, full), elements * 4
+    return lambda: single_tensor_collectives()[1](shard, full), elements * 4
 
 
 def _time_op(call, device, iters: int, warmup: int) -> list[float]:

@@ -42,3 +42,20 @@ def test_break_even_batch_is_where_n_ranks_and_one_take_equal_time():
     assert (b + 1) * c / n + a < (b + 1) * c  # above it, N ranks win
     with pytest.raises(ValueError):
         coll.break_even_global_batch(c, a, 1)
+
+
+def test_single_tensor_collectives_fall_back_to_the_pre_2_13_names(monkeypatch):
+    """torch 2.6-2.12 (the GPU box has 2.11) have no all_gather_single / reduce_scatter_single."""
+    import torch
+    import torch.distributed as dist
+
+    monkeypatch.delattr(dist, "all_gather_single", raising=False)
+    monkeypatch.delattr(dist, "reduce_scatter_single", raising=False)
+    assert coll.single_tensor_collectives() == (dist.all_gather_into_tensor, dist.reduce_scatter_tensor)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        call, size = coll._run_op("all_gather", 4096, torch.device("cpu"), 1)
+        call()  # the benchmark's own call, through the fallback, on a real process group
+        assert size == 4096
+    finally:
+        dist.destroy_process_group()
