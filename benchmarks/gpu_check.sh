@@ -32,6 +32,8 @@ export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 preflight=$?
 [ $preflight -eq 0 ] || exit $preflight
 mkdir -p "$WORK" "$OUT_DIR"
+# Snakemake only counts GPUs: give it the real total so no job is planned past it.
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 {
   echo "date: $(date -u +%FT%TZ)"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -41,7 +43,7 @@ mkdir -p "$WORK" "$OUT_DIR"
 
 start=$(date +%s)
 timeout 440 "$PY" -m snakemake -s "$REPO/Snakefile" -d "$WORK" --configfile "$REPO/config/gpu_check.yaml" \
-  --cores all --keep-going --rerun-incomplete > "$OUT_DIR/snakemake.log" 2>&1
+  --cores all --resources gpu="$GPUS" --keep-going --rerun-incomplete > "$OUT_DIR/snakemake.log" 2>&1
 status=$?
 echo "snakemake exit $status after $(( $(date +%s) - start )) s" | tee -a "$OUT_DIR/versions.txt"
 

@@ -27,6 +27,33 @@ BUSBW_FACTOR = {
 }
 
 
+def plan(bench: dict, specs: dict, gpu_count: int) -> dict:
+    """What rule collectives runs on this machine, sized to the GPUs that exist.
+
+    NCCL is measured where the config trains on CUDA and at least 2 GPUs exist, on at most
+    gpu_count ranks. With fewer than 2 GPUs there is no device-to-device link to measure (a
+    1-rank all-reduce moves no bytes): gloo is measured on CPU ranks and NCCL is recorded as
+    skipped, with the reason, in collectives.json and the report.
+    """
+    cuda = any(spec["device"] == "cuda" for spec in specs.values())
+    world = bench["world_size"] or max([2] + [spec["world_size"] for spec in specs.values()])
+    nccl_skipped = None
+    if cuda and gpu_count < 2:
+        nccl_skipped = (f"NCCL collectives need at least 2 GPUs; this machine has {gpu_count} (a 1-rank "
+                        "all-reduce moves no bytes between devices): gloo measured on CPU ranks only")
+    elif cuda:
+        world = min(world, gpu_count)
+    device = "cuda" if cuda and nccl_skipped is None else "cpu"
+    return {"world_size": world, "device": device, "gpus": world if device == "cuda" else 0,
+            "nccl_skipped": nccl_skipped, "min_bytes": bench["min_bytes"],
+            "max_bytes": bench["max_bytes_cuda"] if device == "cuda" else bench["max_bytes_cpu"],
+            "factor": bench["factor"], "iters": bench["iters"], "warmup": bench["warmup"]}
+
+
+def skipped_rows(reason: str) -> list[dict]:
+    return [{"backend": "nccl", "device": "cuda", "op": op, "status": "skipped", "reason": reason} for op in OPS]
+
+
 def message_sizes(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
     """min, min*factor, ... up to max (inclusive), as nccl-tests' -b/-e/-f do."""
     if min_bytes <= 0 or max_bytes < min_bytes or factor < 2:
@@ -175,6 +202,7 @@ def main(argv=None) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: NCCL on GPU tensors and gloo on CPU tensors; cpu: gloo only")
     parser.add_argument("--machine", default=None, help="machine tag recorded in the output")
+    parser.add_argument("--nccl-skipped", default=None, help="why NCCL is not measured here (plan())")
     args = parser.parse_args(argv)
 
     import torch
@@ -193,11 +221,15 @@ def main(argv=None) -> None:
         backends = [("gloo", "cpu")]
     sizes = message_sizes(args.min_bytes, args.max_bytes, args.factor)
     rows = benchmark(backends, sizes, args.iters, args.warmup)
+    if args.nccl_skipped:
+        rows += skipped_rows(args.nccl_skipped)
     if dist.get_rank() == 0:
         result = {
             "schema_version": SCHEMA_VERSION, "machine": args.machine, "world_size": dist.get_world_size(),
             "device": args.device, "threads_per_rank": torch.get_num_threads(),
             "results": rows, "versions": library_versions(),
+            "nccl": {"status": "skipped", "reason": args.nccl_skipped} if args.nccl_skipped else
+                    {"status": "measured" if args.device == "cuda" else "not asked (no CUDA experiment)"},
             "how": ("per size: warm-up calls, then timed calls each started after a barrier (CUDA synchronised); "
                     "a call's time is the slowest rank's; median over calls. float32 buffers. "
                     "algbw = size/time; busbw = algbw*2(n-1)/n (all-reduce), *(n-1)/n (all-gather, "

@@ -24,7 +24,9 @@ BASE_ENV = {
 def rank_environment(spec: dict) -> dict:
     env = dict(os.environ)
     env.update(BASE_ENV)
-    env["OMP_NUM_THREADS"] = str(spec["cpu_threads_per_rank"])
+    from distlab.gpu_alloc import cuda_rank_threads
+
+    env["OMP_NUM_THREADS"] = str(spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else cuda_rank_threads(spec))
     if spec["device"] == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
         env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU experiment must not touch a GPU by accident

@@ -12,6 +12,7 @@ import traceback
 def logged(snakemake):
     """Redirect stdout/stderr (Python and child processes) to snakemake.log[0]."""
     path = snakemake.log[0]
+    os.environ["DISTLAB_JOB_THREADS"] = str(snakemake.threads)  # the job's cores, for its CUDA ranks
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as log:
         saved = os.dup(1), os.dup(2)

@@ -1,5 +1,6 @@
 # Measured, not recited: the collective bandwidth of this machine's links (gloo on CPU
-# tensors; NCCL on GPU tensors too where GPUs exist), nccl-tests' algbw and busbw.
+# tensors; NCCL on GPU tensors too where 2+ GPUs exist, else recorded as skipped with the
+# reason), nccl-tests' algbw and busbw.
 
 
 rule collectives:
@@ -18,7 +19,7 @@ rule collectives:
         f"{RESULTS}/{MACHINE}/logs/collectives.benchmark.tsv"
     threads: collectives_plan()["world_size"]
     resources:
-        gpu=collectives_plan()["world_size"] if collectives_plan()["device"] == "cuda" else 0,
+        gpu=collectives_plan()["gpus"],
     conda:
         "../envs/train.yaml"
     script:

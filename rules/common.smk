@@ -7,7 +7,7 @@ import sys
 sys.path.insert(0, workflow.basedir)  # distlab/ works from a checkout without `pip install -e .`
 
 from distlab.config import ConfigError, load as load_config, validated_experiments
-from distlab.hardware import machine_tag
+from distlab.hardware import gpu_count, machine_tag
 from snakemake.exceptions import WorkflowError
 
 try:
@@ -17,6 +17,7 @@ except ConfigError as error:
 
 RESULTS = config["results_dir"]
 MACHINE = machine_tag(config["machine"])
+GPUS = gpu_count()  # GPUs present (DISTLAB_GPU_COUNT when planning for another machine)
 PREP = f"{RESULTS}/prep"
 RUN = f"{RESULTS}/{MACHINE}/{{experiment}}"
 
@@ -62,11 +63,16 @@ def on_ray_cluster(spec):
     return spec["launcher"] == "ray" and spec["ray"]["address"] is not None
 
 
+def rank_cores(spec):
+    """Cores per rank: on CPU the device itself; on CUDA the host side of a rank."""
+    return spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else config["cuda_cpu_threads_per_rank"]
+
+
 def experiment_threads(wildcards):
     spec = SPECS[wildcards.experiment]
     if on_ray_cluster(spec):
         return 1
-    return spec["world_size"] * spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else spec["world_size"]
+    return spec["world_size"] * rank_cores(spec)
 
 
 def experiment_gpus(wildcards):
@@ -82,12 +88,16 @@ def reshard_world_size(spec):
 def validation_threads(wildcards):
     spec = SPECS[wildcards.experiment]
     ranks = max(spec["world_size"], reshard_world_size(spec))
-    return ranks * spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else ranks
+    if spec["device"] == "cuda":
+        ranks = min(ranks, GPUS)  # as validation_gpus: a reshard that does not fit is not run
+    return ranks * rank_cores(spec)
 
 
 def validation_gpus(wildcards):
+    """At most the GPUs present: where the reshard world size does not fit, validate.py
+    records the reshard check as unsupported, with the reason."""
     spec = SPECS[wildcards.experiment]
-    return max(spec["world_size"], reshard_world_size(spec)) if spec["device"] == "cuda" else 0
+    return min(max(spec["world_size"], reshard_world_size(spec)), GPUS) if spec["device"] == "cuda" else 0
 
 
 def this_machine_validations():
@@ -115,13 +125,11 @@ def report_outputs():
 
 
 def collectives_plan():
-    """The bandwidth benchmark's ranks, device and message sizes (rule collectives)."""
-    bench = config["collectives"]
-    device = "cuda" if any(spec["device"] == "cuda" for spec in SPECS.values()) else "cpu"
-    world = bench["world_size"] or max([2] + [spec["world_size"] for spec in SPECS.values()])
-    return {"world_size": world, "device": device, "min_bytes": bench["min_bytes"],
-            "max_bytes": bench["max_bytes_cuda"] if device == "cuda" else bench["max_bytes_cpu"],
-            "factor": bench["factor"], "iters": bench["iters"], "warmup": bench["warmup"]}
+    """The bandwidth benchmark's ranks, device and message sizes (rule collectives), sized
+    to the GPUs present (distlab.collectives.plan)."""
+    from distlab.collectives import plan
+
+    return plan(config["collectives"], SPECS, GPUS)
 
 
 def collectives_outputs():

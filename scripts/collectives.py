@@ -15,6 +15,8 @@ with logged(snakemake):
            "--out", out, "--device", plan["device"], "--machine", snakemake.params.machine,
            "--min-bytes", str(plan["min_bytes"]), "--max-bytes", str(plan["max_bytes"]),
            "--factor", str(plan["factor"]), "--iters", str(plan["iters"]), "--warmup", str(plan["warmup"])]
+    if plan["nccl_skipped"]:
+        cmd += ["--nccl-skipped", plan["nccl_skipped"]]
     env = dict(os.environ, **BASE_ENV, OMP_NUM_THREADS="1")
     print("$ " + " ".join(cmd), flush=True)
     if plan["device"] == "cuda":

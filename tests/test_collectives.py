@@ -59,3 +59,32 @@ def test_single_tensor_collectives_fall_back_to_the_pre_2_13_names(monkeypatch):
         assert size == 4096
     finally:
         dist.destroy_process_group()
+
+
+BENCH = {"world_size": None, "min_bytes": 1024, "max_bytes_cpu": 1 << 24, "max_bytes_cuda": 1 << 29, "factor": 4,
+         "iters": 20, "warmup": 3}
+
+
+def test_collectives_at_one_gpu_measure_gloo_and_record_why_nccl_is_skipped():
+    specs = {"a": {"device": "cuda", "world_size": 1}}
+    one = coll.plan(BENCH, specs, gpu_count=1)
+    assert one["device"] == "cpu" and one["gpus"] == 0 and one["world_size"] == 2
+    assert "at least 2 GPUs; this machine has 1" in one["nccl_skipped"]
+    two = coll.plan(BENCH, specs, gpu_count=2)
+    assert (two["device"], two["gpus"], two["nccl_skipped"]) == ("cuda", 2, None)
+    capped = coll.plan(dict(BENCH, world_size=8), specs, gpu_count=4)
+    assert capped["world_size"] == capped["gpus"] == 4
+    cpu = coll.plan(BENCH, {"a": {"device": "cpu", "world_size": 2}}, gpu_count=0)
+    assert (cpu["device"], cpu["gpus"], cpu["nccl_skipped"]) == ("cpu", 0, None)
+
+
+def test_report_card_shows_the_skipped_nccl_reason():
+    from distlab.report.build import collectives_card
+
+    reason = coll.plan(BENCH, {"a": {"device": "cuda", "world_size": 1}}, gpu_count=1)["nccl_skipped"]
+    ok = {"backend": "gloo", "device": "cpu", "op": "all_reduce", "status": "ok", "size_bytes": 1024,
+          "time_s_median": 1e-4, "algbw_bytes_per_s": 1e7, "busbw_bytes_per_s": 1e7}
+    bench = {"box": {"world_size": 2, "device": "cpu", "results": [ok] + coll.skipped_rows(reason),
+                     "how": "test", "versions": {"torch": "2.11"}, "threads_per_rank": 1}}
+    card = collectives_card(bench, [])
+    assert any("nccl all_reduce: skipped" in note and "at least 2 GPUs" in note for note in card.notes)

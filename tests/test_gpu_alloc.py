@@ -124,3 +124,17 @@ def test_local_gpus_profile_dry_runs_the_workflow(tmp_path):
     proc = snakemake(tmp_path, "--profile", os.path.join(PROFILES, "local-gpus"), "-n",
                      config=tiny_config({"ddp": {"experiments": [{"world_size": 2}]}}))
     assert "train" in proc.stdout and "collectives" in proc.stdout
+
+
+def test_a_cuda_rank_gets_the_jobs_cores_split_over_its_ranks(monkeypatch):
+    from distlab.gpu_alloc import cuda_rank_threads
+    from distlab.launch import rank_environment
+
+    spec = {"device": "cuda", "world_size": 2, "cpu_threads_per_rank": 1}
+    monkeypatch.setenv("DISTLAB_JOB_THREADS", "12")
+    assert cuda_rank_threads(spec) == 6
+    assert rank_environment(spec)["OMP_NUM_THREADS"] == "6"
+    # On CPU a device stays cpu_threads_per_rank cores, whatever the job holds.
+    assert rank_environment(dict(spec, device="cpu"))["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("DISTLAB_JOB_THREADS", "1")
+    assert cuda_rank_threads(spec) == 1

@@ -1,6 +1,9 @@
 """The GPU check kit: refuses plainly without a GPU; its config is valid and plans a run."""
 import os
+import re
 import subprocess
+
+import pytest
 
 import yaml
 
@@ -39,7 +42,33 @@ def test_gpu_config_is_refused_where_there_is_no_gpu():
         raise AssertionError("a cuda config must not plan on a machine without GPUs")
 
 
-def test_gpu_config_dry_runs_when_planned_for_one_gpu(tmp_path, monkeypatch):
-    monkeypatch.setenv("DISTLAB_GPU_COUNT", "1")
-    proc = snakemake(tmp_path, "-n", "--configfile", str(GPU_CONFIG))
-    assert "train" in proc.stdout and "experiment=ddp-full-w1-mb8-ga1-budget2g" in proc.stdout
+def planned_jobs(stdout: str) -> list[dict]:
+    """(rule, threads, gpu) of every job a dry run prints."""
+    jobs = []
+    for block in re.split(r"\n(?=rule |localrule )", stdout):
+        head = re.match(r"(?:local)?rule (\w+):", block)
+        if not head:
+            continue
+        threads = re.search(r"^\s+threads: (\d+)", block, re.M)
+        gpu = re.search(r"^\s+resources: .*\bgpu=(\d+)", block, re.M)
+        jobs.append({"rule": head.group(1), "threads": int(threads.group(1)) if threads else 1,
+                     "gpu": int(gpu.group(1)) if gpu else 0})
+    return jobs
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_kit_plan_needs_no_more_gpus_than_exist_and_reaches_the_report(tmp_path, monkeypatch, gpus):
+    monkeypatch.setenv("DISTLAB_GPU_COUNT", str(gpus))
+    # No --resources: what each job declares is printed unclamped.
+    proc = snakemake(tmp_path, "-n", "--cores", "16", "--configfile", str(GPU_CONFIG))
+    jobs = planned_jobs(proc.stdout)
+    rules = {job["rule"] for job in jobs}
+    assert {"train", "validate_checkpoint", "collectives", "report"} <= rules
+    assert max(job["gpu"] for job in jobs) <= gpus
+    (bench,) = [job for job in jobs if job["rule"] == "collectives"]
+    assert bench["gpu"] == (0 if gpus == 1 else 2)  # 1 GPU: gloo on CPU ranks, NCCL recorded as skipped
+    # CUDA ranks get host cores: 1 rank x cuda_cpu_threads_per_rank (12 in the kit's config).
+    assert {job["threads"] for job in jobs if job["rule"] == "train"} == {12}
+    expected_validation = 12 * min(2, gpus)  # 1 GPU: the reshard to 2 ranks is not run
+    assert {min(job["threads"], 16) for job in jobs if job["rule"] == "validate_checkpoint"} == \
+        {min(expected_validation, 16)}
