@@ -19,6 +19,7 @@ import torch.distributed as dist
 from distlab import checkpoint as ckpt
 from distlab import metrics as M
 from distlab.data import load_blocks
+from distlab.hardware import nvml_handle, peak_flops_per_rank
 from distlab.loop import IndexStream, gather, train
 from distlab.model_setup import prepare_model
 from distlab.strategies import strategy_for
@@ -67,7 +68,7 @@ def memory_record(ctx: RunContext) -> dict:
             import pynvml
 
             pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(ctx.device.index)
+            handle = nvml_handle(ctx.device, pynvml)  # by UUID / PCI bus id, not the CUDA ordinal
             out["nvml_used_bytes"] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
             pynvml.nvmlShutdown()
         except Exception as exc:  # recorded, not hidden
@@ -119,21 +120,6 @@ def record_oom(job: dict, error: BaseException) -> None:
         except Exception as exc:
             record["memory"] = {"error": str(exc)}
     Path(job["run_dir"], f"oom-rank{rank}.json").write_text(json.dumps(record))
-
-
-def peak_flops_per_rank(ctx: RunContext, hardware: dict) -> tuple[float | None, str]:
-    if ctx.device.type == "cuda":
-        gpus = hardware.get("gpus", [])
-        gpu = gpus[ctx.device.index] if ctx.device.index < len(gpus) else None
-        peak = gpu and gpu.get("peak_bf16_flops")
-        return peak, f"dense bf16 peak of {gpu['name'] if gpu else 'unknown GPU'} (torchtitan table)"
-    probe = hardware.get("cpu_peak", {}).get("per_thread")
-    if not probe:
-        return None, "no CPU probe in hardware.json"
-    threads = ctx.spec["cpu_threads_per_rank"]
-    return probe["flops_per_s"] * threads, (f"measured fp32 matmul peak of one thread x {threads} "
-                                            "thread(s) per rank (hardware rule)")
-
 
 
 class TrainingCheckpoints:
@@ -287,7 +273,7 @@ def summarize_run(job, ctx, strategy, described, flops, counts, lora_targets, al
     samples_per_step = spec["micro_batch"] * spec["grad_accum"] * dp
     tokens_per_step = samples_per_step * spec["seq_len"]
     tps = tokens_per_step / timed["median"]
-    peak, peak_how = peak_flops_per_rank(ctx, hardware)
+    peak, peak_how = peak_flops_per_rank(ctx.device, spec, hardware)
     per_rank_tps = tps / ctx.world_size
     measured = all(v is not None for c in comm for v in c)
     comm_per_step = [max(c[i] for c in comm) if measured else None for i in range(len(step_times))]
