@@ -7,7 +7,9 @@
 # so the default config's CPU experiments are not merged in): DDP over NCCL with bf16,
 # DeepSpeed ZeRO-3 with CPU offload, FSDP2 with mixed precision, a run under a memory
 # budget that must end in a recorded OOM, checkpoint validation of those runs; MFU
-# against the dense-bf16 peak in distlab.hardware.GPU_PEAK_BF16 (H200: 989e12).
+# against the datasheet peak of the board at the run's precision (distlab.hardware
+# GPU_PEAKS; H200 dense bf16: 989.5e12), or a measured matmul probe for an unknown board.
+# First a preflight (distlab/gpu_preflight.py) says exactly what is missing, if anything.
 # Everything lands in OUT_DIR (default: $OUT, else build/gpu_check_out), one folder to
 # copy back whole. Without a CUDA GPU it says so in one line and exits 2.
 #
@@ -52,14 +54,7 @@ cp "$WORK/results/summary.csv" "$OUT_DIR/" 2>/dev/null
 cp -r "$WORK/results/report" "$OUT_DIR/" 2>/dev/null
 (cd "$WORK/results" && tar czf "$OUT_DIR/runs.tgz" --exclude='checkpoint*' --exclude='*.safetensors' \
    --exclude='*.pt' --exclude='prep' . 2>/dev/null)
-"$PY" - "$WORK/results" <<'PYEOF' | tee "$OUT_DIR/figures.txt"
-import json, pathlib, sys
-for m in sorted(pathlib.Path(sys.argv[1]).glob("*/*/metrics.json")):
-    r = json.loads(m.read_text())
-    t, f, mem = r.get("throughput", {}), r.get("flops", {}), r.get("memory", {}).get("per_rank", [{}])
-    peak = max((x.get("cuda_max_allocated_bytes") or 0) for x in mem) if mem else 0
-    mfu = f.get("mfu")
-    print(f"{r['experiment']:45s} status={r['status']:4s} tokens/s={t.get('tokens_per_s', 0):10.0f} "
-          f"mfu={'-' if mfu is None else f'{mfu:.1%}'} peak_alloc={peak / 2**30:.2f}GiB")
-PYEOF
+# The figures a reader wants, from the results (distlab/gpu_summary.py): tokens/s, MFU and
+# its peak, peak memory, the recorded OOM, checkpoint validations, NCCL bandwidth.
+"$PY" -m distlab.gpu_summary "$WORK/results" | tee "$OUT_DIR/figures.txt"
 exit $status

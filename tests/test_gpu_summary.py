@@ -1,0 +1,56 @@
+"""The kit's last lines: the figures a reader wants, read from the results it wrote."""
+from __future__ import annotations
+
+import json
+
+from distlab import collectives as coll
+from distlab.gpu_summary import summary
+
+
+def write(path, data):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+
+
+def test_summary_prints_throughput_mfu_memory_oom_validations_and_nccl(tmp_path):
+    box = tmp_path / "vm-1xH200"
+    write(box / "hardware.json", {"gpus": [{"name": "NVIDIA H200"}]})
+    write(box / "ddp-a" / "metrics.json", {
+        "experiment": "ddp-a", "status": "ok", "throughput": {"tokens_per_s": 123456.0},
+        "flops": {"mfu": 0.412, "peak_flops_per_rank": 989.5e12, "peak_how": "dense bf16 peak of NVIDIA H200"},
+        "memory": {"per_rank": [{"cuda_max_allocated_bytes": 3 * 2**30, "cuda_max_reserved_bytes": 4 * 2**30}]},
+        "timing": {"comm_inflight_s_per_step": {"median": 0.0021}}, "actual": {"comm_timing": "CUDA events"}})
+    write(box / "ddp-a" / "validation.json", {"experiment": "ddp-a", "status": "passed",
+                                              "checks": {"reload": {"status": "passed"},
+                                                         "reshard": {"status": "unsupported"}}})
+    write(box / "ddp-b" / "metrics.json", {"experiment": "ddp-b", "status": "oom", "memory_budget_gib": 2,
+                                           "oom": [{"error": "CUDA out of memory. Tried to allocate 64 MiB"}]})
+    reason = coll.plan({"world_size": None, "min_bytes": 1, "max_bytes_cpu": 4, "max_bytes_cuda": 4, "factor": 2,
+                        "iters": 3, "warmup": 0}, {"a": {"device": "cuda", "world_size": 1}}, 1)["nccl_skipped"]
+    write(box / "collectives.json", {"world_size": 2, "nccl": {"status": "skipped", "reason": reason},
+                                     "results": coll.skipped_rows(reason)})
+    text = "\n".join(summary(tmp_path))
+    assert "== vm-1xH200: NVIDIA H200" in text
+    assert "ddp-a: 123,456 tokens/s, MFU 41.2% of 989.5 TFLOP/s (dense bf16 peak of NVIDIA H200)" in text
+    assert "peak GPU memory 3.00 GiB allocated, 4.00 GiB reserved" in text
+    assert "all-reduce in flight 2.10 ms/step (median; CUDA events)" in text
+    assert "ddp-b: recorded OOM under a 2 GiB budget: CUDA out of memory" in text
+    assert "ddp-a: checkpoint validation passed: reload passed, reshard unsupported" in text
+    assert "NCCL bandwidth: not measured: NCCL collectives need at least 2 GPUs" in text
+
+
+def test_summary_says_what_is_missing_when_the_kit_stopped_early(tmp_path):
+    (tmp_path / "vm").mkdir()
+    write(tmp_path / "vm" / "hardware.json", {"gpus": []})
+    text = "\n".join(summary(tmp_path))
+    assert "checkpoint validation: none finished" in text and "the collectives rule did not finish" in text
+    assert "did not get far enough" in summary(tmp_path / "vm")[0]
+
+
+def test_measured_nccl_prints_the_best_bus_bandwidth_per_op(tmp_path):
+    from distlab.gpu_summary import nccl_lines
+
+    rows = [{"backend": "nccl", "op": "all_reduce", "status": "ok", "size_bytes": s, "busbw_bytes_per_s": b,
+             "algbw_bytes_per_s": b / 2} for s, b in [(1 << 20, 50e9), (1 << 29, 300e9)]]
+    (line,) = nccl_lines({"world_size": 2, "nccl": {"status": "measured"}, "results": rows}, tmp_path)
+    assert line == "NCCL all_reduce over 2 GPUs: busbw 300.0 GB/s at 512 MiB (algbw 150.0 GB/s)"
