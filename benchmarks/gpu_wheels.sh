@@ -74,8 +74,11 @@ if [ "$(cat "$CACHE/.inputs" 2>/dev/null)" != "$inputs" ]; then
   if [ "$PYTHON_VERSION" != "$HERE_VERSION" ] || [ -n "${FORCE_SWAP:-}" ]; then
     plat_args=(); for p in $PLATFORMS; do plat_args+=(--platform "$p"); done
     for whl in "$CACHE"/*.whl; do
-      base=$(basename "$whl"); tags=${base%.whl}; abi=$(echo "$tags" | rev | cut -d- -f2 | rev)
-      [ "$abi" = "none" ] && [[ "$tags" == *-any ]] && continue  # pure Python: fits every version
+      base=$(basename "$whl"); tags=${base%.whl}
+      pytag=$(echo "$tags" | rev | cut -d- -f3 | rev)
+      # Pure Python for every version (py3 / py2.py3, abi none, platform any) fits as it is;
+      # a per-version pure wheel (multiprocess: py311-none-any) is swapped like a compiled one.
+      [[ "$tags" == *-none-any ]] && [[ "$pytag" == py3 || "$pytag" == py2.py3 ]] && continue
       name=${base%%-*}; version=$(echo "$base" | cut -d- -f2)
       rm -f "$whl"
       "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYTHON_VERSION" \
