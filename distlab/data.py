@@ -33,7 +33,8 @@ def pydoc_instruction_rows(prompt_field: str = "prompt", response_field: str = "
     the topic's first paragraph (short, so prompt and response are comparable in size)."""
     rows = {prompt_field: [], response_field: []}
     for key, text in pydoc_topics():
-        paragraph = next((p.strip() for p in text.split("\n\n") if len(p.strip()) > 40), None)
+        # The first paragraph of prose: not the title or its underline of asterisks.
+        paragraph = next((p.strip() for p in text.split("\n\n") if len(p.strip()) > 80 and "***" not in p), None)
         if paragraph:
             rows[prompt_field].append(f"What does the Python documentation say about '{key}'?")
             rows[response_field].append(paragraph[:600])

@@ -58,8 +58,10 @@ def _labels_in_spans(encoded, spans) -> list[int]:
 def encode_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     text, spans = assistant_spans(tokenizer, messages)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = list(encoded["input_ids"]) + [tokenizer.eos_token_id]
-    return ids, _labels_in_spans(encoded, spans) + [tokenizer.eos_token_id]
+    ids, labels = list(encoded["input_ids"]), _labels_in_spans(encoded, spans)
+    if not text.rstrip().endswith(tokenizer.eos_token):  # the separator packing needs, once
+        ids, labels = ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
+    return ids, labels
 
 
 def encode_chat(batch: dict, tokenizer, field: str) -> dict:
