@@ -211,6 +211,7 @@ def build_dataset(rows, tokenizer, seq_len: int, eval_fraction: float, seed: int
                                         "train": blocks.select(np.sort(order[n_eval:]))})
         dataset.save_to_disk(str(out_dir))
     info = {"format": cfg["format"], "seq_len": seq_len, "rows": len(rows), "blocks": len(blocks),
+            "eval_blocks": cfg.get("eval_blocks", 16),  # the held-out tokens every evaluation uses
             "splits": {name: token_counts(part, seq_len) for name, part in dataset.items()}}
     if tokenizer_source is not None:
         info["tokenizer"] = tokenizer_identity(tokenizer, tokenizer_source, Path(out_dir) / "tokenizer")
@@ -218,9 +219,14 @@ def build_dataset(rows, tokenizer, seq_len: int, eval_fraction: float, seed: int
     return datasets.load_from_disk(str(out_dir))
 
 
+def column(split, name: str):
+    """One column as a numpy array, read in one go (not row by row), honouring a select()."""
+    return split.select_columns([name]).with_format("numpy")[:][name]
+
+
 def token_counts(split, seq_len: int) -> dict:
     """Label positions the loss counts (after the causal shift) vs masked (-100)."""
-    trained = int(sum(split.with_format("numpy")["trained_tokens"]))
+    trained = int(column(split, "trained_tokens").sum())
     total = len(split) * (seq_len - 1)
     return {"blocks": len(split), "trained_tokens": trained, "masked_tokens": total - trained}
 
@@ -255,9 +261,9 @@ def run_data_facts(data_dir, records_by_rank: list[list[dict]], ranks_per_replic
     info = read_data_info(data_dir)
     train = datasets.load_from_disk(str(data_dir))["train"]
     seq_len = len(train[0]["input_ids"])
-    per_block = train.with_format("numpy")["trained_tokens"]
+    per_block = column(train, "trained_tokens")
     read = [i for recs in records_by_rank for rec in recs for i in rec["samples"]]
-    trained = int(sum(int(per_block[i]) for i in read)) // ranks_per_replica
+    trained = int(per_block[read].sum()) // ranks_per_replica
     total = len(read) * (seq_len - 1) // ranks_per_replica
     return {"format": info.get("format", "text"), "tokenizer": info.get("tokenizer"),
             "prepared": info.get("splits"),

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from distlab import checkpoint as ckpt
 from distlab import metrics as M
 from distlab.data import load_blocks, load_labels, run_data_facts
+from distlab.evaluation import evaluate_run
 from distlab.loop import IndexStream, gather, train
 from distlab.model_setup import prepare_model
 from distlab.strategies import strategy_for
@@ -260,6 +261,7 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     all_state = gather(state_bytes)
     all_memory = gather(memory)
     comm = gather([r["comm_inflight_s"] for r in records])
+    evaluation = evaluate_run(strategy, job)  # collective: the trained model on the held-out tokens
 
     if ctx.is_main:
         out = summarize_run(job, ctx, strategy, described, flops, counts, lora_targets, all_records, plans,
@@ -269,6 +271,7 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     saved = checkpoints.finish()
     if out is not None:
         out[0]["checkpoint"] = saved
+        out[0]["eval"] = evaluation
     return out
 
 

@@ -74,6 +74,12 @@ def data_dir(wildcards):
     return f"{PREP}/data/{spec.get('dataset', 'default')}-seq{spec['seq_len']}"
 
 
+def base_eval_path(wildcards):
+    """The base model's held-out eval on this experiment's data (rule evaluate_base_model)."""
+    spec = SPECS[wildcards.experiment]
+    return f"{PREP}/eval/base-{spec.get('dataset', 'default')}-seq{spec['seq_len']}.json"
+
+
 def experiment_spec(wildcards):
     """Only this experiment's resolved spec: editing another experiment leaves this job alone."""
     return SPECS[wildcards.experiment]
