@@ -24,8 +24,8 @@ rule prepare_data:
         directory(f"{PREP}/data/{{dataset}}-seq{{seq_len}}"),
     params:
         data=lambda wildcards: dataset_config(wildcards.dataset),
-        tokenizer=tokenizer_path(),
-        model_config=(user_model_config() or [None])[0],
+        tokenizer=lambda wildcards, input: input.tokenizer[0] if input.tokenizer else tokenizer_path(),
+        model_config=lambda wildcards, input: input.model_config[0] if input.model_config else None,
     log:
         f"{PREP}/logs/data-{{dataset}}-seq{{seq_len}}.log",
     threads: 2
