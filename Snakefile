@@ -16,6 +16,7 @@ if not workflow.overwrite_configfiles:
 include: "rules/common.smk"
 include: "rules/data.smk"
 include: "rules/model.smk"
+include: "rules/eval.smk"
 include: "rules/hardware.smk"
 include: "rules/train.smk"
 include: "rules/validate.smk"

@@ -319,6 +319,9 @@ def check_config(config: dict) -> None:
         raise ConfigError("config field 'data.hf_name': source 'hf' needs a dataset name")
     if data["tokenizer"] and not os.path.exists(data["tokenizer"]):
         raise ConfigError(f"config field 'data.tokenizer': '{data['tokenizer']}' does not exist")
+    from distlab.data_checks import check_data  # data files readable with their fields; tokenizer fits the model
+
+    check_data(config)
     for index, extra in enumerate(config["extra_results"]):
         if not os.path.isdir(extra):
             raise ConfigError(f"config field 'extra_results[{index}]': folder '{extra}' does not exist")

@@ -1,51 +1,91 @@
-"""Data prep: real text that ships with Python, a BPE tokenizer, fixed-length blocks.
+"""Data prep through `datasets`: rows -> token ids (+ labels) -> packed fixed-length blocks.
 
-Deterministic by construction: the corpus is read in a sorted order, the tokenizer trains
-on it single-threaded, and the train/eval split uses a seeded permutation.
+Files load with datasets.load_dataset(<builder>, data_files=...) and every step after is a
+batched Dataset.map or a generator written to Arrow as it goes: memory stays flat however
+large the corpus (no Python list of it). Deterministic: files in the given order, the
+embedded corpus in sorted order, one continuous token stream cut into blocks, a seeded
+permutation for the train/eval split.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 
+from distlab.data_checks import builder_for
+from distlab.data_formats import BUILT_CHAT_TEMPLATE, IGNORE, encoder_for
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
+DATA_INFO = "distlab_data.json"  # written beside the Arrow splits: tokenizer identity, token counts
+BATCH = 1000
 
 
-def corpus_texts(data_cfg: dict) -> list[str]:
-    source = data_cfg["source"]
+def pydoc_topics() -> list[tuple[str, str]]:
+    # The pydoc topic pages: ~0.5 MB of English prose and code in every CPython install.
+    import pydoc_data.topics as topics
+
+    return [(key, topics.topics[key]) for key in sorted(topics.topics)]
+
+
+def pydoc_instruction_rows(prompt_field: str = "prompt", response_field: str = "response") -> dict:
+    """Instruction rows from the same local pages: a question naming the topic, answered by
+    the topic's first paragraph (short, so prompt and response are comparable in size)."""
+    rows = {prompt_field: [], response_field: []}
+    for key, text in pydoc_topics():
+        # The first paragraph of prose: not the title or its underline of asterisks.
+        paragraph = next((p.strip() for p in text.split("\n\n") if len(p.strip()) > 80 and "***" not in p), None)
+        if paragraph:
+            rows[prompt_field].append(f"What does the Python documentation say about '{key}'?")
+            rows[response_field].append(paragraph[:600])
+    return rows
+
+
+def load_rows(cfg: dict, cache_dir=None):
+    """The dataset's rows as a datasets.Dataset (Arrow, memory-mapped for files)."""
+    import datasets
+
+    source = cfg["source"]
     if source == "python-docs":
-        # The pydoc topic pages: ~0.5 MB of English prose and code in every CPython install.
-        import pydoc_data.topics as topics
-
-        return [topics.topics[key] for key in sorted(topics.topics)]
+        return datasets.Dataset.from_dict({cfg.get("text_field", "text"): [t for _, t in pydoc_topics()]})
+    if source == "python-docs-instructions":
+        return datasets.Dataset.from_dict(pydoc_instruction_rows(cfg["prompt_field"], cfg["response_field"]))
     if source == "files":
-        texts = []
-        for name in data_cfg["files"]:
-            path = Path(name)
-            if path.suffix == ".jsonl":
-                with open(path) as fh:
-                    for line_no, line in enumerate(fh, 1):
-                        if not line.strip():
-                            continue
-                        row = json.loads(line)
-                        if data_cfg["text_field"] not in row:
-                            raise ValueError(f"{path}:{line_no}: no field '{data_cfg['text_field']}' "
-                                             "(data.text_field)")
-                        texts.append(row[data_cfg["text_field"]])
-            else:
-                texts.append(path.read_text(encoding="utf-8"))
-        return texts
+        parts = []
+        for name in cfg["files"]:
+            builder = builder_for(name)
+            # A plain-text file is one document, as a file of prose or code is.
+            extra = {"sample_by": "document"} if builder == "text" else {}
+            parts.append(datasets.load_dataset(builder, data_files=[str(name)], split="train",
+                                               cache_dir=cache_dir, **extra))
+        return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     if source == "hf":
-        import datasets
-
-        ds = datasets.load_dataset(data_cfg["hf_name"], split=data_cfg["hf_split"])
-        return list(ds[data_cfg["text_field"]])
+        return datasets.load_dataset(cfg["hf_name"], split=cfg["hf_split"], cache_dir=cache_dir)
     raise ValueError(f"data.source: unknown source {source!r}")
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, out_dir: str | os.PathLike):
-    """Byte-level BPE (the GPT-2/Llama-3 family's scheme) trained with `tokenizers`."""
+def corpus_texts(cfg: dict) -> list[str]:
+    """The text-format corpus as a list (small corpora and tests; data prep streams instead)."""
+    cfg = {"text_field": "text", "format": "text", **cfg}
+    return list(load_rows(cfg)[cfg["text_field"]])
+
+
+def text_batches(rows, cfg: dict):
+    """Batches of the rows' text for tokenizer training, read from Arrow a batch at a time
+    (instruction rows: prompts and responses; chat rows: message contents)."""
+    fmt = cfg.get("format", "text")
+    for batch in rows.iter(batch_size=BATCH):
+        if fmt == "text":
+            yield batch[cfg["text_field"]]
+        elif fmt == "instruction":
+            yield batch[cfg["prompt_field"]] + batch[cfg["response_field"]]
+        else:
+            yield [m["content"] for messages in batch[cfg["messages_field"]] for m in messages]
+
+
+def train_tokenizer(texts, vocab_size: int, out_dir: str | os.PathLike):
+    """Byte-level BPE (the GPT-2/Llama-3 family's scheme) trained with `tokenizers`, for the
+    model the pipeline builds. texts: strings, or batches (lists) of strings."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread: same merges every run
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -58,52 +98,175 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: str | os.PathLik
     tokenizer.train_from_iterator(texts, trainer=trainer)
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=SPECIAL_TOKENS[0],
                                       bos_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[1])
+    wrapped.chat_template = BUILT_CHAT_TEMPLATE  # chat/instruction data render through it
     wrapped.save_pretrained(str(out_dir))
     return wrapped
 
 
-def load_tokenizer(path: str | os.PathLike):
+def load_tokenizer(path: str | os.PathLike, model_config: str | os.PathLike | None = None):
+    """A tokenizer folder (or hub id), or a tokenizer.json: with a tokenizer_config.json beside
+    it that folder is loaded; a bare one takes EOS/BOS/PAD from the model's config.json ids."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = Path(path)
-    if path.is_file():  # a bare tokenizer.json
-        return PreTrainedTokenizerFast(tokenizer_file=str(path))
-    return AutoTokenizer.from_pretrained(str(path))
+    if path.is_file() and (path.parent / "tokenizer_config.json").is_file():
+        path = path.parent
+    if path.is_file():
+        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if model_config is not None:
+        from distlab.tokenizer_checks import _as_list, compare_with_model, model_special_ids
+
+        model_cfg = json.loads(Path(model_config).read_text())
+        for role, value in model_special_ids(model_cfg).items():
+            if value is not None and getattr(tokenizer, f"{role}_token_id") is None:
+                setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(_as_list(value)[0]))
+        ids = {role: getattr(tokenizer, f"{role}_token_id") for role in ("eos", "bos", "pad")}
+        compare_with_model(ids, max(tokenizer.get_vocab().values()), model_cfg, str(path), str(model_config))
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {path} has no EOS token: documents could not be separated")
+    return tokenizer
 
 
-def pack(texts: list[str], tokenizer, seq_len: int) -> list[list[int]]:
-    """Concatenate documents separated by EOS and cut into seq_len blocks (tail dropped)."""
-    eos = tokenizer.eos_token_id
-    stream: list[int] = []
-    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
-        stream.extend(ids)
-        if eos is not None:
-            stream.append(eos)
-    n_blocks = len(stream) // seq_len
-    return [stream[i * seq_len:(i + 1) * seq_len] for i in range(n_blocks)]
+def tokenizer_identity(tokenizer, source, saved_dir: Path) -> dict:
+    """What metrics.json records: the tokenizer saved beside the data, its hash and ids."""
+    tokenizer.save_pretrained(str(saved_dir))
+    digest = hashlib.sha256((saved_dir / "tokenizer.json").read_bytes()).hexdigest()
+    out = {"source": str(source), "tokenizer_json_sha256": digest, "saved_copy": str(saved_dir),
+           "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
+           "bos_token_id": tokenizer.bos_token_id, "pad_token_id": tokenizer.pad_token_id,
+           "class": type(tokenizer).__name__}
+    source_json = Path(source) if Path(source).is_file() else Path(source) / "tokenizer.json"
+    if source_json.is_file():
+        out["source_tokenizer_json_sha256"] = hashlib.sha256(source_json.read_bytes()).hexdigest()
+    return out
 
 
-def build_dataset(texts: list[str], tokenizer, seq_len: int, eval_fraction: float, seed: int, out_dir):
+class StreamPacker:
+    """Batched-map body: one continuous token stream cut into seq_len blocks (tail dropped),
+    the remainder of each batch carried into the next (so it runs in one process, in order).
+    Masked formats drop blocks without a single trained label after the causal shift: such
+    a block teaches nothing and its loss would be 0/0."""
+
+    def __init__(self, seq_len: int, with_labels: bool):
+        self.seq_len, self.with_labels = seq_len, with_labels
+        self.carry = {"input_ids": [], "labels": []}
+        self.position = 0
+
+    def __call__(self, batch: dict) -> dict:
+        import numpy as np
+
+        seq = self.seq_len
+        columns = ["input_ids", "labels"] if self.with_labels else ["input_ids"]
+        streams = {c: np.concatenate([np.asarray(self.carry[c], dtype=np.int64)]
+                                     + [np.asarray(row, dtype=np.int64) for row in batch[c]]) for c in columns}
+        n = len(streams["input_ids"]) // seq
+        cut = {c: streams[c][:n * seq].reshape(n, seq) for c in columns}
+        for c in columns:
+            self.carry[c] = streams[c][n * seq:]
+        positions = np.arange(self.position, self.position + n)
+        self.position += n
+        if self.with_labels:
+            trained = (cut["labels"][:, 1:] != IGNORE).sum(axis=1)
+        else:
+            trained = np.full(n, seq - 1)
+        keep = trained > 0
+        out = {c: cut[c][keep] for c in columns}
+        out["block"], out["trained_tokens"] = positions[keep], trained[keep]
+        return out
+
+
+def build_dataset(rows, tokenizer, seq_len: int, eval_fraction: float, seed: int, out_dir, cfg: dict | None = None,
+                  num_proc: int = 1, cache_dir=None, tokenizer_source=None):
+    """Encode (batched map), pack (generator -> Arrow), split, save_to_disk. rows: a
+    datasets.Dataset, or a list of texts (text format). Returns the DatasetDict."""
+    import tempfile
+
     import datasets
     import numpy as np
 
-    blocks = pack(texts, tokenizer, seq_len)
-    if len(blocks) < 4:
-        raise ValueError(f"only {len(blocks)} blocks of {seq_len} tokens: the corpus is too small for this seq_len")
-    order = np.random.default_rng(seed).permutation(len(blocks))
-    n_eval = max(1, int(round(len(blocks) * eval_fraction)))
-    splits = {"eval": order[:n_eval], "train": np.sort(order[n_eval:])}
-    dataset = datasets.DatasetDict({
-        # `block` keeps each block's position in the packed stream: provenance for the split.
-        name: datasets.Dataset.from_dict({"input_ids": [blocks[i] for i in idx], "block": idx.tolist()})
-        for name, idx in splits.items()
-    })
-    dataset.save_to_disk(str(out_dir))
-    return dataset
+    datasets.disable_progress_bars()  # the job log gets the summary, not bars
+    cfg = {"format": "text", "text_field": "text", **(cfg or {})}
+    if isinstance(rows, list):
+        rows = datasets.Dataset.from_dict({cfg["text_field"]: rows})
+    fn, fn_kwargs, columns = encoder_for(cfg, tokenizer)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
+        encoded = rows.map(fn, fn_kwargs=fn_kwargs, batched=True, batch_size=BATCH, remove_columns=rows.column_names,
+                           num_proc=num_proc if num_proc > 1 and len(rows) >= 2 * num_proc else None,
+                           cache_file_name=os.path.join(scratch, "encoded.arrow"), desc="tokenize")
+        with_labels = cfg["format"] != "text"
+        features = {"input_ids": datasets.Sequence(datasets.Value("int32")), "block": datasets.Value("int64"),
+                    "trained_tokens": datasets.Value("int32")}
+        if with_labels:
+            features["labels"] = datasets.Sequence(datasets.Value("int32"))
+        blocks = encoded.map(StreamPacker(seq_len, with_labels), batched=True, batch_size=BATCH,
+                             remove_columns=encoded.column_names, features=datasets.Features(features),
+                             cache_file_name=os.path.join(scratch, "packed.arrow"), desc="pack")
+        if len(blocks) < 4:
+            raise ValueError(f"only {len(blocks)} blocks of {seq_len} tokens: the corpus is too small for this seq_len")
+        order = np.random.default_rng(seed).permutation(len(blocks))
+        n_eval = max(1, int(round(len(blocks) * eval_fraction)))
+        dataset = datasets.DatasetDict({"eval": blocks.select(order[:n_eval]),
+                                        "train": blocks.select(np.sort(order[n_eval:]))})
+        dataset.save_to_disk(str(out_dir))
+    info = {"format": cfg["format"], "seq_len": seq_len, "rows": len(rows), "blocks": len(blocks),
+            "eval_blocks": cfg.get("eval_blocks", 16),  # the held-out tokens every evaluation uses
+            "splits": {name: token_counts(part, seq_len) for name, part in dataset.items()}}
+    if tokenizer_source is not None:
+        info["tokenizer"] = tokenizer_identity(tokenizer, tokenizer_source, Path(out_dir) / "tokenizer")
+    Path(out_dir, DATA_INFO).write_text(json.dumps(info, indent=1))
+    return datasets.load_from_disk(str(out_dir))
 
 
-def load_blocks(path, split: str = "train"):
+def column(split, name: str):
+    """One column as a numpy array, read in one go (not row by row), honouring a select()."""
+    return split.select_columns([name]).with_format("numpy")[:][name]
+
+
+def token_counts(split, seq_len: int) -> dict:
+    """Label positions the loss counts (after the causal shift) vs masked (-100)."""
+    trained = int(column(split, "trained_tokens").sum())
+    total = len(split) * (seq_len - 1)
+    return {"blocks": len(split), "trained_tokens": trained, "masked_tokens": total - trained}
+
+
+def read_data_info(path) -> dict:
+    file = Path(path) / DATA_INFO
+    return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def load_blocks(path, split: str = "train", column: str = "input_ids"):
     """One split's blocks as an int64 tensor [n_blocks, seq_len], from the Arrow dataset."""
     import datasets
 
-    return datasets.load_from_disk(str(path))[split].with_format("torch", columns=["input_ids"])[:]["input_ids"]
+    part = datasets.load_from_disk(str(path))[split]
+    return part.with_format("torch", columns=[column])[:][column].long()
+
+
+def load_labels(path, split: str = "train"):
+    """The split's labels (-100 = not trained on), or None where every token is a label."""
+    import datasets
+
+    part = datasets.load_from_disk(str(path))[split]
+    return load_blocks(path, split, "labels") if "labels" in part.column_names else None
+
+
+def run_data_facts(data_dir, records_by_rank: list[list[dict]], ranks_per_replica: int = 1) -> dict:
+    """For metrics.json: the prepared data's tokenizer identity and format, and the label
+    positions this run's micro-batches trained on vs masked (from the blocks each rank read;
+    ranks_per_replica: TP/PP ranks read the same blocks as one model replica)."""
+    import datasets
+
+    info = read_data_info(data_dir)
+    train = datasets.load_from_disk(str(data_dir))["train"]
+    seq_len = len(train[0]["input_ids"])
+    per_block = column(train, "trained_tokens")
+    read = [i for recs in records_by_rank for rec in recs for i in rec["samples"]]
+    trained = int(per_block[read].sum()) // ranks_per_replica
+    total = len(read) * (seq_len - 1) // ranks_per_replica
+    return {"format": info.get("format", "text"), "tokenizer": info.get("tokenizer"),
+            "prepared": info.get("splits"),
+            "run_tokens": {"trained": trained, "masked": total - trained,
+                           "how": "label positions after the causal shift (seq_len - 1 per block) over every "
+                                  "block every rank read; masked = label -100 (prompt/user tokens)"}}

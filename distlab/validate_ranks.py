@@ -169,7 +169,7 @@ def run_same(phase: Phase, world_size: int) -> None:
     import torch.distributed as dist
 
     from distlab import checkpoint as ckpt
-    from distlab.data import load_blocks
+    from distlab.data import load_blocks, load_labels
     from distlab.loop import IndexStream, gather, train
 
     job = phase.job
@@ -212,7 +212,8 @@ def run_same(phase: Phase, world_size: int) -> None:
         stream = IndexStream(len(blocks), spec, strategy.data_parallel_rank, strategy.data_parallel_size)
         info = ckpt.load_checkpoint(job["parity"], strategy, phase.ctx, signature, stream=stream, verify=False)
         start = info["steps_done"]
-        records = gather(train(phase.ctx, strategy, blocks, start_step=start, stream=stream)["records"])
+        records = gather(train(phase.ctx, strategy, blocks, start_step=start, stream=stream,
+                               train_labels=load_labels(job["data_dir"], "train"))["records"])
         model, logits = phase.consolidated_logits(strategy)
         if phase.rank != 0:
             return {}

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from distlab import checkpoint as ckpt
 from distlab import metrics as M
-from distlab.data import load_blocks
+from distlab.data import load_blocks, load_labels, run_data_facts
+from distlab.evaluation import evaluate_run
 from distlab.hardware import nvml_handle, peak_flops_per_rank
 from distlab.loop import IndexStream, gather, train
 from distlab.model_setup import prepare_model
@@ -233,7 +234,8 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     checkpoints = (checkpoints_class or TrainingCheckpoints)(job, ctx, strategy, signature, len(train_blocks))
     start_step = checkpoints.resume()
     result = train(ctx, strategy, train_blocks, start_step=start_step, stream=checkpoints.stream,
-                   on_step_end=checkpoints.on_step_end, records=checkpoints.records)
+                   on_step_end=checkpoints.on_step_end, records=checkpoints.records,
+                   train_labels=load_labels(job["data_dir"], "train"))
     described.update(strategy.finish() or {})
     stream, records = result["stream"], result["records"]
     state_bytes = result["state_bytes"]
@@ -245,6 +247,7 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     all_state = gather(state_bytes)
     all_memory = gather(memory)
     comm = gather([r["comm_inflight_s"] for r in records])
+    evaluation = evaluate_run(strategy, job)  # collective: the trained model on the held-out tokens
 
     if ctx.is_main:
         out = summarize_run(job, ctx, strategy, described, flops, counts, lora_targets, all_records, plans,
@@ -254,6 +257,7 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     saved = checkpoints.finish()
     if out is not None:
         out[0]["checkpoint"] = saved
+        out[0]["eval"] = evaluation
     return out
 
 
@@ -307,6 +311,7 @@ def summarize_run(job, ctx, strategy, described, flops, counts, lora_targets, al
                   "mfu": M.mfu(flops["flops_per_token"], per_rank_tps, peak)},
         "memory": {"per_rank": all_memory, "model_state_bytes_per_rank": all_state},
         "data": coverage(all_records, plans, n_samples),
+        "data_prep": run_data_facts(job["data_dir"], all_records, ctx.world_size // dp),  # tokenizer identity, tokens trained/masked
         "versions": M.library_versions(),
         "environment": M.allowed_environment(job.get("env_allowlist", [])),
         "wall_seconds_rank0": time.time() - started,

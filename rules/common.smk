@@ -7,6 +7,8 @@ import sys
 sys.path.insert(0, workflow.basedir)  # distlab/ works from a checkout without `pip install -e .`
 
 from distlab.config import ConfigError, load as load_config, validated_experiments
+from distlab.data_checks import datasets_of
+from distlab.tokenizer_checks import tokenizer_source
 from distlab.hardware import gpu_count, machine_tag
 from snakemake.exceptions import WorkflowError
 
@@ -25,11 +27,30 @@ RUN = f"{RESULTS}/{MACHINE}/{{experiment}}"
 wildcard_constraints:
     experiment="[A-Za-z0-9._-]+",
     seq_len="[0-9]+",
+    dataset="[a-z0-9][a-z0-9.-]*",
 
 
 def tokenizer_path():
-    """The user's tokenizer, or the one the pipeline trains on the corpus."""
-    return config["data"]["tokenizer"] or f"{PREP}/tokenizer/tokenizer.json"
+    """What encodes the data: data.tokenizer, else the model's own tokenizer (model.path
+    folder or model.hub_id), else the BPE the pipeline trains on the corpus for the built model."""
+    return tokenizer_source(config) or f"{PREP}/tokenizer/tokenizer.json"
+
+
+def tokenizer_inputs():
+    """The tokenizer as a file input (none for a hub id)."""
+    if config["model"]["hub_id"] and not config["data"]["tokenizer"]:
+        return []
+    return [tokenizer_path()]
+
+
+def user_model_config():
+    """config.json of the user's model folder (its vocab_size and special ids bind the data)."""
+    return [os.path.join(config["model"]["path"], "config.json")] if config["model"]["path"] else []
+
+
+def dataset_config(name):
+    """One named dataset's resolved data block (data.extra entries inherit data's keys)."""
+    return datasets_of(config["data"])[name]
 
 
 def model_config_path():
@@ -50,7 +71,14 @@ def model_source(wildcards, input):
 
 
 def data_dir(wildcards):
-    return f"{PREP}/data/seq{SPECS[wildcards.experiment]['seq_len']}"
+    spec = SPECS[wildcards.experiment]
+    return f"{PREP}/data/{spec.get('dataset', 'default')}-seq{spec['seq_len']}"
+
+
+def base_eval_path(wildcards):
+    """The base model's held-out eval on this experiment's data (rule evaluate_base_model)."""
+    spec = SPECS[wildcards.experiment]
+    return f"{PREP}/eval/base-{spec.get('dataset', 'default')}-seq{spec['seq_len']}.json"
 
 
 def experiment_spec(wildcards):

@@ -1,11 +1,13 @@
-# Data prep: real text that ships with Python -> BPE tokenizer -> packed Arrow blocks.
+# Data prep: rows (Python's own docs, local files, a hub dataset) -> the model's tokenizer
+# (or a BPE trained here for the built model) -> packed Arrow blocks, one folder per
+# dataset and seq_len.
 
 
 rule train_tokenizer:
     output:
         f"{PREP}/tokenizer/tokenizer.json",
     params:
-        data=config["data"],
+        data=dataset_config("default"),
     log:
         f"{PREP}/logs/tokenizer.log",
     conda:
@@ -16,13 +18,17 @@ rule train_tokenizer:
 
 rule prepare_data:
     input:
-        tokenizer=tokenizer_path(),
+        tokenizer=tokenizer_inputs(),
+        model_config=user_model_config(),
     output:
-        directory(f"{PREP}/data/seq{{seq_len}}"),
+        directory(f"{PREP}/data/{{dataset}}-seq{{seq_len}}"),
     params:
-        data=config["data"],
+        data=lambda wildcards: dataset_config(wildcards.dataset),
+        tokenizer=lambda wildcards, input: input.tokenizer[0] if input.tokenizer else tokenizer_path(),
+        model_config=lambda wildcards, input: input.model_config[0] if input.model_config else None,
     log:
-        f"{PREP}/logs/data-seq{{seq_len}}.log",
+        f"{PREP}/logs/data-{{dataset}}-seq{{seq_len}}.log",
+    threads: 2
     conda:
         "../envs/train.yaml"
     script:

@@ -6,6 +6,7 @@ rule train:
         data=data_dir,
         model=model_inputs(),
         hardware=f"{RESULTS}/{MACHINE}/hardware.json",
+        base_eval=base_eval_path,
     output:
         metrics=f"{RUN}/metrics.json",
         steps=f"{RUN}/steps.jsonl",

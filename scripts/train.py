@@ -15,6 +15,8 @@ with logged(snakemake):
         "hardware_json": snakemake.input.hardware,
         "env_allowlist": list(snakemake.params.env_allowlist),
         "checkpoint_dir": snakemake.output.checkpoint,
+        # The base model's eval loss, set beside the run's (absolute: Ray workers run elsewhere).
+        "base_eval_json": os.path.abspath(snakemake.input.base_eval),
     }
     status = launch(job)
     print(f"experiment {job['spec']['id']}: {status}")

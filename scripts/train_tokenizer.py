@@ -1,12 +1,13 @@
-"""Rule train_tokenizer: byte-level BPE on the configured corpus."""
+"""Rule train_tokenizer: byte-level BPE on the configured corpus (for the model the pipeline builds)."""
 import os
 
-from distlab.data import corpus_texts, train_tokenizer
+from distlab.data import load_rows, text_batches, train_tokenizer
 from distlab.smk import logged
 
 with logged(snakemake):
     data = snakemake.params.data
-    texts = corpus_texts(data)
-    print(f"corpus: {len(texts)} documents, {sum(map(len, texts))} characters from {data['source']}")
-    tokenizer = train_tokenizer(texts, data["vocab_size"], os.path.dirname(snakemake.output[0]))
+    rows = load_rows(data)
+    print(f"corpus: {len(rows)} documents from {data['source']}")
+    tokenizer = train_tokenizer(text_batches(rows, data), data["vocab_size"],
+                                os.path.dirname(snakemake.output[0]))
     print(f"tokenizer: {len(tokenizer)} tokens")

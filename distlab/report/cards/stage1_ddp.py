@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+from distlab.evaluation import eval_sentence
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs
 from distlab.report.collect import clear_winner
 from distlab.report.plots import figure, loss_curves, to_png_b64
@@ -113,4 +114,5 @@ def build(runs: list[dict]) -> Card:
     if ddp:
         card.figures.append(Figure("Loss curves", loss_curves(ddp, "Stage 1 loss"),
                                    "mean training loss over data-parallel ranks per optimizer step"))
+    card.notes.append(eval_sentence([r for r in runs if r["stage"] == "ddp"]))  # base vs tuned eval loss
     return card

@@ -12,6 +12,7 @@ import os
 
 from matplotlib.ticker import ScalarFormatter
 
+from distlab.evaluation import eval_sentence
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs, tokens_per_s
 from distlab.report.plots import figure, loss_curves, to_png_b64
 
@@ -224,4 +225,5 @@ def build(runs: list[dict]) -> Card:
     if accel:
         card.figures.append(Figure("Loss curves", loss_curves(accel, "Stage 2 loss"),
                                    "mean training loss over data-parallel ranks per optimizer step"))
+    card.notes.append(eval_sentence([r for r in runs if r["stage"] == "accelerate"]))  # base vs tuned eval loss
     return card

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+from distlab.evaluation import eval_sentence
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs
 from distlab.report.plots import figure, loss_curves, to_png_b64
 
@@ -293,4 +294,5 @@ def build(runs: list[dict]) -> Card:
                               "run past it ends with status oom.")
         card.figures.append(Figure("Loss curves", loss_curves(ds_runs, "Stage 3 loss"),
                                    "mean training loss over data-parallel ranks per optimizer step"))
+    card.notes.append(eval_sentence([r for r in runs if r["stage"] == "deepspeed"]))  # base vs tuned eval loss
     return card

@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+from distlab.evaluation import eval_sentence
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs, tokens_per_s
 from distlab.report.collect import clear_winner
 from distlab.report.plots import loss_curves, to_png_b64
@@ -185,6 +186,7 @@ def build(runs: list[dict]) -> Card:
                                    "mean training loss over data-parallel ranks per optimizer step"))
     card.notes.append("Communication time is not split out for FSDP (its all-gathers and reduce-scatters overlap "
                       "compute inside fully_shard); the step time includes it.")
+    card.notes.append(eval_sentence([r for r in runs if r["stage"] == "fsdp"]))  # base vs tuned eval loss
     return card
 
 

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+from distlab.evaluation import eval_sentence
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table
 from distlab.report.collect import clear_winner
 from distlab.report.plots import figure, loss_curves, to_png_b64
@@ -175,4 +176,5 @@ def build(runs: list[dict]) -> Card:
     if ray:
         card.figures.append(Figure("Loss curves under Ray", loss_curves(ray, "Stage 5 loss"),
                                    "mean training loss over ranks per optimizer step (across restarts)"))
+    card.notes.append(eval_sentence([r for r in runs if r["stage"] == "ray"]))  # base vs tuned eval loss
     return card

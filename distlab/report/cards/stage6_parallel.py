@@ -11,6 +11,7 @@ import os
 import statistics
 from pathlib import Path
 
+from distlab.evaluation import eval_sentence
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs
 from distlab.report.plots import figure, loss_curves, to_png_b64
 
@@ -153,4 +154,5 @@ def build(runs: list[dict]) -> Card:
     if tp or pp:
         card.figures.append(Figure("Loss curves", loss_curves(tp + pp, "Stage 6 loss"),
                                    "training loss per optimizer step (pipeline: from the last stage)"))
+    card.notes.append(eval_sentence([r for r in runs if r["stage"] == "parallel"]))  # base vs tuned eval loss
     return card

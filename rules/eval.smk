@@ -1,0 +1,18 @@
+# Held-out evaluation of the base model, once per dataset and seq_len: every trained run's
+# eval loss (computed in its worker on the same tokens) is set beside it.
+
+
+rule evaluate_base_model:
+    input:
+        data=f"{PREP}/data/{{dataset}}-seq{{seq_len}}",
+        model=model_inputs(),
+    output:
+        f"{PREP}/eval/base-{{dataset}}-seq{{seq_len}}.json",
+    params:
+        model_source=model_source,
+    log:
+        f"{PREP}/logs/eval-base-{{dataset}}-seq{{seq_len}}.log",
+    conda:
+        "../envs/train.yaml"
+    script:
+        "../scripts/evaluate_base.py"

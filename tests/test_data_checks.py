@@ -1,0 +1,69 @@
+"""Promises about bad data files: each stops the config before any job, naming file and line."""
+import json
+
+import pytest
+
+from conftest import tiny_config
+
+
+def _load_with(files, **data):
+    from distlab.config import load
+
+    cfg = tiny_config({"ddp": {"experiments": [{"strategy": "ddp"}]}})
+    cfg["data"] = {"source": "files", "files": [str(f) for f in files], **data}
+    return load(cfg, gpu_count=0)
+
+
+def test_jsonl_row_without_the_text_field_is_named_by_file_and_line(tmp_path):
+    from distlab.config import ConfigError
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"text": "fine"}) + "\n\n" + json.dumps({"body": "no text"}) + "\n")
+    with pytest.raises(ConfigError, match=rf"{path}:3: no field 'text'"):
+        _load_with([path])
+
+
+def test_empty_file_is_refused_before_any_job(tmp_path):
+    from distlab.config import ConfigError
+
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    with pytest.raises(ConfigError, match=r"data\.files\[0\].*empty\.jsonl' is empty"):
+        _load_with([path])
+
+
+def test_non_utf8_text_is_named_with_its_line(tmp_path):
+    from distlab.config import ConfigError
+
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("first line\nsecond line\nna\u00efve caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=rf"{path}:3: not UTF-8"):
+        _load_with([path])
+
+
+def test_json_file_of_json_lines_is_read_as_rows_not_one_document(tmp_path):
+    from distlab import data
+
+    path = tmp_path / "rows.json"
+    path.write_text("".join(json.dumps({"text": f"row {i}", "id": i}) + "\n" for i in range(3)))
+    _load_with([path])
+    rows = data.load_rows({"source": "files", "files": [str(path)], "text_field": "text"},
+                          cache_dir=str(tmp_path / "cache"))
+    assert rows["text"] == ["row 0", "row 1", "row 2"]
+
+
+def test_chat_rows_need_messages_with_an_assistant_turn(tmp_path):
+    from distlab.config import ConfigError
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(ConfigError, match=rf"{path}:1: no assistant message"):
+        _load_with([path], format="chat")
+
+
+def test_experiment_naming_an_unknown_dataset_is_refused():
+    from distlab.config import ConfigError, load
+
+    cfg = tiny_config({"ddp": {"experiments": [{"strategy": "ddp", "dataset": "nope"}]}})
+    with pytest.raises(ConfigError, match=r"experiments\[0\]\.dataset': no dataset 'nope'"):
+        load(cfg, gpu_count=0)

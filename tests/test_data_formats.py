@@ -1,0 +1,93 @@
+"""Promises about chat and instruction data: rendered with the tokenizer's own chat template,
+and the loss counts only the response/assistant tokens (labels -100 elsewhere)."""
+import json
+
+import pytest
+
+from distlab import data
+from distlab.data_formats import IGNORE, encode_chat, encode_instruction
+
+
+def _trained_text(tok, ids, labels):
+    assert len(ids) == len(labels)
+    assert all(l == IGNORE or l == i for i, l in zip(ids, labels))  # a label is the token or masked
+    return tok.decode([l for l in labels if l != IGNORE])
+
+
+def test_instruction_rows_train_only_on_the_response(prepared):
+    tok = data.load_tokenizer(prepared / "tokenizer")
+    out = encode_instruction({"q": ["What is a list?"], "a": ["A mutable sequence."]}, tok, "q", "a")
+    ids, labels = out["input_ids"][0], out["labels"][0]
+    assert "What is a list?" in tok.decode(ids)
+    assert _trained_text(tok, ids, labels) == "A mutable sequence." + tok.eos_token + "\n"
+
+
+def test_chat_rows_train_only_on_assistant_turns_of_the_models_template(prepared):
+    tok = data.load_tokenizer(prepared / "tokenizer")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say one."},
+                {"role": "assistant", "content": "One."}, {"role": "user", "content": "Say two."},
+                {"role": "assistant", "content": "Two."}]
+    out = encode_chat({"messages": [messages]}, tok, "messages")
+    ids, labels = out["input_ids"][0], out["labels"][0]
+    assert tok.decode(ids) == tok.apply_chat_template(messages, tokenize=False)
+    eos = tok.eos_token
+    assert _trained_text(tok, ids, labels) == f"One.{eos}\nTwo.{eos}\n"
+
+
+def test_instruction_rows_without_a_chat_template_use_the_documented_prompt(prepared):
+    tok = data.load_tokenizer(prepared / "tokenizer")
+    tok.chat_template = None
+    out = encode_instruction({"prompt": ["Add 2 and 2."], "response": ["4"]}, tok, "prompt", "response")
+    ids, labels = out["input_ids"][0], out["labels"][0]
+    assert tok.decode(ids) == "### Instruction:\nAdd 2 and 2.\n\n### Response:\n4" + tok.eos_token
+    assert _trained_text(tok, ids, labels) == "4" + tok.eos_token
+
+
+@pytest.fixture(scope="module")
+def instruction_data(prepared, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    cfg = {"source": "python-docs-instructions", "format": "instruction", "prompt_field": "prompt",
+           "response_field": "response"}
+    tok = data.load_tokenizer(prepared / "tokenizer")
+    data.build_dataset(data.load_rows(cfg), tok, 32, 0.1, 0, root / "data32", cfg=cfg, tokenizer_source=prepared / "tokenizer")
+    return root / "data32"
+
+
+def test_prepared_instruction_blocks_carry_masked_labels(instruction_data):
+    labels = data.load_labels(instruction_data, "train")
+    ids = data.load_blocks(instruction_data, "train")
+    assert labels.shape == ids.shape
+    masked = (labels == IGNORE)
+    assert masked.any() and (~masked).any()
+    assert bool(((labels == ids) | masked).all())
+    counts = json.loads((instruction_data / "distlab_data.json").read_text())["splits"]["train"]
+    assert counts["trained_tokens"] == int((labels[:, 1:] != IGNORE).sum()) and counts["masked_tokens"] > 0
+
+
+def test_training_loss_counts_only_response_tokens(prepared, instruction_data, tmp_path):
+    """Step 0's loss is the plain model's loss with the masked labels on the same samples."""
+    import torch
+
+    from conftest import resolve
+    from distlab.launch import launch
+    from distlab.model import load_model
+
+    spec = resolve({"strategy": "ddp", "world_size": 1, "micro_batch": 4}, steps=3, warmup_steps=1)
+    job = {"spec": spec, "run_dir": str(tmp_path), "data_dir": str(instruction_data),
+           "model_source": str(prepared / "model"), "hardware_json": str(prepared / "hardware.json"),
+           "env_allowlist": [], "checkpoint_dir": None}
+    launch(job, log_path=str(tmp_path / "train.log"), timeout=300)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    first = json.loads((tmp_path / "steps.jsonl").read_text().splitlines()[0])["samples_by_rank"][0]
+    ids = data.load_blocks(instruction_data, "train")[first]
+    labels = data.load_labels(instruction_data, "train")[first]
+    model = load_model(prepared / "model")
+    with torch.no_grad():
+        masked = model(input_ids=ids, labels=labels).loss.item()
+        unmasked = model(input_ids=ids, labels=ids).loss.item()
+    assert abs(metrics["loss"]["first"] - masked) < 1e-5 and abs(masked - unmasked) > 1e-3
+    run_tokens = metrics["data_prep"]["run_tokens"]
+    assert run_tokens["masked"] > 0 and run_tokens["trained"] > 0
+    assert run_tokens["trained"] + run_tokens["masked"] == 3 * 4 * 31
+    assert metrics["data_prep"]["format"] == "instruction"
+    assert metrics["data_prep"]["tokenizer"]["eos_token_id"] == data.load_tokenizer(prepared / "tokenizer").eos_token_id

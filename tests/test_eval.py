@@ -1,0 +1,60 @@
+"""Promises about held-out evaluation: the base model and every run on the same eval tokens."""
+import json
+
+import pytest
+
+
+def test_base_eval_is_the_models_mean_loss_on_the_first_eval_blocks(prepared, tmp_path):
+    import torch
+
+    from distlab import data, evaluation
+    from distlab.model import load_model
+
+    result = evaluation.evaluate_base(str(prepared / "model"), prepared / "data32", tmp_path / "base.json")
+    ids = data.load_blocks(prepared / "data32", "eval")[:16]
+    model = load_model(prepared / "model")
+    with torch.no_grad():  # two equal batches of 8 full blocks: the token mean is the mean of batch means
+        expected = sum(model(input_ids=ids[i:i + 8], labels=ids[i:i + 8]).loss.item() for i in (0, 8)) / 2
+    assert result["tokens"] == 16 * 31 and abs(result["loss"] - expected) < 1e-5
+    assert json.loads((tmp_path / "base.json").read_text())["loss"] == result["loss"]
+
+
+@pytest.mark.parametrize("overrides", [{"strategy": "fsdp", "world_size": 2, "micro_batch": 2}])
+def test_sharded_run_is_evaluated_whole_beside_the_base_model(prepared, tmp_path, overrides):
+    """The worker's eval loss is the exported (trained) model's loss on the same tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import resolve
+    from distlab import evaluation
+    from distlab.launch import launch
+
+    base = evaluation.evaluate_base(str(prepared / "model"), prepared / "data32", tmp_path / "base.json")
+    spec = resolve(overrides, stage="fsdp", steps=4, warmup_steps=1)
+    run_dir = tmp_path / "run"
+    job = {"spec": spec, "run_dir": str(run_dir), "data_dir": str(prepared / "data32"),
+           "model_source": str(prepared / "model"), "hardware_json": str(prepared / "hardware.json"),
+           "env_allowlist": [], "checkpoint_dir": str(run_dir / "checkpoint"),
+           "base_eval_json": str(tmp_path / "base.json")}
+    launch(job, log_path=str(run_dir / "train.log"), timeout=300)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["eval"]["base"]["loss"] == base["loss"]
+    trained = metrics["eval"]["trained"]
+    exported = AutoModelForCausalLM.from_pretrained(str(run_dir / "checkpoint/final/export"))
+    ids, labels = evaluation.eval_tokens(prepared / "data32")
+    again = evaluation.evaluate_model(exported, ids, labels)
+    assert abs(trained["loss"] - again["loss"]) < 1e-5 and abs(trained["loss"] - base["loss"]) > 1e-4
+    sentence = evaluation.eval_sentence([metrics])
+    assert f"{base['loss']:.3f} -> {trained['loss']:.3f}" in sentence
+
+
+def test_summary_gets_each_runs_base_and_trained_eval_loss():
+    import pandas as pd
+
+    from distlab.evaluation import eval_columns
+
+    runs = [{"machine": "m", "experiment": "a", "eval": {"base": {"loss": 8.0}, "trained": {"loss": 7.0,
+                                                                                              "perplexity": 1096.6}}},
+            {"machine": "m", "experiment": "b", "eval": {"base": {"loss": 8.0}, "trained": {"status": "failed"}}}]
+    frame = eval_columns(pd.DataFrame([{"machine": "m", "experiment": "b"}, {"machine": "m", "experiment": "a"}]), runs)
+    assert frame["eval_loss"].tolist()[1] == 7.0 and pd.isna(frame["eval_loss"].tolist()[0])
+    assert frame["eval_loss_base"].tolist() == [8.0, 8.0] and frame["eval_perplexity"].tolist()[1] == 1096.6
