@@ -55,6 +55,12 @@ def tokens_per_s(run) -> tuple[float, float, float]:
     return tokens / st["median"], tokens / st["p75"], tokens / st["p25"]
 
 
+def comm_ms(run) -> float | str:
+    """Median collective time per step in ms, or "not measured" (never a 0 standing in for null)."""
+    seconds = run["timing"]["comm_inflight_s_per_step"]["median"]
+    return "not measured" if seconds is None else round(seconds * 1000, 2)
+
+
 def ok_runs(runs: list[dict], stage: str) -> list[dict]:
     return [r for r in runs if r["stage"] == stage and r.get("status") == "ok"]
 

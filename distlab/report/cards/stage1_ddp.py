@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs
+from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, comm_ms, ok_runs
 from distlab.report.collect import clear_winner
 from distlab.report.plots import figure, loss_curves, to_png_b64
 
@@ -68,8 +68,7 @@ def build(runs: list[dict]) -> Card:
                              "step p25-p75 (ms)": f"{st['p25'] * 1000:.1f}-{st['p75'] * 1000:.1f}",
                              "tokens/s": round(run["throughput"]["tokens_per_s"], 1),
                              "speedup vs 1 rank": round(run["throughput"]["tokens_per_s"] / tps[0], 3),
-                             "all-reduce in flight (ms/step)": round(
-                                 (run["timing"]["comm_inflight_s_per_step"]["median"] or 0) * 1000, 2),
+                             "all-reduce in flight (ms/step)": comm_ms(run),
                              "vs 1 rank": "-" if w == 1 else (
                                  "no clear winner" if not clear_winner(run, group[1]) else
                                  "faster" if run["throughput"]["tokens_per_s"] > tps[0] else "slower"),
