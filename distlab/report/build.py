@@ -11,13 +11,13 @@ import os
 
 from distlab import advisor as adv
 from distlab import collectives as coll
-from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Table, all_cards
+from distlab.report.cards import COMPARED, FAILED, NOT_RUN, PASSED, Card, Figure, Table, all_cards
 from distlab.report.cards.checkpoint_table import checkpoint_card
 from distlab.report.collect import (COLLECTIVES_SCHEMA_VERSION, HARDWARE_SCHEMA_VERSION, clear_winner, load_runs,
                                     machine_files, read_json, summary_frame)
 from distlab.report.plots import bandwidth_curves, loss_panels, ranking
 
-BADGE = {PASSED: "#1a7f37", FAILED: "#cf222e", NOT_RUN: "#6e7781"}
+BADGE = {PASSED: "#1a7f37", FAILED: "#cf222e", NOT_RUN: "#6e7781", COMPARED: "#9a6700"}
 NO_CLEAR_WINNER = "no clear winner"
 
 CSS = """
@@ -70,7 +70,9 @@ def overview_card(cards: list[Card], runs: list[dict], advice: dict) -> Card:
                           f"{sum(r.get('status') == 'oom' for r in runs)} out of memory).")
     for machine, a in sorted(advice.items()):
         card.notes.append(f"Advisor for {machine}: {a['recommendation_label']} - {a['reasons'][0]}.")
-    card.tables.append(Table("Roadmap goals", frame, "passed / failed / not run, computed from the runs below"))
+    card.tables.append(Table("Roadmap goals", frame, f"{PASSED} / {FAILED} / {NOT_RUN} / {COMPARED} (a limit the "
+                                                     "runs were compared with, not held to), computed from the runs "
+                                                     "below"))
     return card
 
 

@@ -1,7 +1,8 @@
 """One module per roadmap stage (`stage<N>_<name>.py`), each with build(runs) -> Card.
 
-Goals are computed from measured runs only: passed, failed (ran but missed the goal) or
-not run. Modules are discovered, so adding a stage touches no registry.
+Goals are computed from measured runs only: passed, failed (ran but missed the goal), not
+run, or compared, not enforced (a limit the runs were only compared with after the fact, so
+they cannot pass it). Modules are discovered, so adding a stage touches no registry.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import importlib
 import pkgutil
 from dataclasses import dataclass, field
 
-PASSED, FAILED, NOT_RUN = "passed", "failed", "not run"
+PASSED, FAILED, NOT_RUN, COMPARED = "passed", "failed", "not run", "compared, not enforced"
 
 
 @dataclass
