@@ -20,7 +20,8 @@ Where checkpoints live, under results/<machine>/<experiment>/:
                           from them. Removed when the job ends; step N moves into checkpoint/.
 
 Loading never unpickles arbitrary objects: tensors come from safetensors or
-torch.load(weights_only=True), everything else is JSON.
+torch.load(weights_only=True), everything else is JSON; the libraries' own loaders (DeepSpeed,
+DCP, Accelerate) run inside distlab.safe_load.weights_only_loads, which forces the same.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ import shutil
 import signal
 import time
 from pathlib import Path
+
+from distlab.safe_load import weights_only_loads
 
 # torch is imported inside the functions that need it: the validation driver (one Snakemake
 # job per experiment) reads manifests and metadata without paying torch's import time.
@@ -379,7 +382,8 @@ def load_checkpoint(src, strategy, ctx, signature: dict, stream=None, verify: bo
                                  f"{meta['world_size']}; this run has {dist.get_world_size()}")
     dist.barrier()
     t0 = time.perf_counter()
-    strategy.load_checkpoint(str(src / "state"))
+    with weights_only_loads():  # DeepSpeed's and DCP's own loaders would unpickle anything
+        strategy.load_checkpoint(str(src / "state"))
     dist.barrier()
     out = {"load_seconds": time.perf_counter() - t0, "steps_done": meta["steps_done"], "records": [],
            "saved_world_size": meta["world_size"]}
