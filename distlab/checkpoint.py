@@ -249,7 +249,10 @@ def _save_trainer_state(root: Path, rank: int, device: torch.device, steps_done:
         rng["torch_cuda"] = torch.cuda.get_rng_state(device)
     save_file(rng, str(folder / f"rng-rank{rank}.safetensors"))
     np_state = np.random.get_state()
-    state = {"rank": rank, "steps_done": steps_done, "stream": stream.state(), "records": records,
+    # The data position is (epoch, position); the indices each step read are not stored (they
+    # would grow with steps x batch): the restore replays them from the seeded sampler.
+    compact = [{k: v for k, v in rec.items() if k != "samples"} for rec in records]
+    state = {"rank": rank, "steps_done": steps_done, "stream": stream.state(), "records": compact,
              "python_random": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
              "numpy_random": [np_state[0], np_state[1].tolist(), *map(float, np_state[2:])]}
     (folder / f"rank{rank}.json").write_text(json.dumps(state))
@@ -270,8 +273,22 @@ def _restore_trainer_state(root: Path, rank: int, device: torch.device, stream) 
     random.setstate((version, tuple(internal), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy_random"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), int(pos), int(has_gauss), cached))
-    stream.restore(state["stream"])
-    return state["steps_done"], state["records"]
+    records = replay_samples(stream, state["records"])
+    if stream.state() != state["stream"]:
+        raise CheckpointMismatch(f"checkpoint {root}: replaying {len(records)} steps of the sampler ends at "
+                                 f"{stream.state()}, the saved data position is {state['stream']}")
+    return state["steps_done"], records
+
+
+def replay_samples(stream, records: list) -> list:
+    """Records with the indices each step read, re-drawn from the stream's start (same seed,
+    sampler and world size); leaves the stream where the last recorded step left it."""
+    stream.restore({"epoch": 0, "position": 0})
+    out = []
+    for rec in records:
+        samples = [i for _ in range(stream.spec["grad_accum"]) for i in stream.next()]
+        out.append({**rec, "samples": samples})
+    return out
 
 
 # -- the consolidated export ----------------------------------------------------------------------
