@@ -91,8 +91,8 @@ def checkpoint_card(runs: list[dict]) -> Card | None:
                                + caveats, links))
     unvalidated = [r["experiment"] for r in runs if r.get("status") == "ok" and validation_of(r) is None]
     if unvalidated:
-        card.notes.append(f"Not validated ({NOT_RUN}; config validation.scope, default: the first experiment of "
-                          f"each strategy x method x launcher): {', '.join(unvalidated)}.")
+        card.notes.append(f"Not validated ({NOT_RUN}; config validation.scope, default per_format: the first "
+                          f"experiment of each distinct checkpoint format): {', '.join(unvalidated)}.")
     from distlab.validate import MERGE_TOLERANCE, PARITY_TOLERANCE, RELOAD_TOLERANCE
 
     tolerances = {"reload, reshard and export logits": RELOAD_TOLERANCE, "merged LoRA export": MERGE_TOLERANCE,
