@@ -88,3 +88,16 @@ def test_fsdp_through_accelerate_is_on_the_stage4_card_and_does_not_turn_it_red(
     (variants,) = [t for t in card.tables if t.title == "FSDP variants"]
     assert list(variants.frame["experiment"]) == [run["experiment"]]
     assert any("not measured" in n for n in card.notes)
+
+
+def test_no_clear_winner_says_its_spread_is_one_process_not_independent_repeats(tmp_path):
+    from distlab.report.build import ranking_card
+    from distlab.report.collect import throughput_stats
+
+    runs = [fake_run(tmp_path / str(w), {"world_size": w, "micro_batch": 8 // w, "repeats": 2}) for w in (1, 2)]
+    for run in runs:
+        run["_steps"] = [{"step_time_s": 0.1, "warmup": False}] * 4
+        run["_throughput"], run["versions"] = throughput_stats(run), {"torch": "x"}
+    (table,) = ranking_card(runs).tables
+    assert "within one process" in table.how and "run-to-run variance across separate launches was not " \
+        "measured" in table.how

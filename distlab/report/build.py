@@ -11,7 +11,7 @@ import os
 
 from distlab import advisor as adv
 from distlab import collectives as coll
-from distlab.report.cards import COMPARED, FAILED, NOT_RUN, PASSED, Card, Figure, Table, all_cards
+from distlab.report.cards import COMPARED, FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Table, all_cards
 from distlab.report.cards.checkpoint_table import checkpoint_card
 from distlab.report.collect import (COLLECTIVES_SCHEMA_VERSION, HARDWARE_SCHEMA_VERSION, clear_winner, load_runs,
                                     machine_files, read_json, summary_frame)
@@ -139,7 +139,7 @@ def ranking_card(runs: list[dict]) -> Card:
                          ("passed" if run["_validation"].get("passed") else "failed") or "-"})
         how = (f"{mine[0]['_throughput']['how']}; tokens = every rank's tokens per optimizer step; device "
                f"{mine[0]['spec']['device']}; torch {mine[0]['versions'].get('torch')}. Runs of different "
-               "global batch or method are not like-for-like: read the ranking with the stage cards.")
+               f"global batch or method are not like-for-like: read the ranking with the stage cards. The {SPREAD_CAVEAT}.")
         card.tables.append(Table(f"{machine}: fastest first", pd.DataFrame(rows), how))
         card.figures.append(Figure(f"{machine}: tokens/s by run", ranking(
             [{"label": r["experiment"], **r["_throughput"]} for r in mine], f"{machine}: tokens/s"), how))
@@ -166,7 +166,8 @@ def machines_card(runs: list[dict], hardware: dict) -> Card | None:
             row["faster"] = best["machine"] if all(clear_winner(best, o) for o in others) else NO_CLEAR_WINNER
     card.tables.append(Table("tokens/s per experiment and machine (median, spread)",
                              pd.DataFrame(list(rows.values())),
-                             "each cell measured on that machine; 'no clear winner' when the spreads overlap"))
+                             f"each cell measured on that machine; 'no clear winner' when the spreads overlap; "
+                             f"{SPREAD_CAVEAT}"))
     hw = [{"machine": m, "cpu": h.get("cpu", {}).get("model"), "cores": h.get("cpu", {}).get("usable_cores"),
            "gpus": ", ".join(g["name"] for g in h.get("gpus", [])) or "none"} for m, h in sorted(hardware.items())]
     if hw:

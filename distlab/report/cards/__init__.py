@@ -56,6 +56,13 @@ def tokens_per_s(run) -> tuple[float, float, float]:
     return tokens / st["median"], tokens / st["p75"], tokens / st["p25"]
 
 
+# Every spread the report compares comes from one process: step-time windows (spec `repeats`,
+# which are windows of one launch, not independent runs) or the step-time interquartile range.
+SPREAD_CAVEAT = ("spreads are within one process (its timed steps split into windows, spec 'repeats', or their "
+                 "interquartile range); run-to-run variance across separate launches was not measured, so a "
+                 "'faster' here may not survive a rerun")
+
+
 def comm_ms(run) -> float | str:
     """Median collective time per step in ms, or "not measured" (never a 0 standing in for null)."""
     seconds = run["timing"]["comm_inflight_s_per_step"]["median"]

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import os
 
-from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, comm_ms, ok_runs
+from distlab.report.cards import (FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Goal, Table, comm_ms,
+                                  ok_runs)
 from distlab.report.collect import clear_winner
 from distlab.report.plots import figure, loss_curves, to_png_b64
 
@@ -81,7 +82,7 @@ def build(runs: list[dict]) -> Card:
         ax.legend(fontsize=7)
         how = ("tokens/s = global tokens per step / median step time (max over ranks) after warm-up; "
                "same model, data, seed and global batch at each rank count; 'no clear winner' when the "
-               "throughput spreads (see repeats) overlap")
+               f"throughput spreads overlap; {SPREAD_CAVEAT}")
         card.figures.append(Figure("Speedup 1 vs N ranks", to_png_b64(fig), how))
         import pandas as pd
 
