@@ -101,3 +101,17 @@ def test_no_clear_winner_says_its_spread_is_one_process_not_independent_repeats(
     (table,) = ranking_card(runs).tables
     assert "within one process" in table.how and "run-to-run variance across separate launches was not " \
         "measured" in table.how
+
+
+def test_the_kuberay_goal_says_its_checks_are_distlabs_own_not_the_crd_schema(tmp_path):
+    import json
+
+    from distlab.report.cards import stage5_ray
+
+    run = fake_run(tmp_path / "testbox" / "ddp", {"world_size": 2, "micro_batch": 4})
+    (tmp_path / "kuberay").mkdir()
+    (tmp_path / "kuberay" / "checks.json").write_text(json.dumps({
+        "ray_version": "2.60", "experiments": ["x"], "files": {},
+        "checks": {"RayCluster": {"api_version": {"status": "passed", "detail": ""}}}}))
+    (goal,) = [g for g in stage5_ray.build([run]).goals if g.text.startswith("KubeRay")]
+    assert goal.status == "passed" and "not the KubeRay CRD schema" in goal.text
