@@ -115,3 +115,12 @@ def test_the_kuberay_goal_says_its_checks_are_distlabs_own_not_the_crd_schema(tm
         "checks": {"RayCluster": {"api_version": {"status": "passed", "detail": ""}}}}))
     (goal,) = [g for g in stage5_ray.build([run]).goals if g.text.startswith("KubeRay")]
     assert goal.status == "passed" and "not the KubeRay CRD schema" in goal.text
+
+
+def test_the_overview_shows_a_compared_goal_as_compared_not_as_not_run():
+    from distlab.report.build import overview_card
+    from distlab.report.cards import COMPARED, Card, Goal
+
+    card = Card(3, "Stage 3", goals=[Goal("minimal", "a", "passed"), Goal("bonus", "budget", COMPARED)])
+    (table,) = overview_card([card], [], {}).tables
+    assert list(table.frame["bonus"]) == [COMPARED]

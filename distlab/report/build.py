@@ -59,7 +59,8 @@ def overview_card(cards: list[Card], runs: list[dict], advice: dict) -> Card:
             # Several goals of one kind, some not run: say how many passed, not "not run".
             row[kind] = (FAILED if any(g.status == FAILED for g in goals) else
                          PASSED if goals and passed == len(goals) else
-                         f"{passed} of {len(goals)} passed" if passed else NOT_RUN)
+                         f"{passed} of {len(goals)} passed" if passed else
+                         COMPARED if any(g.status == COMPARED for g in goals) else NOT_RUN)
         rows.append(row)
     frame = pd.DataFrame(rows, columns=["stage", "minimal", "bonus"])
     card = Card(0, "Where you stand")
