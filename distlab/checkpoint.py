@@ -20,18 +20,22 @@ Where checkpoints live, under results/<machine>/<experiment>/:
                           from them. Removed when the job ends; step N moves into checkpoint/.
 
 Loading never unpickles arbitrary objects: tensors come from safetensors or
-torch.load(weights_only=True), everything else is JSON.
+torch.load(weights_only=True), everything else is JSON; the libraries' own loaders (DeepSpeed,
+DCP, Accelerate) run inside distlab.safe_load.weights_only_loads, which forces the same.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import random
 import shutil
 import signal
 import time
 from pathlib import Path
+
+from distlab.safe_load import weights_only_loads
+from distlab.trainer_state import restore_trainer_state as _restore_trainer_state
+from distlab.trainer_state import save_trainer_state as _save_trainer_state
 
 # torch is imported inside the functions that need it: the validation driver (one Snakemake
 # job per experiment) reads manifests and metadata without paying torch's import time.
@@ -233,44 +237,6 @@ def read_meta(root) -> dict:
         raise CheckpointCorrupt(f"{path}: missing or unreadable ({exc})") from None
 
 
-# -- trainer state: step, data position, RNG, records ------------------------------------------
-def _save_trainer_state(root: Path, rank: int, device: torch.device, steps_done: int, stream, records) -> None:
-    import numpy as np
-    import torch
-    from safetensors.torch import save_file
-
-    folder = root / "trainer"
-    folder.mkdir(exist_ok=True)
-    rng = {"torch_cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        rng["torch_cuda"] = torch.cuda.get_rng_state(device)
-    save_file(rng, str(folder / f"rng-rank{rank}.safetensors"))
-    np_state = np.random.get_state()
-    state = {"rank": rank, "steps_done": steps_done, "stream": stream.state(), "records": records,
-             "python_random": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-             "numpy_random": [np_state[0], np_state[1].tolist(), *map(float, np_state[2:])]}
-    (folder / f"rank{rank}.json").write_text(json.dumps(state))
-
-
-def _restore_trainer_state(root: Path, rank: int, device: torch.device, stream) -> tuple[int, list]:
-    import numpy as np
-    import torch
-    from safetensors.torch import load_file
-
-    folder = root / "trainer"
-    state = json.loads((folder / f"rank{rank}.json").read_text())
-    rng = load_file(str(folder / f"rng-rank{rank}.safetensors"))
-    torch.set_rng_state(rng["torch_cpu"])
-    if device.type == "cuda" and "torch_cuda" in rng:
-        torch.cuda.set_rng_state(rng["torch_cuda"], device)
-    version, internal, gauss = state["python_random"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy_random"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), int(pos), int(has_gauss), cached))
-    stream.restore(state["stream"])
-    return state["steps_done"], state["records"]
-
-
 # -- the consolidated export ----------------------------------------------------------------------
 def eval_batch(data_dir) -> torch.Tensor:
     from distlab.data import load_blocks
@@ -379,7 +345,8 @@ def load_checkpoint(src, strategy, ctx, signature: dict, stream=None, verify: bo
                                  f"{meta['world_size']}; this run has {dist.get_world_size()}")
     dist.barrier()
     t0 = time.perf_counter()
-    strategy.load_checkpoint(str(src / "state"))
+    with weights_only_loads():  # DeepSpeed's and DCP's own loaders would unpickle anything
+        strategy.load_checkpoint(str(src / "state"))
     dist.barrier()
     out = {"load_seconds": time.perf_counter() - t0, "steps_done": meta["steps_done"], "records": [],
            "saved_world_size": meta["world_size"]}

@@ -257,7 +257,7 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
 
 def validated_experiments(config: dict, specs: dict[str, dict]) -> list[str]:
     """Ids whose checkpoints get a validation job, per `validation.scope`."""
-    scope = config.get("validation", {}).get("scope", "per_strategy")
+    scope = config.get("validation", {}).get("scope", "per_format")
     if scope == "none":
         return []
     if scope == "all":
@@ -266,10 +266,23 @@ def validated_experiments(config: dict, specs: dict[str, dict]) -> list[str]:
     for exp_id, spec in specs.items():
         key = (spec["strategy"], spec["method"], spec["launcher"], spec["fsdp"]["via"] if spec["strategy"] == "fsdp"
                else None)
+        if scope == "per_format":
+            key += (checkpoint_format(spec),)
         if key not in seen:
             seen.add(key)
             chosen.append(exp_id)
     return chosen
+
+
+def checkpoint_format(spec: dict) -> tuple:
+    """What changes the checkpoint a run writes (ZeRO stage and offload, FSDP variant, precision)
+    beyond strategy x method x launcher; world size and batch shape do not."""
+    ds, fs = spec["deepspeed"], spec["fsdp"]
+    if spec["strategy"] == "deepspeed":
+        return (spec["precision"], ds["zero_stage"], ds["offload_optimizer"], ds["offload_param"])
+    if spec["strategy"] == "fsdp":
+        return (spec["precision"], fs["reshard_after_forward"], fs["cpu_offload"])
+    return (spec["precision"],)
 
 
 def model_shape(config: dict) -> dict:

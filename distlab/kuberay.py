@@ -15,6 +15,9 @@ import re
 import shlex
 
 API_VERSION = "ray.io/v1"
+# What check() proves, said wherever its verdict is shown: no KubeRay CRD OpenAPI schema is
+# vendored here, so a manifest that passes may still be rejected by the operator's CRD.
+CHECKED_AGAINST = "distlab's own rules (distlab.kuberay.check), not the KubeRay CRD schema"
 K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|Ki|Mi|Gi|Ti|k|M|G|T)?$")
 

@@ -9,22 +9,101 @@ METRICS_SCHEMA_VERSION = 1
 
 
 def flops_per_token(n_params: int, n_embedding: int, n_layers: int, n_heads: int, head_dim: int,
-                    seq_len: int) -> float:
+                    seq_len: int, n_trainable: int | None = None) -> float:
     """Training FLOPs per token, PaLM appendix B / torchtitan `get_num_flop_per_token`:
     6*(N - N_embedding) for the matmuls of forward+backward, plus 12*L*H*Dh*S for attention.
+
+    With frozen weights (LoRA) only trainable ones need the weight-gradient matmul: forward
+    2N + input-gradient 2N + weight-gradient 2*N_trainable, i.e. 4*N_frozen + 6*N_trainable.
     """
-    return 6 * (n_params - n_embedding) + 12 * n_layers * n_heads * head_dim * seq_len
+    matmul = n_params - n_embedding
+    trainable = matmul if n_trainable is None else min(n_trainable, matmul)
+    return 4 * (matmul - trainable) + 6 * trainable + 12 * n_layers * n_heads * head_dim * seq_len
 
 
-def model_flops_per_token(model, seq_len: int) -> dict:
+def _embedding_tied_to_head(model) -> bool:
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is model.get_input_embeddings().weight
+
+
+def formula_flops_per_token(model, seq_len: int) -> dict:
+    """The formula on the model as trained (LoRA applied). The input embedding is a lookup,
+    not a matmul, so it is left out, unless it is tied to the LM head, whose matmul is real."""
     config = model.config
-    n_params = sum(p.numel() for p in model.parameters())
-    n_embedding = model.get_input_embeddings().weight.numel()
+    n_params = sum(p.numel() for p in model.parameters())  # a tied weight is listed once
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    tied = _embedding_tied_to_head(model)
+    embedding = model.get_input_embeddings().weight
+    n_embedding = 0 if tied else embedding.numel()
+    if not tied and embedding.requires_grad:
+        n_trainable -= embedding.numel()
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    value = flops_per_token(n_params, n_embedding, config.num_hidden_layers, heads, head_dim, seq_len)
-    return {"flops_per_token": value, "n_params": n_params, "n_embedding": n_embedding,
-            "formula": "6*(N - N_embedding) + 12*L*H*Dh*S (PaLM / torchtitan)"}
+    value = flops_per_token(n_params, n_embedding, config.num_hidden_layers, heads, head_dim, seq_len,
+                            n_trainable=n_trainable)
+    return {"formula_per_token": value, "n_params": n_params, "n_trainable": n_trainable,
+            "n_embedding_excluded": n_embedding, "tied_embedding": tied,
+            "formula": "4*(N - N_emb - N_trainable) + 6*N_trainable + 12*L*H*Dh*S (PaLM / torchtitan; frozen "
+                       "weights get no weight-gradient matmul; N_emb = 0 when the embedding is the LM head)"}
+
+
+def _cpu_attention_flops():
+    """torch's flop counter has no entry for SDPA's CPU kernel: count it with torch's own
+    SDPA formulas (the same ones it uses for the CUDA kernels)."""
+    import torch
+    from torch.utils import flop_counter
+
+    def forward(query, key, value, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_flop_count(query, key, value)
+
+    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+
+    aten = torch.ops.aten
+    if not hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return {}
+    return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
+
+
+def counted_flops_per_token(model, seq_len: int) -> float:
+    """FLOPs per token counted by torch.utils.flop_counter.FlopCounterMode over one real
+    forward+backward of `model` (micro-batch 1, `seq_len` tokens). Gradients and RNG are left
+    as they were, so training is unchanged; a meta-device model is counted on meta tensors."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    param = next(model.parameters())
+    device = param.device
+    saved_grads = [p.grad for p in model.parameters()]
+    ids = torch.zeros((1, seq_len), dtype=torch.long, device=device)
+    rng_devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=rng_devices), FlopCounterMode(display=False,
+                                                                     custom_mapping=_cpu_attention_flops()) as fc:
+        model(input_ids=ids, labels=ids).loss.backward()
+    for p, grad in zip(model.parameters(), saved_grads):
+        p.grad = grad
+    return fc.get_total_flops() / seq_len
+
+
+def model_flops_per_token(model, seq_len: int, count: bool = True) -> dict:
+    """Both ways side by side; MFU uses the counted figure where there is one (named in `mfu_uses`)."""
+    out = formula_flops_per_token(model, seq_len)
+    counted, how = None, "not counted on this rank"
+    if count:
+        try:
+            counted = counted_flops_per_token(model, seq_len)
+            how = (f"torch.utils.flop_counter.FlopCounterMode over one forward+backward of the run's model "
+                   f"(LoRA applied, before wrapping) at seq_len {seq_len}, micro-batch 1, on "
+                   f"{next(model.parameters()).device.type}; attention counted without the causal discount, "
+                   "like the formula")
+        except Exception as exc:  # a model this counter cannot run: say so, keep the formula
+            how = f"not counted: {type(exc).__name__}: {exc}"
+    out.update({"counted_per_token": counted, "how": how,
+                "counted_over_formula": counted / out["formula_per_token"] if counted else None,
+                "mfu_uses": "counted" if counted else "formula",
+                "flops_per_token": counted if counted else out["formula_per_token"]})
+    return out
 
 
 def mfu(flops_per_tok: float, tokens_per_s: float, peak_flops: float | None) -> float | None:

@@ -30,10 +30,13 @@ def prepare_model(strategy, model_source: str, spec: dict) -> PreparedModel:
 
     torch.manual_seed(spec["seed"])
     model = strategy.load_model(model_source)
-    flops = M.model_flops_per_token(model, spec["seq_len"])
     lora_targets = None
     if spec["method"] == "lora":
         model, lora_targets = apply_lora(model, spec["lora"], spec["seed"])
+    # Formula and an independent FlopCounterMode count, on the model as trained (LoRA applied),
+    # before any wrapper shards it; rank 0 counts (one micro-batch of 1, no collective).
+    is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    flops = M.model_flops_per_token(model, spec["seq_len"], count=is_main)
     counts = parameter_counts(model)
     signature = ckpt.model_signature(model)  # before a wrapper shards the parameters
     strategy.wrap(model)

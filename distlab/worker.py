@@ -299,8 +299,8 @@ def summarize_run(job, ctx, strategy, described, flops, counts, lora_targets, al
             "comm_inflight_s_per_step": M.summarize(comm_per_step[warm:] if measured else []),
             "comm_how": ("all-reduce launch-to-completion time per step (overlaps backward); from a DDP comm hook "
                          "or the strategy's own counter") if measured else
-                        f"not measured for strategy {spec['strategy']} (its collectives are not timed without "
-                        "changing them)",
+                        f"not measured for strategy {spec['strategy']}: " + getattr(
+                            strategy, "comm_unmeasured_reason", "its collectives are not timed without changing them"),
         },
         "throughput": {
             "tokens_per_s": tps, "samples_per_s": samples_per_step / timed["median"],

@@ -24,6 +24,7 @@ with logged(snakemake):
     failed = [f"{kind}.{name}: {c['detail']}" for kind, named in checks.items() for name, c in named.items()
               if c["status"] != "passed"]
     record = {"schema_version": 1, "ray_version": ray_version, "passed": not failed, "checks": checks,
+              "checked_against": kuberay.CHECKED_AGAINST,
               "experiments": sorted(specs), "files": {k: str(snakemake.output[k]) for k in manifests}}
     with open(snakemake.output.checks, "w") as fh:
         json.dump(record, fh, indent=1)

@@ -1,12 +1,47 @@
 """The formulas behind the printed figures."""
+import pytest
 import torch
 
 from distlab import metrics as M
 
 
-def test_flops_per_token_follows_palm_formula():
-    # 6*(N - N_emb) + 12*L*H*Dh*S with N=1000, N_emb=200, L=2, H=4, Dh=8, S=16
-    assert M.flops_per_token(1000, 200, 2, 4, 8, 16) == 6 * 800 + 12 * 2 * 4 * 8 * 16
+def _tiny_causal_lm(tied: bool, kv_heads: int, lora: bool):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from conftest import TINY_MODEL
+    from distlab.lora import apply_lora
+
+    torch.manual_seed(0)
+    shape = {k: v for k, v in TINY_MODEL.items() if k not in ("seed", "tie_word_embeddings", "num_key_value_heads")}
+    model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=512, tie_word_embeddings=tied,
+                                                         num_key_value_heads=kv_heads, **shape))
+    if lora:
+        model, _ = apply_lora(model, {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": None}, 0)
+    return model
+
+
+@pytest.mark.parametrize("tied,kv_heads,lora", [(True, 4, False), (False, 4, False), (False, 4, True),
+                                                 (True, 4, True), (False, 2, False)],
+                         ids=["tied", "untied", "lora", "tied-lora", "gqa"])
+def test_flops_formula_agrees_with_an_independent_flop_count(tied, kv_heads, lora):
+    model = _tiny_causal_lm(tied, kv_heads, lora)
+    flops = M.model_flops_per_token(model, 32)
+    assert flops["counted_per_token"] is not None, flops["how"]
+    assert abs(flops["counted_over_formula"] - 1) <= 0.10, flops
+    assert flops["mfu_uses"] == "counted" and flops["flops_per_token"] == flops["counted_per_token"]
+    # the count is a side trip: no gradient is left behind for the first optimizer step
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_tied_embedding_is_billed_as_the_lm_head_and_frozen_weights_skip_the_weight_gradient():
+    untied, tied = _tiny_causal_lm(False, 4, False), _tiny_causal_lm(True, 4, False)
+    # same matmuls: the tied weight is the head's, only the untied input lookup is left out
+    assert M.formula_flops_per_token(tied, 32)["formula_per_token"] == \
+        M.formula_flops_per_token(untied, 32)["formula_per_token"]
+    full, lora = M.formula_flops_per_token(untied, 32), M.formula_flops_per_token(_tiny_causal_lm(False, 4, True), 32)
+    attention = 12 * 2 * 4 * 16 * 32  # 12*L*H*Dh*S: no weights, the same in both
+    assert lora["formula_per_token"] - attention < 0.85 * (full["formula_per_token"] - attention)  # ~4N vs 6N
+    # (not 4/6: these r=8 adapters add a quarter of the tiny layers' weights, all trained)
 
 
 def test_mfu_is_achieved_over_peak_and_empty_without_a_peak():

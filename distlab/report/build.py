@@ -11,13 +11,13 @@ import os
 
 from distlab import advisor as adv
 from distlab import collectives as coll
-from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Table, all_cards
+from distlab.report.cards import COMPARED, FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Table, all_cards
 from distlab.report.cards.checkpoint_table import checkpoint_card
 from distlab.report.collect import (COLLECTIVES_SCHEMA_VERSION, HARDWARE_SCHEMA_VERSION, clear_winner, load_runs,
                                     machine_files, read_json, summary_frame)
 from distlab.report.plots import bandwidth_curves, loss_panels, ranking
 
-BADGE = {PASSED: "#1a7f37", FAILED: "#cf222e", NOT_RUN: "#6e7781"}
+BADGE = {PASSED: "#1a7f37", FAILED: "#cf222e", NOT_RUN: "#6e7781", COMPARED: "#9a6700"}
 NO_CLEAR_WINNER = "no clear winner"
 
 CSS = """
@@ -59,7 +59,8 @@ def overview_card(cards: list[Card], runs: list[dict], advice: dict) -> Card:
             # Several goals of one kind, some not run: say how many passed, not "not run".
             row[kind] = (FAILED if any(g.status == FAILED for g in goals) else
                          PASSED if goals and passed == len(goals) else
-                         f"{passed} of {len(goals)} passed" if passed else NOT_RUN)
+                         f"{passed} of {len(goals)} passed" if passed else
+                         COMPARED if any(g.status == COMPARED for g in goals) else NOT_RUN)
         rows.append(row)
     frame = pd.DataFrame(rows, columns=["stage", "minimal", "bonus"])
     card = Card(0, "Where you stand")
@@ -70,7 +71,9 @@ def overview_card(cards: list[Card], runs: list[dict], advice: dict) -> Card:
                           f"{sum(r.get('status') == 'oom' for r in runs)} out of memory).")
     for machine, a in sorted(advice.items()):
         card.notes.append(f"Advisor for {machine}: {a['recommendation_label']} - {a['reasons'][0]}.")
-    card.tables.append(Table("Roadmap goals", frame, "passed / failed / not run, computed from the runs below"))
+    card.tables.append(Table("Roadmap goals", frame, f"{PASSED} / {FAILED} / {NOT_RUN} / {COMPARED} (a limit the "
+                                                     "runs were compared with, not held to), computed from the runs "
+                                                     "below"))
     return card
 
 
@@ -137,7 +140,7 @@ def ranking_card(runs: list[dict]) -> Card:
                          ("passed" if run["_validation"].get("passed") else "failed") or "-"})
         how = (f"{mine[0]['_throughput']['how']}; tokens = every rank's tokens per optimizer step; device "
                f"{mine[0]['spec']['device']}; torch {mine[0]['versions'].get('torch')}. Runs of different "
-               "global batch or method are not like-for-like: read the ranking with the stage cards.")
+               f"global batch or method are not like-for-like: read the ranking with the stage cards. The {SPREAD_CAVEAT}.")
         card.tables.append(Table(f"{machine}: fastest first", pd.DataFrame(rows), how))
         card.figures.append(Figure(f"{machine}: tokens/s by run", ranking(
             [{"label": r["experiment"], **r["_throughput"]} for r in mine], f"{machine}: tokens/s"), how))
@@ -164,7 +167,8 @@ def machines_card(runs: list[dict], hardware: dict) -> Card | None:
             row["faster"] = best["machine"] if all(clear_winner(best, o) for o in others) else NO_CLEAR_WINNER
     card.tables.append(Table("tokens/s per experiment and machine (median, spread)",
                              pd.DataFrame(list(rows.values())),
-                             "each cell measured on that machine; 'no clear winner' when the spreads overlap"))
+                             f"each cell measured on that machine; 'no clear winner' when the spreads overlap; "
+                             f"{SPREAD_CAVEAT}"))
     hw = [{"machine": m, "cpu": h.get("cpu", {}).get("model"), "cores": h.get("cpu", {}).get("usable_cores"),
            "gpus": ", ".join(g["name"] for g in h.get("gpus", [])) or "none"} for m, h in sorted(hardware.items())]
     if hw:

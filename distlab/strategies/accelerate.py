@@ -127,9 +127,14 @@ class AccelerateStrategy(Strategy):
                 raise FidelityError("the loop ended a step but Accelerate did not step the optimizer")
             self.counts["optimizer_steps_skipped"] += 1  # fp16 loss scaler found inf/nan grads
 
-    def take_comm_seconds(self) -> float:
+    #: why take_comm_seconds is None (the worker records it as the comm figure's reason)
+    comm_unmeasured_reason = ("FSDP through Accelerate: its all-gathers and reduce-scatters run inside "
+                              "fully_shard's hooks, which distlab does not time")
+
+    def take_comm_seconds(self) -> float | None:
         if self.hook is None:
-            return 0.0
+            # One process has no collective to time; under FSDP they exist but are not timed.
+            return 0.0 if self.ctx.world_size == 1 and not self.fsdp else None
         self.counts["allreduce_calls"] = self.hook.buckets
         value, self.hook.seconds = self.hook.seconds, 0.0
         return value

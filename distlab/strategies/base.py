@@ -138,6 +138,9 @@ class Strategy:
             "backend": dist.get_backend(),
             "data_parallel_size": self.data_parallel_size,
             "device": str(self.ctx.device),
+            # Read from the tensors, not from the spec: where each parameter's storage lives
+            # and in what form (DTensor shard, DeepSpeed ZeRO-3 partition, plain tensor).
+            **parameter_facts(self.model),
         }
 
     def verify(self, described: dict) -> None:
@@ -151,6 +154,17 @@ class Strategy:
                                 f"found outer wrapper {described['outer_wrapper']}")
         if described["device"].split(":")[0] != spec["device"]:
             raise FidelityError(f"spec device {spec['device']} but the model is on {described['device']}")
+        if "parameter_devices" not in described:
+            return
+        allowed = {spec["device"]} | ({"cpu"} if offloads_parameters(spec) else set())
+        stray = sorted(set(described["parameter_devices"]) - allowed)
+        if stray:
+            raise FidelityError(f"spec device {spec['device']} but parameters live on {stray} "
+                                f"({described['parameter_devices']})")
+        layout = expected_layout(spec)
+        if layout and not described["parameter_layout"].get(layout):
+            raise FidelityError(f"strategy {spec['strategy']} should hold its parameters as {layout}, but the model "
+                                f"holds {described['parameter_layout']} (outer wrapper {described['outer_wrapper']})")
 
     # -- checkpoints --------------------------------------------------------------------
     # All three are collective: every rank calls them. distlab/checkpoint.py wraps them
@@ -173,6 +187,42 @@ class Strategy:
         raise NotImplementedError saying why (recorded 'unsupported'); any other exception is
         recorded as a failed check."""
         raise NotImplementedError(f"{self.name} has no checkpoint load yet")
+
+
+def _storage(param):
+    """The tensor that really holds a parameter's values on this rank."""
+    partition = getattr(param, "ds_tensor", None)  # DeepSpeed ZeRO-3: the rank's partition
+    if partition is not None:
+        return partition, "deepspeed_partition"
+    to_local = getattr(param, "to_local", None)  # DTensor (FSDP2, tensor parallel): the local shard
+    if callable(to_local):
+        return to_local(), "dtensor"
+    return param, "plain"
+
+
+def parameter_facts(model) -> dict:
+    devices, layout = {}, {}
+    for param in model.parameters():
+        tensor, kind = _storage(param)
+        devices[tensor.device.type] = devices.get(tensor.device.type, 0) + 1
+        layout[kind] = layout.get(kind, 0) + 1
+    return {"parameter_devices": devices, "parameter_layout": layout}
+
+
+def offloads_parameters(spec: dict) -> bool:
+    """Specs whose parameters may legitimately sit in host memory on a CUDA run."""
+    return bool(spec.get("fsdp", {}).get("cpu_offload") and spec["strategy"] == "fsdp") or (
+        spec["strategy"] == "deepspeed" and spec.get("deepspeed", {}).get("offload_param", "none") != "none")
+
+
+def expected_layout(spec: dict) -> str | None:
+    """The parameter form a sharding strategy must leave behind (None: plain tensors are right)."""
+    native_fsdp = spec["strategy"] == "fsdp" and spec.get("fsdp", {}).get("via", "native") == "native"
+    if native_fsdp or spec["strategy"] == "tp":
+        return "dtensor"
+    if spec["strategy"] == "deepspeed" and spec.get("deepspeed", {}).get("zero_stage") == 3:
+        return "deepspeed_partition"
+    return None
 
 
 class ModelParallel:

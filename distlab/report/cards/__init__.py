@@ -1,7 +1,8 @@
 """One module per roadmap stage (`stage<N>_<name>.py`), each with build(runs) -> Card.
 
-Goals are computed from measured runs only: passed, failed (ran but missed the goal) or
-not run. Modules are discovered, so adding a stage touches no registry.
+Goals are computed from measured runs only: passed, failed (ran but missed the goal), not
+run, or compared, not enforced (a limit the runs were only compared with after the fact, so
+they cannot pass it). Modules are discovered, so adding a stage touches no registry.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import importlib
 import pkgutil
 from dataclasses import dataclass, field
 
-PASSED, FAILED, NOT_RUN = "passed", "failed", "not run"
+PASSED, FAILED, NOT_RUN, COMPARED = "passed", "failed", "not run", "compared, not enforced"
 
 
 @dataclass
@@ -53,6 +54,19 @@ def tokens_per_s(run) -> tuple[float, float, float]:
         return stats["median"], stats["low"], stats["high"]
     tokens, st = run["throughput"]["tokens_per_step"], run["timing"]["step_time_s"]
     return tokens / st["median"], tokens / st["p75"], tokens / st["p25"]
+
+
+# Every spread the report compares comes from one process: step-time windows (spec `repeats`,
+# which are windows of one launch, not independent runs) or the step-time interquartile range.
+SPREAD_CAVEAT = ("spreads are within one process (its timed steps split into windows, spec 'repeats', or their "
+                 "interquartile range); run-to-run variance across separate launches was not measured, so a "
+                 "'faster' here may not survive a rerun")
+
+
+def comm_ms(run) -> float | str:
+    """Median collective time per step in ms, or "not measured" (never a 0 standing in for null)."""
+    seconds = run["timing"]["comm_inflight_s_per_step"]["median"]
+    return "not measured" if seconds is None else round(seconds * 1000, 2)
 
 
 def ok_runs(runs: list[dict], stage: str) -> list[dict]:

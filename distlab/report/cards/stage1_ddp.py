@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 
 from distlab.evaluation import eval_sentence
-from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs
+from distlab.report.cards import (FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Goal, Table, comm_ms,
+                                  ok_runs)
 from distlab.report.collect import clear_winner
 from distlab.report.plots import figure, loss_curves, to_png_b64
 
@@ -69,8 +70,7 @@ def build(runs: list[dict]) -> Card:
                              "step p25-p75 (ms)": f"{st['p25'] * 1000:.1f}-{st['p75'] * 1000:.1f}",
                              "tokens/s": round(run["throughput"]["tokens_per_s"], 1),
                              "speedup vs 1 rank": round(run["throughput"]["tokens_per_s"] / tps[0], 3),
-                             "all-reduce in flight (ms/step)": round(
-                                 (run["timing"]["comm_inflight_s_per_step"]["median"] or 0) * 1000, 2),
+                             "all-reduce in flight (ms/step)": comm_ms(run),
                              "vs 1 rank": "-" if w == 1 else (
                                  "no clear winner" if not clear_winner(run, group[1]) else
                                  "faster" if run["throughput"]["tokens_per_s"] > tps[0] else "slower"),
@@ -83,7 +83,7 @@ def build(runs: list[dict]) -> Card:
         ax.legend(fontsize=7)
         how = ("tokens/s = global tokens per step / median step time (max over ranks) after warm-up; "
                "same model, data, seed and global batch at each rank count; 'no clear winner' when the "
-               "throughput spreads (see repeats) overlap")
+               f"throughput spreads overlap; {SPREAD_CAVEAT}")
         card.figures.append(Figure("Speedup 1 vs N ranks", to_png_b64(fig), how))
         import pandas as pd
 

@@ -13,7 +13,8 @@ import os
 from matplotlib.ticker import ScalarFormatter
 
 from distlab.evaluation import eval_sentence
-from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs, tokens_per_s
+from distlab.report.cards import (FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, comm_ms, ok_runs,
+                                  tokens_per_s)
 from distlab.report.plots import figure, loss_curves, to_png_b64
 
 STAGE = "accelerate"
@@ -170,7 +171,6 @@ def accumulation_goal(card: Card, groups: dict) -> None:
                 problems.append(f"{run['experiment']}: {why}")
             counts, st, cov = _counts(run), run["timing"]["step_time_s"], run["data"]
             measured_micro = cov["per_rank_reads"][0] / (micro * steps)
-            comm = run["timing"]["comm_inflight_s_per_step"]["median"]
             rows.append({"machine": machine, "ranks": world, "micro batch": micro, "grad accum": ga,
                          "global batch": run["throughput"]["samples_per_step"],
                          "micro-batches per step (measured)": round(measured_micro, 2),
@@ -181,7 +181,7 @@ def accumulation_goal(card: Card, groups: dict) -> None:
                          "step p25-p75 (ms)": f"{st['p25'] * 1000:.1f}-{st['p75'] * 1000:.1f}",
                          "tokens/s": round(tokens_per_s(run)[0], 1),
                          "vs ga 1": round(tokens_per_s(run)[0] / medians[0], 3) if gas[0] == 1 else None,
-                         "all-reduce in flight (ms/step)": round((comm or 0) * 1000, 2)})
+                         "all-reduce in flight (ms/step)": comm_ms(run)})
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted({ga for g in groups.values() for ga in g}))
     ax.xaxis.set_major_formatter(ScalarFormatter())

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 from distlab.evaluation import eval_sentence
-from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs
+from distlab.report.cards import COMPARED, FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs
 from distlab.report.plots import figure, loss_curves, to_png_b64
 
 # Bytes per parameter of (weights, grads, optimizer state). Mixed precision is the ZeRO
@@ -22,7 +22,10 @@ def zero_formula_bytes(psi: int, world: int, stage: int, precision: str) -> floa
 MIB = 2**20
 GAP_LIMIT = 0.10
 GOAL_TABLE = "ZeRO stage memory table, measured vs formula (ZeRO on 2+ devices, memory measured)"
-GOAL_BUDGET = "ZeRO-3 ran what a single device could not (enforced on CUDA, compared on CPU)"
+GOAL_BUDGET = "ZeRO-3 ran under a per-device memory budget that one device could not meet"
+# Max |loss diff| vs DDP below which the card says ZeRO left fp32 training unchanged (float
+# summation order moves the loss by ~1e-6 here); above it the card says it did not.
+PARITY_TOLERANCE = 1e-4
 GOAL_OFFLOAD = "Offload slowdown measured (same model and batch, with and without offload)"
 
 
@@ -154,9 +157,11 @@ def budget_goal(runs: list[dict]) -> Goal:
             verdicts = [m.get("budget") for m in run["memory"]["per_rank"]]
             if verdicts and all(v and v["fits"] for v in verdicts):
                 worst = max(v["measured_bytes"] for v in verdicts)
-                how = "enforced" if verdicts[0]["enforced"] else "compared, not enforced (CPU)"
+                enforced = all(v["enforced"] for v in verdicts)
+                how = "enforced" if enforced else "compared, not enforced"
                 sharded.append((run, f"{run['actual']['world_size']} ranks, largest rank "
-                                     f"{worst / MIB:.1f} MiB <= budget {verdicts[0]['bytes'] / MIB:.1f} MiB, {how}"))
+                                     f"{worst / MIB:.1f} MiB <= budget {verdicts[0]['bytes'] / MIB:.1f} MiB, {how}",
+                                enforced))
     if not budgeted:
         return Goal("bonus", GOAL_BUDGET, NOT_RUN, "no DeepSpeed run with memory_budget_gib")
     pairs = [(s, z) for s in single for z in sharded
@@ -165,11 +170,15 @@ def budget_goal(runs: list[dict]) -> Goal:
         return Goal("bonus", GOAL_BUDGET, FAILED,
                     f"{len(single)} single-device run(s) over budget, {len(sharded)} ZeRO-3 run(s) within it: "
                     "no pair on one machine with the same budget")
-    (one, one_why, enforced), (zero, zero_why) = pairs[0]
-    return Goal("bonus", GOAL_BUDGET, PASSED,
+    # Passed only where an allocator held both runs to the budget; a limit compared after the
+    # fact shows the arithmetic, not that the run could not have exceeded it.
+    (one, one_why, one_enforced), (zero, zero_why, zero_enforced) = max(pairs, key=lambda p: p[0][2] and p[1][2])
+    enforced = one_enforced and zero_enforced
+    return Goal("bonus", GOAL_BUDGET, PASSED if enforced else COMPARED,
                 f"{one['experiment']}: {one_why}; {zero['experiment']}: {zero_why}"
-                + ("" if enforced else ". On CPU the budget is compared with the measured model state after "
-                   "the run, not enforced by an allocator"), [_link(one), _link(zero)])
+                + ("" if enforced else ". The budget was compared with the measured memory after the run, not "
+                   "enforced by an allocator, so this does not show the runs could not exceed it"),
+                [_link(one), _link(zero)])
 
 
 def offload_pairs(ds_runs: list[dict]) -> list[tuple[dict, dict]]:
@@ -202,9 +211,26 @@ def ddp_parity(ds_runs: list[dict], runs: list[dict]) -> list[dict]:
             n = min(len(a), len(z))
             rows.append({"DeepSpeed run": run["experiment"], "DDP run": base["experiment"], "steps compared": n,
                          "max |loss diff|": f"{max(abs(x - y) for x, y in zip(a[:n], z[:n])):.2e}",
-                         "optimizer": run["actual"]["deepspeed"]["basic_optimizer"]})
+                         "optimizer": run["actual"]["deepspeed"]["basic_optimizer"], "precision": s["precision"]})
             break
     return rows
+
+
+def parity_note(parity: list[dict]) -> str:
+    """What the measured loss gaps vs DDP show, run by run (no claim beyond them)."""
+    worst = max(parity, key=lambda r: float(r["max |loss diff|"]))
+    gap = float(worst["max |loss diff|"])
+    over = [r["DeepSpeed run"] for r in parity if float(r["max |loss diff|"]) > PARITY_TOLERANCE]
+    steps = min(r["steps compared"] for r in parity)
+    head = (f"Loss parity: the largest gap vs DDP is {gap:.1e} ({worst['DeepSpeed run']} vs {worst['DDP run']}) "
+            f"over {steps}+ steps of {len(parity)} run(s). ")
+    if not over:
+        return head + (f"Every run is within {PARITY_TOLERANCE:g} of DDP: on these runs ZeRO sharding"
+                       f"{' and offload' if any('off' in r['DeepSpeed run'] for r in parity) else ''} left "
+                       f"{'fp32 ' if all(r.get('precision') == 'fp32' for r in parity) else ''}training unchanged "
+                       "up to float summation order.")
+    return head + (f"{len(over)} run(s) differ from DDP by more than {PARITY_TOLERANCE:g} ({', '.join(over)}): "
+                   "on these runs DeepSpeed did NOT reproduce DDP's training.")
 
 
 def build(runs: list[dict]) -> Card:
@@ -276,18 +302,14 @@ def build(runs: list[dict]) -> Card:
         card.tables.append(Table("Loss vs DDP (same seed, data, global batch, fp32)", pd.DataFrame(parity),
                                  "max absolute difference of the mean training loss per optimizer step"))
     if parity:
-        worst = max(float(r["max |loss diff|"]) for r in parity)
-        card.notes.append(
-            f"Loss parity: every DeepSpeed run above stays within {worst:.1e} of DDP. The generated config sets "
-            "what differs between DeepSpeed's and torch's defaults (gradient_clipping 0, weight decay, betas and "
-            "eps written out, no LR scheduler) and the loop feeds both the same DistributedSampler batches, so "
-            "ZeRO sharding and offload (with the optimizer named in the table) leave fp32 training unchanged up to "
-            "float summation order. A third-decimal gap (seen in an earlier trial) therefore points at a setting outside "
-            "ZeRO: other batches (DeepSpeed's own training_data loader) or other optimizer settings.")
+        card.notes.append(parity_note(parity))
     if ds_runs:
+        unmeasured = [r for r in ds_runs if r["timing"]["comm_inflight_s_per_step"]["median"] is None]
         card.notes.append("DeepSpeed's engine owns gradient accumulation (engine.backward scales by 1/GAS, "
-                          "engine.step updates only on the boundary). Communication time is not measured for "
-                          "DeepSpeed: its comms logger blocks on every collective to time it.")
+                          "engine.step updates only on the boundary)."
+                          + (f" Communication time was not measured for {len(unmeasured)} of {len(ds_runs)} "
+                             f"DeepSpeed run(s): {unmeasured[0]['experiment']}'s record says "
+                             f"\"{unmeasured[0]['timing'].get('comm_how', '')}\"." if unmeasured else ""))
         if any(r["spec"]["device"] == "cpu" for r in ds_runs):
             card.notes.append("On CPU a memory budget is compared with the measured model state after the run, "
                               "not enforced; on CUDA torch.cuda.set_per_process_memory_fraction enforces it and a "

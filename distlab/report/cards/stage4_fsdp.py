@@ -25,9 +25,21 @@ def _link(run) -> str:
 
 
 def fsdp_runs(runs: list[dict]) -> list[dict]:
-    """Successful native FSDP runs whose parameters really were sharded DTensors."""
+    """Successful FSDP runs (native or through Accelerate, spec fsdp.via) that fully_shard really
+    wrapped: native runs record "FSDPModule", Accelerate's "FSDPModule (fully_shard)"."""
     return [r for r in ok_runs(runs, "fsdp") if r["spec"]["strategy"] == "fsdp"
-            and "FSDPModule" in (r.get("actual") or {}).get("wrappers_found", [])]
+            and any(w.startswith("FSDPModule") for w in (r.get("actual") or {}).get("wrappers_found", []))]
+
+
+def sharding_text(run: dict) -> str:
+    """How the run's parameters were sharded, from what its record measured."""
+    a = run["actual"]
+    if a.get("dtensor_parameters") is not None:
+        return (f"{a['dtensor_parameters']} parameters sharded as {a['placements']} over {a['world_size']} ranks, "
+                f"{a['fsdp_layers']} decoder layers as fully_shard units")
+    shards = (a.get("accelerate") or {}).get("fsdp_sharded_modules")
+    return (f"wrapped by {', '.join(a['wrappers_found'])} through Accelerate over {a['world_size']} ranks"
+            + (f", {shards} fully_shard modules" if shards is not None else ""))
 
 
 def validation(run: dict) -> dict | None:
@@ -100,11 +112,8 @@ def run_goal(runs: list[dict], fsdp: list[dict]) -> Goal:
     passed = [r for r, v in checked if v and v.get("passed")]
     if passed:
         run = passed[0]
-        a = run["actual"]
         return Goal("minimal", GOAL_RUN, PASSED,
-                    f"{run['experiment']}: {a['dtensor_parameters']} parameters sharded as {a['placements']} over "
-                    f"{a['world_size']} ranks, {a['fsdp_layers']} decoder layers as fully_shard units; checkpoint "
-                    "saved and its validation passed",
+                    f"{run['experiment']}: {sharding_text(run)}; checkpoint saved and its validation passed",
                     [_link(run), os.path.join(run["_dir"], "validation.json")])
     failed = [(r, v) for r, v in checked if v is not None]
     if failed:
@@ -175,7 +184,7 @@ def build(runs: list[dict]) -> Card:
             r = row(run, "FSDP")
             a, fs = run["actual"], run["spec"]["fsdp"]
             r["run"] = ("full shard" if fs["reshard_after_forward"] else "no reshard (grad-op)") + \
-                (" + CPU offload" if fs["cpu_offload"] else "")
+                (" + CPU offload" if fs["cpu_offload"] else "") + (" via Accelerate" if fs["via"] == "accelerate" else "")
             r["mixed precision"] = a.get("mixed_precision")
             rows.append(r)
             if a.get("cpu_offload_note"):
@@ -184,8 +193,11 @@ def build(runs: list[dict]) -> Card:
                                  "same measurements as above; all FSDP runs of this stage"))
         card.figures.append(Figure("Loss curves", loss_curves(fsdp, "Stage 4 loss"),
                                    "mean training loss over data-parallel ranks per optimizer step"))
-    card.notes.append("Communication time is not split out for FSDP (its all-gathers and reduce-scatters overlap "
-                      "compute inside fully_shard); the step time includes it.")
+    unmeasured = [r for r in fsdp if r["timing"]["comm_inflight_s_per_step"]["median"] is None]
+    if unmeasured:
+        card.notes.append(f"Communication time was not measured for {len(unmeasured)} of {len(fsdp)} FSDP run(s) "
+                          f"({unmeasured[0]['experiment']}: \"{unmeasured[0]['timing'].get('comm_how', '')}\"); "
+                          "their step times include it.")
     card.notes.append(eval_sentence([r for r in runs if r["stage"] == "fsdp"]))  # base vs tuned eval loss
     return card
 

@@ -1,0 +1,39 @@
+"""Run records for card tests, shaped like a real metrics.json (keys as distlab.worker
+writes them) with every figure chosen by the test: a card's sentences can then be checked
+against the numbers they claim to come from, without training anything."""
+from __future__ import annotations
+
+import copy
+
+from conftest import resolve
+
+_TIMING = {"n": 4, "median": 0.1, "min": 0.09, "max": 0.12, "p25": 0.095, "p75": 0.11}
+
+
+def fake_run(run_dir, overrides: dict, stage: str = "ddp", *, actual: dict | None = None,
+             comm_median_s: float | None = 0.01, losses=(3.0, 2.5, 2.0), step_median_s: float = 0.1,
+             state_bytes: dict | None = None, budget: dict | None = None, status: str = "ok") -> dict:
+    spec = resolve(overrides, stage)
+    world = spec["world_size"]
+    timing = dict(_TIMING, median=step_median_s, p25=step_median_s * 0.95, p75=step_median_s * 1.1)
+    tokens_per_step = spec["micro_batch"] * spec["grad_accum"] * world * spec["seq_len"]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return {
+        "experiment": spec["id"], "stage": stage, "machine": "testbox", "status": status, "spec": spec,
+        "actual": {"strategy": spec["strategy"], "outer_wrapper": "DistributedDataParallel",
+                   "wrappers_found": ["DistributedDataParallel"], "world_size": world, "backend": "gloo",
+                   "data_parallel_size": world, "device": "cpu", **(actual or {})},
+        "parameters": {"total": 1000, "trainable": 1000},
+        "loss": {"first": losses[0], "last": losses[-1], "per_step": list(losses)},
+        "timing": {"step_time_s": timing, "comm_inflight_s_per_step": dict(_TIMING, median=comm_median_s),
+                   "comm_how": "test"},
+        "throughput": {"tokens_per_s": tokens_per_step / step_median_s, "tokens_per_step": tokens_per_step,
+                       "samples_per_step": tokens_per_step // spec["seq_len"]},
+        "memory": {"per_rank": [{"peak_rss_bytes": 2**20, "budget": copy.deepcopy(budget)} for _ in range(world)],
+                   "model_state_bytes_per_rank": [dict(state_bytes or {"params": 4000, "grads": 4000,
+                                                                        "optimizer": 8000})] * world},
+        "data": {"epoch_size": 100, "reads": 8, "duplicate_reads": 0, "duplicate_fraction": 0.0,
+                 "samples_read_by_every_rank": 0, "epoch_plan_disjoint": True, "epoch_plan_covered": 100,
+                 "epoch_plan_dropped": 0, "per_rank_reads": [8] * world},
+        "_dir": str(run_dir), "_steps": [], "_validation": None, "_throughput": None,
+    }

@@ -1,0 +1,126 @@
+"""Every figure and sentence a card prints is computed from the runs it describes, and a
+goal's status says what was checked (passed / failed / not run / compared, not enforced)."""
+from __future__ import annotations
+
+from card_runs import fake_run
+
+
+def test_a_comm_time_that_was_not_measured_prints_as_not_measured_never_zero(tmp_path):
+    from distlab.report.cards import stage1_ddp
+
+    one = fake_run(tmp_path / "a", {"world_size": 1, "micro_batch": 8}, comm_median_s=0.0)
+    two = fake_run(tmp_path / "b", {"world_size": 2, "micro_batch": 4}, comm_median_s=None)
+    (table,) = [t for t in stage1_ddp.build([one, two]).tables]
+    cells = list(table.frame["all-reduce in flight (ms/step)"])
+    assert cells == [0.0, "not measured"]
+
+
+def test_fsdp_through_accelerate_reports_no_comm_time_rather_than_zero():
+    from distlab.strategies.accelerate import AccelerateStrategy
+    from distlab.strategies.base import RunContext
+
+    strategy = AccelerateStrategy.__new__(AccelerateStrategy)
+    strategy.ctx, strategy.hook, strategy.fsdp = RunContext(spec={}, run_dir="", device=None, world_size=2), None, True
+    assert strategy.take_comm_seconds() is None and strategy.comm_unmeasured_reason
+
+
+def _budget(fits: bool, enforced: bool, measured_mib: float) -> dict:
+    return {"fits": fits, "enforced": enforced, "bytes": 64 * 2**20, "measured_bytes": measured_mib * 2**20,
+            "measured_what": "model state"}
+
+
+def _zero_pair(tmp_path, enforced: bool):
+    over = {"strategy": "deepspeed", "memory_budget_gib": 0.0625, "micro_batch": 2}
+    one = fake_run(tmp_path / "one", {**over, "world_size": 1, "deepspeed": {"zero_stage": 0}}, "deepspeed",
+                   budget=_budget(False, enforced, 80))
+    three = fake_run(tmp_path / "three", {**over, "world_size": 2, "deepspeed": {"zero_stage": 3}}, "deepspeed",
+                     budget=_budget(True, enforced, 40))
+    return [one, three]
+
+
+def test_a_memory_budget_only_compared_after_the_run_does_not_pass_the_zero3_goal(tmp_path):
+    from distlab.report.cards import COMPARED, PASSED
+    from distlab.report.cards.stage3_deepspeed import budget_goal
+
+    compared = budget_goal(_zero_pair(tmp_path, enforced=False))
+    assert compared.status == COMPARED and "not enforced" in compared.evidence
+    assert budget_goal(_zero_pair(tmp_path, enforced=True)).status == PASSED
+
+
+def test_the_loss_parity_sentence_follows_the_measured_gap(tmp_path):
+    from distlab.report.cards.stage3_deepspeed import parity_note
+
+    row = {"DeepSpeed run": "deepspeed-z3", "DDP run": "ddp-w2", "steps compared": 20, "precision": "fp32"}
+    close = parity_note([dict(row, **{"max |loss diff|": "2.0e-06"})])
+    far = parity_note([dict(row, **{"max |loss diff|": "3.0e-03"})])
+    assert "2.0e-06" in close and "unchanged" in close
+    assert "3.0e-03" in far and "unchanged" not in far and "NOT reproduce" in far
+    assert "earlier trial" not in close + far  # no anecdote: only what these runs measured
+
+
+def test_a_checkpoint_goal_names_only_the_checks_every_checkpoint_passed(tmp_path):
+    import json
+
+    from distlab.report.cards.checkpoint_table import checkpoint_card
+
+    run = fake_run(tmp_path / "run", {"world_size": 2, "micro_batch": 4})
+    checks = {"reload": {"status": "passed", "max_abs_logit_diff": 0.0},
+              "reshard": {"status": "unsupported", "reason": "cannot load at 1 rank"},
+              "resume_parity": {"status": "passed", "max_abs_loss_diff": 0.0, "steps_resumed": 3},
+              "export": {"status": "passed"}, "size_and_time": {}}
+    (tmp_path / "run" / "validation.json").write_text(json.dumps({"passed": True, "status": "passed",
+                                                                  "checks": checks}))
+    (goal,) = checkpoint_card([run]).goals
+    assert goal.status == "passed" and "reshard" not in goal.text
+    assert "reload" in goal.text and "reshard: " in goal.evidence and "unsupported" in goal.evidence
+
+
+def test_fsdp_through_accelerate_is_on_the_stage4_card_and_does_not_turn_it_red(tmp_path):
+    from distlab.report.cards import stage4_fsdp
+
+    run = fake_run(tmp_path / "acc", {"strategy": "fsdp", "world_size": 2, "micro_batch": 2}, "fsdp",
+                   comm_median_s=None, actual={"wrappers_found": ["FSDPModule (fully_shard)"], "device": "cuda:0",
+                                               "outer_wrapper": "FSDPLlamaForCausalLM",
+                                               "accelerate": {"fsdp_sharded_modules": 3}})
+    run["spec"]["fsdp"]["via"], run["spec"]["device"] = "accelerate", "cuda"  # a GPU path: config refuses it on CPU
+    card = stage4_fsdp.build([run])
+    assert card.goals[0].status != "failed" and run["experiment"] in card.goals[0].evidence
+    (variants,) = [t for t in card.tables if t.title == "FSDP variants"]
+    assert list(variants.frame["experiment"]) == [run["experiment"]]
+    assert any("not measured" in n for n in card.notes)
+
+
+def test_no_clear_winner_says_its_spread_is_one_process_not_independent_repeats(tmp_path):
+    from distlab.report.build import ranking_card
+    from distlab.report.collect import throughput_stats
+
+    runs = [fake_run(tmp_path / str(w), {"world_size": w, "micro_batch": 8 // w, "repeats": 2}) for w in (1, 2)]
+    for run in runs:
+        run["_steps"] = [{"step_time_s": 0.1, "warmup": False}] * 4
+        run["_throughput"], run["versions"] = throughput_stats(run), {"torch": "x"}
+    (table,) = ranking_card(runs).tables
+    assert "within one process" in table.how and "run-to-run variance across separate launches was not " \
+        "measured" in table.how
+
+
+def test_the_kuberay_goal_says_its_checks_are_distlabs_own_not_the_crd_schema(tmp_path):
+    import json
+
+    from distlab.report.cards import stage5_ray
+
+    run = fake_run(tmp_path / "testbox" / "ddp", {"world_size": 2, "micro_batch": 4})
+    (tmp_path / "kuberay").mkdir()
+    (tmp_path / "kuberay" / "checks.json").write_text(json.dumps({
+        "ray_version": "2.60", "experiments": ["x"], "files": {},
+        "checks": {"RayCluster": {"api_version": {"status": "passed", "detail": ""}}}}))
+    (goal,) = [g for g in stage5_ray.build([run]).goals if g.text.startswith("KubeRay")]
+    assert goal.status == "passed" and "not the KubeRay CRD schema" in goal.text
+
+
+def test_the_overview_shows_a_compared_goal_as_compared_not_as_not_run():
+    from distlab.report.build import overview_card
+    from distlab.report.cards import COMPARED, Card, Goal
+
+    card = Card(3, "Stage 3", goals=[Goal("minimal", "a", "passed"), Goal("bonus", "budget", COMPARED)])
+    (table,) = overview_card([card], [], {}).tables
+    assert list(table.frame["bonus"]) == [COMPARED]

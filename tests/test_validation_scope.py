@@ -1,0 +1,24 @@
+"""The default validation covers every checkpoint format the run writes, one job per format."""
+from __future__ import annotations
+
+import yaml
+
+from conftest import REPO
+
+
+def test_default_validation_covers_each_zero_stage_offload_and_fsdp_variant_once():
+    from distlab.config import checkpoint_format, load, validated_experiments
+
+    cfg, specs = load(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), gpu_count=0)
+    chosen = validated_experiments(cfg, specs)
+    formats = {(s["strategy"], s["method"], s["launcher"], checkpoint_format(s)) for s in specs.values()}
+    assert len(chosen) == len(formats)  # one job per distinct format, none left out
+    zero = {(specs[i]["deepspeed"]["zero_stage"], specs[i]["deepspeed"]["offload_param"]) for i in chosen
+            if specs[i]["strategy"] == "deepspeed"}
+    assert zero == {(0, "none"), (1, "none"), (2, "none"), (3, "none"), (3, "cpu")}
+    fsdp = {(specs[i]["fsdp"]["reshard_after_forward"], specs[i]["fsdp"]["cpu_offload"]) for i in chosen
+            if specs[i]["strategy"] == "fsdp"}
+    assert fsdp == {(True, False), (False, False), (True, True)}
+    assert {specs[i]["strategy"] for i in chosen} >= {"ddp", "accelerate", "deepspeed", "fsdp", "tp", "pp"}
+    assert any(specs[i]["launcher"] == "ray" for i in chosen)
+    assert any(specs[i]["method"] == "lora" for i in chosen)
