@@ -189,16 +189,15 @@ def phase_command(spec: dict, job_path: Path, folder: Path) -> tuple[list[str], 
     """The launcher the experiment trained under (accelerate launch checks its own config file),
     else torchrun; Ray-launched runs validate under torchrun, the same process group."""
     if spec["launcher"] == "accelerate":
-        from distlab.launchers_accelerate import launch_environment, write_accelerate_config
+        from distlab.launchers.accelerate import accelerate_command, launch_environment, write_accelerate_config
 
         config = write_accelerate_config(spec, folder, str(job_path))
-        return ([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-                 "-m", "distlab.validate_ranks", "--job", str(job_path)], launch_environment(spec))
-    from distlab.launch import rank_environment
+        return accelerate_command(str(config), str(job_path), "distlab.validate_ranks"), launch_environment(spec)
+    from distlab.launchers.environment import rank_environment
+    from distlab.launchers.torchrun import torchrun_command
 
-    return ([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={spec['world_size']}",
-             "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--max-restarts=0",
-             "-m", "distlab.validate_ranks", "--job", str(job_path)], rank_environment(spec))
+    return (torchrun_command(spec["world_size"], "distlab.validate_ranks", "--job", str(job_path)),
+            rank_environment(spec))
 
 
 def _wait(cmd: list[str], env: dict, log, timeout) -> None:

@@ -1,0 +1,21 @@
+"""The one place a rank's environment is built (every launcher starts from it)."""
+from __future__ import annotations
+
+import os
+
+BASE_ENV = {
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+    "HF_HUB_OFFLINE": "1",  # nothing downloads at run time; a missing file is an error
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+}
+
+
+def rank_environment(spec: dict) -> dict:
+    env = dict(os.environ)
+    env.update(BASE_ENV)
+    env["OMP_NUM_THREADS"] = str(spec["cpu_threads_per_rank"])
+    if spec["device"] == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU experiment must not touch a GPU by accident
+    return env
