@@ -9,14 +9,20 @@ import os
 from pathlib import Path
 
 from distlab.launchers import get_launcher
+from distlab.launchers.process import refuse_if_running
+
+
+def job_file(job: dict) -> str:
+    """The job file's absolute path: every process of the launch names it on its command
+    line, which is how leftovers of an earlier launch are found (distlab.launchers.process)."""
+    return str((Path(job["run_dir"]) / "job.json").resolve())
 
 
 def write_job(job: dict) -> str:
-    run_dir = Path(job["run_dir"])
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "job.json"
-    path.write_text(json.dumps(job, indent=1))
-    return str(path)
+    Path(job["run_dir"]).mkdir(parents=True, exist_ok=True)
+    path = job_file(job)
+    Path(path).write_text(json.dumps(job, indent=1))
+    return path
 
 
 def write_oom_metrics(job: dict) -> bool:
@@ -68,6 +74,7 @@ def assigned_gpus(job: dict):
 def launch(job: dict, log_path: str | None = None, timeout: float | None = None) -> str:
     """Run the experiment; returns its status ('ok' or 'oom'). Any other failure raises."""
     run_launcher = get_launcher(job["spec"]["launcher"])
+    refuse_if_running(job_file(job), f"experiment {job['spec']['id']}")
     job_path = write_job(job)
     for stale in Path(job["run_dir"]).glob("oom-rank*.json"):
         stale.unlink()

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -171,7 +169,7 @@ def _run_phase(job: dict, folder: Path, log_path, timeout) -> dict:
     folder.mkdir(exist_ok=True)
     out = folder / "checks.json"
     out.unlink(missing_ok=True)
-    job_path = folder / "job.json"
+    job_path = (folder / "job.json").resolve()  # absolute: the ranks are found by it (launchers.process)
     spec = dict(job["spec"], world_size=job["plan"][0][1])
     # The ranks' run_dir is this launch's folder: what strategies and launchers write there
     # (accelerate config, devices.json) must not overwrite the training run's files.
@@ -203,13 +201,10 @@ def phase_command(spec: dict, job_path: Path, folder: Path) -> tuple[list[str], 
 def _wait(cmd: list[str], env: dict, log, timeout) -> None:
     try:
         print(f"$ {' '.join(cmd)}", file=log or sys.stdout, flush=True)
-        # Own session: on timeout the whole group (launcher and ranks) is killed, no orphans.
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        # The launcher and every rank die with the job, and all of them on a timeout.
+        from distlab.launchers.process import run_tree
+
+        if run_tree(cmd, env, log, timeout, marker=cmd[-1]) is None:
             print(f"validation ranks killed after the {timeout} s timeout", file=log or sys.stdout, flush=True)
     finally:
         if log:

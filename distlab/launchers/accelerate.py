@@ -112,4 +112,5 @@ def launch_environment(spec: dict) -> dict:
 def run(job: dict, job_path: str, log_path: str | None, timeout: float | None) -> None:
     spec = job["spec"]
     config_path = write_accelerate_config(spec, job["run_dir"], job_path)
-    run_ranks(accelerate_command(str(config_path), job_path), launch_environment(spec), log_path, timeout)
+    run_ranks(accelerate_command(str(config_path), job_path), launch_environment(spec), log_path, timeout,
+               marker=job_path)

@@ -219,14 +219,14 @@ def run(job: dict, job_path: str, log_path: str | None, timeout: float | None) -
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing leaves the machine
     command = [sys.executable, "-m", "distlab.launchers.ray_driver", "--job", job_path]
     if resolve_address(job["spec"]):
-        run_ranks(command, env, log_path, timeout)
+        run_ranks(command, env, log_path, timeout, marker=job_path)
         return
     # A short private temp dir: concurrent jobs never share a Ray session, and unix socket
     # paths stay under the OS length limit.
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     try:
         env.update(private_instance_environment(temp_dir))
-        run_ranks(command, env, log_path, timeout)
+        run_ranks(command, env, log_path, timeout, marker=job_path)
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
 

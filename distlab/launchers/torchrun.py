@@ -20,4 +20,4 @@ def torchrun_command(world_size: int, module: str, *args: str) -> list[str]:
 def run(job: dict, job_path: str, log_path: str | None, timeout: float | None) -> None:
     spec = job["spec"]
     run_ranks(torchrun_command(spec["world_size"], "distlab.worker", "--job", job_path), rank_environment(spec),
-              log_path, timeout)
+              log_path, timeout, marker=job_path)
