@@ -11,7 +11,7 @@ from distlab.hardware import machine_tag
 from snakemake.exceptions import WorkflowError
 
 try:
-    config, SPECS = load_config(config)
+    config, SPECS = load_config(config, probe=True)  # results_dir writable, Ray heads reachable
 except ConfigError as error:
     raise WorkflowError(str(error)) from None
 
