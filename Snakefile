@@ -32,8 +32,20 @@ include: "rules/advise.smk"
 include: "rules/kuberay.smk"
 
 
+# Light rules run where Snakemake runs, never as cluster jobs (profiles/slurm).
+localrules:
+    all,
+    summary,
+    report,
+    check_validations,
+    advise,
+    kuberay,
+    hardware,
+
+
 rule all:
     default_target: True
     input:
         report_outputs(),
         kuberay_outputs(),
+        validation_check_outputs(),

@@ -52,10 +52,10 @@ def assigned_gpus(job: dict):
     if spec["device"] != "cuda" or (spec.get("launcher") == "ray" and spec.get("ray", {}).get("address")):
         yield None
         return
-    from distlab.gpu_alloc import allocate
+    from distlab.gpu_alloc import allocate, lock_dir_for
 
-    lock_dir = job.get("gpu_lock_dir") or os.environ.get("DISTLAB_GPU_LOCK_DIR") or \
-        str(Path(job["run_dir"]).resolve().parent.parent / ".gpu-locks")
+    # run_dir is <results>/<machine>/<experiment>
+    lock_dir = job.get("gpu_lock_dir") or lock_dir_for(Path(job["run_dir"]).resolve().parent.parent)
     previous = os.environ.get("CUDA_VISIBLE_DEVICES")
     with allocate(spec["world_size"], lock_dir) as ids:
         Path(job["run_dir"], "devices.json").write_text(json.dumps(
@@ -79,7 +79,11 @@ def launch(job: dict, log_path: str | None = None, timeout: float | None = None)
     for stale in Path(job["run_dir"]).glob("oom-rank*.json"):
         stale.unlink()
     try:
-        with assigned_gpus(job):
+        with assigned_gpus(job) as gpus:
+            if gpus is None:  # devices.json is a declared output of every run
+                Path(job["run_dir"], "devices.json").write_text(json.dumps(
+                    {"cuda_visible_devices": [], "how": "no GPU of this machine held: a CPU run, or Ray "
+                     "assigned the devices on its cluster (metrics.json ray block)"}))
             run_launcher(job, job_path, log_path, timeout)
     except RuntimeError:
         if write_oom_metrics(job):

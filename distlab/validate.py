@@ -12,7 +12,6 @@ and writes results/<machine>/<experiment>/validation.json:
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -176,7 +175,9 @@ def _run_phase(job: dict, folder: Path, log_path, timeout) -> dict:
     job_path.write_text(json.dumps(dict(job, out=str(out), run_dir=str(folder))))
     log = open(log_path, "a") if log_path else None
     # The GPUs are held for this launch only, from the same lock folder training used.
-    locks = os.environ.get("DISTLAB_GPU_LOCK_DIR") or str(Path(job["run_dir"]).resolve().parent.parent / ".gpu-locks")
+    from distlab.gpu_alloc import lock_dir_for
+
+    locks = lock_dir_for(Path(job["run_dir"]).resolve().parent.parent)
     with assigned_gpus({"spec": spec, "run_dir": str(folder), "gpu_lock_dir": locks}):
         cmd, env = phase_command(spec, job_path, folder)
         _wait(cmd, env, log, timeout)

@@ -21,6 +21,8 @@ rule validate_checkpoint:
     threads: validation_threads
     resources:
         gpu=validation_gpus,
+        mem_mb=validation_mem_mb,
+        runtime=experiment_runtime,
     conda:
         "../envs/train.yaml"
     script:

@@ -2,7 +2,7 @@
 import os
 import subprocess
 
-from distlab.gpu_alloc import allocate
+from distlab.gpu_alloc import allocate, lock_dir_for
 from distlab.launchers.environment import BASE_ENV
 from distlab.launchers.torchrun import torchrun_command
 from distlab.smk import logged
@@ -13,12 +13,11 @@ with logged(snakemake):
     cmd = torchrun_command(plan["world_size"], "distlab.collectives",
                            "--out", out, "--device", plan["device"], "--machine", snakemake.params.machine,
                            "--min-bytes", str(plan["min_bytes"]), "--max-bytes", str(plan["max_bytes"]),
-                           "--factor", str(plan["factor"]), "--iters", str(plan["iters"]), "--warmup", str(plan["warmup"])]
+                           "--factor", str(plan["factor"]), "--iters", str(plan["iters"]), "--warmup", str(plan["warmup"]))
     env = dict(os.environ, **BASE_ENV, OMP_NUM_THREADS="1")
     print("$ " + " ".join(cmd), flush=True)
     if plan["device"] == "cuda":
-        lock_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(out))), ".gpu-locks")
-        with allocate(plan["world_size"], lock_dir) as ids:
+        with allocate(plan["world_size"], lock_dir_for(os.path.dirname(os.path.dirname(os.path.abspath(out))))) as ids:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
             print(f"GPUs held: {ids}", flush=True)
             subprocess.run(cmd, env=env, check=True)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from distlab.launchers.environment import BASE_ENV, rank_environment
 from distlab.launchers.process import run_ranks
-from distlab.launchers.ray_record import attempts_from_events, earlier_rows, ray_record
+from distlab.launchers.ray_record import earlier_rows, ray_record
 
 PRIVATE_TEMP_DIR_ENV = "DISTLAB_RAY_TEMP_DIR"
 
