@@ -11,6 +11,7 @@ rule validate_checkpoint:
         model=model_inputs(),
     output:
         f"{RUN}/validation.json",
+        work=directory(f"{RUN}/validation-work"),  # each launch's job file and raw checks
     params:
         spec=experiment_spec,
         model_source=model_source,

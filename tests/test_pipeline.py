@@ -96,3 +96,19 @@ def test_a_config_file_on_the_command_line_replaces_the_embedded_default(tmp_pat
     monkeypatch.setenv("DISTLAB_GPU_COUNT", "0")
     default = snakemake(tmp_path, "-n", "--config", "machine=other")
     assert scheduled_jobs(default.stdout)["train"] >= 20  # --config edits the default, which still applies
+
+
+def test_delete_all_output_leaves_nothing_of_a_run_but_its_logs(finished, tmp_path):
+    import shutil
+
+    work, cfg = finished
+    copy = tmp_path / "work"
+    shutil.copytree(work, copy, symlinks=True)
+    snakemake(copy, "--delete-all-output", "--cores", "1", config=cfg)
+    results = copy / "results"
+    logs = {".log", ".tsv"}  # Snakemake keeps logs and benchmarks by design
+    left = sorted(str(p.relative_to(results)) for p in (results / MACHINE).rglob("*")
+                  if p.is_file() and p.suffix not in logs)
+    assert left == [], left
+    assert not (results / "summary.csv").exists() and not (results / "report").exists()
+    assert not (results / "summary-rejected.json").exists()
