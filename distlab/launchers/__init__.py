@@ -6,7 +6,7 @@ distlab.launchers.process, the rank environment in distlab.launchers.environment
 """
 from __future__ import annotations
 
-import importlib
+from distlab.registry import load
 
 REGISTRY = {
     "torchrun": "distlab.launchers.torchrun:run",
@@ -16,11 +16,4 @@ REGISTRY = {
 
 
 def get_launcher(name: str):
-    try:
-        target = REGISTRY[name]
-    except KeyError:
-        raise NotImplementedError(
-            f"launcher '{name}' is not implemented in this version of distlab (available: {sorted(REGISTRY)})"
-        ) from None
-    module, function = target.split(":")
-    return getattr(importlib.import_module(module), function)
+    return load(REGISTRY, name, "launcher")
