@@ -57,8 +57,8 @@ def test_a_timeout_kills_every_rank_of_the_launch(tmp_path, reaper):
     """))
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}", OMP_NUM_THREADS="1")
     command = torchrun_command(2, "sleepy_rank", str(tmp_path))
-    with pytest.raises(RuntimeError, match="killed with their launcher after the 25 s timeout"):
-        run_ranks(command, env, str(tmp_path / "launch.log"), timeout=25)
+    with pytest.raises(RuntimeError, match="killed with their launcher after the 20 s timeout"):
+        run_ranks(command, env, str(tmp_path / "launch.log"), timeout=20)
     pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in (0, 1)]  # both ranks had started
     time.sleep(0.5)
     assert not [pid for pid in pids if alive(pid)]

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -98,8 +99,18 @@ def kill_tree(proc: psutil.Process | None, marker: str | None = None) -> list[in
             victim.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(victims, timeout=10)
+    deadline = time.monotonic() + 10
+    while any(_running(v) for v in victims) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return [v.pid for v in victims]
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for whoever reaps it, not for us)."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 class _Terminated(Exception):
