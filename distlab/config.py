@@ -10,8 +10,10 @@ import json
 import os
 from pathlib import Path
 
-import jsonschema
 import yaml
+
+from distlab import input_checks
+from distlab.input_checks import ConfigError
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"
 
@@ -50,10 +52,6 @@ EXPERIMENT_DEFAULTS: dict = {
 STAGE_ORDER = ["ddp", "accelerate", "deepspeed", "fsdp", "ray", "parallel"]
 
 
-class ConfigError(ValueError):
-    """A config problem, with the offending field named in the message."""
-
-
 def load_schema() -> dict:
     with open(SCHEMA_PATH) as fh:
         return yaml.safe_load(fh)
@@ -72,8 +70,8 @@ def _deep_merge(base: dict, override: dict) -> dict:
 def validate_schema(config: dict) -> dict:
     """Validate against config/schema.yaml and fill the schema's defaults (in place)."""
     schema = load_schema()
-    validator_cls = jsonschema.Draft202012Validator
-    errors = sorted(validator_cls(schema).iter_errors(config), key=lambda e: list(e.path))
+    # Strict types: JSON Schema alone counts 2.0 as an integer and NaN as a number.
+    errors = sorted(input_checks.StrictValidator(schema).iter_errors(config), key=lambda e: list(e.path))
     if errors:
         lines = []
         for err in errors:
@@ -305,6 +303,8 @@ def model_max_positions(config: dict):
 
 def check_config(config: dict) -> None:
     """Checks across fields, run before any experiment is expanded."""
+    input_checks.check_results_dir(config["results_dir"])
+    input_checks.check_machine(config["machine"])
     model = config["model"]
     if model.get("path") and model.get("hub_id"):
         raise ConfigError("config field 'model.hub_id': set either model.path or model.hub_id, not both")
@@ -314,6 +314,7 @@ def check_config(config: dict) -> None:
             raise ConfigError(f"config field 'model.path': model folder '{path}' does not exist")
         if not (path / "config.json").is_file():
             raise ConfigError(f"config field 'model.path': '{path}' has no config.json (not a Hugging Face model folder)")
+        input_checks.model_config(path)
     build = model["build"]
     if build["hidden_size"] % build["num_attention_heads"]:
         raise ConfigError("config field 'model.build.num_attention_heads': hidden_size "
@@ -340,16 +341,19 @@ def check_config(config: dict) -> None:
             raise ConfigError(f"config field 'extra_results[{index}]': folder '{extra}' does not exist")
 
 
-def load(config: dict, gpu_count: int | None = None) -> tuple[dict, dict[str, dict]]:
-    """Validate a config dict and expand it: returns (config with defaults, specs by id)."""
+def load(config: dict, gpu_count: int | None = None, probe: bool = False) -> tuple[dict, dict[str, dict]]:
+    """Validate a config dict and expand it: returns (config with defaults, specs by id).
+    probe: also check what depends on this machine (results_dir writable, Ray heads reachable)."""
     validate_schema(config)
     check_config(config)
     specs = expand_experiments(config, gpu_count)
     if not specs:
         raise ConfigError("config field 'stages': no enabled experiment; nothing to run")
+    if probe:
+        input_checks.check_results_dir(config["results_dir"], probe=True)
+        input_checks.check_ray_heads(specs)
     return config, specs
 
 
 def load_file(path: str | os.PathLike, gpu_count: int | None = None):
-    with open(path) as fh:
-        return load(yaml.safe_load(fh) or {}, gpu_count)
+    return load(input_checks.yaml_file(path), gpu_count)

@@ -21,6 +21,15 @@ class GpuAllocationError(RuntimeError):
     """Not enough devices exist, or none came free in time."""
 
 
+LOCK_DIR_ENV = "DISTLAB_GPU_LOCK_DIR"
+
+
+def lock_dir_for(results_dir: str | os.PathLike) -> str:
+    """The one lock folder of every job that takes GPUs from a results folder (training,
+    validation, the collectives benchmark): $DISTLAB_GPU_LOCK_DIR, else <results>/.gpu-locks."""
+    return os.environ.get(LOCK_DIR_ENV) or os.path.join(os.path.abspath(results_dir), ".gpu-locks")
+
+
 def visible_devices(count: int | None = None) -> list[str]:
     """The device ids this job may choose from: CUDA_VISIBLE_DEVICES when the parent set
     it (a Slurm allocation), else 0..count-1 (count detected through NVML when None)."""

@@ -1,79 +1,28 @@
-"""Start the ranks of one experiment with the launcher its spec names.
-
-torchrun: `--rdzv-endpoint localhost:0` lets the OS pick a free port, so concurrent
-Snakemake jobs never fight over a master port. Launchers other than torchrun (accelerate
-launch, Ray) register themselves in LAUNCHERS.
+"""Run one experiment: write its job file, hold its GPUs, start its ranks with the launcher
+its spec names (distlab.launchers), and turn what they left into a status.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-BASE_ENV = {
-    "TOKENIZERS_PARALLELISM": "false",
-    "PYTHONUNBUFFERED": "1",
-    "HF_HUB_OFFLINE": "1",  # nothing downloads at run time; a missing file is an error
-    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-}
+from distlab.launchers import get_launcher
+from distlab.launchers.process import refuse_if_running
 
 
-def rank_environment(spec: dict) -> dict:
-    env = dict(os.environ)
-    env.update(BASE_ENV)
-    from distlab.gpu_alloc import cuda_rank_threads
-
-    env["OMP_NUM_THREADS"] = str(spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else cuda_rank_threads(spec))
-    if spec["device"] == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
-        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU experiment must not touch a GPU by accident
-    return env
-
-
-def torchrun_command(spec: dict, job_path: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-            f"--nproc-per-node={spec['world_size']}", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
-            "--max-restarts=0", "-m", "distlab.worker", "--job", job_path]
-
-
-def _run(cmd: list[str], env: dict, log_path: str | None, timeout: float | None) -> None:
-    log = open(log_path, "a") if log_path else None
-    try:
-        if log:
-            log.write("$ " + " ".join(cmd) + "\n")
-            log.flush()
-        proc = subprocess.run(cmd, env=env, stdout=log or None, stderr=subprocess.STDOUT if log else None,
-                              timeout=timeout)
-    finally:
-        if log:
-            log.close()
-    if proc.returncode != 0:
-        tail = ""
-        if log_path:
-            tail = "".join(Path(log_path).read_text().splitlines(keepends=True)[-40:])
-        raise RuntimeError(f"training ranks exited with status {proc.returncode}; last log lines:\n{tail}")
-
-
-def run_torchrun(job: dict, job_path: str, log_path: str | None, timeout: float | None) -> None:
-    _run(torchrun_command(job["spec"], job_path), rank_environment(job["spec"]), log_path, timeout)
-
-
-from distlab.launchers_accelerate import run_accelerate  # noqa: E402  (accelerate launch, its own module)
-
-from distlab.ray_launcher import run_ray  # noqa: E402  (Ray Train driver, its own module)
-
-LAUNCHERS = {"torchrun": run_torchrun, "accelerate": run_accelerate, "ray": run_ray}
+def job_file(job: dict) -> str:
+    """The job file's absolute path: every process of the launch names it on its command
+    line, which is how leftovers of an earlier launch are found (distlab.launchers.process)."""
+    return str((Path(job["run_dir"]) / "job.json").resolve())
 
 
 def write_job(job: dict) -> str:
-    run_dir = Path(job["run_dir"])
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "job.json"
-    path.write_text(json.dumps(job, indent=1))
-    return str(path)
+    Path(job["run_dir"]).mkdir(parents=True, exist_ok=True)
+    path = job_file(job)
+    Path(path).write_text(json.dumps(job, indent=1))
+    return path
 
 
 def write_oom_metrics(job: dict) -> bool:
@@ -103,10 +52,10 @@ def assigned_gpus(job: dict):
     if spec["device"] != "cuda" or (spec.get("launcher") == "ray" and spec.get("ray", {}).get("address")):
         yield None
         return
-    from distlab.gpu_alloc import allocate
+    from distlab.gpu_alloc import allocate, lock_dir_for
 
-    lock_dir = job.get("gpu_lock_dir") or os.environ.get("DISTLAB_GPU_LOCK_DIR") or \
-        str(Path(job["run_dir"]).resolve().parent.parent / ".gpu-locks")
+    # run_dir is <results>/<machine>/<experiment>
+    lock_dir = job.get("gpu_lock_dir") or lock_dir_for(Path(job["run_dir"]).resolve().parent.parent)
     previous = os.environ.get("CUDA_VISIBLE_DEVICES")
     with allocate(spec["world_size"], lock_dir) as ids:
         Path(job["run_dir"], "devices.json").write_text(json.dumps(
@@ -124,16 +73,18 @@ def assigned_gpus(job: dict):
 
 def launch(job: dict, log_path: str | None = None, timeout: float | None = None) -> str:
     """Run the experiment; returns its status ('ok' or 'oom'). Any other failure raises."""
-    launcher = job["spec"]["launcher"]
-    if launcher not in LAUNCHERS:
-        raise NotImplementedError(f"launcher '{launcher}' is not implemented in this version of distlab "
-                                  f"(available: {sorted(LAUNCHERS)})")
+    run_launcher = get_launcher(job["spec"]["launcher"])
+    refuse_if_running(job_file(job), f"experiment {job['spec']['id']}")
     job_path = write_job(job)
     for stale in Path(job["run_dir"]).glob("oom-rank*.json"):
         stale.unlink()
     try:
-        with assigned_gpus(job):
-            LAUNCHERS[launcher](job, job_path, log_path, timeout)
+        with assigned_gpus(job) as gpus:
+            if gpus is None:  # devices.json is a declared output of every run
+                Path(job["run_dir"], "devices.json").write_text(json.dumps(
+                    {"cuda_visible_devices": [], "how": "no GPU of this machine held: a CPU run, or Ray "
+                     "assigned the devices on its cluster (metrics.json ray block)"}))
+            run_launcher(job, job_path, log_path, timeout)
     except RuntimeError:
         if write_oom_metrics(job):
             return "oom"

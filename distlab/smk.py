@@ -10,7 +10,11 @@ import traceback
 
 @contextlib.contextmanager
 def logged(snakemake):
-    """Redirect stdout/stderr (Python and child processes) to snakemake.log[0]."""
+    """Redirect stdout/stderr (Python and child processes) to snakemake.log[0]. The script
+    dies with Snakemake (PR_SET_PDEATHSIG): a SIGKILLed snakemake leaves no job running."""
+    from distlab.launchers.process import die_with_parent
+
+    die_with_parent(parent_names="snakemake")
     path = snakemake.log[0]
     os.environ["DISTLAB_JOB_THREADS"] = str(snakemake.threads)  # the job's cores, for its CUDA ranks
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

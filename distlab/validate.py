@@ -12,9 +12,6 @@ and writes results/<machine>/<experiment>/validation.json:
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -171,14 +168,16 @@ def _run_phase(job: dict, folder: Path, log_path, timeout) -> dict:
     folder.mkdir(exist_ok=True)
     out = folder / "checks.json"
     out.unlink(missing_ok=True)
-    job_path = folder / "job.json"
+    job_path = (folder / "job.json").resolve()  # absolute: the ranks are found by it (launchers.process)
     spec = dict(job["spec"], world_size=job["plan"][0][1])
     # The ranks' run_dir is this launch's folder: what strategies and launchers write there
     # (accelerate config, devices.json) must not overwrite the training run's files.
     job_path.write_text(json.dumps(dict(job, out=str(out), run_dir=str(folder))))
     log = open(log_path, "a") if log_path else None
     # The GPUs are held for this launch only, from the same lock folder training used.
-    locks = os.environ.get("DISTLAB_GPU_LOCK_DIR") or str(Path(job["run_dir"]).resolve().parent.parent / ".gpu-locks")
+    from distlab.gpu_alloc import lock_dir_for
+
+    locks = lock_dir_for(Path(job["run_dir"]).resolve().parent.parent)
     with assigned_gpus({"spec": spec, "run_dir": str(folder), "gpu_lock_dir": locks}):
         cmd, env = phase_command(spec, job_path, folder)
         _wait(cmd, env, log, timeout)
@@ -189,28 +188,24 @@ def phase_command(spec: dict, job_path: Path, folder: Path) -> tuple[list[str], 
     """The launcher the experiment trained under (accelerate launch checks its own config file),
     else torchrun; Ray-launched runs validate under torchrun, the same process group."""
     if spec["launcher"] == "accelerate":
-        from distlab.launchers_accelerate import launch_environment, write_accelerate_config
+        from distlab.launchers.accelerate import accelerate_command, launch_environment, write_accelerate_config
 
         config = write_accelerate_config(spec, folder, str(job_path))
-        return ([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-                 "-m", "distlab.validate_ranks", "--job", str(job_path)], launch_environment(spec))
-    from distlab.launch import rank_environment
+        return accelerate_command(str(config), str(job_path), "distlab.validate_ranks"), launch_environment(spec)
+    from distlab.launchers.environment import rank_environment
+    from distlab.launchers.torchrun import torchrun_command
 
-    return ([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={spec['world_size']}",
-             "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--max-restarts=0",
-             "-m", "distlab.validate_ranks", "--job", str(job_path)], rank_environment(spec))
+    return (torchrun_command(spec["world_size"], "distlab.validate_ranks", "--job", str(job_path)),
+            rank_environment(spec))
 
 
 def _wait(cmd: list[str], env: dict, log, timeout) -> None:
     try:
         print(f"$ {' '.join(cmd)}", file=log or sys.stdout, flush=True)
-        # Own session: on timeout the whole group (launcher and ranks) is killed, no orphans.
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        # The launcher and every rank die with the job, and all of them on a timeout.
+        from distlab.launchers.process import run_tree
+
+        if run_tree(cmd, env, log, timeout, marker=cmd[-1]) is None:
             print(f"validation ranks killed after the {timeout} s timeout", file=log or sys.stdout, flush=True)
     finally:
         if log:

@@ -267,6 +267,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--job", required=True, help="phase job file written by validate_run")
     args = parser.parse_args(argv)
+    from distlab.launchers.process import die_with_parent
+
+    die_with_parent(parent_names=args.job)  # a rank never outlives its launcher
     job = json.loads(Path(args.job).read_text())
     import torch.distributed as dist
 

@@ -349,6 +349,9 @@ def main(argv=None) -> None:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help="accepted for the deepspeed launcher; LOCAL_RANK is used")
     args = parser.parse_args(argv)
+    from distlab.launchers.process import die_with_parent
+
+    die_with_parent(parent_names=args.job)  # a rank never outlives its launcher
     job = json.loads(Path(args.job).read_text())
     try:
         summary = run_rank(job)

@@ -13,7 +13,7 @@ from distlab.hardware import gpu_count, machine_tag
 from snakemake.exceptions import WorkflowError
 
 try:
-    config, SPECS = load_config(config)
+    config, SPECS = load_config(config, probe=True)  # results_dir writable, Ray heads reachable
 except ConfigError as error:
     raise WorkflowError(str(error)) from None
 
@@ -150,6 +150,39 @@ def shared_metrics():
 
 def report_outputs():
     return [f"{RESULTS}/summary.csv", f"{RESULTS}/report/index.html", f"{RESULTS}/report/README.md"]
+
+
+def validation_check_outputs():
+    """The last rule's file: it exists only when every checkpoint validation passed."""
+    return [f"{RESULTS}/logs/validations-passed.txt"]
+
+
+# Planning figures for a scheduler (Slurm's --mem and --time), from the spec: a rank holds the
+# model, its optimizer state and a few batches; an explicit memory_budget_gib is the ceiling
+# the run is held to. Profiles may override them per rule (set-resources).
+RANK_MEM_MB_DEFAULT = 4000
+JOB_MEM_MB_OVERHEAD = 1000  # the Snakemake script and the launcher process
+
+
+def rank_mem_mb(spec):
+    budget = spec.get("memory_budget_gib")
+    return int(budget * 1024) + 512 if budget else RANK_MEM_MB_DEFAULT
+
+
+def experiment_mem_mb(wildcards):
+    spec = SPECS[wildcards.experiment]
+    return JOB_MEM_MB_OVERHEAD if on_ray_cluster(spec) else JOB_MEM_MB_OVERHEAD + spec["world_size"] * rank_mem_mb(spec)
+
+
+def validation_mem_mb(wildcards):
+    spec = SPECS[wildcards.experiment]
+    return JOB_MEM_MB_OVERHEAD + max(spec["world_size"], reshard_world_size(spec)) * rank_mem_mb(spec)
+
+
+def experiment_runtime(wildcards):
+    """Minutes: process start and data loading, plus a generous second per step per repeat."""
+    spec = SPECS[wildcards.experiment]
+    return 10 + (spec["steps"] * spec.get("repeats", 1)) // 60
 
 
 def collectives_plan():

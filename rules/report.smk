@@ -1,14 +1,26 @@
-# Aggregation: every machine's runs -> summary.csv -> the milestone report.
+# Aggregation: every machine's runs -> summary.csv -> the milestone report -> the check
+# that every checkpoint validation passed.
 
 
 rule summary:
     input:
         mine=this_machine_metrics(),
         shared=shared_metrics(),
+        # checkpoint_validation is read from these: declared, so the summary waits for them.
+        validations=this_machine_validations(),
     output:
-        report(f"{RESULTS}/summary.csv", category="Summary", labels={"table": "all runs"}),
+        csv=report(
+            f"{RESULTS}/summary.csv",
+            caption="../report/summary.rst",
+            category="Summary",
+            labels={"table": "all runs"},
+        ),
+        rejected=f"{RESULTS}/summary-rejected.json",
     log:
         f"{RESULTS}/logs/summary.log",
+    resources:
+        mem_mb=2000,
+        runtime=10,
     conda:
         "../envs/report.yaml"
     script:
@@ -24,11 +36,42 @@ rule report:
         advice=advice_outputs(),
         kuberay=kuberay_outputs(),
     output:
-        html=report(f"{RESULTS}/report/index.html", category="Report", labels={"page": "milestones"}),
-        readme=report(f"{RESULTS}/report/README.md", category="Report", labels={"page": "milestones (markdown)"}),
+        html=report(
+            f"{RESULTS}/report/index.html",
+            caption="../report/milestones.rst",
+            category="Report",
+            labels={"page": "milestones"},
+        ),
+        readme=report(
+            f"{RESULTS}/report/README.md",
+            caption="../report/milestones.rst",
+            category="Report",
+            labels={"page": "milestones (markdown)"},
+        ),
     log:
         f"{RESULTS}/logs/report.log",
+    resources:
+        mem_mb=2000,
+        runtime=10,
     conda:
         "../envs/report.yaml"
     script:
         "../scripts/report.py"
+
+
+# Last: the report is built whatever the validations say; then a failed one fails the workflow.
+rule check_validations:
+    input:
+        report=report_outputs(),
+        validations=this_machine_validations(),
+    output:
+        f"{RESULTS}/logs/validations-passed.txt",
+    log:
+        f"{RESULTS}/logs/check_validations.log",
+    resources:
+        mem_mb=500,
+        runtime=5,
+    conda:
+        "../envs/report.yaml"
+    script:
+        "../scripts/check_validations.py"

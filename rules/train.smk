@@ -11,6 +11,8 @@ rule train:
         metrics=f"{RUN}/metrics.json",
         steps=f"{RUN}/steps.jsonl",
         checkpoint=directory(f"{RUN}/checkpoint"),
+        devices=f"{RUN}/devices.json",
+        job=f"{RUN}/job.json",
     params:
         spec=experiment_spec,
         model_source=model_source,
@@ -22,6 +24,8 @@ rule train:
     threads: experiment_threads
     resources:
         gpu=experiment_gpus,
+        mem_mb=experiment_mem_mb,
+        runtime=experiment_runtime,
     conda:
         "../envs/train.yaml"
     script:

@@ -11,6 +11,7 @@ rule validate_checkpoint:
         model=model_inputs(),
     output:
         f"{RUN}/validation.json",
+        work=directory(f"{RUN}/validation-work"),  # each launch's job file and raw checks
     params:
         spec=experiment_spec,
         model_source=model_source,
@@ -21,6 +22,8 @@ rule validate_checkpoint:
     threads: validation_threads
     resources:
         gpu=validation_gpus,
+        mem_mb=validation_mem_mb,
+        runtime=experiment_runtime,
     conda:
         "../envs/train.yaml"
     script:

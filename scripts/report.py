@@ -1,7 +1,14 @@
-"""Rule report: the milestone report (HTML with embedded plots, and Markdown)."""
+"""Rule report: the milestone report (HTML with embedded plots, and Markdown), from the runs
+the summary accepted (distlab.report.collect.load_checked_runs names the others)."""
+import sys
+
 from distlab.report.build import build_report
+from distlab.report.collect import load_checked_runs
 from distlab.smk import logged
 
 with logged(snakemake):
-    build_report(list(snakemake.input.metrics), snakemake.output.html, snakemake.output.readme,
+    runs, rejected = load_checked_runs(list(snakemake.input.metrics))
+    for item in rejected:
+        print(f"WARNING: left out of the report: {item['reason']}", file=sys.stderr)
+    build_report([run["_path"] for run in runs], snakemake.output.html, snakemake.output.readme,
                  advice_paths=list(snakemake.input.advice))

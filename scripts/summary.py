@@ -1,10 +1,19 @@
-"""Rule summary: one row per run across every machine folder (pandas)."""
+"""Rule summary: one row per run across every machine folder (pandas). A run that cannot be
+trusted (corrupt, another schema version, a promised figure missing) is left out and named
+in summary-rejected.json and the log."""
+import json
+import sys
+
 from distlab.evaluation import eval_columns
-from distlab.report.collect import load_runs, summary_frame
+from distlab.report.collect import load_checked_runs, summary_frame
 from distlab.smk import logged
 
 with logged(snakemake):
-    runs = load_runs(list(snakemake.input.mine) + list(snakemake.input.shared))
+    runs, rejected = load_checked_runs(list(snakemake.input.mine) + list(snakemake.input.shared))
+    for item in rejected:
+        print(f"WARNING: left out of the summary: {item['reason']}", file=sys.stderr)
+    with open(snakemake.output.rejected, "w") as fh:
+        json.dump(rejected, fh, indent=1)
     frame = eval_columns(summary_frame(runs), runs)
-    frame.to_csv(snakemake.output[0], index=False)
+    frame.to_csv(snakemake.output.csv, index=False)
     print(frame.to_string())

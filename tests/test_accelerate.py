@@ -55,7 +55,7 @@ def test_generated_accelerate_configs_load_in_accelerate_for_every_layout(tmp_pa
     from accelerate.commands.config.config_args import load_config_from_file
 
     from distlab.config import load
-    from distlab.launchers_accelerate import write_accelerate_config
+    from distlab.launchers.accelerate import write_accelerate_config
     from conftest import tiny_config
 
     cfg = tiny_config({"accelerate": {"experiments": [

@@ -37,6 +37,15 @@ BAD_CONFIGS = [
     ("fp16 on CPU", lambda c: c["stages"]["ddp"]["experiments"][0].update(precision="fp16"), "precision"),
     ("two experiments with one id", lambda c: c["stages"]["ddp"]["experiments"].append(
         copy.deepcopy(c["stages"]["ddp"]["experiments"][0])), "experiments[1]"),
+    ("learning rate NaN", lambda c: c["stages"]["ddp"]["experiments"][0].update(lr=float("nan")),
+     "stages.ddp.experiments.0.lr"),
+    ("infinite weight decay", lambda c: c["defaults"].update(weight_decay=float("inf")), "defaults.weight_decay"),
+    ("world size 2.0", lambda c: c["stages"]["ddp"]["experiments"][0].update(world_size=2.0),
+     "stages.ddp.experiments.0.world_size"),
+    ("empty results_dir", lambda c: c.update(results_dir=""), "results_dir"),
+    ("results_dir under /proc", lambda c: c.update(results_dir="/proc/x"), "results_dir"),
+    ("machine named like the prep folder", lambda c: c.update(machine="prep"), "machine"),
+    ("machine named like the report folder", lambda c: c.update(machine="report"), "machine"),
 ]
 
 
@@ -108,3 +117,59 @@ def test_validation_scope_picks_one_experiment_per_strategy_method_and_launcher(
     assert validated_experiments(cfg, specs) == list(specs)
     cfg["validation"]["scope"] = "none"
     assert validated_experiments(cfg, specs) == []
+
+
+def model_folder(tmp_path, config_text: str, weights: bool = True):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(config_text)
+    if weights:
+        (folder / "model.safetensors").write_bytes(b"\0" * 8)
+    return folder
+
+
+def test_a_junk_model_config_json_is_refused_naming_the_file_and_line(tmp_path):
+    folder = model_folder(tmp_path, '{"model_type": "llama",\n  oops}')
+    with pytest.raises(ConfigError, match=rf"model.path.*{folder / 'config.json'} is not valid JSON \(line 2"):
+        load(ddp_config({"world_size": 1}, model={"path": str(folder)}), gpu_count=0)
+
+
+def test_a_model_folder_without_weights_is_refused(tmp_path):
+    folder = model_folder(tmp_path, '{"model_type": "llama"}', weights=False)
+    with pytest.raises(ConfigError, match="model.path.*has no weights"):
+        load(ddp_config({"world_size": 1}, model={"path": str(folder)}), gpu_count=0)
+
+
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path):
+    from distlab.config import load_file
+
+    path = tmp_path / "config.yaml"
+    path.write_text("stages:\n  ddp:\n    experiments: [{world_size: 2\n  foo: bar\n")
+    with pytest.raises(ConfigError, match=rf"{path}, line 4"):
+        load_file(path)
+
+
+def ray_config(address):
+    return tiny_config({"ray": {"experiments": [{"world_size": 2, "launcher": "ray"}]}}, ray={"address": address})
+
+
+def test_an_empty_ray_address_is_refused_before_any_job(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "")
+    with pytest.raises(ConfigError, match="ray.address.*RAY_ADDRESS, which is empty"):
+        load(ray_config("env"), gpu_count=0, probe=True)
+
+
+def test_an_unreachable_ray_head_is_refused_naming_the_address():
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(ConfigError, match=rf"ray.address.*Ray head 127.0.0.1:{port} is not reachable"):
+        load(ray_config(f"127.0.0.1:{port}"), gpu_count=0, probe=True)
+
+
+def test_a_results_dir_that_cannot_be_created_is_refused(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError, match="results_dir.*is not writable.*is not a folder"):
+        load(ddp_config({"world_size": 1}, results_dir=str(tmp_path / "a-file" / "results")), gpu_count=0, probe=True)

@@ -96,3 +96,39 @@ def test_a_config_file_on_the_command_line_replaces_the_embedded_default(tmp_pat
     monkeypatch.setenv("DISTLAB_GPU_COUNT", "0")
     default = snakemake(tmp_path, "-n", "--config", "machine=other")
     assert scheduled_jobs(default.stdout)["train"] >= 20  # --config edits the default, which still applies
+
+
+def test_delete_all_output_leaves_nothing_of_a_run_but_its_logs(finished, tmp_path):
+    import shutil
+
+    work, cfg = finished
+    copy = tmp_path / "work"
+    shutil.copytree(work, copy, symlinks=True)
+    snakemake(copy, "--delete-all-output", "--cores", "1", config=cfg)
+    results = copy / "results"
+    logs = {".log", ".tsv"}  # Snakemake keeps logs and benchmarks by design
+    left = sorted(str(p.relative_to(results)) for p in (results / MACHINE).rglob("*")
+                  if p.is_file() and p.suffix not in logs)
+    assert left == [], left
+    assert not (results / "summary.csv").exists()
+    assert not [p for p in (results / "report").rglob("*") if p.is_file()]  # empty folders may stay
+    assert not (results / "summary-rejected.json").exists()
+
+
+def test_a_failed_checkpoint_validation_fails_the_workflow_after_the_report_is_built(finished, tmp_path):
+    import shutil
+
+    work, cfg = finished
+    copy = tmp_path / "work"
+    shutil.copytree(work, copy, symlinks=True)
+    run = copy / "results" / MACHINE / "ddp-full-w1-mb8-ga1"
+    validation = json.loads((run / "validation.json").read_text())
+    validation.update(status="failed", passed=False, reason="reload failed (edited by the test)")
+    (run / "validation.json").write_text(json.dumps(validation))
+    proc = snakemake(copy, "--cores", "2", config=cfg, check=False)
+    assert proc.returncode != 0
+    assert "reload failed (edited by the test)" in (copy / "results" / "logs" / "check_validations.log").read_text()
+    report = copy / "results" / "report" / "index.html"
+    assert report.stat().st_mtime > (run / "validation.json").stat().st_mtime  # rebuilt, after the edit
+    summary = {r.split(",")[2]: r for r in (copy / "results" / "summary.csv").read_text().splitlines()[1:]}
+    assert ",failed," in summary["ddp-full-w1-mb8-ga1"]  # the column comes from the declared validation.json

@@ -2,8 +2,9 @@
 
 A run is results/<machine>/<experiment>/: metrics.json, and when present steps.jsonl (per
 step times), validation.json (checkpoint checks) and devices.json (GPU ids it held).
-Machine-level files sit next to the runs: hardware.json, collectives.json. Anything
-corrupt or from another schema version is refused with the file named, never skipped.
+Machine-level files sit next to the runs: hardware.json, collectives.json. A run that is
+corrupt, from another schema version or lacks a figure its status promises is named and
+left out of the summary and the report (load_checked_runs), never a crash or a partial row.
 """
 from __future__ import annotations
 
@@ -101,6 +102,7 @@ def load_run(path: str | Path) -> dict:
             raise ResultsError(f"{path}: metrics file lacks '{key}'; fix or remove it")
     run["_path"] = str(path)
     run["_dir"] = str(path.parent)
+    check_run(run)
     steps = path.parent / "steps.jsonl"
     run["_steps"] = read_steps(steps) if steps.is_file() else []
     validation = path.parent / "validation.json"
@@ -112,8 +114,57 @@ def load_run(path: str | Path) -> dict:
     return run
 
 
+# What a run of each status must hold before it enters the summary or the report: a result
+# copied in from another machine (or truncated) is input like any other.
+REQUIRED_FIELDS = {
+    "ok": [("loss", "first"), ("loss", "last"), ("loss", "per_step"), ("throughput", "tokens_per_s"),
+           ("throughput", "tokens_per_step"), ("timing", "step_time_s", "median")],
+    "oom": [("oom",)],
+}
+
+
+def check_run(run: dict) -> None:
+    """Refuse a run that lacks a figure its status promises (named, with the file)."""
+    if run["status"] not in REQUIRED_FIELDS:
+        raise ResultsError(f"{run['_path']}: status {run['status']!r} is none of {sorted(REQUIRED_FIELDS)}")
+    for keys in REQUIRED_FIELDS[run["status"]]:
+        value = _get(run, *keys)
+        if value is None or (keys[-1] != "per_step" and keys[0] != "oom" and not _finite(value)):
+            raise ResultsError(f"{run['_path']}: a run with status {run['status']!r} needs "
+                               f"'{'.'.join(keys)}' (a number); it is {'missing' if value is None else repr(value)}")
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value \
+        and abs(value) != float("inf")
+
+
+def load_checked_runs(paths) -> tuple[list[dict], list[dict]]:
+    """(runs, rejected): every metrics.json that reads, has this schema version and the figures
+    its status promises; each one that does not is left out as {"path", "reason"}."""
+    runs, rejected = [], []
+    for path in paths:
+        try:
+            run = load_run(path)
+        except ResultsError as error:
+            rejected.append({"path": str(path), "reason": str(error)})
+            continue
+        except (KeyError, TypeError, ValueError, AttributeError) as error:  # a field of the wrong shape
+            rejected.append({"path": str(path), "reason": f"{path}: malformed metrics ({type(error).__name__}: "
+                                                          f"{error})"})
+            continue
+        runs.append(run)
+    check_unique(runs)
+    return runs, rejected
+
+
 def load_runs(paths) -> list[dict]:
     runs = [load_run(p) for p in paths]
+    check_unique(runs)
+    return runs
+
+
+def check_unique(runs: list[dict]) -> None:
     seen = {}
     for run in runs:
         key = (run["machine"], run["experiment"])
@@ -122,7 +173,6 @@ def load_runs(paths) -> list[dict]:
                                f"'{run['machine']}' twice; give one machine another tag (config `machine`) "
                                "so neither overwrites the other")
         seen[key] = run["_path"]
-    return runs
 
 
 def machine_files(runs: list[dict], name: str, version: int) -> dict[str, dict]:

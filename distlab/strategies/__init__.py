@@ -1,7 +1,7 @@
 """Strategy registry: name -> "module:Class", imported only when a run asks for it."""
 from __future__ import annotations
 
-import importlib
+from distlab.registry import load
 
 REGISTRY = {
     "ddp": "distlab.strategies.ddp:DDPStrategy",
@@ -25,16 +25,4 @@ def strategy_for(spec: dict):
 
 
 def get_strategy_class(name: str):
-    try:
-        target = REGISTRY[name]
-    except KeyError:
-        raise NotImplementedError(
-            f"strategy '{name}' is not implemented in this version of distlab (available: {sorted(REGISTRY)})"
-        ) from None
-    module, cls = target.split(":")
-    try:
-        return getattr(importlib.import_module(module), cls)
-    except ModuleNotFoundError as exc:
-        if exc.name != module:
-            raise  # a missing dependency, not a missing strategy
-        raise NotImplementedError(f"strategy '{name}' is not implemented in this version of distlab") from None
+    return load(REGISTRY, name, "strategy")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distlab.launchers_accelerate import CONFIG_NAME, MIXED_PRECISION, uses_accelerate_fsdp
+from distlab.launchers.accelerate import CONFIG_NAME, MIXED_PRECISION, uses_accelerate_fsdp
 from distlab.strategies.base import FidelityError, Strategy
 
 

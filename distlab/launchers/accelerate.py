@@ -23,6 +23,9 @@ from pathlib import Path
 
 import yaml
 
+from distlab.launchers.environment import rank_environment
+from distlab.launchers.process import run_ranks
+
 CONFIG_NAME = "accelerate_config.yaml"
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -78,10 +81,10 @@ def accelerate_config(spec: dict) -> dict:
     return config
 
 
-def accelerate_command(config_path: str, job_path: str) -> list[str]:
-    """`accelerate launch --config_file ... -m distlab.worker --job ...` (module form of the CLI)."""
+def accelerate_command(config_path: str, job_path: str, module: str = "distlab.worker") -> list[str]:
+    """`accelerate launch --config_file ... -m <module> --job ...` (module form of the CLI)."""
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path),
-            "-m", "distlab.worker", "--job", str(job_path)]
+            "-m", module, "--job", str(job_path)]
 
 
 def write_accelerate_config(spec: dict, run_dir: str | os.PathLike, job_path: str) -> Path:
@@ -100,17 +103,14 @@ def write_accelerate_config(spec: dict, run_dir: str | os.PathLike, job_path: st
 
 
 def launch_environment(spec: dict) -> dict:
-    from distlab.launch import rank_environment
-
     env = rank_environment(spec)
     for name in [n for n in env if n.startswith("ACCELERATE_")]:
         del env[name]  # the config file, not an inherited variable, decides
     return env
 
 
-def run_accelerate(job: dict, job_path: str, log_path: str | None, timeout: float | None) -> None:
-    from distlab.launch import _run
-
+def run(job: dict, job_path: str, log_path: str | None, timeout: float | None) -> None:
     spec = job["spec"]
     config_path = write_accelerate_config(spec, job["run_dir"], job_path)
-    _run(accelerate_command(str(config_path), job_path), launch_environment(spec), log_path, timeout)
+    run_ranks(accelerate_command(str(config_path), job_path), launch_environment(spec), log_path, timeout,
+               marker=job_path)

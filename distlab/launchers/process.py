@@ -1,0 +1,166 @@
+"""Starting a launcher process and waiting for it: the one place processes are handled.
+
+No process distlab starts may outlive its job. Two mechanisms, because each covers what
+the other cannot:
+- PR_SET_PDEATHSIG: every process in the chain (the Snakemake script, the launcher
+  torchrun / accelerate launch / Ray driver, each rank) asks the kernel for SIGKILL when its
+  parent dies. A SIGKILLed snakemake then takes its whole job tree down level by level,
+  although nobody is left to clean up. torchrun starts every rank in its own session, so
+  killing torchrun's process group alone never reached the ranks.
+- On a timeout, an error or an interrupt in the waiting process, the launcher's whole
+  process tree (psutil, recursive) is killed, and afterwards any process whose command line
+  still names this launch's job file.
+Before a launch, `refuse_if_running` finds ranks of an earlier launch of the same
+experiment still alive (a SIGKILLed run on a machine without PR_SET_PDEATHSIG, a manual
+start) and refuses, naming their pids: two sets of ranks must never share a run folder.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(parent: int | None = None, parent_names: str | None = None) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux; elsewhere a no-op).
+    Called first thing in every process distlab starts. The parent may already have died
+    (a rank spends seconds importing torch first): `parent` is the pid it must have, or
+    `parent_names` a string its command line must contain (a rank's launcher names the
+    rank's job file); otherwise this process exits at once."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
+    if parent_names is not None:
+        try:
+            orphaned = not any(parent_names in part for part in psutil.Process(os.getppid()).cmdline())
+        except psutil.NoSuchProcess:
+            orphaned = True
+        if orphaned:
+            print(f"parent process is gone (no process naming {parent_names} above pid {os.getpid()}); "
+                  "exiting", file=sys.stderr, flush=True)
+            os._exit(1)
+
+
+def processes_naming(marker: str) -> list[psutil.Process]:
+    """Live processes (not this one) whose command line contains `marker`."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if proc.pid != os.getpid() and any(marker in part for part in proc.info["cmdline"] or []):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def refuse_if_running(job_path: str, what: str) -> None:
+    """Raise when processes of an earlier launch of this job file still run."""
+    alive = processes_naming(job_path)
+    if alive:
+        lines = []
+        for proc in alive:
+            try:
+                lines.append(f"  pid {proc.pid}: {' '.join(proc.cmdline())[:200]}")
+            except psutil.NoSuchProcess:
+                continue
+        if lines:
+            pids = " ".join(line.split()[1].rstrip(":") for line in lines)
+            raise RuntimeError(f"{what}: processes of an earlier launch still run on {job_path}; two sets of "
+                               f"ranks must not share a run folder. Stop them first (kill {pids}):\n"
+                               + "\n".join(lines))
+
+
+def kill_tree(proc: psutil.Process | None, marker: str | None = None) -> list[int]:
+    """SIGKILL a process and all its descendants (each rank sits in its own session, so a
+    process group does not reach them), then any process still naming `marker`."""
+    victims = []
+    if proc is not None:
+        try:
+            victims = [proc] + proc.children(recursive=True)
+        except psutil.NoSuchProcess:
+            victims = []
+    if marker:
+        victims += [p for p in processes_naming(marker) if p.pid not in {v.pid for v in victims}]
+    for victim in victims:
+        try:
+            victim.kill()
+        except psutil.NoSuchProcess:
+            pass
+    deadline = time.monotonic() + 10
+    while any(_running(v) for v in victims) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [v.pid for v in victims]
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for whoever reaps it, not for us)."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+class _Terminated(Exception):
+    """SIGTERM reached the waiting process (Snakemake cancelling the job)."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated(f"received signal {signum}")
+
+
+def run_tree(cmd: list[str], env: dict, stdout, timeout: float | None, marker: str | None = None) -> int | None:
+    """Run cmd to completion and return its exit status, or None when it was killed at the
+    timeout. However this returns or raises, no process of its tree is left running."""
+    parent = os.getpid()
+    is_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if is_main else None
+    # Own session (a terminal's Ctrl-C reaches this process, which then kills the tree);
+    # PR_SET_PDEATHSIG set in the child before it runs the launcher.
+    proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
+                            preexec_fn=lambda: die_with_parent(parent), start_new_session=True)
+    handle = psutil.Process(proc.pid)
+    try:
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+    finally:
+        kill_tree(handle if proc.poll() is None else None, marker)
+        proc.wait()
+        if is_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def run_ranks(cmd: list[str], env: dict, log_path: str | None, timeout: float | None,
+              marker: str | None = None) -> None:
+    """Run a launcher (torchrun, accelerate launch, a Ray driver) to completion; its output
+    goes to log_path. A non-zero exit or the timeout raises with the log's last lines."""
+    log = open(log_path, "a") if log_path else None
+    try:
+        if log:
+            log.write("$ " + " ".join(cmd) + "\n")
+            log.flush()
+        status = run_tree(cmd, env, log, timeout, marker)
+    finally:
+        if log:
+            log.close()
+    if status != 0:
+        tail = ""
+        if log_path:
+            tail = "".join(Path(log_path).read_text().splitlines(keepends=True)[-40:])
+        what = f"were killed with their launcher after the {timeout} s timeout" if status is None else \
+            f"exited with status {status}"
+        raise RuntimeError(f"training ranks {what}; last log lines:\n{tail}")

@@ -1,0 +1,122 @@
+"""No process distlab starts outlives its job: timeouts, a SIGKILLed snakemake, reruns."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from conftest import REPO, resolve
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def survivors(marker: str) -> list[str]:
+    """Live processes (not zombies) whose command line mentions marker."""
+    from distlab.launchers.process import processes_naming
+
+    found = []
+    for proc in processes_naming(marker):
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(f"{proc.pid}: {' '.join(proc.cmdline())[:160]}")
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+@pytest.fixture
+def reaper(tmp_path):
+    """Whatever the test leaves behind under tmp_path is killed afterwards (a failing test
+    must not leave ranks training on a shared machine)."""
+    yield
+    from distlab.launchers.process import kill_tree
+
+    kill_tree(None, str(tmp_path))
+
+
+def test_a_timeout_kills_every_rank_of_the_launch(tmp_path, reaper):
+    from distlab.launchers.process import run_ranks
+    from distlab.launchers.torchrun import torchrun_command
+
+    # Ranks that never end and never ask to die with their parent: only killing the tree
+    # reaches them (torchrun starts each in its own session).
+    (tmp_path / "sleepy_rank.py").write_text(textwrap.dedent("""
+        import os, pathlib, sys, time
+        pathlib.Path(sys.argv[-1], f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+        time.sleep(600)
+    """))
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}", OMP_NUM_THREADS="1")
+    command = torchrun_command(2, "sleepy_rank", str(tmp_path))
+    with pytest.raises(RuntimeError, match="killed with their launcher after the 20 s timeout"):
+        run_ranks(command, env, str(tmp_path / "launch.log"), timeout=20)
+    pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in (0, 1)]  # both ranks had started
+    time.sleep(0.5)
+    assert not [pid for pid in pids if alive(pid)]
+    assert not survivors(str(tmp_path))
+
+
+def test_sigkill_of_snakemake_leaves_no_launcher_or_rank_running(prepared, tmp_path, reaper):
+    spec = resolve({"world_size": 2}, steps=100000, warmup_steps=2)  # would train for an hour
+    run_dir = tmp_path / "run"
+    job = {"spec": spec, "run_dir": str(run_dir), "data_dir": str(prepared / "data32"),
+           "model_source": str(prepared / "model"), "hardware_json": str(prepared / "hardware.json"),
+           "env_allowlist": [], "checkpoint_dir": None}
+    (tmp_path / "job-input.json").write_text(json.dumps(job))
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import json
+        from distlab.launch import launch
+        from distlab.smk import logged
+        with logged(snakemake):
+            launch(json.loads(open(snakemake.input[0]).read()))
+    """))
+    (tmp_path / "Snakefile").write_text(textwrap.dedent("""
+        rule train:
+            input: "job-input.json"
+            output: "run/metrics.json"
+            log: "train.log"
+            script: "train.py"
+    """))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    smk = subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "2", "-d", str(tmp_path),
+                            "-s", str(tmp_path / "Snakefile")], env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    job_path = str((run_dir / "job.json").resolve())
+    deadline = time.monotonic() + 240
+    while len([p for p in survivors(job_path) if "distlab.worker" in p]) < 2:
+        assert smk.poll() is None, (tmp_path / "train.log").read_text()
+        assert time.monotonic() < deadline, "the ranks never started"
+        time.sleep(0.5)
+    assert (run_dir / "steps.jsonl").exists() is False  # mid-run, nothing finished
+    smk.send_signal(signal.SIGKILL)
+    smk.wait()
+    deadline = time.monotonic() + 30
+    while survivors(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not survivors(str(tmp_path))
+
+
+def test_a_second_launch_refuses_while_processes_of_the_first_still_run(tmp_path, reaper):
+    from distlab.launch import job_file, launch
+
+    spec = resolve({})
+    job = {"spec": spec, "run_dir": str(tmp_path / "run")}
+    # An orphan of an earlier launch: its command line names the run's job file.
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", job_file(job)])
+    try:
+        time.sleep(0.2)
+        with pytest.raises(RuntimeError, match=rf"still run .*kill {orphan.pid}"):
+            launch(job)
+        assert not (tmp_path / "run" / "job.json").exists()  # refused before writing anything
+    finally:
+        orphan.kill()
+        orphan.wait()
