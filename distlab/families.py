@@ -16,12 +16,13 @@ strategies follow:
   embeddings (GPT-2, Gemma: one weight on two stages), is refused.
 
 Data-parallel strategies (ddp, accelerate, deepspeed, fsdp) call the model's own forward
-whole and run every causal-LM family transformers ships; they are refused only when
-transformers has no causal-LM class for the model type.
+whole and run every causal-LM family transformers ships (tests/test_families.py); they are
+not checked here, so a config without tp/pp never imports transformers at parse time.
 
 The model distlab builds itself (`model.build`) is a Llama, whose shape checks live in
-distlab/config.py; this module reads folders given by `model.path`. transformers (and torch
-with it) is imported only then, so a plain rerun of the default pipeline stays fast.
+distlab/config.py; this module reads folders given by `model.path`, and only for tp and pp
+experiments: importing transformers (and torch with it) costs seconds at Snakefile parse
+time, paid once per process (the config is cached per folder).
 """
 from __future__ import annotations
 
@@ -105,13 +106,13 @@ def pp_refusal(config, world_size: int) -> str | None:
 
 
 def refusal(folder: str, strategy: str, world_size: int) -> str | None:
-    """Why `strategy` cannot run the model in `folder`, or None when it can."""
+    """Why `strategy` ('tp' or 'pp') cannot run the model in `folder`, or None when it can."""
     config = model_config(str(Path(folder).resolve()))
     model_type = config.model_type
     model_class = causal_lm_class(model_type)
     if model_class is None:
         return f"transformers has no causal-LM class for model type '{model_type}'"
-    why = {"tp": tp_refusal, "pp": pp_refusal}.get(strategy, lambda *_: None)(config, world_size)
+    why = {"tp": tp_refusal, "pp": pp_refusal}[strategy](config, world_size)
     if why is None:
         return None
     return f"strategy '{strategy}' cannot run model type '{model_type}' ({model_class}): {why}"
@@ -120,7 +121,7 @@ def refusal(folder: str, strategy: str, world_size: int) -> str | None:
 def check(spec: dict, config: dict, fail) -> None:
     """Config-time gate (distlab/config.py): fail('strategy', why) for a refused combination."""
     folder = config.get("model", {}).get("path")
-    if not folder or not (Path(folder) / "config.json").is_file():
+    if spec["strategy"] not in ("tp", "pp") or not folder or not (Path(folder) / "config.json").is_file():
         return  # the built Llama (checked in config.py) or a hub id (read when the job loads it)
     why = refusal(folder, spec["strategy"], spec["world_size"])
     if why:

@@ -183,3 +183,15 @@ def test_family_runs_with_the_plain_models_step0_loss_on_the_same_samples(
     if strategy == "tp":
         assert actual["weights_loaded_bytes"] < 4 * metrics["parameters"]["total"]
         assert actual["split_linears"] == len(actual["tp_plan"]) * 2
+
+
+def test_a_tp_plan_style_torch_cannot_express_is_refused_naming_the_style():
+    from transformers import Qwen2Config
+
+    from distlab.families import tp_refusal
+
+    config = Qwen2Config(**GQA)
+    assert tp_refusal(config, 2) is None
+    config.base_model_tp_plan = {**config.base_model_tp_plan, "layers.*.mlp.gate_up_proj": "packed_colwise"}
+    assert "['packed_colwise']" in tp_refusal(config, 2)
+    assert "num_key_value_heads (2)" in tp_refusal(Qwen2Config(**GQA), 4)
