@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from distlab import families
 from distlab import input_checks
 from distlab.input_checks import ConfigError
 
@@ -209,6 +210,7 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
             fail("deepspeed.offload_optimizer", "optimizer offload needs zero_stage 1, 2 or 3")
         if "nvme" in (ds["offload_optimizer"], ds["offload_param"]) and not ds["nvme_path"]:
             fail("deepspeed.nvme_path", "NVMe offload needs a nvme_path folder")
+    families.check(spec, config, fail)  # family x strategy, from the model folder's own config
     if spec["strategy"] in ("tp", "pp") and spec["method"] != "full":
         fail("method", f"{spec['strategy']} runs full fine-tuning only (LoRA would wrap the split layers)")
     if spec["strategy"] == "tp":

@@ -2,6 +2,14 @@
 decoder layers (the embedding on the first stage, final norm and LM head on the last);
 activations travel rank to rank by point-to-point sends.
 
+A stage is the model's own forward with the other stages' layers replaced by pass-throughs
+(StageModule): masks (sliding window, per-layer attention types), rotary embeddings and norms
+are the model's code, not a re-implementation. Which children run before and after the
+layers comes from the model's `base_model_pp_plan`; families without one, or with tied
+embeddings, are refused at config time (distlab.families). Each rank builds the model on the
+meta device and reads from the safetensors only the weights of its stage
+(distlab.partial_load): no rank ever holds the whole model.
+
 Each loop micro-batch is cut into pp.microbatches pipeline micro-batches and run by the
 schedule the spec names (GPipe: all forwards, then all backwards; 1F1B: interleaved so
 at most p activations are alive). The loss exists only on the last stage; the other
@@ -26,6 +34,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from distlab.model import decoder_layers
+from distlab.partial_load import empty_model, load_held_weights
 from distlab.strategies.base import FidelityError, ModelParallel, Strategy, autocast
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -50,70 +59,82 @@ def bubble_formula(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def _child_name(parent: nn.Module, child: nn.Module) -> str:
-    for name, module in parent.named_children():
-        if module is child:
-            return name
-    raise ValueError(f"{type(child).__name__} is not a direct child of {type(parent).__name__}")
+class PassThrough(nn.Module):
+    """Stands in for a decoder layer another stage holds: the list keeps its length, so the
+    model's forward still sees layer i at index i (per-layer attention types are indexed)."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
 
 
 class StageModule(nn.Module):
-    """This rank's slice of a Hugging Face causal LM, called the way the full model calls it."""
+    """This rank's slice of a Hugging Face causal LM, run through the model's own forward.
 
-    def __init__(self, model, layer_ids: range, first: bool, last: bool):
+    Every stage calls the base model's forward (the full causal LM's on the last stage, so the
+    head and any logit soft-capping are the model's own): the masks it builds (causal, sliding
+    window, per-layer types), its rotary embeddings and its final norm are exactly those of the
+    plain model. Layers of other stages are PassThrough. A later stage passes the activations it
+    received as `inputs_embeds` (only their shape, dtype and device shape the masks and rotary
+    tables) and a pre-hook on its first own layer hands them to that layer unchanged, so
+    whatever the preamble does to embeddings (scaling, dropout) happens once, on stage 0.
+    """
+
+    def __init__(self, model, first_layer: nn.Module, first: bool, last: bool):
         super().__init__()
         self.hf = model
-        base = model.base_model
-        self.config = model.config
         self.first, self.last = first, last
-        layers = decoder_layers(model)
-        self.layers = [layers[i] for i in layer_ids]
-        self.embed = model.get_input_embeddings() if first else None
-        self.head = model.get_output_embeddings() if last else None
-        self.norm = getattr(base, "norm", None) if last else None
-        self.rotary = getattr(base, "rotary_emb", None)
-        if self.rotary is None or (last and self.norm is None):
-            raise NotImplementedError(f"pipeline parallel: {type(base).__name__} has no rotary_emb/norm; this "
-                                      "stage splitter knows the Llama-family layout (Llama, Mistral, Qwen2)")
+        self._incoming = None
+        if not first:
+            first_layer.register_forward_pre_hook(self._hand_over, with_kwargs=True)
+
+    def _hand_over(self, _module, args, kwargs):
+        if args:
+            return (self._incoming, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self._incoming}
 
     def forward(self, x):
-        from transformers.masking_utils import create_causal_mask
-
-        h = self.embed(x) if self.first else x
-        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        position_embeddings = self.rotary(h, positions)
-        mask = create_causal_mask(self.config, h, None, None, position_ids=positions)
-        for layer in self.layers:
-            out = layer(h, attention_mask=mask, position_embeddings=position_embeddings, position_ids=positions)
-            h = out[0] if isinstance(out, tuple) else out
+        inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        self._incoming = None if self.first else x
         if self.last:
-            return self.head(self.norm(h))
-        return h
+            return self.hf(**inputs, use_cache=False).logits
+        return self.hf.base_model(**inputs, use_cache=False).last_hidden_state
 
 
-def prune_to_stage(model, keep: range, first: bool, last: bool) -> None:
-    """Drop what other stages own, keeping Hugging Face parameter names for what stays."""
+def prune_to_stage(model, keep: range, first: bool, last: bool) -> nn.Module:
+    """Drop what other stages own, keeping Hugging Face parameter names for what stays; returns
+    this stage's first decoder layer. What runs before and after the layers comes from the
+    model's own pipeline plan (config.base_model_pp_plan, see distlab.families)."""
+    from distlab.families import pp_pieces
+
     if model.config.tie_word_embeddings and not (first and last):
         raise NotImplementedError("pipeline parallel with tied input/output embeddings would put one weight on "
                                   "two stages; use a model with tie_word_embeddings false")
-    layers = decoder_layers(model)
-    owners = {}
-    for module in model.modules():
-        for name, child in module.named_children():
-            owners[id(child)] = (module, name)
-    for index, layer in enumerate(layers):
-        if index not in keep:
-            parent, name = owners[id(layer)]
-            setattr(parent, name, None)
+    pieces = pp_pieces(model.config)
+    if pieces is None:
+        raise NotImplementedError(f"pipeline parallel: {type(model).__name__} declares no base_model_pp_plan")
+    before, layers_name, after = pieces
     base = model.base_model
+    layers = getattr(base, layers_name)
+    for index in range(len(layers)):
+        if index not in keep:
+            layers[index] = PassThrough()
     if not first:
         embed = model.get_input_embeddings()
-        setattr(base, _child_name(base, embed), None)
+        for name in before:
+            child = getattr(base, name)
+            if child is embed:
+                setattr(base, name, None)  # never called: later stages pass inputs_embeds
+            elif any(True for _ in child.parameters()):
+                raise NotImplementedError(f"pipeline parallel: '{name}' of {type(base).__name__} has weights and "
+                                          "runs before the decoder layers; only the first stage could hold it")
     if not last:
+        for name in after:
+            setattr(base, name, nn.Identity())  # the final norm belongs to the last stage
         head = model.get_output_embeddings()
-        setattr(model, _child_name(model, head), None)
-        if getattr(base, "norm", None) is not None:
-            base.norm = None
+        for name, child in model.named_children():
+            if child is head:
+                setattr(model, name, None)
+    return layers[keep.start]
 
 
 class ComputeTimer:
@@ -158,6 +179,10 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
     name = "pp"
     expected_wrappers = ("PipelineStage",)
 
+    def load_model(self, model_source: str):
+        """A meta-device skeleton: wrap() keeps this stage's part and loads only its weights."""
+        return empty_model(model_source)
+
     def wrap(self, model) -> None:
         if self.spec["method"] != "full":
             raise NotImplementedError("pipeline parallel runs full fine-tuning only")
@@ -165,9 +190,10 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
         self.bounds = split_layers(len(decoder_layers(model)), world)
         self.first, self.last = rank == 0, rank == world - 1
         keep = self.bounds[rank]
-        self.stage_module = StageModule(model, keep, self.first, self.last)
-        prune_to_stage(model, keep, self.first, self.last)
-        model.to(self.ctx.device)
+        first_layer = prune_to_stage(model, keep, self.first, self.last)
+        # Only now, with other stages' parts gone, read this stage's weights from the folder.
+        self.loaded_bytes = load_held_weights(model, self.ctx.device)
+        self.stage_module = StageModule(model, first_layer, self.first, self.last)
         self.model = model  # the pruned HF model: parameter names stay Hugging Face names
         self.n_pipe = self.spec["pp"]["microbatches"]
         self.stage = PipelineStage(self.stage_module, rank, world, self.ctx.device)
@@ -252,7 +278,8 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
     def describe(self) -> dict:
         out = super().describe()
         mine = {"layers": list(self.bounds[dist.get_rank()]), "embedding": self.first, "head": self.last,
-                "decoder_layers_held": len(decoder_layers(self.model))}
+                "decoder_layers_held": len(decoder_layers(self.model)),
+                "weights_loaded_bytes": self.loaded_bytes}
         stages = [None] * dist.get_world_size()
         dist.all_gather_object(stages, mine)  # every rank describes, so this collective is matched
         out.update({

@@ -8,40 +8,59 @@ models declare it in `config.base_model_tp_plan` (the same plan `from_pretrained
 (gloo) mesh as well as on CUDA. Attention modules size their heads from the projection
 output (`view(..., -1, head_dim)`), so a rank simply sees heads/tp of them.
 
+Every style a plan uses maps to a torch style (distlab.families.TP_STYLES): Phi-3's packed
+qkv_proj / gate_up_proj are "colwise_gather_output" (split by columns, the output gathered
+whole before the packed tensor is cut into q, k, v) followed by "rowwise_split_input".
+A family without a plan (GPT-2) or with a style torch cannot express is refused at config
+time. Entries outside the decoder layers (GPT-NeoX's embedding_rowwise, the LM head) are
+left replicated: the embedding and head are held whole on every rank.
+
+Loading: the model is built on the meta device, the layers are parallelized there, and each
+rank then reads from the safetensors only its shard of every split weight (safetensors
+`get_slice`, distlab.partial_load) and the replicated rest whole: no rank holds a full copy
+of the split linears at any time.
+
 Every TP rank computes the same batch: the data-parallel size is 1.
 """
 from __future__ import annotations
 
-import fnmatch
-
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from distlab.families import TP_STYLES, layer_tp_plan
 from distlab.model import decoder_layers
+from distlab.partial_load import empty_model, load_held_weights
 from distlab.strategies.base import FidelityError, ModelParallel, Strategy
 
-#: HF plan styles this module applies; anything else in a decoder-layer plan is refused.
-STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+#: families.TP_STYLES' names made real; "replicate" (None) leaves the weight whole.
+TORCH_STYLES = {
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "replicate": None,
+}
+assert set(TORCH_STYLES) == set(TP_STYLES)
 
 
 def layer_plan(model) -> dict[str, str]:
-    """{name inside a decoder layer: style} from the model's declared base_model_tp_plan."""
-    plan = getattr(model.config, "base_model_tp_plan", None) or {}
+    """{name inside a decoder layer: style} from the model's declared base_model_tp_plan, for
+    the styles that split something; a style outside TORCH_STYLES is refused."""
+    import fnmatch
+
     layer_names = {name for layer in decoder_layers(model)[:1] for name, _ in layer.named_modules()}
     out = {}
-    for pattern, style in plan.items():
-        # Keys look like "layers.*.self_attn.q_proj": strip the per-layer prefix.
-        if ".*." not in pattern:
-            continue
-        inner = pattern.split(".*.", 1)[1]
-        if not any(fnmatch.fnmatchcase(name, inner) for name in layer_names):
-            continue
-        if style not in STYLES:
-            raise NotImplementedError(f"tensor parallel: plan style '{style}' for '{pattern}' is not supported "
-                                      f"(supported: {sorted(STYLES)})")
-        out[inner] = style
+    for inner, style in layer_tp_plan(model.config).items():
+        if style not in TORCH_STYLES:
+            raise NotImplementedError(f"tensor parallel: plan style '{style}' for 'layers.*.{inner}' is not "
+                                      f"supported (supported: {sorted(TORCH_STYLES)})")
+        for name in layer_names:
+            if fnmatch.fnmatchcase(name, inner) and TORCH_STYLES[style] is not None:
+                out[name] = style
     if not out:
         raise NotImplementedError(f"tensor parallel: {type(model).__name__} declares no base_model_tp_plan for its "
                                   "decoder layers; cannot tell which linear layers to split")
@@ -52,16 +71,24 @@ class TensorParallelStrategy(ModelParallel, Strategy):
     name = "tp"
     expected_wrappers = ()
 
+    def load_model(self, model_source: str):
+        """A meta-device skeleton: wrap() splits it, then each rank reads only its shards."""
+        return empty_model(model_source)
+
     def wrap(self, model) -> None:
         if self.spec["method"] != "full":
             raise NotImplementedError("tensor parallel runs full fine-tuning only (LoRA wraps the split linears)")
         check_heads(model.config, dist.get_world_size())
-        model.to(self.ctx.device)
+        on_meta = any(p.device.type == "meta" for p in model.parameters())
+        if not on_meta:
+            model.to(self.ctx.device)
         self.mesh = init_device_mesh(self.ctx.device.type, (dist.get_world_size(),))
         self.plan = layer_plan(model)
         self.layers = decoder_layers(model)
         for layer in self.layers:
-            parallelize_module(layer, self.mesh, {name: STYLES[style]() for name, style in self.plan.items()})
+            parallelize_module(layer, self.mesh, {name: TORCH_STYLES[style]() for name, style in self.plan.items()})
+        # Split on the meta device first, so each rank reads only its shards of the weights.
+        self.loaded_bytes = load_held_weights(model, self.ctx.device)
         self.model = model
         self.optimizer = self.build_optimizer(self.trainable(model))
 
@@ -80,8 +107,11 @@ class TensorParallelStrategy(ModelParallel, Strategy):
             "split_linears_per_layer": split,
             "split_linears": sum(1 for layer in self.layers for m in layer.modules()
                                  if isinstance(getattr(m, "weight", None), DTensor)),
-            "heads_per_rank": attn_heads // self.mesh.size() if attn_heads else None,
+            # A gathered output ("colwise_gather_output") means every rank runs every head.
+            "heads_per_rank": (attn_heads // self.mesh.size() if set(self.plan.values()) <= {"colwise", "rowwise"}
+                               else attn_heads) if attn_heads else None,
             "wrappers_found": ["parallelize_module"] if split else [],
+            "weights_loaded_bytes": getattr(self, "loaded_bytes", None),
         })
         return out
 
