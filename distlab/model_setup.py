@@ -33,7 +33,8 @@ def prepare_model(strategy, model_source: str, spec: dict) -> PreparedModel:
     flops = M.model_flops_per_token(model, spec["seq_len"])
     lora_targets = None
     if spec["method"] == "lora":
-        model, lora_targets = apply_lora(model, spec["lora"], spec["seed"])
+        with strategy.lora_context():
+            model, lora_targets = apply_lora(model, spec["lora"], spec["seed"])
     counts = parameter_counts(model)
     signature = ckpt.model_signature(model)  # before a wrapper shards the parameters
     strategy.wrap(model)
