@@ -18,8 +18,10 @@ def flops_per_token(n_params: int, n_embedding: int, n_layers: int, n_heads: int
 
 def model_flops_per_token(model, seq_len: int) -> dict:
     config = model.config
-    n_params = sum(p.numel() for p in model.parameters())
-    n_embedding = model.get_input_embeddings().weight.numel()
+    # ds_numel: a ZeRO-3 parameter partitioned at load (deepspeed.zero.Init) has numel() 0.
+    n_params = sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    n_embedding = getattr(embedding, "ds_numel", None) or embedding.numel()
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     value = flops_per_token(n_params, n_embedding, config.num_hidden_layers, heads, head_dim, seq_len)

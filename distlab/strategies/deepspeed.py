@@ -165,6 +165,11 @@ def _is_offloaded(tensor, category: str, engine, offload: dict) -> bool:
     return offload["offload_optimizer"] != "none"
 
 
+def full_numel(param) -> int:
+    """Elements of a parameter, also of a ZeRO-3 partitioned one (whose .numel() is 0)."""
+    return getattr(param, "ds_numel", None) or param.numel()
+
+
 def write_config(config: dict, run_dir: str, name: str = CONFIG_NAME) -> str:
     path = Path(run_dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -223,6 +228,27 @@ class DeepSpeedStrategy(Strategy):
             skip_inference_shm_op()
         deepspeed.init_distributed(dist_backend="nccl" if self.ctx.device.type == "cuda" else "gloo")
 
+    def load_model(self, model_source: str):
+        """The weights in the dtype DeepSpeed keeps its module in (bf16/fp16 with fp32 masters
+        in the optimizer, else fp32); at ZeRO-3 built under deepspeed.zero.Init through
+        transformers' HfDeepSpeedConfig, so each parameter is partitioned (and offloaded where
+        configured) as it loads and no rank holds the whole model."""
+        from distlab.model import load_model
+
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.spec["precision"], torch.float32)
+        if self.spec["deepspeed"]["zero_stage"] != 3:
+            return load_model(model_source, dtype=dtype)
+        from transformers.integrations import HfDeepSpeedConfig
+
+        if self.ctx.device.type == "cpu":
+            skip_inference_shm_op()
+        forget_deepspeed_groups()
+        # transformers holds only a weak reference: keep it alive for the whole run.
+        self.hf_deepspeed_config = HfDeepSpeedConfig(deepspeed_config(self.spec, dist.get_world_size()))
+        model = load_model(model_source, dtype=dtype)
+        self.partitioned_at_load = all(hasattr(p, "ds_id") for p in model.parameters())
+        return model
+
     def wrap(self, model) -> None:
         import deepspeed
 
@@ -236,10 +262,11 @@ class DeepSpeedStrategy(Strategy):
         dist.barrier()
         self.config_path = str(Path(self.ctx.run_dir) / name)
         self.config_sha256 = file_sha256(self.config_path)
-        self.largest_layer_params = max(sum(p.numel() for p in m.parameters(recurse=False))
+        self.largest_layer_params = max(sum(full_numel(p) for p in m.parameters(recurse=False))
                                         for m in model.modules())
-        self.total_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        model.to(self.ctx.device)
+        self.total_params = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
+        if not any(hasattr(p, "ds_id") for p in model.parameters()):  # zero.Init placed partitions already
+            model.to(self.ctx.device)
         if self.ctx.device.type == "cpu":
             skip_inference_shm_op()  # also when the caller set up the process group itself
         forget_deepspeed_groups()
@@ -306,6 +333,7 @@ class DeepSpeedStrategy(Strategy):
             "config_path": os.path.relpath(self.config_path, self.ctx.run_dir),
             "config_sha256": self.config_sha256,
             "config_used": engine.config,
+            "partitioned_at_load": getattr(self, "partitioned_at_load", False),
             "comm_time": "not measured: DeepSpeed's comms logger blocks on every collective to time it",
             "estimator": estimator_bytes(self.spec["deepspeed"], self.total_params, self.largest_layer_params,
                                          dist.get_world_size()),
@@ -320,6 +348,8 @@ class DeepSpeedStrategy(Strategy):
         for key in ("offload_optimizer", "offload_param"):
             if ds[key] != want[key]:
                 raise FidelityError(f"spec {key} {want[key]} but the engine offloads to {ds[key]}")
+        if want["zero_stage"] == 3 and not ds["partitioned_at_load"]:
+            raise FidelityError("ZeRO-3: the model was not built under deepspeed.zero.Init (every rank loaded it whole)")
         spec = self.spec
         if (ds["micro_batch"], ds["gradient_accumulation_steps"]) != (spec["micro_batch"], spec["grad_accum"]):
             raise FidelityError(f"spec micro_batch {spec['micro_batch']} x grad_accum {spec['grad_accum']} but the "
