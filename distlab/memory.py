@@ -6,25 +6,24 @@ interpreter, torch/transformers/deepspeed and their libraries included.
 
 - CUDA: `torch.cuda.set_per_process_memory_fraction(budget / device total)`; the caching
   allocator refuses past it (torch.OutOfMemoryError).
-- CPU: `resource.setrlimit(RLIMIT_DATA, budget)`, set inside the rank process right after
-  it starts (torch already imported). Since Linux 4.7 RLIMIT_DATA caps the process's
-  private writable mappings (heap, anonymous mmap: every tensor storage, malloc arena and
-  thread stack), so a tensor past it fails in the allocator ("DefaultCPUAllocator: can't
-  allocate memory", a RuntimeError) and a Python object with MemoryError; both end the
-  rank with status `oom` (record_oom + OOM_EXIT_CODE; distlab.launch writes the
-  metrics.json). Checked on this machine: the import-only process has VmData within ~10%
-  of VmRSS (473 vs 427 MB after torch+transformers+deepspeed+peft imports), and a
-  tensor past the limit raises instead of being killed.
-  Why not the alternatives: RLIMIT_AS counts address space that is reserved, not used
-  (torch's import alone maps ~1 GB of VmSize, glibc reserves 64 MB per malloc arena), so
-  it would fail runs that fit; a cgroup would count page cache and needs a writable cgroup
-  tree, which these machines (cgroup v1, read-only) do not give a job.
-  Caveats: RLIMIT_DATA counts memory that is mapped, not only touched (VmData >= the
-  anonymous part of RSS); read-only file mappings (shared libraries, an mmap-ed
-  safetensors file) are not counted although RSS shows them; children of the rank
-  (a JIT compiler) inherit the limit; an allocation that fails inside a C++ thread
-  (gloo) aborts the process instead of raising, which the launcher reports as a failed
-  run, not as `oom`.
+- CPU: a watchdog thread in the rank process (BudgetWatchdog) reads the process's RSS
+  high-water mark (VmHWM of /proc/self/status) every 10 ms; once it passes the budget the
+  rank records the OOM (record_oom) and exits with OOM_EXIT_CODE, as a cgroup memory limit
+  or the kernel's OOM killer would end it; distlab.launch then writes a metrics.json with
+  status `oom` and the pipeline goes on. The high-water mark is kept by the kernel, so a
+  spike between two polls is still seen (up to 10 ms late); the phase boundaries and the
+  end of the run check it synchronously too. Python's MemoryError and the CPU allocator's
+  "can't allocate memory" RuntimeError are caught as OOM as well (is_out_of_memory).
+  Why not the alternatives (tried on this machine): RLIMIT_AS counts reserved address space
+  (torch's import alone maps ~1 GB of VmSize); RLIMIT_DATA counts every private writable
+  mapping, including 8 MB thread stacks and malloc arenas: a 2-rank ZeRO-3 rank of the
+  default model showed VmData 3.5 GB at 0.6 GB of RSS (1.5 GB vs 0.5 GB for a 1-rank
+  ZeRO-0 rank), so it would charge a sharded rank for threads, not memory; a cgroup would
+  be exact but these machines give a job no writable cgroup tree (cgroup v1, read-only).
+  Caveats: RSS includes file pages the process maps (shared libraries, an mmap-ed
+  safetensors file while it is read), as a machine's RAM would; a rank can overshoot the
+  budget for up to one poll interval before it is stopped; the watchdog needs the GIL,
+  which torch's kernels release.
 
 Peaks: the load-phase peak is the process's high-water mark from start to the first
 step (CPU: VmHWM of /proc/self/status; CUDA: torch.cuda.max_memory_allocated/reserved and
@@ -102,10 +101,17 @@ def phase_peak(device) -> dict:
     return out
 
 
-def load_phase_record(device) -> dict:
+def rss_now() -> int | None:
+    """This process's RSS now (the worker reads it before the model loads: the process's own cost)."""
+    return process_status().get("VmRSS")
+
+
+def load_phase_record(device, rss_before_model: int | None = None) -> dict:
     """Called once right before the first step: the load-phase peak (process start, imports,
     model load, sharding, optimizer), then the peaks are reset for the training phase."""
+    check_budget()  # before the reset below forgets the load-phase high-water mark
     out = phase_peak(device)
+    out["rss_before_model_bytes"] = rss_before_model
     out["how"] = ("high-water mark from process start to the first step: VmHWM of /proc/self/status"
                   + ("; torch.cuda.max_memory_allocated/reserved and NVML used" if device.type == "cuda" else ""))
     out["reset_for_training"] = reset_rss_peak()
@@ -118,6 +124,7 @@ def memory_record(ctx, load_phase: dict | None = None) -> dict:
     """This rank's memory after training: the training-phase peak beside the load-phase one."""
     from distlab import metrics as M
 
+    check_budget()
     training = phase_peak(ctx.device)
     out = {"peak_rss_bytes": M.peak_rss_bytes(), "load_phase": load_phase, "training_phase": training}
     if load_phase is not None:
@@ -128,8 +135,47 @@ def memory_record(ctx, load_phase: dict | None = None) -> dict:
     return out
 
 
+class BudgetWatchdog:
+    """Ends this rank as `oom` once its RSS high-water mark passes the budget (CPU)."""
+
+    interval_s = 0.01
+
+    def __init__(self, budget_bytes: int, run_dir: str):
+        import threading
+
+        self.budget, self.run_dir, self.peak = budget_bytes, run_dir, 0
+        self._thread = threading.Thread(target=self._watch, name="distlab-memory-budget", daemon=True)
+        self._thread.start()
+
+    def check(self) -> int:
+        """The peak so far; never returns when it is past the budget."""
+        self.peak = max(self.peak, process_status().get("VmHWM", 0))
+        if self.peak > self.budget:
+            record_oom({"run_dir": self.run_dir}, MemoryError(
+                f"rank process RSS peak {self.peak / GIB:.3f} GiB passed the memory budget "
+                f"{self.budget / GIB:.3f} GiB (distlab.memory.BudgetWatchdog)"))
+            os._exit(OOM_EXIT_CODE)  # peers may sit in a collective: torchrun tears the group down
+        return self.peak
+
+    def _watch(self) -> None:
+        import time
+
+        while True:
+            self.check()
+            time.sleep(self.interval_s)
+
+
+_WATCHDOG: BudgetWatchdog | None = None
+
+
+def check_budget() -> int | None:
+    """Synchronous check (phase boundaries): the watched peak, None without a CPU budget."""
+    return _WATCHDOG.check() if _WATCHDOG is not None else None
+
+
 def apply_memory_budget(ctx) -> dict | None:
     """Enforce memory_budget_gib on this rank process (see the module docstring)."""
+    global _WATCHDOG
     gib = ctx.spec["memory_budget_gib"]
     if gib is None:
         return None
@@ -139,13 +185,10 @@ def apply_memory_budget(ctx) -> dict | None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), ctx.device)
         return {"bytes": budget, "enforced": True,
                 "how": "torch.cuda.set_per_process_memory_fraction(budget / device total)"}
-    import resource
-
-    before = process_status().get("VmData")
-    resource.setrlimit(resource.RLIMIT_DATA, (budget, budget))
-    return {"bytes": budget, "enforced": True, "data_bytes_when_set": before,
-            "how": "resource.setrlimit(RLIMIT_DATA) in the rank process (whole process: interpreter, libraries, "
-                   "tensors); an allocation past it fails and the run ends with status oom"}
+    _WATCHDOG = BudgetWatchdog(budget, ctx.run_dir)
+    return {"bytes": budget, "enforced": True, "rss_when_set": process_status().get("VmRSS"),
+            "how": "RSS watchdog in the rank process (VmHWM every 10 ms; whole process: interpreter, libraries, "
+                   "tensors); past the budget the run ends with status oom"}
 
 
 def budget_verdict(budget: dict | None, memory: dict, state_bytes: dict | None) -> dict | None:
@@ -162,7 +205,7 @@ def budget_verdict(budget: dict | None, memory: dict, state_bytes: dict | None) 
         verdict["measured_bytes"] = max(peaks)
         verdict["measured_what"] = "peak RSS of the whole rank process (getrusage ru_maxrss)"
         verdict["model_state_bytes"] = sum(v for v in (state_bytes or {}).values() if isinstance(v, int))
-    verdict["fits"] = verdict["measured_bytes"] <= budget["bytes"] or budget["enforced"]
+    verdict["fits"] = verdict["measured_bytes"] <= budget["bytes"]
     return verdict
 
 
@@ -183,9 +226,8 @@ def data_limit_bytes() -> int | None:
 
 def is_out_of_memory(error: BaseException) -> bool:
     """An allocation failure anywhere in the exception chain: torch's CUDA OOM, Python's
-    MemoryError, the CPU allocator's RuntimeError (what RLIMIT_DATA produces), or, under a
-    data limit, CPython's SystemError from a C extension whose malloc failed (seen when an
-    import runs past the limit)."""
+    MemoryError, the CPU allocator's RuntimeError, or, under a data rlimit, CPython's
+    SystemError from a C extension whose malloc failed (seen when an import ran past one)."""
     limited = data_limit_bytes() is not None
     for item in _chain(error):
         if isinstance(item, (torch.OutOfMemoryError, MemoryError)):
@@ -212,3 +254,17 @@ def record_oom(job: dict, error: BaseException) -> None:
     record = {"rank": rank, "error_type": type(error).__name__,
               "error": (str(error).splitlines() or [""])[0][:500], "memory": memory}
     Path(job["run_dir"], f"oom-rank{rank}.json").write_text(json.dumps(record))
+
+
+def phase_peaks(run: dict) -> dict:
+    """Largest rank's load-phase and training-phase peaks of a run's metrics (bytes; None for
+    runs recorded before the phases were measured): CUDA allocator reserved bytes, else RSS."""
+    per_rank = ((run.get("memory") or {}).get("per_rank")) or []
+    out = {}
+    for phase in ("load_phase", "training_phase"):
+        records = [m.get(phase) or {} for m in per_rank]
+        cuda = [r["cuda_max_reserved_bytes"] for r in records if r.get("cuda_max_reserved_bytes") is not None]
+        rss = [r["rss_peak_bytes"] for r in records if r.get("rss_peak_bytes") is not None]
+        out[phase] = max(cuda) if cuda else (max(rss) if rss else None)
+        out[f"{phase}_what"] = "torch.cuda.max_memory_reserved" if cuda else "VmHWM (peak RSS)"
+    return out

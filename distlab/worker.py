@@ -21,7 +21,7 @@ from distlab import metrics as M
 from distlab.data import load_blocks
 from distlab.loop import IndexStream, gather, train
 from distlab.memory import (OOM_EXIT_CODE, apply_memory_budget, budget_verdict, is_out_of_memory,  # noqa: F401
-                            load_phase_record, memory_record, record_oom)
+                            load_phase_record, memory_record, record_oom, rss_now)
 from distlab.model_setup import prepare_model
 from distlab.strategies import strategy_for
 from distlab.strategies.base import RunContext, local_device
@@ -174,6 +174,7 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     strategy.init_distributed()
     ctx.rank, ctx.world_size = dist.get_rank(), dist.get_world_size()
 
+    rss_before_model = rss_now()  # interpreter + libraries + process group: what a rank costs before its model
     prepared = prepare_model(strategy, job["model_source"], spec)
     described, flops, counts = prepared.described, prepared.flops, prepared.parameter_counts
     lora_targets, signature = prepared.lora_targets, prepared.signature
@@ -184,7 +185,7 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
 
     checkpoints = (checkpoints_class or TrainingCheckpoints)(job, ctx, strategy, signature, len(train_blocks))
     start_step = checkpoints.resume()
-    load_phase = load_phase_record(ctx.device)  # process start -> first step
+    load_phase = load_phase_record(ctx.device, rss_before_model)  # process start -> first step
     result = train(ctx, strategy, train_blocks, start_step=start_step, stream=checkpoints.stream,
                    on_step_end=checkpoints.on_step_end, records=checkpoints.records)
     described.update(strategy.finish() or {})
