@@ -173,9 +173,32 @@ def check_budget() -> int | None:
     return _WATCHDOG.check() if _WATCHDOG is not None else None
 
 
+HOST_MMAP_THRESHOLD = 1 << 20
+
+
+def return_freed_host_memory() -> bool:
+    """glibc's malloc raises its mmap threshold (up to 32 MB) after the first large free, so
+    the layers FSDP/ZeRO-3 gather and free again (4-12 MB each) come from the heap and stay in
+    RSS after they are freed: a sharded rank then shows the whole model resident although it
+    holds it only one layer at a time. A fixed 1 MiB threshold (mallopt M_MMAP_THRESHOLD)
+    gives every allocation of 1 MiB or more its own mapping, returned to the OS on free, so RSS
+    shows what the rank holds. Set on every CPU rank alike; False where libc refuses."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, HOST_MMAP_THRESHOLD))  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def apply_memory_budget(ctx) -> dict | None:
-    """Enforce memory_budget_gib on this rank process (see the module docstring)."""
+    """Enforce memory_budget_gib on this rank process (see the module docstring). Every CPU
+    rank, budget or not, first gets return_freed_host_memory()."""
     global _WATCHDOG
+    if ctx.device.type == "cpu":
+        return_freed_host_memory()
     gib = ctx.spec["memory_budget_gib"]
     if gib is None:
         return None

@@ -15,6 +15,7 @@ Every parameter must be covered by 3 or 4, or the run fails naming the ones left
 from __future__ import annotations
 
 import contextlib
+import re
 from pathlib import Path
 
 import torch
@@ -96,8 +97,15 @@ def materialize_sharded(model, folder: str, device: torch.device) -> dict:
         if key is not None and key in available:
             targets[key] = param
             covered.add(name)
+    # One read per decoder layer (and one for the rest): the reader's transient buffers hold
+    # one layer's slices at a time, not the rank's whole shard.
+    groups: dict[str, dict] = {}
+    for key, param in targets.items():
+        layer = re.match(r"(.*\.layers\.\d+\.)", key)
+        groups.setdefault(layer.group(1) if layer else "", {})[key] = param
     with torch.no_grad():
-        dcp.load(targets, storage_reader=HuggingFaceStorageReader(folder))
+        for group in groups.values():
+            dcp.load(group, storage_reader=HuggingFaceStorageReader(folder))
     if adapters:
         set_model_state_dict(model, {k: v.to(device) for k, v in adapters.items()},
                              options=StateDictOptions(full_state_dict=True, strict=False))
