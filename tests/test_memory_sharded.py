@@ -27,7 +27,7 @@ def big(prepared, tmp_path_factory):
         os.symlink(prepared / name, root / name)
     config = AutoConfig.from_pretrained(prepared / "model")
     config.update({"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 12,
-                   "num_attention_heads": 16, "num_key_value_heads": 16})
+                   "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 64})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     assert 150e6 < sum(p.numel() for p in model.parameters()) < 160e6
