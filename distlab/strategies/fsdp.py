@@ -62,13 +62,18 @@ class FSDPStrategy(Strategy):
         # pin_memory needs a CUDA runtime; on CPU ranks the "offload" target is the device itself.
         kwargs["offload_policy"] = (CPUOffloadPolicy(pin_memory=device.type == "cuda") if fs["cpu_offload"]
                                     else OffloadPolicy())
+        on_meta = any(p.device.type == "meta" for p in model.parameters())
+        if not on_meta and not fs["cpu_offload"]:
+            model.to(device)  # a caller handed over a materialised model: shard it in place
         self.layers = decoder_layers(model)
         for layer in self.layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)  # the root: embeddings, final norm, head
-        # CPUOffloadPolicy keeps the shards in host memory; otherwise on the rank's device.
-        self.load_report = materialize_sharded(model, self.model_source,
-                                               torch.device("cpu") if fs["cpu_offload"] else device)
+        self.load_report = {"how": "materialised model passed to wrap(), sharded in place"}
+        if on_meta:
+            # CPUOffloadPolicy keeps the shards in host memory; otherwise on the rank's device.
+            self.load_report = materialize_sharded(model, self.model_source,
+                                                   torch.device("cpu") if fs["cpu_offload"] else device)
         self.model = model
         self.optimizer = self.build_optimizer(self.trainable(model))
 
