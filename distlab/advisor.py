@@ -32,7 +32,6 @@ ROW_LABEL = {
     "zero3-offopt": "ZeRO-3 + optimizer offload to CPU",
     "zero3-offopt-offparam": "ZeRO-3 + optimizer and parameter offload to CPU",
 }
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def unit_for(nbytes: float) -> tuple[str, float]:
@@ -45,43 +44,52 @@ def human(nbytes: float) -> str:
 
 
 def model_shape(config_json: dict) -> dict:
-    """The numbers the estimates need, from a Hugging Face decoder config.json."""
+    """The numbers the estimates need, read through transformers.AutoConfig (so GPT-2's
+    n_embd/n_layer, GPT-NeoX's names, tied embeddings all mean what the model means)."""
+    from transformers import AutoConfig
+
+    if "model_type" not in config_json:
+        raise ValueError("model config.json has no 'model_type': transformers.AutoConfig cannot tell the family")
     try:
-        hidden = config_json["hidden_size"]
-        heads = config_json["num_attention_heads"]
-        shape = {"hidden_size": hidden, "num_hidden_layers": config_json["num_hidden_layers"],
-                 "num_attention_heads": heads,
-                 "num_key_value_heads": config_json.get("num_key_value_heads") or heads,
-                 "head_dim": config_json.get("head_dim") or hidden // heads,
-                 "intermediate_size": config_json["intermediate_size"],
-                 "vocab_size": config_json["vocab_size"],
-                 "tie_word_embeddings": bool(config_json.get("tie_word_embeddings", False))}
-    except KeyError as exc:
-        raise ValueError(f"model config.json lacks {exc}; the advisor sizes Llama-style decoders") from None
-    return shape
-
-
-def linear_shapes(shape: dict) -> dict:
-    """(in, out) features of each linear in one Llama-style decoder layer."""
-    h, d = shape["hidden_size"], shape["head_dim"]
-    q, kv, i = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d, shape["intermediate_size"]
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        config = AutoConfig.for_model(**config_json)
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"model config.json: transformers.AutoConfig refuses it ({exc})") from None
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    intermediate = (getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+                    or 4 * hidden)
+    return {"model_type": config.model_type, "hidden_size": hidden, "num_hidden_layers": config.num_hidden_layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(config, "head_dim", None) or hidden // heads,
+            "intermediate_size": intermediate, "vocab_size": config.vocab_size,
+            "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+            "config_json": dict(config_json)}
 
 
 def parameter_counts(shape: dict, lora: dict | None = None) -> dict:
-    """Total, embedding, per-layer and LoRA-trainable parameter counts (no bias, RMSNorm)."""
-    h, vocab = shape["hidden_size"], shape["vocab_size"]
-    linears = linear_shapes(shape)
-    per_layer = sum(a * b for a, b in linears.values()) + 2 * h
-    embedding = vocab * h
-    head = 0 if shape["tie_word_embeddings"] else vocab * h
-    total = embedding + head + shape["num_hidden_layers"] * per_layer + h
+    """Total, embedding, per-layer and LoRA-trainable counts, exact for every family: the
+    model is instantiated on the meta device (no memory) and its parameters summed."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from distlab.model import decoder_layers
+
+    config = AutoConfig.for_model(**shape["config_json"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())  # tied weights counted once
+    embedding = model.get_input_embeddings().weight.numel()
+    output = model.get_output_embeddings()
+    tied = output is None or output.weight is model.get_input_embeddings().weight
+    head = 0 if tied else output.weight.numel()
+    per_layer = sum(p.numel() for p in decoder_layers(model)[0].parameters())
     trainable = total
     if lora is not None:
-        targets = lora.get("target_modules") or LINEARS
-        r = lora["r"]
-        trainable = shape["num_hidden_layers"] * sum(r * (a + b) for n, (a, b) in linears.items() if n in targets)
+        from distlab.lora import apply_lora
+
+        model, _ = apply_lora(model, lora, seed=0)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
     return {"total": total, "embedding": embedding, "per_layer": per_layer,
             "largest_unit": max(per_layer, embedding, head), "trainable": trainable}
 

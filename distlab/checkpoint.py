@@ -191,7 +191,8 @@ def model_signature(model) -> dict:
     config = {k: v for k, v in model.config.to_dict().items()
               if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")}
     return {"config": json.loads(json.dumps(config, default=str)),
-            "parameters": {n: list(p.shape) for n, p in model.named_parameters()}}
+            # ds_shape: a ZeRO-3 parameter partitioned at load (deepspeed.zero.Init) has shape [0].
+            "parameters": {n: list(getattr(p, "ds_shape", None) or p.shape) for n, p in model.named_parameters()}}
 
 
 def spec_fingerprint(spec: dict) -> dict:

@@ -88,6 +88,7 @@ def frozen_base_report(peft_state: dict, base_state: dict) -> dict:
 
 
 def parameter_counts(model) -> dict:
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # ds_numel: a ZeRO-3 parameter partitioned at load (deepspeed.zero.Init) has numel() 0.
+    total = sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters())
+    trainable = sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters() if p.requires_grad)
     return {"total": total, "trainable": trainable, "trainable_fraction": trainable / total if total else 0.0}

@@ -30,13 +30,17 @@ def formula_flops_per_token(model, seq_len: int) -> dict:
     """The formula on the model as trained (LoRA applied). The input embedding is a lookup,
     not a matmul, so it is left out, unless it is tied to the LM head, whose matmul is real."""
     config = model.config
-    n_params = sum(p.numel() for p in model.parameters())  # a tied weight is listed once
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # ds_numel: a ZeRO-3 parameter partitioned at load (deepspeed.zero.Init) has numel() 0.
+    def numel(p):
+        return getattr(p, "ds_numel", None) or p.numel()
+
+    n_params = sum(numel(p) for p in model.parameters())  # a tied weight is listed once
+    n_trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
     tied = _embedding_tied_to_head(model)
     embedding = model.get_input_embeddings().weight
-    n_embedding = 0 if tied else embedding.numel()
+    n_embedding = 0 if tied else numel(embedding)
     if not tied and embedding.requires_grad:
-        n_trainable -= embedding.numel()
+        n_trainable -= numel(embedding)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     value = flops_per_token(n_params, n_embedding, config.num_hidden_layers, heads, head_dim, seq_len,

@@ -29,12 +29,28 @@ def build_base_model(build: dict, tokenizer, out_dir) -> dict:
     return {"parameters": sum(p.numel() for p in model.parameters()), "config": config.to_dict()}
 
 
-def load_model(path_or_id: str, dtype=None):
-    """Load through the Auto classes so a real local Llama/Mistral/Qwen folder works the same."""
-    import torch
-    from transformers import AutoModelForCausalLM
+def load_model(path_or_id: str, dtype=None, device: str | None = None):
+    """Load through the Auto classes so a real local Llama/Mistral/Qwen folder works the same.
 
-    return AutoModelForCausalLM.from_pretrained(str(path_or_id), dtype=dtype or torch.float32)
+    dtype: the dtype the weights are kept in (default fp32). device="meta": the architecture
+    only, no weight read and no memory for parameters (a strategy shards it, then loads each
+    rank's part; distlab.strategies.fsdp). Buffers stay real on the CPU: the non-persistent ones
+    (rotary inv_freq) are not in the checkpoint and are computed here, at construction."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = dtype or torch.float32
+    if device == "meta":
+        from accelerate import init_empty_weights
+
+        config = AutoConfig.from_pretrained(str(path_or_id))
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.name_or_path = str(path_or_id)
+        return model
+    if device is not None:
+        raise ValueError(f"load_model: device {device!r}, expected None or 'meta'")
+    return AutoModelForCausalLM.from_pretrained(str(path_or_id), dtype=dtype)
 
 
 def decoder_layer_class(model):

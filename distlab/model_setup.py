@@ -32,7 +32,8 @@ def prepare_model(strategy, model_source: str, spec: dict) -> PreparedModel:
     model = strategy.load_model(model_source)
     lora_targets = None
     if spec["method"] == "lora":
-        model, lora_targets = apply_lora(model, spec["lora"], spec["seed"])
+        with strategy.lora_context():
+            model, lora_targets = apply_lora(model, spec["lora"], spec["seed"])
     # Formula and an independent FlopCounterMode count, on the model as trained (LoRA applied),
     # before any wrapper shards it; rank 0 counts (one micro-batch of 1, no collective).
     is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0

@@ -20,14 +20,15 @@ from distlab import checkpoint as ckpt
 from distlab import metrics as M
 from distlab.data import load_blocks, load_labels, run_data_facts
 from distlab.evaluation import evaluate_run
-from distlab.hardware import nvml_handle, peak_flops_per_rank
+from distlab.hardware import peak_flops_per_rank
 from distlab.loop import IndexStream, gather, train
+from distlab.memory import (OOM_EXIT_CODE, apply_memory_budget, budget_verdict, is_out_of_memory,  # noqa: F401
+                            load_phase_record, memory_record, record_oom, rss_now)
 from distlab.model_setup import prepare_model
 from distlab.strategies import strategy_for
 from distlab.strategies.base import RunContext, local_device
 
 
-OOM_EXIT_CODE = 75
 
 
 def make_context(job: dict) -> RunContext:
@@ -59,68 +60,6 @@ def coverage(records_by_rank: list[list[dict]], plans: list[list[int]], n_sample
         "per_rank_reads": [sum(len(rec["samples"]) for rec in recs) for recs in records_by_rank],
     }
 
-
-def memory_record(ctx: RunContext) -> dict:
-    out = {"peak_rss_bytes": M.peak_rss_bytes()}
-    if ctx.device.type == "cuda":
-        out["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
-        out["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(ctx.device)
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            handle = nvml_handle(ctx.device, pynvml)  # by UUID / PCI bus id, not the CUDA ordinal
-            out["nvml_used_bytes"] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
-            pynvml.nvmlShutdown()
-        except Exception as exc:  # recorded, not hidden
-            out["nvml_error"] = str(exc)
-    return out
-
-
-def apply_memory_budget(ctx: RunContext) -> dict | None:
-    """memory_budget_gib: enforced on CUDA (the allocator refuses past it, so a model that
-    does not fit really fails with OOM); on CPU only compared after the run."""
-    gib = ctx.spec["memory_budget_gib"]
-    if gib is None:
-        return None
-    budget = int(gib * 2**30)
-    if ctx.device.type == "cuda":
-        total = torch.cuda.get_device_properties(ctx.device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), ctx.device)
-        return {"bytes": budget, "enforced": True,
-                "how": "torch.cuda.set_per_process_memory_fraction(budget / device total)"}
-    return {"bytes": budget, "enforced": False,
-            "how": "compared after the run with this rank's model-state bytes and peak RSS (not enforced on CPU)"}
-
-
-def budget_verdict(budget: dict | None, memory: dict, state_bytes: dict | None) -> dict | None:
-    if budget is None:
-        return None
-    verdict = dict(budget)
-    if "cuda_max_reserved_bytes" in memory:
-        verdict["measured_bytes"] = memory["cuda_max_reserved_bytes"]
-        verdict["measured_what"] = "torch.cuda.max_memory_reserved"
-    else:
-        state = sum(v for k, v in (state_bytes or {}).items() if isinstance(v, int))
-        verdict["measured_bytes"] = state
-        verdict["measured_what"] = "model-state bytes (params+grads+optimizer) held by the rank"
-        verdict["peak_rss_bytes"] = memory["peak_rss_bytes"]
-    verdict["fits"] = verdict["measured_bytes"] <= budget["bytes"]
-    return verdict
-
-
-def record_oom(job: dict, error: BaseException) -> None:
-    """A rank that ran out of memory leaves oom-rank<N>.json; the launcher turns that into
-    a metrics.json with status 'oom' so the pipeline goes on and the report shows it."""
-    rank = int(os.environ.get("RANK", 0))
-    record = {"rank": rank, "error": str(error).splitlines()[0][:500], "memory": {}}
-    if torch.cuda.is_available():
-        try:
-            record["memory"] = {"cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(),
-                                "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved()}
-        except Exception as exc:
-            record["memory"] = {"error": str(exc)}
-    Path(job["run_dir"], f"oom-rank{rank}.json").write_text(json.dumps(record))
 
 
 class TrainingCheckpoints:
@@ -223,6 +162,7 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     strategy.init_distributed()
     ctx.rank, ctx.world_size = dist.get_rank(), dist.get_world_size()
 
+    rss_before_model = rss_now()  # interpreter + libraries + process group: what a rank costs before its model
     prepared = prepare_model(strategy, job["model_source"], spec)
     described, flops, counts = prepared.described, prepared.flops, prepared.parameter_counts
     lora_targets, signature = prepared.lora_targets, prepared.signature
@@ -233,13 +173,14 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
 
     checkpoints = (checkpoints_class or TrainingCheckpoints)(job, ctx, strategy, signature, len(train_blocks))
     start_step = checkpoints.resume()
+    load_phase = load_phase_record(ctx.device, rss_before_model)  # process start -> first step
     result = train(ctx, strategy, train_blocks, start_step=start_step, stream=checkpoints.stream,
                    on_step_end=checkpoints.on_step_end, records=checkpoints.records,
                    train_labels=load_labels(job["data_dir"], "train"))
     described.update(strategy.finish() or {})
     stream, records = result["stream"], result["records"]
     state_bytes = result["state_bytes"]
-    memory = memory_record(ctx)
+    memory = memory_record(ctx, load_phase)
     memory["budget"] = budget_verdict(budget, memory, state_bytes)
 
     all_records = gather(records)
@@ -355,7 +296,9 @@ def main(argv=None) -> None:
     job = json.loads(Path(args.job).read_text())
     try:
         summary = run_rank(job)
-    except torch.OutOfMemoryError as error:
+    except Exception as error:  # noqa: BLE001 - only allocation failures are handled; the rest re-raise
+        if not is_out_of_memory(error):
+            raise
         record_oom(job, error)
         # Peers may be blocked in a collective: exit hard, torchrun tears the group down.
         os._exit(OOM_EXIT_CODE)

@@ -202,6 +202,8 @@ def validation_status(run: dict) -> str | None:
 
 
 def summary_row(run: dict) -> dict:
+    from distlab.memory import phase_peaks
+
     spec = run["spec"]
     step = _get(run, "timing", "step_time_s", default={}) or {}
     state0 = (_get(run, "memory", "model_state_bytes_per_rank", default=[]) or [{}])[0] or {}
@@ -229,6 +231,9 @@ def summary_row(run: dict) -> dict:
         "comm_inflight_median_s": _get(run, "timing", "comm_inflight_s_per_step", "median"),
         "loss_first": _get(run, "loss", "first"), "loss_last": _get(run, "loss", "last"),
         "peak_rss_max_bytes": max(rss) if rss else None,
+        # distlab.memory: process start -> first step, then the steps alone (largest rank).
+        "load_phase_peak_max_bytes": phase_peaks(run)["load_phase"],
+        "training_phase_peak_max_bytes": phase_peaks(run)["training_phase"],
         "cuda_max_allocated_max_bytes": max(cuda_peak) if cuda_peak else None,
         "state_params_bytes_rank0": state0.get("params"), "state_grads_bytes_rank0": state0.get("grads"),
         "state_optimizer_bytes_rank0": state0.get("optimizer"),

@@ -80,6 +80,11 @@ class Strategy:
 
         return load_model(model_source)
 
+    def lora_context(self):
+        """Context around LoRA's application to load_model's result (a meta-device model's
+        strategy keeps the adapters' initial values there: distlab.strategies.fsdp)."""
+        return contextlib.nullcontext()
+
     def build_optimizer(self, params):
         return torch.optim.AdamW(params, lr=self.spec["lr"], weight_decay=self.spec["weight_decay"])
 

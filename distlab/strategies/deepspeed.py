@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.strategies.base import FidelityError, Strategy
+from distlab.strategies.deepspeed_state import engine_state_bytes, estimator_bytes
 
 CONFIG_NAME = "deepspeed_config.json"
 # torch.optim.AdamW defaults, written out so the config file says what runs.
@@ -36,6 +37,10 @@ def deepspeed_config(spec: dict, world_size: int) -> dict:
         # Partition every parameter: DeepSpeed's default keeps those under 1e5 elements whole
         # on every rank (fewer all-gathers on GPUs), which a small model is made of.
         zero["stage3_param_persistence_threshold"] = 0
+        # DeepSpeed's defaults for stage3_max_live_parameters / max_reuse_distance (1e9) keep
+        # gathered parameters resident on a small model; setting them (and the prefetch
+        # bucket) to 0 made a 20-step ZeRO-3 run of the tests' tiny model run past 300 s on
+        # this 2-core machine, so they stay at DeepSpeed's defaults here.
     for key in ("offload_optimizer", "offload_param"):
         if ds[key] != "none":
             block = {"device": ds[key], "pin_memory": cuda}  # pinning needs a CUDA host allocator
@@ -65,104 +70,9 @@ def deepspeed_config(spec: dict, world_size: int) -> dict:
     return config
 
 
-def estimator_bytes(ds: dict, total_params: int, largest_layer_params: int, world_size: int) -> dict:
-    """DeepSpeed's own per-device model-state estimate (it assumes 16-bit params and grads
-    with fp32 master weights and Adam state); stages 0 and 1 have no DeepSpeed estimator."""
-    stage = ds["zero_stage"]
-    offload_opt = ds["offload_optimizer"] != "none"
-    if stage == 2:
-        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-
-        cpu, device = estimate_zero2_model_states_mem_needs(total_params, world_size, 1, cpu_offload=offload_opt)
-        name = "estimate_zero2_model_states_mem_needs"
-    elif stage == 3:
-        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-
-        # zero_init=False: every rank loads the whole model before deepspeed.initialize.
-        cpu, device, _ = estimate_zero3_model_states_mem_needs(
-            total_params, largest_layer_params, world_size, 1, cpu_offload=offload_opt,
-            cpu_offload_params=ds["offload_param"] != "none", zero_init=False)
-        name = "estimate_zero3_model_states_mem_needs"
-    else:
-        return {"function": None, "device_bytes": None, "cpu_bytes": None,
-                "why": f"DeepSpeed ships no estimator for ZeRO stage {stage}"}
-    return {"function": name, "device_bytes": int(device), "cpu_bytes": int(cpu), "total_params": total_params,
-            "largest_layer_params": largest_layer_params, "world_size": world_size}
-
-
-def _tensors(obj, depth=0):
-    """(tensor, is_a_grad) for tensors and their .grad reachable through lists, tuples, dicts."""
-    if isinstance(obj, torch.Tensor):
-        yield obj, False
-        if obj.grad is not None:
-            yield obj.grad, True
-    elif depth < 4 and isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item, depth + 1)
-    elif depth < 4 and isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item, depth + 1)
-
-
-def _category(attribute: str) -> str:
-    """ZeRO optimizer attribute -> model-state category (names of DeepSpeed 0.17-0.19)."""
-    name = attribute.lower()
-    if "grad" in name:
-        return "grads"
-    if "fp32" in name or "single_partition" in name:
-        return "optimizer"  # fp32 master partition: part of K=12 in the ZeRO paper
-    if any(key in name for key in ("param", "bit16", "fp16", "lp_")):
-        return "params"
-    return "other"
-
-
-def engine_state_bytes(engine, offload: dict) -> dict:
-    """Bytes of the distinct tensor storages this rank holds, by category: module params
-    (incl. ZeRO-3 partitions), grads, optimizer state (incl. fp32 master partitions) and
-    every other tensor buffer of the ZeRO optimizer. Each storage is counted once, by
-    the first category that claims it. State DeepSpeed offloads is reported separately."""
-    module, zero_opt, basic = engine.module, engine.optimizer, engine.basic_optimizer
-    claims = [("params", [t for p in module.parameters() for t in (p, getattr(p, "ds_tensor", None))
-                          if t is not None]),
-              ("grads", [p.grad for p in module.parameters() if p.grad is not None]),
-              ("optimizer", [t for state in basic.state.values() for t, _ in _tensors(state)])]
-    if zero_opt is not basic:
-        for attribute, value in vars(zero_opt).items():
-            if attribute in ("optimizer", "loss_scaler"):
-                continue
-            for tensor, is_grad in _tensors(value):
-                claims.append(("grads" if is_grad else _category(attribute), [tensor]))
-    seen, out = set(), {"params": 0, "grads": 0, "optimizer": 0, "other": 0}
-    offloaded = {"offloaded_params": 0, "offloaded_grads": 0, "offloaded_optimizer": 0}
-    for category, tensors in claims:
-        for tensor in tensors:
-            if tensor.device.type == "meta":
-                continue
-            storage = tensor.untyped_storage()
-            key = (storage.data_ptr(), tensor.device.type)
-            if key in seen or storage.nbytes() == 0:
-                continue
-            seen.add(key)
-            off_key = f"offloaded_{category}"
-            if off_key in offloaded and _is_offloaded(tensor, category, engine, offload):
-                offloaded[off_key] += storage.nbytes()
-            else:
-                out[category] += storage.nbytes()
-    out.update(offloaded)
-    out["how"] = ("distinct tensor storages held by this rank: module params and ZeRO-3 partitions, grads and "
-                  "ZeRO grad buffers, Adam state and fp32 master partitions ('other': remaining ZeRO buffers); "
-                  "offloaded_*: state DeepSpeed keeps off the accelerator (on a CPU run: what the config offloads)")
-    return out
-
-
-def _is_offloaded(tensor, category: str, engine, offload: dict) -> bool:
-    if engine.device.type != "cpu":
-        return tensor.device.type != engine.device.type
-    # On a CPU run every tensor is in host memory: offloaded = what the config moves off the device.
-    if category == "params":
-        # ZeRO-3 partitions are flat (1-D); gathered or persistent module params are not.
-        return offload["offload_param"] != "none" and tensor.dim() == 1
-    return offload["offload_optimizer"] != "none"
+def full_numel(param) -> int:
+    """Elements of a parameter, also of a ZeRO-3 partitioned one (whose .numel() is 0)."""
+    return getattr(param, "ds_numel", None) or param.numel()
 
 
 def write_config(config: dict, run_dir: str, name: str = CONFIG_NAME) -> str:
@@ -223,6 +133,27 @@ class DeepSpeedStrategy(Strategy):
             skip_inference_shm_op()
         deepspeed.init_distributed(dist_backend="nccl" if self.ctx.device.type == "cuda" else "gloo")
 
+    def load_model(self, model_source: str):
+        """The weights in the dtype DeepSpeed keeps its module in (bf16/fp16 with fp32 masters
+        in the optimizer, else fp32); at ZeRO-3 built under deepspeed.zero.Init through
+        transformers' HfDeepSpeedConfig, so each parameter is partitioned (and offloaded where
+        configured) as it loads and no rank holds the whole model."""
+        from distlab.model import load_model
+
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.spec["precision"], torch.float32)
+        if self.spec["deepspeed"]["zero_stage"] != 3:
+            return load_model(model_source, dtype=dtype)
+        from transformers.integrations import HfDeepSpeedConfig
+
+        if self.ctx.device.type == "cpu":
+            skip_inference_shm_op()
+        forget_deepspeed_groups()
+        # transformers holds only a weak reference: keep it alive for the whole run.
+        self.hf_deepspeed_config = HfDeepSpeedConfig(deepspeed_config(self.spec, dist.get_world_size()))
+        model = load_model(model_source, dtype=dtype)
+        self.partitioned_at_load = all(hasattr(p, "ds_id") for p in model.parameters())
+        return model
+
     def wrap(self, model) -> None:
         import deepspeed
 
@@ -236,10 +167,11 @@ class DeepSpeedStrategy(Strategy):
         dist.barrier()
         self.config_path = str(Path(self.ctx.run_dir) / name)
         self.config_sha256 = file_sha256(self.config_path)
-        self.largest_layer_params = max(sum(p.numel() for p in m.parameters(recurse=False))
+        self.largest_layer_params = max(sum(full_numel(p) for p in m.parameters(recurse=False))
                                         for m in model.modules())
-        self.total_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        model.to(self.ctx.device)
+        self.total_params = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
+        if not any(hasattr(p, "ds_id") for p in model.parameters()):  # zero.Init placed partitions already
+            model.to(self.ctx.device)
         if self.ctx.device.type == "cpu":
             skip_inference_shm_op()  # also when the caller set up the process group itself
         forget_deepspeed_groups()
@@ -306,6 +238,7 @@ class DeepSpeedStrategy(Strategy):
             "config_path": os.path.relpath(self.config_path, self.ctx.run_dir),
             "config_sha256": self.config_sha256,
             "config_used": engine.config,
+            "partitioned_at_load": getattr(self, "partitioned_at_load", False),
             "comm_time": "not measured: DeepSpeed's comms logger blocks on every collective to time it",
             "estimator": estimator_bytes(self.spec["deepspeed"], self.total_params, self.largest_layer_params,
                                          dist.get_world_size()),
@@ -320,6 +253,8 @@ class DeepSpeedStrategy(Strategy):
         for key in ("offload_optimizer", "offload_param"):
             if ds[key] != want[key]:
                 raise FidelityError(f"spec {key} {want[key]} but the engine offloads to {ds[key]}")
+        if want["zero_stage"] == 3 and not ds["partitioned_at_load"]:
+            raise FidelityError("ZeRO-3: the model was not built under deepspeed.zero.Init (every rank loaded it whole)")
         spec = self.spec
         if (ds["micro_batch"], ds["gradient_accumulation_steps"]) != (spec["micro_batch"], spec["grad_accum"]):
             raise FidelityError(f"spec micro_batch {spec['micro_batch']} x grad_accum {spec['grad_accum']} but the "

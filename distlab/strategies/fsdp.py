@@ -3,6 +3,12 @@ sharded on dim 0 over a 1-D device mesh; each decoder layer is one all-gather un
 
 reshard_after_forward=True frees the gathered layer after its forward (full shard,
 ZeRO-3-like); False keeps it until backward (the SHARD_GRAD_OP / ZeRO-2 equivalent).
+No rank holds the whole model, at load either (torchtitan's recipe): the model is built on
+the meta device (buffers real), LoRA is applied there, every decoder layer and then the
+root is fully_shard-ed, `to_empty` gives each rank memory for its shards only, and the
+base weights are read from the Hugging Face safetensors by torch.distributed.checkpoint's
+HuggingFaceStorageReader, each rank reading only its slices (distlab.strategies.fsdp_load).
+
 Checkpoints are sharded DCP folders (each rank writes its own shard), shared with the
 tensor- and pipeline-parallel strategies through dcp_save/dcp_load below.
 """
@@ -28,7 +34,22 @@ class FSDPStrategy(Strategy):
     expected_wrappers = ("FSDPModule",)
     mixed_precision = False  # set by wrap()
 
+    def load_model(self, model_source: str):
+        from distlab.model import load_model
+
+        self.model_source = model_source
+        # fp32 parameters: FSDP's sharded parameters are the optimizer's masters (a
+        # MixedPrecisionPolicy casts the gathered copy for compute on CUDA).
+        return load_model(model_source, dtype=torch.float32, device="meta")
+
+    def lora_context(self):
+        from distlab.strategies.fsdp_load import keep_adapter_init
+
+        return keep_adapter_init()
+
     def wrap(self, model) -> None:
+        from distlab.strategies.fsdp_load import materialize_sharded
+
         device = self.ctx.device
         fs = self.spec["fsdp"]
         self.mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -41,12 +62,18 @@ class FSDPStrategy(Strategy):
         # pin_memory needs a CUDA runtime; on CPU ranks the "offload" target is the device itself.
         kwargs["offload_policy"] = (CPUOffloadPolicy(pin_memory=device.type == "cuda") if fs["cpu_offload"]
                                     else OffloadPolicy())
-        if not fs["cpu_offload"]:
-            model.to(device)
+        on_meta = any(p.device.type == "meta" for p in model.parameters())
+        if not on_meta and not fs["cpu_offload"]:
+            model.to(device)  # a caller handed over a materialised model: shard it in place
         self.layers = decoder_layers(model)
         for layer in self.layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)  # the root: embeddings, final norm, head
+        self.load_report = {"how": "materialised model passed to wrap(), sharded in place"}
+        if on_meta:
+            # CPUOffloadPolicy keeps the shards in host memory; otherwise on the rank's device.
+            self.load_report = materialize_sharded(model, self.model_source,
+                                                   torch.device("cpu") if fs["cpu_offload"] else device)
         self.model = model
         self.optimizer = self.build_optimizer(self.trainable(model))
 
@@ -70,6 +97,7 @@ class FSDPStrategy(Strategy):
         out["wrappers_found"] = ["FSDPModule"] if isinstance(self.model, FSDPModule) else []
         out.update(sharding_facts(self.model, self.layers))
         out["reshard_after_forward"] = resharding(self.layers)
+        out["sharded_load"] = getattr(self, "load_report", None)
         out["mixed_precision"] = ("MixedPrecisionPolicy" if self.mixed_precision
                                   else ("autocast" if self.spec["precision"] != "fp32" else "none (fp32)"))
         offload = self.spec["fsdp"]["cpu_offload"]

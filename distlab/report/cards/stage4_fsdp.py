@@ -87,6 +87,15 @@ def peak_mib(run: dict) -> tuple[float | None, str]:
     return (max(rss) / MIB, "peak RSS of the rank process") if rss else (None, "")
 
 
+def phase_columns(run: dict) -> dict:
+    """Load-phase (process start -> first step) and training-phase peaks of the largest rank."""
+    from distlab.memory import phase_peaks
+
+    peaks = phase_peaks(run)
+    return {f"{name} peak / rank (MiB)": round(peaks[phase] / MIB, 1) if peaks[phase] is not None else None
+            for name, phase in (("load", "load_phase"), ("training", "training_phase"))}
+
+
 def row(run: dict, label: str) -> dict:
     st = run["timing"]["step_time_s"]
     tps, low, high = tokens_per_s(run)
@@ -99,7 +108,7 @@ def row(run: dict, label: str) -> dict:
             "step p25-p75 (ms)": f"{st['p25'] * 1000:.1f}-{st['p75'] * 1000:.1f}",
             "model state / rank (MiB)": round(state, 2) if state is not None else None,
             "peak memory / rank (MiB)": round(peak, 1) if peak is not None else None,
-            "peak measured as": peak_what, "last loss": round(run["loss"]["last"], 4)}
+            "peak measured as": peak_what, **phase_columns(run), "last loss": round(run["loss"]["last"], 4)}
 
 
 def run_goal(runs: list[dict], fsdp: list[dict]) -> Goal:

@@ -1,0 +1,32 @@
+"""The per-rank memory budget is real on CPU: a run past it ends as `oom`, one under it
+finishes, and every run records its load-phase and training-phase peaks."""
+import json
+
+from conftest import resolve, run_experiment
+
+MIB = 2**20
+
+
+def test_a_cpu_run_past_its_budget_ends_as_oom_and_one_within_it_finishes(prepared, tmp_path):
+    from distlab.launch import launch
+
+    # 0.25 GiB: less than the interpreter + torch + transformers of one rank process.
+    spec = resolve({"strategy": "ddp", "world_size": 1, "memory_budget_gib": 0.25}, steps=2, warmup_steps=1)
+    job = {"spec": spec, "run_dir": str(tmp_path / "small"), "data_dir": str(prepared / "data32"),
+           "model_source": str(prepared / "model"), "hardware_json": str(prepared / "hardware.json"),
+           "env_allowlist": [], "checkpoint_dir": None}
+    assert launch(job, log_path=str(tmp_path / "small.log"), timeout=300) == "oom"
+    metrics = json.loads((tmp_path / "small" / "metrics.json").read_text())
+    assert metrics["status"] == "oom"
+    (record,) = metrics["oom"]
+    assert "passed the memory budget 0.250 GiB" in record["error"]
+
+    roomy = resolve({"strategy": "ddp", "world_size": 1, "memory_budget_gib": 4}, steps=2, warmup_steps=1)
+    ok = run_experiment(prepared, tmp_path / "roomy", roomy, checkpoint=False)
+    assert ok["status"] == "ok"
+    (rank,) = ok["memory"]["per_rank"]
+    assert rank["budget"]["enforced"] and rank["budget"]["fits"]
+    load, training = rank["load_phase"]["rss_peak_bytes"], rank["training_phase"]["rss_peak_bytes"]
+    # torch + transformers are imported before the first step: hundreds of MB, then training on top.
+    assert load > 200 * MIB and training > 0
+    assert rank["load_phase"]["reset_for_training"]
