@@ -144,13 +144,20 @@ class DeepSpeedStrategy(Strategy):
         if self.spec["deepspeed"]["zero_stage"] != 3:
             return load_model(model_source, dtype=dtype)
         from transformers.integrations import HfDeepSpeedConfig
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
         if self.ctx.device.type == "cpu":
             skip_inference_shm_op()
         forget_deepspeed_groups()
-        # transformers holds only a weak reference: keep it alive for the whole run.
-        self.hf_deepspeed_config = HfDeepSpeedConfig(deepspeed_config(self.spec, dist.get_world_size()))
-        model = load_model(model_source, dtype=dtype)
+        # transformers holds only a weak reference: alive while loading, then released. Left
+        # alive, every later from_config/from_pretrained on rank 0 alone (the export's reload
+        # check, held-out evaluation) would enter zero.Init, a collective, and hang.
+        hf_deepspeed_config = HfDeepSpeedConfig(deepspeed_config(self.spec, dist.get_world_size()))
+        try:
+            model = load_model(model_source, dtype=dtype)
+        finally:
+            del hf_deepspeed_config
+            unset_hf_deepspeed_config()
         self.partitioned_at_load = all(hasattr(p, "ds_id") for p in model.parameters())
         return model
 
