@@ -345,7 +345,8 @@ def check_config(config: dict) -> None:
 
 def load(config: dict, gpu_count: int | None = None, probe: bool = False) -> tuple[dict, dict[str, dict]]:
     """Validate a config dict and expand it: returns (config with defaults, specs by id).
-    probe: also check what depends on this machine (results_dir writable, Ray heads reachable)."""
+    probe: also check what the jobs will need of this machine (results_dir writable, Ray heads
+    reachable, the model folder's weights present)."""
     validate_schema(config)
     check_config(config)
     specs = expand_experiments(config, gpu_count)
@@ -354,6 +355,8 @@ def load(config: dict, gpu_count: int | None = None, probe: bool = False) -> tup
     if probe:
         input_checks.check_results_dir(config["results_dir"], probe=True)
         input_checks.check_ray_heads(specs)
+        if config["model"].get("path"):
+            input_checks.model_config(config["model"]["path"], weights=True)
     return config, specs
 
 

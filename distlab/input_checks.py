@@ -96,8 +96,10 @@ def check_machine(machine: str | None) -> None:
                          f"for something else ({', '.join(sorted(RESERVED_MACHINE_NAMES))}); choose another tag")
 
 
-def model_config(folder: str | os.PathLike, field: str = "model.path") -> dict:
-    """A model folder's config.json, parsed, with its weights present."""
+def model_config(folder: str | os.PathLike, field: str = "model.path", weights: bool = False) -> dict:
+    """A model folder's config.json, parsed; weights=True: its weights present too (checked
+    where a job will load them: the workflow's probe; the advisor and the GPU presets read
+    config-only folders)."""
     path = Path(folder) / "config.json"
     try:
         config = json.loads(path.read_text())
@@ -108,7 +110,7 @@ def model_config(folder: str | os.PathLike, field: str = "model.path") -> dict:
         raise ConfigError(f"config field '{field}': {path} is not UTF-8 text") from None
     if not isinstance(config, dict) or not config.get("model_type"):
         raise ConfigError(f"config field '{field}': {path} has no model_type (not a Hugging Face model config)")
-    if not any(any(Path(folder).glob(pattern)) for pattern in WEIGHT_PATTERNS):
+    if weights and not any(any(Path(folder).glob(pattern)) for pattern in WEIGHT_PATTERNS):
         raise ConfigError(f"config field '{field}': model folder '{folder}' has no weights "
                          f"({', '.join(WEIGHT_PATTERNS)})")
     return config

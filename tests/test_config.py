@@ -134,10 +134,17 @@ def test_a_junk_model_config_json_is_refused_naming_the_file_and_line(tmp_path):
         load(ddp_config({"world_size": 1}, model={"path": str(folder)}), gpu_count=0)
 
 
-def test_a_model_folder_without_weights_is_refused(tmp_path):
+def test_a_model_folder_without_weights_is_refused_before_any_job(tmp_path, monkeypatch):
+    import distlab.tokenizer_checks
+
+    # This folder has no tokenizer either (refused on its own: tests/test_data_tokenizer.py).
+    monkeypatch.setattr(distlab.tokenizer_checks, "check_tokenizer", lambda config: None)
     folder = model_folder(tmp_path, '{"model_type": "llama"}', weights=False)
+    config = ddp_config({"world_size": 1}, model={"path": str(folder)})
+    config["results_dir"] = str(tmp_path / "results")
+    load(copy.deepcopy(config), gpu_count=0)  # a config-only folder is enough for the advisor
     with pytest.raises(ConfigError, match="model.path.*has no weights"):
-        load(ddp_config({"world_size": 1}, model={"path": str(folder)}), gpu_count=0)
+        load(config, gpu_count=0, probe=True)  # what the workflow runs before any job
 
 
 def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path):

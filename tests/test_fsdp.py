@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import re
+
 import pytest
 
 from conftest import REPO, resolve, run_experiment
@@ -209,7 +211,7 @@ def test_fsdp_dcp_checkpoint_round_trip_restores_weights_and_optimizer_state(pre
 def test_fsdp_verify_fails_on_a_model_that_is_not_sharded(prepared):
     found = sharded_checks(prepared)["fsdp"]
     assert found["unsharded_model"]["caught"], found
-    assert found["unsharded_parameters"]["caught"] and "not sharded" in found["unsharded_parameters"]["error"]
+    assert found["unsharded_parameters"]["caught"] and re.search("not sharded|should hold its parameters as dtensor", found["unsharded_parameters"]["error"])
     assert found["wrong_world_size"]["caught"]
 
 
