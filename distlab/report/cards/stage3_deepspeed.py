@@ -162,8 +162,8 @@ def budget_goal(runs: list[dict]) -> Goal:
                 worst = max(v["measured_bytes"] for v in verdicts)
                 if verdicts[0]["enforced"]:
                     why = (f"{run['actual']['world_size']} ranks finished under the enforced budget of "
-                           f"{verdicts[0]['bytes'] / MIB:.1f} MiB per rank ({verdicts[0]['how'].split(' (')[0]}); "
-                           f"largest rank {worst / MIB:.1f} MiB ({verdicts[0]['measured_what']})")
+                           f"{verdicts[0]['bytes'] / MIB:.1f} MiB per rank ({verdicts[0].get('how', 'how not recorded').split(' (')[0]}); "
+                           f"largest rank {worst / MIB:.1f} MiB ({verdicts[0].get('measured_what', 'measure not recorded')})")
                 else:
                     why = (f"{run['actual']['world_size']} ranks, largest rank {worst / MIB:.1f} MiB <= budget "
                            f"{verdicts[0]['bytes'] / MIB:.1f} MiB, compared, not enforced")
