@@ -70,19 +70,28 @@ def evaluate_run(strategy, job: dict) -> dict | None:
 
     from distlab.checkpoint import consolidated_model
 
-    try:
-        full = strategy.full_state_dict()
-    except NotImplementedError as exc:  # every rank raises alike
-        return {"trained": {"status": "not evaluated", "reason": str(exc)}} if dist.get_rank() == 0 else None
-    if dist.get_rank() != 0:
-        return None
-    try:
-        model = consolidated_model(full, job["model_source"], job["spec"])
-        del full
-        ids, labels = eval_tokens(job["data_dir"])
-        out = {"trained": evaluate_model(model, ids, labels)}
-    except Exception as exc:  # rank 0 only, after the collective: recorded, the run's training stands
-        out = {"trained": {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:500]}}
+    if job["spec"].get("memory_budget_gib") is not None:
+        # Rank 0 rebuilds the whole model to evaluate it: under a per-rank budget that copy
+        # alone would end a sharded run as oom. Recorded as not evaluated, with the reason.
+        if dist.get_rank() != 0:
+            return None
+        out = {"trained": {"status": "not evaluated",
+                           "reason": "memory_budget_gib is set: the whole-model evaluation on rank 0 would count "
+                                     "against the per-rank budget this run measures"}}
+    else:
+        try:
+            full = strategy.full_state_dict()
+        except NotImplementedError as exc:  # every rank raises alike
+            return {"trained": {"status": "not evaluated", "reason": str(exc)}} if dist.get_rank() == 0 else None
+        if dist.get_rank() != 0:
+            return None
+        try:
+            model = consolidated_model(full, job["model_source"], job["spec"])
+            del full
+            ids, labels = eval_tokens(job["data_dir"])
+            out = {"trained": evaluate_model(model, ids, labels)}
+        except Exception as exc:  # rank 0 only, after the collective: recorded, the run's training stands
+            out = {"trained": {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:500]}}
     base = job.get("base_eval_json")
     if base:
         out["base"] = json.loads(Path(base).read_text())
