@@ -1,5 +1,6 @@
 """Config promises: bad input stops with a message naming the field; specs resolve predictably."""
 import copy
+from pathlib import Path
 
 import pytest
 
@@ -180,3 +181,15 @@ def test_a_results_dir_that_cannot_be_created_is_refused(tmp_path):
     (tmp_path / "a-file").write_text("")
     with pytest.raises(ConfigError, match="results_dir.*is not writable.*is not a folder"):
         load(ddp_config({"world_size": 1}, results_dir=str(tmp_path / "a-file" / "results")), gpu_count=0, probe=True)
+
+
+def test_a_configfile_with_a_yaml_syntax_error_is_named_by_distlab_check_config(tmp_path, capsys):
+    from distlab.check_config import main
+
+    bad = tmp_path / "mine.yaml"
+    bad.write_text("stages:\n  ddp:\n    experiments: [{world_size: 2\n  foo: bar\n")
+    default = Path(__file__).resolve().parent.parent / "config" / "config.yaml"
+    assert main([str(bad), str(default)]) == 1  # one bad file fails the command
+    err = capsys.readouterr()
+    assert f"{bad}, line 4" in err.err
+    assert f"{default}: ok" in err.out
