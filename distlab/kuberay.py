@@ -15,9 +15,15 @@ import re
 import shlex
 
 API_VERSION = "ray.io/v1"
-# What check() proves, said wherever its verdict is shown: no KubeRay CRD OpenAPI schema is
-# vendored here, so a manifest that passes may still be rejected by the operator's CRD.
-CHECKED_AGAINST = "distlab's own rules (distlab.kuberay.check), not the KubeRay CRD schema"
+# The pod templates (the bulk of a RayCluster) are checked against Kubernetes' own OpenAPI
+# schema for PodTemplateSpec, as packaged by kubernetes-validate, strict (unknown fields fail).
+KUBERNETES_VERSION = "1.33"
+# What check() proves, said wherever its verdict is shown. The KubeRay CRD's own schema is on
+# no package registry reachable here, so the RayCluster/RayJob fields around the pod templates
+# are checked by distlab's rules only: the operator may still reject one of those.
+CHECKED_AGAINST = (f"pod templates: the Kubernetes v{KUBERNETES_VERSION} PodTemplateSpec OpenAPI schema "
+                   "(kubernetes-validate, strict); RayCluster/RayJob fields: distlab's own rules "
+                   "(distlab.kuberay.check), not the KubeRay CRD schema, which is not available here")
 K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|Ki|Mi|Gi|Ti|k|M|G|T)?$")
 
@@ -105,9 +111,24 @@ def _worker_group(manifest: dict) -> dict:
     return spec["workerGroupSpecs"][0]
 
 
+def pod_template_errors(template: dict) -> str | None:
+    """Kubernetes' verdict on one pod template: None when its schema accepts it."""
+    import kubernetes_validate
+
+    wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "distlab-check"},
+               "template": template}
+    try:
+        kubernetes_validate.validate(wrapped, KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as error:
+        path = ".".join(str(p) for p in error.path if p != "template") or "template"
+        return f"{path}: {error.message}"
+    return None
+
+
 def check(manifest: dict, specs: dict[str, dict]) -> dict[str, dict]:
     """Named checks, each {status: passed|failed, detail}: required fields, names and
-    quantities Kubernetes accepts, and GPU/CPU counts that fit every Ray experiment."""
+    quantities Kubernetes accepts, each pod template against Kubernetes' schema, and GPU/CPU
+    counts that fit every Ray experiment."""
     checks: dict[str, dict] = {}
 
     def record(name, ok, detail):
@@ -127,6 +148,11 @@ def check(manifest: dict, specs: dict[str, dict]) -> dict[str, dict]:
         record("entrypoint", "profiles/ray-head" in manifest["spec"].get("entrypoint", ""),
                "the entrypoint runs snakemake with profiles/ray-head")
     group = _worker_group(manifest)
+    for role, template in (("head", cluster["headGroupSpec"].get("template", {})),
+                           (group.get("groupName", "workers"), group.get("template", {}))):
+        error = pod_template_errors(template)
+        record(f"pod_template:{role}", error is None,
+               error or f"accepted by the Kubernetes v{KUBERNETES_VERSION} PodTemplateSpec schema (strict)")
     low, count, high = group["minReplicas"], group["replicas"], group["maxReplicas"]
     record("replicas", 0 <= low <= count <= high, f"minReplicas {low} <= replicas {count} <= maxReplicas {high}")
     containers = [cluster["headGroupSpec"]["template"]["spec"]["containers"][0],

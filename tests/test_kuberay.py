@@ -44,7 +44,7 @@ def test_raycluster_has_head_and_worker_groups_with_one_gpu_per_rank():
     checks = kuberay.check(cluster, specs)
     assert all(c["status"] == "passed" for c in checks.values()), checks
     assert set(checks) >= {"api_version", "required_fields", "replicas", "quantities", "gpu_request_matches_ray",
-                           "fits:ddp-full-w2-mb4-ga1-ray-gpu"}
+                           "pod_template:head", "pod_template:trainers", "fits:ddp-full-w2-mb4-ga1-ray-gpu"}
 
 
 def test_rayjob_runs_exactly_the_ray_experiments_with_the_ray_head_profile():
@@ -70,6 +70,21 @@ def test_manifest_check_fails_when_the_workers_cannot_hold_the_experiments(worke
     kube, specs = expanded(workers=workers)
     checks = kuberay.check(round_trip(kuberay.raycluster(kube, "2.60.0")), specs)
     assert checks[failing]["status"] == "failed", checks[failing]
+
+
+@pytest.mark.parametrize("break_it, expected", [
+    (lambda c: c["ports"][0].update(containerPort="6379"), "containerPort: '6379' is not of type 'integer'"),
+    (lambda c: c.update(volumeMount=c.pop("volumeMounts")), "volumeMount"),  # a typo'd field name
+    (lambda c: c.pop("name"), "'name' is a required property"),
+])
+def test_pod_templates_are_checked_against_the_kubernetes_schema(break_it, expected):
+    kube, specs = expanded()
+    cluster = round_trip(kuberay.raycluster(kube, "2.60.0"))
+    break_it(cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0])
+    checks = kuberay.check(cluster, specs)
+    assert checks["pod_template:head"]["status"] == "failed"
+    assert expected in checks["pod_template:head"]["detail"]
+    assert checks["pod_template:trainers"]["status"] == "passed"  # the other template is untouched
 
 
 def test_missing_required_fields_are_reported_not_ignored():
