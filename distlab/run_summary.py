@@ -73,7 +73,7 @@ def summarize_run(job: dict, ctx, strategy, prepared, ranks: dict, n_samples: in
         "machine": hardware["machine"],
         "status": "ok",
         "spec": spec,
-        "actual": prepared.described,
+        "as_built": prepared.described,
         "parameters": prepared.parameter_counts,
         "lora_targets": prepared.lora_targets,
         "loss": {"first": losses[0], "last": losses[-1], "per_step": losses},

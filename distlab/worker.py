@@ -35,7 +35,7 @@ def make_context(job: dict) -> RunContext:
     spec = job["spec"]
     return RunContext(spec=spec, run_dir=job["run_dir"], device=local_device(spec),
                       rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)),
-                      local_rank=int(os.environ.get("LOCAL_RANK", 0)), extras=job)
+                      local_rank=int(os.environ.get("LOCAL_RANK", 0)), job=job)
 
 
 def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
@@ -66,7 +66,7 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     result = train(ctx, strategy, train_blocks, start_step=start_step, stream=checkpoints.stream,
                    on_step_end=checkpoints.on_step_end, records=checkpoints.records,
                    train_labels=load_labels(job["data_dir"], "train"))
-    prepared.described.update(strategy.finish() or {})
+    prepared.described.update(strategy.facts_after_training() or {})
     memory = memory_record(ctx, load_phase)
     memory["budget"] = budget_verdict(budget, memory, result["state_bytes"])
 

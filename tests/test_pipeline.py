@@ -30,7 +30,7 @@ def test_pipeline_produces_measured_stage1_report(finished):
     work, _ = finished
     results = work / "results"
     metrics = json.loads((results / MACHINE / "ddp-full-w2-mb4-ga1" / "metrics.json").read_text())
-    assert metrics["actual"]["world_size"] == 2 and metrics["status"] == "ok"
+    assert metrics["as_built"]["world_size"] == 2 and metrics["status"] == "ok"
     assert metrics["timing"]["step_time_s"]["n"] == 6 and metrics["throughput"]["tokens_per_s"] > 0
     assert (results / MACHINE / "hardware.json").is_file()
     summary = (results / "summary.csv").read_text().splitlines()

@@ -134,8 +134,8 @@ def ranking_card(runs: list[dict]) -> Card:
             versus = "" if nxt is None else ("faster" if clear_winner(run, nxt) else NO_CLEAR_WINNER)
             rows.append({"rank": i + 1, "experiment": run["experiment"], "stage": run["stage"],
                          "tokens/s": round(t["median"], 1), "spread": f"{t['low']:.1f}-{t['high']:.1f}",
-                         "vs next": versus, "ranks": run["actual"]["world_size"],
-                         "wrapped by": run["actual"].get("outer_wrapper"),
+                         "vs next": versus, "ranks": run["as_built"]["world_size"],
+                         "wrapped by": run["as_built"].get("outer_wrapper"),
                          "checkpoint check": run.get("_validation") and
                          ("passed" if run["_validation"].get("passed") else "failed") or "-"})
         how = (f"{mine[0]['_throughput']['how']}; tokens = every rank's tokens per optimizer step; device "
@@ -216,7 +216,7 @@ def break_even_notes(machine: str, result: dict, runs: list[dict]) -> list[str]:
     """The global batch above which N data-parallel ranks beat one, from measured numbers."""
     n = result["world_size"]
     singles = [r for r in runs if r["machine"] == machine and r.get("status") == "ok" and r["stage"] == "ddp"
-               and r["actual"]["world_size"] == 1]
+               and r["as_built"]["world_size"] == 1]
     if not singles:
         return [f"{machine}: no 1-rank DDP run, so no break-even batch (needs its compute time per sample)."]
     one = singles[0]
@@ -233,7 +233,7 @@ def break_even_notes(machine: str, result: dict, runs: list[dict]) -> list[str]:
             f"beat 1 once the global batch exceeds B* = a*N/(c*(N-1)) = {b_star:.1f} samples (upper bound: DDP "
             "overlaps the all-reduce with backward).")
     peers = [r for r in runs if r["machine"] == machine and r.get("status") == "ok" and r["stage"] == "ddp"
-             and r["actual"]["world_size"] == n and r["spec"]["sampler"] == "distributed"
+             and r["as_built"]["world_size"] == n and r["spec"]["sampler"] == "distributed"
              and r["throughput"]["samples_per_step"] == one["throughput"]["samples_per_step"]]
     if peers:
         speed = peers[0]["throughput"]["tokens_per_s"] / one["throughput"]["tokens_per_s"]

@@ -41,7 +41,7 @@ class AccelerateStrategy(Strategy):
         self.fsdp = uses_accelerate_fsdp(self.spec)
         self.accelerator = None
         self.hook = None
-        # Counted as they happen; finish() reports the final counts.
+        # Counted as they happen; facts_after_training() reports the final counts.
         self.counts = {"micro_batches": 0, "gradient_syncs": 0, "optimizer_steps_taken": 0,
                        "optimizer_steps_skipped": 0, "allreduce_calls": 0}
 
@@ -180,7 +180,7 @@ class AccelerateStrategy(Strategy):
         }
         return described
 
-    def finish(self) -> dict:
+    def facts_after_training(self) -> dict:
         return {"accelerate": {**self.describe()["accelerate"], "counts": dict(self.counts)}}
 
     def _launch_config(self) -> dict | None:

@@ -250,7 +250,7 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
     def take_comm_seconds(self) -> None:
         return None  # point-to-point time is inside the measured idle fraction, not timed apart
 
-    def finish(self) -> None:
+    def facts_after_training(self) -> None:
         if len(self._timings) > self.spec["warmup_steps"]:
             self._write_bubble()
 

@@ -41,13 +41,13 @@ def loss_parity(group: dict) -> float:
 def build(runs: list[dict]) -> Card:
     card = Card(1, "Stage 1 - PyTorch DDP with torchrun")
     ddp = [r for r in ok_runs(runs, "ddp") if r["spec"]["strategy"] == "ddp"]
-    multi = [r for r in ddp if r["actual"]["world_size"] >= 2 and r["actual"]["outer_wrapper"] == "DistributedDataParallel"]
+    multi = [r for r in ddp if r["as_built"]["world_size"] >= 2 and r["as_built"]["outer_wrapper"] == "DistributedDataParallel"]
     if multi:
-        best = max(multi, key=lambda r: r["actual"]["world_size"])
+        best = max(multi, key=lambda r: r["as_built"]["world_size"])
         med = best["timing"]["step_time_s"]["median"]
         card.goals.append(Goal("minimal", "DDP training ran on 2+ ranks, time measured", PASSED,
-                               f"{best['experiment']} on {best['machine']}: {best['actual']['world_size']} ranks "
-                               f"({best['actual']['backend']}), median step {med * 1000:.1f} ms over "
+                               f"{best['experiment']} on {best['machine']}: {best['as_built']['world_size']} ranks "
+                               f"({best['as_built']['backend']}), median step {med * 1000:.1f} ms over "
                                f"{best['timing']['step_time_s']['n']} timed steps", [_link(best)]))
     else:
         status = FAILED if ddp else NOT_RUN
@@ -103,8 +103,8 @@ def build(runs: list[dict]) -> Card:
             card.notes.append(
                 f"Without DistributedSampler ({run['experiment']}): {cov['duplicate_reads']} of {cov['reads']} "
                 f"sample reads were duplicates ({cov['duplicate_fraction']:.0%}); every rank read the same "
-                f"{cov['samples_read_by_every_rank']} samples, so {run['actual']['world_size']} ranks did the work of one.")
-        elif run["actual"]["world_size"] > 1:
+                f"{cov['samples_read_by_every_rank']} samples, so {run['as_built']['world_size']} ranks did the work of one.")
+        elif run["as_built"]["world_size"] > 1:
             cov = run["data"]
             card.notes.append(
                 f"With DistributedSampler ({run['experiment']}): {cov['duplicate_reads']} duplicate reads of "

@@ -50,20 +50,20 @@ def formula_text(stage: int, precision: str) -> str:
     return " + ".join(terms)
 
 
-def held(state: dict) -> dict:
+def state_bytes_with_offload(state: dict) -> dict:
     """Model state one rank held, where offloaded state counts with its category."""
     return {k: state.get(k, 0) + state.get(f"offloaded_{k}", 0) for k in ("params", "grads", "optimizer")}
 
 
 def largest_rank_state(run: dict) -> dict:
     states = [s for s in run["memory"]["model_state_bytes_per_rank"] if s]
-    return max(states, key=lambda s: sum(held(s).values()))
+    return max(states, key=lambda s: sum(state_bytes_with_offload(s).values()))
 
 
 def deepspeed_runs(runs: list[dict]) -> list[dict]:
     """Successful runs a DeepSpeed engine really ran (the label alone is not trusted)."""
     return [r for r in ok_runs(runs, "deepspeed") if r["spec"]["strategy"] == "deepspeed"
-            and (r.get("actual") or {}).get("deepspeed", {}).get("engine") == "DeepSpeedEngine"]
+            and (r.get("as_built") or {}).get("deepspeed", {}).get("engine") == "DeepSpeedEngine"]
 
 
 def gap_note(run, measured: dict, expected: dict) -> str:
@@ -85,15 +85,15 @@ def memory_rows(ds_runs: list[dict]) -> list[dict]:
     # The formulas assume every parameter trains; LoRA runs hold frozen weights outside them.
     ds_runs = [r for r in ds_runs if r["spec"]["method"] == "full"]
     for run in sorted(ds_runs, key=lambda r: (r["machine"], r["spec"]["deepspeed"]["zero_stage"], r["experiment"])):
-        spec, actual = run["spec"], run["actual"]
-        stage, world = actual["deepspeed"]["zero_stage"], actual["world_size"]
+        spec, as_built = run["spec"], run["as_built"]
+        stage, world = as_built["deepspeed"]["zero_stage"], as_built["world_size"]
         psi = run["parameters"]["trainable"]
         state = largest_rank_state(run)
-        measured = held(state)
+        measured = state_bytes_with_offload(state)
         total = sum(measured.values())
         expected = zero_formula_parts(psi, world, stage, spec["precision"])
         formula = sum(expected.values())
-        estimator = actual["deepspeed"].get("estimator") or {}
+        estimator = as_built["deepspeed"].get("estimator") or {}
         off = sum(state.get(f"offloaded_{k}", 0) for k in ("params", "grads", "optimizer"))
         device_held = total - off
         est = estimator.get("device_bytes")
@@ -104,7 +104,7 @@ def memory_rows(ds_runs: list[dict]) -> list[dict]:
         gap = total / formula - 1
         rows.append({
             "machine": run["machine"], "experiment": run["experiment"], "ZeRO stage": stage, "ranks": world,
-            "offload (opt/param)": f"{actual['deepspeed']['offload_optimizer']}/{actual['deepspeed']['offload_param']}",
+            "offload (opt/param)": f"{as_built['deepspeed']['offload_optimizer']}/{as_built['deepspeed']['offload_param']}",
             "precision": spec["precision"], "params (Psi)": psi,
             "measured state (MiB/rank)": round(total / MIB, 3),
             "of it offloaded (MiB)": round(off / MIB, 3),
@@ -161,11 +161,11 @@ def budget_goal(runs: list[dict]) -> Goal:
             if verdicts and all(v and v["fits"] for v in verdicts):
                 worst = max(v["measured_bytes"] for v in verdicts)
                 if verdicts[0]["enforced"]:
-                    why = (f"{run['actual']['world_size']} ranks finished under the enforced budget of "
+                    why = (f"{run['as_built']['world_size']} ranks finished under the enforced budget of "
                            f"{verdicts[0]['bytes'] / MIB:.1f} MiB per rank ({verdicts[0].get('how', 'how not recorded').split(' (')[0]}); "
                            f"largest rank {worst / MIB:.1f} MiB ({verdicts[0].get('measured_what', 'measure not recorded')})")
                 else:
-                    why = (f"{run['actual']['world_size']} ranks, largest rank {worst / MIB:.1f} MiB <= budget "
+                    why = (f"{run['as_built']['world_size']} ranks, largest rank {worst / MIB:.1f} MiB <= budget "
                            f"{verdicts[0]['bytes'] / MIB:.1f} MiB, compared, not enforced")
                 sharded.append((run, why, verdicts[0]["enforced"]))
     if not budgeted:
@@ -193,10 +193,10 @@ def offload_pairs(ds_runs: list[dict]) -> list[tuple[dict, dict]]:
         return (r["machine"], s["deepspeed"]["zero_stage"], s["world_size"], s["micro_batch"], s["grad_accum"],
                 s["seq_len"], s["precision"], s["method"])
 
-    plain = {key(r): r for r in ds_runs if r["actual"]["deepspeed"]["offload_optimizer"] == "none"
-             and r["actual"]["deepspeed"]["offload_param"] == "none"}
+    plain = {key(r): r for r in ds_runs if r["as_built"]["deepspeed"]["offload_optimizer"] == "none"
+             and r["as_built"]["deepspeed"]["offload_param"] == "none"}
     return [(plain[key(r)], r) for r in ds_runs if key(r) in plain and r is not plain[key(r)]
-            and "none" != r["actual"]["deepspeed"]["offload_optimizer"]]
+            and "none" != r["as_built"]["deepspeed"]["offload_optimizer"]]
 
 
 def ddp_parity(ds_runs: list[dict], runs: list[dict]) -> list[dict]:
@@ -217,7 +217,7 @@ def ddp_parity(ds_runs: list[dict], runs: list[dict]) -> list[dict]:
             n = min(len(a), len(z))
             rows.append({"DeepSpeed run": run["experiment"], "DDP run": base["experiment"], "steps compared": n,
                          "max |loss diff|": f"{max(abs(x - y) for x, y in zip(a[:n], z[:n])):.2e}",
-                         "optimizer": run["actual"]["deepspeed"]["basic_optimizer"], "precision": s["precision"]})
+                         "optimizer": run["as_built"]["deepspeed"]["basic_optimizer"], "precision": s["precision"]})
             break
     return rows
 
@@ -274,7 +274,7 @@ def build(runs: list[dict]) -> Card:
                                f"{slow:.2f}x", [_link(plain), _link(off)]))
         card.tables.append(Table("Offload slowdown", pd.DataFrame([{
             "run": r["experiment"], "offload (opt/param)":
-                f"{r['actual']['deepspeed']['offload_optimizer']}/{r['actual']['deepspeed']['offload_param']}",
+                f"{r['as_built']['deepspeed']['offload_optimizer']}/{r['as_built']['deepspeed']['offload_param']}",
             "median step (ms)": round(r["timing"]["step_time_s"]["median"] * 1000, 1),
             "step p25-p75 (ms)": f"{r['timing']['step_time_s']['p25'] * 1000:.1f}-"
                                  f"{r['timing']['step_time_s']['p75'] * 1000:.1f}",
@@ -324,7 +324,7 @@ def build(runs: list[dict]) -> Card:
                               + (f"; {compared} rank(s) only compared after the run (not enforced)" if compared
                                  else "") + ". A run past an enforced budget ends with status oom.")
         card.tables.append(Table("Per-rank peak memory: load phase vs training phase", pd.DataFrame([
-            {"run": r["experiment"], "ranks": r["actual"]["world_size"], "ZeRO stage": r["actual"]["deepspeed"]["zero_stage"],
+            {"run": r["experiment"], "ranks": r["as_built"]["world_size"], "ZeRO stage": r["as_built"]["deepspeed"]["zero_stage"],
              **{f"{name} peak, largest rank (MiB)": round(v / MIB, 1) if (v := phase_peaks(r)[phase]) is not None
                 else None for name, phase in (("load", "load_phase"), ("training", "training_phase"))},
              "measured as": phase_peaks(r)["load_phase_what"]} for r in ds_runs]),

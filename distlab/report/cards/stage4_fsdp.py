@@ -2,7 +2,7 @@
 shard next to DeepSpeed ZeRO-3 on the same model, data and global batch.
 
 Everything comes from the runs' metrics.json (what fully_shard really did is under
-`actual`) and, for the checkpoint, from validation.json written by checkpoint validation.
+`as_built`) and, for the checkpoint, from validation.json written by checkpoint validation.
 """
 from __future__ import annotations
 
@@ -28,12 +28,12 @@ def fsdp_runs(runs: list[dict]) -> list[dict]:
     """Successful FSDP runs (native or through Accelerate, spec fsdp.via) that fully_shard really
     wrapped: native runs record "FSDPModule", Accelerate's "FSDPModule (fully_shard)"."""
     return [r for r in ok_runs(runs, "fsdp") if r["spec"]["strategy"] == "fsdp"
-            and any(w.startswith("FSDPModule") for w in (r.get("actual") or {}).get("wrappers_found", []))]
+            and any(w.startswith("FSDPModule") for w in (r.get("as_built") or {}).get("wrappers_found", []))]
 
 
 def sharding_text(run: dict) -> str:
     """How the run's parameters were sharded, from what its record measured."""
-    a = run["actual"]
+    a = run["as_built"]
     if a.get("dtensor_parameters") is not None:
         return (f"{a['dtensor_parameters']} parameters sharded as {a['placements']} over {a['world_size']} ranks, "
                 f"{a['fsdp_layers']} decoder layers as fully_shard units")
@@ -102,7 +102,7 @@ def row(run: dict, label: str) -> dict:
     peak, peak_what = peak_mib(run)
     state = state_mib(run)
     return {"run": label, "experiment": run["experiment"], "machine": run["machine"],
-            "ranks": run["actual"]["world_size"], "global batch": global_batch(run),
+            "ranks": run["as_built"]["world_size"], "global batch": global_batch(run),
             "tokens/s": round(tps, 1), "tokens/s range": f"{low:.0f}-{high:.0f}",
             "median step (ms)": round(st["median"] * 1000, 1),
             "step p25-p75 (ms)": f"{st['p25'] * 1000:.1f}-{st['p75'] * 1000:.1f}",
@@ -176,7 +176,7 @@ def build(runs: list[dict]) -> Card:
         verdict = ("the spreads do not overlap" if clear_winner(f, z)
                    else "the spreads overlap, so this machine does not tell them apart")
         card.goals.append(Goal("bonus", GOAL_VS, PASSED,
-                               f"{f['experiment']} vs {z['experiment']} ({f['machine']}, {f['actual']['world_size']} "
+                               f"{f['experiment']} vs {z['experiment']} ({f['machine']}, {f['as_built']['world_size']} "
                                f"ranks, global batch {global_batch(f)}): FSDP at {ratio:.2f}x ZeRO-3's median tokens/s; "
                                f"{verdict}", [_link(f), _link(z)]))
     else:
@@ -191,7 +191,7 @@ def build(runs: list[dict]) -> Card:
         rows = []
         for run in fsdp:
             r = row(run, "FSDP")
-            a, fs = run["actual"], run["spec"]["fsdp"]
+            a, fs = run["as_built"], run["spec"]["fsdp"]
             r["run"] = ("full shard" if fs["reshard_after_forward"] else "no reshard (grad-op)") + \
                 (" + CPU offload" if fs["cpu_offload"] else "") + (" via Accelerate" if fs["via"] == "accelerate" else "")
             r["mixed precision"] = a.get("mixed_precision")

@@ -106,7 +106,7 @@ def build(runs: list[dict]) -> Card:
         info = best["ray"]
         card.goals.append(Goal("minimal", "Distributed run on a local Ray cluster", PASSED,
                                f"{best['experiment']} on {best['machine']}: {info['world_size']} Ray Train workers "
-                               f"({best['actual']['backend']}, {best['actual']['outer_wrapper']}) on "
+                               f"({best['as_built']['backend']}, {best['as_built']['outer_wrapper']}) on "
                                f"{info['distinct_nodes']} Ray node(s), {info['cluster']['mode']}; median step "
                                f"{best['timing']['step_time_s']['median'] * 1000:.1f} ms", [_link(best)]))
     else:

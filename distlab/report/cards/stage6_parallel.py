@@ -26,7 +26,7 @@ def _link(run) -> str:
 
 def parallel_runs(runs: list[dict], strategy: str, wrapper: str) -> list[dict]:
     return [r for r in ok_runs(runs, "parallel") if r["spec"]["strategy"] == strategy
-            and wrapper in (r.get("actual") or {}).get("wrappers_found", [])]
+            and wrapper in (r.get("as_built") or {}).get("wrappers_found", [])]
 
 
 def ddp_twin(run: dict, runs: list[dict]) -> dict | None:
@@ -89,7 +89,7 @@ def build(runs: list[dict]) -> Card:
     tried = [r for r in runs if r["stage"] == "parallel"]
 
     if tp:
-        a = tp[0]["actual"]
+        a = tp[0]["as_built"]
         card.goals.append(Goal("minimal", "Tensor-parallel training ran with attention and MLP split", PASSED,
                                f"{tp[0]['experiment']}: {a['split_linears']} linear layers split over {a['tp_degree']} "
                                f"ranks ({', '.join(f'{k} {v}' for k, v in a['split_linears_per_layer'].items())}), "
@@ -98,11 +98,11 @@ def build(runs: list[dict]) -> Card:
         card.goals.append(Goal("minimal", "Tensor-parallel training ran with attention and MLP split",
                                FAILED if any(r["spec"]["strategy"] == "tp" for r in tried) else NOT_RUN,
                                "no successful tensor-parallel run"))
-    schedules = sorted({r["actual"]["schedule"] for r in pp})
+    schedules = sorted({r["as_built"]["schedule"] for r in pp})
     if pp:
         card.goals.append(Goal("minimal", "Pipeline-parallel training ran, stages split by layers", PASSED,
                                f"{len(pp)} run(s), schedules {', '.join(schedules)}; e.g. {pp[0]['experiment']}: "
-                               + "; ".join(f"stage {i} layers {s['layers']}" for i, s in enumerate(pp[0]['actual']['stages'])),
+                               + "; ".join(f"stage {i} layers {s['layers']}" for i, s in enumerate(pp[0]['as_built']['stages'])),
                                [_link(r) for r in pp]))
     else:
         card.goals.append(Goal("minimal", "Pipeline-parallel training ran, stages split by layers",
@@ -119,7 +119,7 @@ def build(runs: list[dict]) -> Card:
     for run in pp:
         for rec in bubble_records(run):
             idle = rec["idle_fraction"]
-            bubble_rows.append({"experiment": run["experiment"], "schedule": run["actual"]["schedule"],
+            bubble_rows.append({"experiment": run["experiment"], "schedule": run["as_built"]["schedule"],
                                 "stage (rank)": rec["stage"], "p stages": rec["stages"], "m micro-batches": rec["microbatches"],
                                 "measured idle fraction (median)": round(idle["median"], 3),
                                 "idle p25-p75": f"{idle['p25']:.3f}-{idle['p75']:.3f}", "timed steps": idle["n"],
