@@ -189,8 +189,9 @@ def phase_command(spec: dict, job_path: Path, folder: Path) -> tuple[list[str], 
     else torchrun; Ray-launched runs validate under torchrun, the same process group."""
     if spec["launcher"] == "accelerate":
         from distlab.launchers.accelerate import accelerate_command, launch_environment, write_accelerate_config
+        from distlab.run_layout import run_files_dir
 
-        config = write_accelerate_config(spec, folder, str(job_path))
+        config = write_accelerate_config(spec, run_files_dir(folder), str(job_path))
         return accelerate_command(str(config), str(job_path), "distlab.validate_ranks"), launch_environment(spec)
     from distlab.launchers.environment import rank_environment
     from distlab.launchers.torchrun import torchrun_command

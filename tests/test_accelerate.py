@@ -37,7 +37,7 @@ def runs(prepared, tmp_path_factory):
 
 
 def saved_config(run) -> tuple[dict, bytes]:
-    raw = (Path(run["_dir"]) / "accelerate_config.yaml").read_bytes()
+    raw = (Path(run["_dir"]) / "run_files" / "accelerate_config.yaml").read_bytes()
     return yaml.safe_load(raw), raw
 
 
@@ -46,7 +46,7 @@ def by_hand(run_dir: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(run_dir / "accelerate_config.yaml"), "-m", "distlab.worker", "--job", str(run_dir / "job.json")]
+           str(run_dir / "run_files" / "accelerate_config.yaml"), "-m", "distlab.worker", "--job", str(run_dir / "job.json")]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -149,7 +149,7 @@ def test_accelerate_launch_reads_the_config_file_saved_beside_the_results(runs):
     assert launched["sha256"] == hashlib.sha256(raw).hexdigest()  # the file on disk, unchanged since
     assert launched["rank_env_mixed_precision"] == "no"  # exported to the ranks by accelerate launch
     first = (Path(run["_dir"]) / "train.log").read_text().splitlines()[0]
-    assert "accelerate.commands.launch --config_file" in first and str(Path(run["_dir"]) / "accelerate_config.yaml") in first
+    assert "accelerate.commands.launch --config_file" in first and str(Path(run["_dir"]) / "run_files" / "accelerate_config.yaml") in first
     assert run["as_built"]["world_size"] == 2 and run["as_built"]["accelerate"]["distributed_type"] == "MULTI_CPU"
     assert run["as_built"]["wrapped_by"] == "DistributedDataParallel"
 
@@ -198,7 +198,7 @@ def test_the_saved_command_reruns_the_experiment_by_hand_and_reads_the_file(runs
     again = json.loads((run_dir / "metrics.json").read_text())
     assert again["loss"]["per_step"] == first
     # Edit the file: the next launch must see the edit (and refuse it, the spec says fp32).
-    path = run_dir / "accelerate_config.yaml"
+    path = run_dir / "run_files" / "accelerate_config.yaml"
     path.write_text(path.read_text().replace("mixed_precision: 'no'", "mixed_precision: bf16"))
     proc = by_hand(run_dir)
     assert proc.returncode != 0

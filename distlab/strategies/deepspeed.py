@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from distlab.run_layout import run_files_dir
 from distlab.strategies.base import FidelityError, Strategy
 from distlab.strategies.deepspeed_state import engine_state_bytes, estimator_bytes
 
@@ -75,8 +76,8 @@ def full_numel(param) -> int:
     return getattr(param, "ds_numel", None) or param.numel()
 
 
-def write_config(config: dict, run_dir: str, name: str = CONFIG_NAME) -> str:
-    path = Path(run_dir) / name
+def write_config(config: dict, folder: str | os.PathLike, name: str = CONFIG_NAME) -> str:
+    path = Path(folder) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(config, indent=1, sort_keys=True))
@@ -170,9 +171,9 @@ class DeepSpeedStrategy(Strategy):
         # config (another train_batch_size) goes beside the experiment's, never over it.
         name = CONFIG_NAME if world == self.spec["world_size"] else f"deepspeed_config-world{world}.json"
         if dist.get_rank() == 0:
-            write_config(config, self.ctx.run_dir, name)
+            write_config(config, run_files_dir(self.ctx.run_dir), name)
         dist.barrier()
-        self.config_path = str(Path(self.ctx.run_dir) / name)
+        self.config_path = str(run_files_dir(self.ctx.run_dir) / name)
         self.config_sha256 = file_sha256(self.config_path)
         self.largest_layer_params = max(sum(full_numel(p) for p in m.parameters(recurse=False))
                                         for m in model.modules())

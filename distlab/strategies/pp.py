@@ -18,14 +18,13 @@ tokens, the last the labels): the data-parallel size is 1.
 
 The bubble is measured, not only computed: each rank times the compute it does inside
 a schedule step (stage forward, loss, stage backward) against the step's wall time;
-the rest is time spent waiting on neighbours. Written per rank to pipeline-rank<r>.json
+the rest is time spent waiting on neighbours. Written per rank to run_files/pipeline-rank<r>.json
 after each step (outside the step timer), next to the formula (p-1)/(m+p-1).
 """
 from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,6 +34,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from distlab.model import decoder_layers
 from distlab.partial_load import empty_model, load_held_weights
+from distlab.run_layout import run_files_dir
 from distlab.strategies.base import FidelityError, ModelParallel, Strategy, autocast
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -271,8 +271,9 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
                     "wall time of schedule.step, per optimizer step after warm-up; the idle part is waiting on "
                     "neighbour stages (bubble) plus point-to-point transfer time"),
         }
-        Path(self.ctx.run_dir).mkdir(parents=True, exist_ok=True)
-        Path(self.ctx.run_dir, f"pipeline-rank{dist.get_rank()}.json").write_text(json.dumps(record, indent=1))
+        folder = run_files_dir(self.ctx.run_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"pipeline-rank{dist.get_rank()}.json").write_text(json.dumps(record, indent=1))
 
     # -- truth --------------------------------------------------------------------------
     def describe(self) -> dict:

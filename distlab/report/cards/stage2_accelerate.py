@@ -16,6 +16,7 @@ from distlab.evaluation import eval_sentence
 from distlab.report.cards import (FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, comm_ms, ok_runs,
                                   tokens_per_s)
 from distlab.report.plots import figure, loss_curves, to_png_b64
+from distlab.run_layout import run_files_dir
 
 STAGE = "accelerate"
 
@@ -140,8 +141,8 @@ def switch_goal(card: Card, pairs) -> None:
         f"world sizes "
         f"{one['as_built']['world_size']} and {multi['as_built']['world_size']} (Accelerate: "
         f"{_accelerate_record(one)['distributed_type']}, {_accelerate_record(multi)['distributed_type']})",
-        [_link(one), _link(multi), os.path.join(one["_dir"], "accelerate_config.yaml"),
-         os.path.join(multi["_dir"], "accelerate_config.yaml")]))
+        [_link(one), _link(multi), str(run_files_dir(one["_dir"]) / "accelerate_config.yaml"),
+         str(run_files_dir(multi["_dir"]) / "accelerate_config.yaml")]))
     card.tables.append(Table("Single vs multi process: only the Accelerate config file changed", pd.DataFrame(rows),
                              "config columns: the file `accelerate launch` read, as the ranks found it; reported "
                              "columns: Accelerator.distributed_type and torch.distributed world size at run time; "

@@ -2,18 +2,18 @@
 
 Loss is compared with a DDP run that read the same samples per step (same machine, global
 batch, seq_len, seed, steps); the pipeline bubble is the per-rank measurement the pipeline
-strategy wrote (pipeline-rank<r>.json) next to the formula (p-1)/(m+p-1).
+strategy wrote (run_files/pipeline-rank<r>.json) next to the formula (p-1)/(m+p-1).
 """
 from __future__ import annotations
 
 import json
 import os
 import statistics
-from pathlib import Path
 
 from distlab.evaluation import eval_sentence
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs
 from distlab.report.plots import figure, loss_curves, to_png_b64
+from distlab.run_layout import run_files_dir
 
 # Same data, seed and global batch in fp32: only float reduction order differs. Measured
 # differences are ~1e-5; anything past this is a real difference in the update.
@@ -50,7 +50,7 @@ def loss_gap(run: dict, baseline: dict) -> float:
 
 
 def bubble_records(run: dict) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(Path(run["_dir"]).glob("pipeline-rank*.json"))]
+    return [json.loads(p.read_text()) for p in sorted(run_files_dir(run["_dir"]).glob("pipeline-rank*.json"))]
 
 
 def stage_compute_ms(record: dict) -> float:
