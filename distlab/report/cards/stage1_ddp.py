@@ -1,17 +1,11 @@
 """Stage 1 - PyTorch DDP with torchrun: 1 vs N ranks, DistributedSampler, gradient sync."""
 from __future__ import annotations
 
-import os
-
 from distlab.evaluation import eval_sentence
 from distlab.report.cards import (FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Goal, Table, comm_ms,
-                                  ok_runs)
+                                  metrics_link, ok_runs)
 from distlab.report.collect import clear_winner
 from distlab.report.plots import figure, loss_curves, to_png_b64
-
-
-def _link(run):
-    return os.path.join(run["_dir"], "metrics.json")
 
 
 def scaling_groups(runs):
@@ -48,7 +42,7 @@ def build(runs: list[dict]) -> Card:
         card.goals.append(Goal("minimal", "DDP training ran on 2+ ranks, time measured", PASSED,
                                f"{best['experiment']} on {best['machine']}: {best['as_built']['world_size']} ranks "
                                f"({best['as_built']['backend']}), median step {med * 1000:.1f} ms over "
-                               f"{best['timing']['step_time_s']['n']} timed steps", [_link(best)]))
+                               f"{best['timing']['step_time_s']['n']} timed steps", [metrics_link(best)]))
     else:
         status = FAILED if ddp else NOT_RUN
         card.goals.append(Goal("minimal", "DDP training ran on 2+ ranks, time measured", status,
@@ -92,7 +86,7 @@ def build(runs: list[dict]) -> Card:
         card.goals.append(Goal("bonus", "Speedup graph 1 vs 2 ranks", PASSED,
                                f"{len(groups)} comparison(s); e.g. {max(first)} ranks: "
                                f"{first[max(first)]['throughput']['tokens_per_s'] / first[1]['throughput']['tokens_per_s']:.2f}x "
-                               "the 1-rank tokens/s", [_link(first[w]) for w in sorted(first)]))
+                               "the 1-rank tokens/s", [metrics_link(first[w]) for w in sorted(first)]))
     else:
         card.goals.append(Goal("bonus", "Speedup graph 1 vs 2 ranks", NOT_RUN,
                                "needs a 1-rank and a 2+-rank DDP run with the same global batch"))

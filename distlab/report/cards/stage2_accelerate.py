@@ -8,21 +8,16 @@ the counters the strategy kept (micro-batches, gradient syncs, optimizer steps t
 from __future__ import annotations
 
 import math
-import os
 
 from matplotlib.ticker import ScalarFormatter
 
 from distlab.evaluation import eval_sentence
-from distlab.report.cards import (FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, comm_ms, ok_runs,
-                                  tokens_per_s)
+from distlab.report.cards import (FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, comm_ms, metrics_link,
+                                  ok_runs, tokens_per_s)
 from distlab.report.plots import figure, loss_curves, to_png_b64
 from distlab.run_layout import run_files_dir
 
 STAGE = "accelerate"
-
-
-def _link(run) -> str:
-    return os.path.join(run["_dir"], "metrics.json")
 
 
 def _accelerate_record(run) -> dict:
@@ -95,14 +90,14 @@ def lora_goal(runs: list[dict], accel: list[dict]) -> Goal:
                     f"{params['trainable']:,} of {params['total']:,} parameters trainable "
                     f"({params['trainable_fraction']:.1%}, targets {', '.join(run.get('lora_targets') or [])}); "
                     f"{_counts(run)['optimizer_steps_taken']} optimizer steps, loss {run['loss']['first']:.3f} -> "
-                    f"{run['loss']['last']:.3f}", [_link(r) for r in good])
+                    f"{run['loss']['last']:.3f}", [metrics_link(r) for r in good])
     tried = [r for r in runs if r["stage"] == STAGE and r["spec"]["method"] == "lora"]
     if lora:
         return Goal("minimal", text, FAILED, "; ".join(f"{r['experiment']}: {stepped_as_asked(r)}" for r in lora),
-                    [_link(r) for r in lora])
+                    [metrics_link(r) for r in lora])
     if tried:
         return Goal("minimal", text, FAILED, "; ".join(f"{r['experiment']}: status {r.get('status')}" for r in tried),
-                    [_link(r) for r in tried])
+                    [metrics_link(r) for r in tried])
     return Goal("minimal", text, NOT_RUN, "no Accelerate LoRA experiment in the results")
 
 
@@ -141,7 +136,7 @@ def switch_goal(card: Card, pairs) -> None:
         f"world sizes "
         f"{one['as_built']['world_size']} and {multi['as_built']['world_size']} (Accelerate: "
         f"{_accelerate_record(one)['distributed_type']}, {_accelerate_record(multi)['distributed_type']})",
-        [_link(one), _link(multi), str(run_files_dir(one["_dir"]) / "accelerate_config.yaml"),
+        [metrics_link(one), metrics_link(multi), str(run_files_dir(one["_dir"]) / "accelerate_config.yaml"),
          str(run_files_dir(multi["_dir"]) / "accelerate_config.yaml")]))
     card.tables.append(Table("Single vs multi process: only the Accelerate config file changed", pd.DataFrame(rows),
                              "config columns: the file `accelerate launch` read, as the ranks found it; reported "
@@ -203,7 +198,7 @@ def accumulation_goal(card: Card, groups: dict) -> None:
                 f"each run took exactly its {group[lo]['spec']['steps']} optimizer steps with one gradient sync each")
     card.goals.append(Goal("bonus", text, FAILED if problems else PASSED,
                            "; ".join(problems) if problems else evidence,
-                           [_link(r) for g in groups.values() for r in g.values()]))
+                           [metrics_link(r) for g in groups.values() for r in g.values()]))
 
 
 def build(runs: list[dict]) -> Card:

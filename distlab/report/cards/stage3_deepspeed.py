@@ -1,11 +1,10 @@
 """Stage 3 - DeepSpeed ZeRO: per-rank model-state memory by stage, measured vs formula."""
 from __future__ import annotations
 
-import os
-
 from distlab.evaluation import eval_sentence
 from distlab.memory import phase_peaks
-from distlab.report.cards import COMPARED, FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs
+from distlab.report.cards import (COMPARED, FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, metrics_link,
+                                  ok_runs)
 from distlab.report.plots import figure, loss_curves, to_png_b64
 
 # Bytes per parameter of (weights, grads, optimizer state). Mixed precision is the ZeRO
@@ -28,10 +27,6 @@ GOAL_BUDGET = "ZeRO-3 ran what a single device could not, under the same per-ran
 # summation order moves the loss by ~1e-6 here); above it the card says it did not.
 PARITY_TOLERANCE = 1e-4
 GOAL_OFFLOAD = "Offload slowdown measured (same model and batch, with and without offload)"
-
-
-def _link(run) -> str:
-    return os.path.join(run["_dir"], "metrics.json")
 
 
 def zero_formula_parts(psi: int, world: int, stage: int, precision: str) -> dict:
@@ -184,7 +179,7 @@ def budget_goal(runs: list[dict]) -> Goal:
                 f"{one['experiment']}: {one_why}; {zero['experiment']}: {zero_why}"
                 + ("" if enforced else ". The budget was compared with the measured memory after the run, not "
                    "enforced by an allocator, so this does not show the runs could not exceed it"),
-                [_link(one), _link(zero)])
+                [metrics_link(one), metrics_link(zero)])
 
 
 def offload_pairs(ds_runs: list[dict]) -> list[tuple[dict, dict]]:
@@ -259,7 +254,7 @@ def build(runs: list[dict]) -> Card:
                                f"ZeRO stages {stages} ran on 2+ ranks with per-rank model state measured; "
                                f"state {'shrinks' if shrinks else 'does NOT shrink'} stage by stage; largest gap vs "
                                f"formula {worst['_gap']:+.1%} ({worst['experiment']})",
-                               [_link(r["_run"]) for r in multi]))
+                               [metrics_link(r["_run"]) for r in multi]))
     else:
         card.goals.append(Goal("minimal", GOAL_TABLE, FAILED if ds_runs else NOT_RUN,
                                "needs DeepSpeed runs of at least two ZeRO stages on 2+ ranks"))
@@ -271,7 +266,7 @@ def build(runs: list[dict]) -> Card:
         card.goals.append(Goal("bonus", GOAL_OFFLOAD, PASSED,
                                f"{off['experiment']} median step {off['timing']['step_time_s']['median'] * 1000:.0f} ms"
                                f" vs {plain['experiment']} {plain['timing']['step_time_s']['median'] * 1000:.0f} ms: "
-                               f"{slow:.2f}x", [_link(plain), _link(off)]))
+                               f"{slow:.2f}x", [metrics_link(plain), metrics_link(off)]))
         card.tables.append(Table("Offload slowdown", pd.DataFrame([{
             "run": r["experiment"], "offload (opt/param)":
                 f"{r['as_built']['deepspeed']['offload_optimizer']}/{r['as_built']['deepspeed']['offload_param']}",

@@ -11,17 +11,14 @@ import os
 from pathlib import Path
 
 from distlab.evaluation import eval_sentence
-from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs, tokens_per_s
+from distlab.report.cards import (FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, metrics_link, ok_runs,
+                                  tokens_per_s)
 from distlab.report.collect import clear_winner
 from distlab.report.plots import loss_curves, to_png_b64
 
 GOAL_RUN = "FSDP fine-tune ran, checkpoint saved"
 GOAL_VS = "ZeRO-3 vs FSDP throughput"
 MIB = 2**20
-
-
-def _link(run) -> str:
-    return os.path.join(run["_dir"], "metrics.json")
 
 
 def fsdp_runs(runs: list[dict]) -> list[dict]:
@@ -123,19 +120,19 @@ def run_goal(runs: list[dict], fsdp: list[dict]) -> Goal:
         run = passed[0]
         return Goal("minimal", GOAL_RUN, PASSED,
                     f"{run['experiment']}: {sharding_text(run)}; checkpoint saved and its validation passed",
-                    [_link(run), os.path.join(run["_dir"], "validation.json")])
+                    [metrics_link(run), os.path.join(run["_dir"], "validation.json")])
     failed = [(r, v) for r, v in checked if v is not None]
     if failed:
         run, v = failed[0]
         bad = [name for name, c in (v.get("checks") or {}).items() if c.get("status") == "failed"]
         return Goal("minimal", GOAL_RUN, FAILED,
                     f"{run['experiment']} trained, but checkpoint validation failed ({', '.join(bad) or 'see file'})",
-                    [_link(run), os.path.join(run["_dir"], "validation.json")])
+                    [metrics_link(run), os.path.join(run["_dir"], "validation.json")])
     run = fsdp[0]
     saved = (run.get("checkpoint") or {}).get("status", "no record")
     return Goal("minimal", GOAL_RUN, NOT_RUN,
                 f"{run['experiment']} trained with sharded parameters (checkpoint save: {saved}), but checkpoint "
-                "validation has not run, so the checkpoint part is not checked", [_link(run)])
+                "validation has not run, so the checkpoint part is not checked", [metrics_link(run)])
 
 
 def build(runs: list[dict]) -> Card:
@@ -178,7 +175,7 @@ def build(runs: list[dict]) -> Card:
         card.goals.append(Goal("bonus", GOAL_VS, PASSED,
                                f"{f['experiment']} vs {z['experiment']} ({f['machine']}, {f['as_built']['world_size']} "
                                f"ranks, global batch {global_batch(f)}): FSDP at {ratio:.2f}x ZeRO-3's median tokens/s; "
-                               f"{verdict}", [_link(f), _link(z)]))
+                               f"{verdict}", [metrics_link(f), metrics_link(z)]))
     else:
         missing = ("no FSDP full-shard run" if not any(is_full_shard(r) for r in fsdp) else
                    "no DeepSpeed ZeRO-3 run (no offload) with the same machine, world size, micro-batch, "

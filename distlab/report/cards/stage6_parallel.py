@@ -7,21 +7,16 @@ strategy wrote (run_files/pipeline-rank<r>.json) next to the formula (p-1)/(m+p-
 from __future__ import annotations
 
 import json
-import os
 import statistics
 
 from distlab.evaluation import eval_sentence
-from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs
+from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, metrics_link, ok_runs
 from distlab.report.plots import figure, loss_curves, to_png_b64
 from distlab.run_layout import run_files_dir
 
 # Same data, seed and global batch in fp32: only float reduction order differs. Measured
 # differences are ~1e-5; anything past this is a real difference in the update.
 LOSS_TOLERANCE = 1e-3
-
-
-def _link(run) -> str:
-    return os.path.join(run["_dir"], "metrics.json")
 
 
 def parallel_runs(runs: list[dict], strategy: str, wrapper: str) -> list[dict]:
@@ -77,7 +72,7 @@ def parity_goal(tp: list[dict], pp: list[dict], runs: list[dict], rows: list[dic
     status = PASSED if worst[2] < LOSS_TOLERANCE else FAILED
     return Goal("bonus", text, status,
                 f"{len(compared)} run(s) compared; worst max per-step gap {worst[2]:.2e} ({worst[0]['experiment']} vs "
-                f"{worst[1]['experiment']}); tolerance {LOSS_TOLERANCE:g}", [_link(c[0]) for c in compared])
+                f"{worst[1]['experiment']}); tolerance {LOSS_TOLERANCE:g}", [metrics_link(c[0]) for c in compared])
 
 
 def build(runs: list[dict]) -> Card:
@@ -93,7 +88,7 @@ def build(runs: list[dict]) -> Card:
         card.goals.append(Goal("minimal", "Tensor-parallel training ran with attention and MLP split", PASSED,
                                f"{tp[0]['experiment']}: {a['split_linears']} linear layers split over {a['tp_degree']} "
                                f"ranks ({', '.join(f'{k} {v}' for k, v in a['split_linears_per_layer'].items())}), "
-                               f"{a['heads_per_rank']} attention heads per rank", [_link(tp[0])]))
+                               f"{a['heads_per_rank']} attention heads per rank", [metrics_link(tp[0])]))
     else:
         card.goals.append(Goal("minimal", "Tensor-parallel training ran with attention and MLP split",
                                FAILED if any(r["spec"]["strategy"] == "tp" for r in tried) else NOT_RUN,
@@ -103,7 +98,7 @@ def build(runs: list[dict]) -> Card:
         card.goals.append(Goal("minimal", "Pipeline-parallel training ran, stages split by layers", PASSED,
                                f"{len(pp)} run(s), schedules {', '.join(schedules)}; e.g. {pp[0]['experiment']}: "
                                + "; ".join(f"stage {i} layers {s['layers']}" for i, s in enumerate(pp[0]['as_built']['stages'])),
-                               [_link(r) for r in pp]))
+                               [metrics_link(r) for r in pp]))
     else:
         card.goals.append(Goal("minimal", "Pipeline-parallel training ran, stages split by layers",
                                FAILED if any(r["spec"]["strategy"] == "pp" for r in tried) else NOT_RUN,
@@ -140,7 +135,7 @@ def build(runs: list[dict]) -> Card:
         card.figures.append(Figure("Pipeline bubble", to_png_b64(fig), how))
         card.goals.append(Goal("bonus", "Pipeline bubble measured next to (p-1)/(m+p-1)", PASSED,
                                f"{len(bubble_rows)} stage measurement(s) over {len(pp)} run(s); see the table",
-                               [_link(r) for r in pp]))
+                               [metrics_link(r) for r in pp]))
         card.notes.append("The measured idle fraction also holds point-to-point transfer time and, on shared CPU "
                           "cores, time the OS gave to other processes; the formula assumes equal stage times and "
                           "free communication: unequal stages (the last one also runs the LM head and the loss) "
