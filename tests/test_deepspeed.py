@@ -61,7 +61,7 @@ def test_the_deepspeed_config_on_disk_is_the_one_the_engine_used(runs):
 
 @pytest.mark.slow
 def test_zero_stages_shrink_per_rank_model_state_as_the_fp32_formula_says(runs):
-    from distlab.report.cards.stage3_deepspeed import zero_formula_bytes
+    from distlab.report.cards.zero_memory import zero_formula_bytes
 
     psi = runs["z0"]["parameters"]["trainable"]
     held = {}
