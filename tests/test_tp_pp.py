@@ -98,7 +98,7 @@ def test_pipeline_refuses_tied_embeddings_across_stages():
 
 
 def test_layers_split_into_contiguous_balanced_stages():
-    from distlab.strategies.pp import bubble_formula, split_layers
+    from distlab.strategies.pp_stages import bubble_formula, split_layers
 
     assert split_layers(5, 2) == [range(0, 3), range(3, 5)]
     assert [len(r) for r in split_layers(32, 3)] == [11, 11, 10]
