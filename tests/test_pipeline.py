@@ -108,7 +108,7 @@ def test_delete_all_output_leaves_nothing_of_a_run_but_its_logs(finished, tmp_pa
     shutil.copytree(work, copy_dir, symlinks=True)
     # Runs that write side files: the generated accelerate config, the pipeline's per-rank records.
     cfg = copy.deepcopy(cfg)
-    cfg["stages"]["accelerate"] = {"experiments": [{"world_size": 1, "micro_batch": 4}]}
+    cfg["stages"]["accelerate"] = {"experiments": [{"strategy": "accelerate", "world_size": 1, "micro_batch": 4}]}
     cfg["stages"]["parallel"] = {"experiments": [{"strategy": "pp", "world_size": 2}]}
     _, specs = load(copy.deepcopy(cfg), gpu_count=0)
     side = [i for i, s in specs.items() if s["stage"] in ("accelerate", "parallel")]
