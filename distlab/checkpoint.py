@@ -1,5 +1,5 @@
 """Checkpoints users can trust: the strategy's native state, the trainer state and a
-consolidated Hugging Face export, written atomically with a manifest.
+consolidated Hugging Face export, written atomically with a manifest (distlab.checkpoint_files).
 
 One checkpoint folder:
     state/                          the strategy's native format (strategy.save_checkpoint)
@@ -25,7 +25,6 @@ DCP, Accelerate) run inside distlab.safe_load.weights_only_loads, which forces t
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -33,6 +32,8 @@ import signal
 import time
 from pathlib import Path
 
+from distlab.checkpoint_files import (FORMAT_VERSION, atomic_dir, dir_bytes, fsync_tree, replace_dir, verify_manifest,
+                                      write_manifest)
 from distlab.safe_load import weights_only_loads
 from distlab.trainer_state import restore_trainer_state as _restore_trainer_state
 from distlab.trainer_state import save_trainer_state as _save_trainer_state
@@ -40,8 +41,6 @@ from distlab.trainer_state import save_trainer_state as _save_trainer_state
 # torch is imported inside the functions that need it: the validation driver (one Snakemake
 # job per experiment) reads manifests and metadata without paying torch's import time.
 
-FORMAT_VERSION = 1
-MANIFEST = "MANIFEST.json"
 META = "distlab_checkpoint.json"
 PARITY_STEPS = 2  # steps validation re-runs from the mid-run checkpoint
 EVAL_BATCH = 2  # sequences of the eval split the recorded logits are computed on
@@ -65,96 +64,10 @@ class CheckpointMismatch(CheckpointError):
 
 
 # -- files --------------------------------------------------------------------------------
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.relative_to(root).as_posix() != MANIFEST)
-
-
-def write_manifest(root: Path) -> dict:
-    files = {p.relative_to(root).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)}
-             for p in _files(root)}
-    manifest = {"format_version": FORMAT_VERSION, "files": files}
-    (root / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    return manifest
-
-
-def verify_manifest(root: str | os.PathLike) -> list[str]:
-    """Problems found, each naming its file; empty when every file is as it was saved."""
-    root = Path(root)
-    try:
-        listed = json.loads((root / MANIFEST).read_text())["files"]
-    except (OSError, ValueError, KeyError) as exc:
-        return [f"{root / MANIFEST}: missing or unreadable manifest ({exc})"]
-    problems = []
-    for name, entry in listed.items():
-        path = root / name
-        if not path.is_file():
-            problems.append(f"{path}: listed in the manifest but missing")
-        elif path.stat().st_size != entry["size"]:
-            problems.append(f"{path}: {path.stat().st_size} bytes, the manifest says {entry['size']} (truncated?)")
-        elif sha256_file(path) != entry["sha256"]:
-            problems.append(f"{path}: sha256 differs from the manifest (altered)")
-    for path in _files(root):
-        if path.relative_to(root).as_posix() not in listed:
-            problems.append(f"{path}: not listed in the manifest")
-    return problems
-
-
 def check_manifest(root) -> None:
     problems = verify_manifest(root)
     if problems:
         raise CheckpointCorrupt(f"checkpoint {root} failed its manifest check: " + "; ".join(problems))
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(path: Path) -> None:
-    for item in [*path.rglob("*"), path]:
-        _fsync(item)  # files and folders: a rename is only durable once the folder entries are
-
-
-def _replace_dir(tmp: Path, final: Path) -> None:
-    old = final.with_name(final.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync(final.parent)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-def atomic_dir(final: str | os.PathLike):
-    """A temporary sibling folder to write into; commit() fsyncs and renames it (one process)."""
-    final = Path(final)
-    tmp = final.with_name(final.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-
-    def commit():
-        _fsync_tree(tmp)
-        _replace_dir(tmp, final)
-
-    return tmp, commit
-
-
-def dir_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
 # -- the plain format (strategies whose every rank holds the whole model) -------------------
@@ -322,8 +235,8 @@ def save_checkpoint(dest, strategy, ctx, job: dict, signature: dict, steps_done:
                 "spec": spec_fingerprint(ctx.spec), "model": signature, "save": info}
         (tmp / META).write_text(json.dumps(meta, indent=1, default=str))
         write_manifest(tmp)
-        _fsync_tree(tmp)
-        _replace_dir(tmp, dest)
+        fsync_tree(tmp)
+        replace_dir(tmp, dest)
         info["bytes"] = dir_bytes(dest)
     dist.barrier()
     return info

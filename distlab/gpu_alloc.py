@@ -45,7 +45,7 @@ def visible_devices(count: int | None = None) -> list[str]:
 
 def cuda_rank_threads(spec: dict) -> int:
     """CPU threads of one CUDA rank: the job's cores (DISTLAB_JOB_THREADS, Snakemake's
-    `threads` of the job, set by distlab.smk) split evenly over its ranks, at least 1.
+    `threads` of the job, set by distlab.rule_log) split evenly over its ranks, at least 1.
     torchrun's default of 1 thread starves the host-side work of a GPU rank (ZeRO offload's
     CPU Adam, the validation's CPU logits). Outside Snakemake: cpu_threads_per_rank."""
     job_threads = os.environ.get("DISTLAB_JOB_THREADS")

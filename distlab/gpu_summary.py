@@ -47,7 +47,7 @@ def run_lines(metrics: dict) -> list[str]:
     lines = [line, f"    {_peak_memory(metrics)}"]
     if comm.get("median") is not None:
         lines.append(f"    all-reduce in flight {comm['median'] * 1e3:.2f} ms/step (median; "
-                     f"{metrics.get('actual', {}).get('comm_timing', 'timing method not recorded')})")
+                     f"{metrics.get('as_built', {}).get('comm_timing', 'timing method not recorded')})")
     return lines
 
 

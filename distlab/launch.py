@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 from distlab.launchers import get_launcher
 from distlab.launchers.process import refuse_if_running
+from distlab.run_layout import run_files_dir
 
 
 def job_file(job: dict) -> str:
@@ -26,7 +28,8 @@ def write_job(job: dict) -> str:
 
 
 def write_oom_metrics(job: dict) -> bool:
-    """Turn the ranks' oom-rank<N>.json into a metrics.json with status 'oom'."""
+    """Fold the ranks' oom-rank<N>.json into a metrics.json with status 'oom' (then removed:
+    metrics.json, a declared output, holds them)."""
     from distlab.metrics import METRICS_SCHEMA_VERSION, library_versions
 
     run_dir = Path(job["run_dir"])
@@ -40,6 +43,8 @@ def write_oom_metrics(job: dict) -> bool:
                "memory_budget_gib": spec["memory_budget_gib"], "versions": library_versions()}
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
     (run_dir / "steps.jsonl").write_text("")
+    for path in run_dir.glob("oom-rank*.json"):
+        path.unlink()
     return True
 
 
@@ -78,6 +83,9 @@ def launch(job: dict, log_path: str | None = None, timeout: float | None = None)
     job_path = write_job(job)
     for stale in Path(job["run_dir"]).glob("oom-rank*.json"):
         stale.unlink()
+    files = run_files_dir(job["run_dir"])  # a declared output: present, and only this run's files
+    shutil.rmtree(files, ignore_errors=True)
+    files.mkdir()
     try:
         with assigned_gpus(job) as gpus:
             if gpus is None:  # devices.json is a declared output of every run

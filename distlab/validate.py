@@ -63,7 +63,7 @@ def verdict(result: dict, spec: dict) -> dict:
 
 # -- the driver -----------------------------------------------------------------------------------
 def validate_run(run_dir, model_source: str, data_dir: str, out_path, log_path=None, timeout: float = 600) -> dict:
-    from distlab import checkpoint as ckpt
+    from distlab.checkpoint_files import verify_manifest
 
     run_dir = Path(run_dir)
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -81,7 +81,7 @@ def validate_run(run_dir, model_source: str, data_dir: str, out_path, log_path=N
         return _write(out_path, verdict(result, spec))
     final = root / "final"
     parity = sorted(p for p in root.glob("step-*") if p.is_dir())
-    problems = [p for folder in [final, *parity] for p in ckpt.verify_manifest(folder)]
+    problems = [p for folder in [final, *parity] for p in verify_manifest(folder)]
     result["checks"]["manifest"] = {
         "status": FAILED if problems else PASSED, "problems": problems,
         "checked": [str(f) for f in [final, *parity]],
@@ -143,12 +143,13 @@ def launch_plans(spec: dict, other: int | None) -> list[list[list]]:
 
 def _size_and_time(final: Path, reload: dict) -> dict:
     from distlab import checkpoint as ckpt
+    from distlab.checkpoint_files import dir_bytes
 
     meta = ckpt.read_meta(final)
     state = final / "state"
     return {"status": PASSED if reload.get("load_seconds") is not None else UNSUPPORTED,
-            "state_bytes": ckpt.dir_bytes(state), "checkpoint_bytes": ckpt.dir_bytes(final),
-            "export_bytes": ckpt.dir_bytes(final / "export") if (final / "export").is_dir() else None,
+            "state_bytes": dir_bytes(state), "checkpoint_bytes": dir_bytes(final),
+            "export_bytes": dir_bytes(final / "export") if (final / "export").is_dir() else None,
             "save_seconds": meta["save"]["save_seconds"], "export_seconds": meta["save"].get("export_seconds"),
             "load_seconds": reload.get("load_seconds"),
             "how": "bytes: sum of file sizes; save: strategy.save_checkpoint wall time at the end of training; "
@@ -189,8 +190,9 @@ def phase_command(spec: dict, job_path: Path, folder: Path) -> tuple[list[str], 
     else torchrun; Ray-launched runs validate under torchrun, the same process group."""
     if spec["launcher"] == "accelerate":
         from distlab.launchers.accelerate import accelerate_command, launch_environment, write_accelerate_config
+        from distlab.run_layout import run_files_dir
 
-        config = write_accelerate_config(spec, folder, str(job_path))
+        config = write_accelerate_config(spec, run_files_dir(folder), str(job_path))
         return accelerate_command(str(config), str(job_path), "distlab.validate_ranks"), launch_environment(spec)
     from distlab.launchers.environment import rank_environment
     from distlab.launchers.torchrun import torchrun_command

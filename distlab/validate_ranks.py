@@ -20,7 +20,7 @@ from pathlib import Path
 from distlab.validate import (FAILED, MERGE_TOLERANCE, PARITY_TOLERANCE, PASSED, RELOAD_TOLERANCE, UNSUPPORTED)
 
 
-class Phase:
+class ValidationRank:
     """One validation rank: builds strategies like the worker does and records checks."""
 
     def __init__(self, job: dict):
@@ -107,38 +107,38 @@ class Phase:
         return load_file(str(Path(self.job["final"]) / "eval_logits.safetensors"))["logits"]
 
 
-def check_export(phase: Phase) -> dict:
+def check_export(validator: ValidationRank) -> dict:
     """Rank 0, before loading anything else: the export as a user would open it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from distlab import checkpoint as ckpt
 
-    folder = Path(phase.job["final"]) / "export"
+    folder = Path(validator.job["final"]) / "export"
     if not folder.is_dir():
-        meta = ckpt.read_meta(phase.job["final"])
+        meta = ckpt.read_meta(validator.job["final"])
         raise NotImplementedError((meta["save"].get("export") or {}).get("reason", "no export was written"))
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    batch = ckpt.eval_batch(phase.job["data_dir"])
-    saved = phase.saved_logits()
+    batch = ckpt.eval_batch(validator.job["data_dir"])
+    saved = validator.saved_logits()
     diff = (ckpt.logits_of(model, batch) - saved).abs().max().item()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     prompt = batch[:1, :8]
     with torch.no_grad():
         generated = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     new_tokens = generated.shape[1] - prompt.shape[1]
-    tolerance = MERGE_TOLERANCE if phase.spec["method"] == "lora" else RELOAD_TOLERANCE
+    tolerance = MERGE_TOLERANCE if validator.spec["method"] == "lora" else RELOAD_TOLERANCE
     out = {"path": str(folder), "max_abs_logit_diff": diff, "tolerance": tolerance, "generated_tokens": new_tokens,
            "generated_text": tokenizer.decode(generated[0]),
            "how": "AutoModelForCausalLM.from_pretrained(export) in a validation process; logits on the fixed eval "
                   "batch vs those recorded at save time; greedy generate of 8 tokens"}
     ok = diff <= tolerance and new_tokens > 0
-    if phase.spec["method"] == "lora":
+    if validator.spec["method"] == "lora":
         from peft import PeftModel
 
         from distlab.model import load_model
 
-        adapted = PeftModel.from_pretrained(load_model(phase.job["model_source"]), str(folder / "adapter")).eval()
+        adapted = PeftModel.from_pretrained(load_model(validator.job["model_source"]), str(folder / "adapter")).eval()
         out["adapter_max_abs_logit_diff"] = (ckpt.logits_of(adapted, batch) - saved).abs().max().item()
         out["adapter_tolerance"] = RELOAD_TOLERANCE
         out["how"] += "; LoRA: PeftModel.from_pretrained(base, export/adapter) compared too, the top folder is merged"
@@ -165,57 +165,58 @@ def lora_base_frozen(model, model_source: str) -> dict:
             "changed": changed[:20], "tolerance": "bit-identical (torch.equal)"}
 
 
-def run_same(phase: Phase, world_size: int) -> None:
+def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> None:
+    """Reload, parity and resume checks in a group of the world size the run saved at."""
     import torch.distributed as dist
 
     from distlab import checkpoint as ckpt
     from distlab.data import load_blocks, load_labels
     from distlab.loop import IndexStream, gather, train
 
-    job = phase.job
-    spec = phase.spec = dict(job["spec"], world_size=world_size)
-    strategy, signature = phase.build(spec)
+    job = validator.job
+    spec = validator.spec = dict(job["spec"], world_size=world_size)
+    strategy, signature = validator.build(spec)
     meta = ckpt.read_meta(job["final"])
 
     def compatibility():
         ckpt.check_compatible(meta, spec, signature, job["final"])
         return {"status": PASSED, "how": "model config, parameter shapes and experiment spec vs the checkpoint's"}
 
-    if not phase.guarded("compatibility", compatibility):
+    if not validator.guarded("compatibility", compatibility):
         return
 
     def reload():
-        info = ckpt.load_checkpoint(job["final"], strategy, phase.ctx, signature, verify=False)
-        model, logits = phase.consolidated_logits(strategy)
-        if phase.rank != 0:
+        info = ckpt.load_checkpoint(job["final"], strategy, validator.ctx, signature, verify=False)
+        model, logits = validator.consolidated_logits(strategy)
+        if validator.rank != 0:
             return {}
-        diff = (logits - phase.saved_logits()).abs().max().item()
+        diff = (logits - validator.saved_logits()).abs().max().item()
         if spec["method"] == "lora":
-            phase.record("lora_base_frozen", lora_base_frozen(model, job["model_source"]))
+            validator.record("lora_base_frozen", lora_base_frozen(model, job["model_source"]))
         return {"status": PASSED if diff <= RELOAD_TOLERANCE else FAILED, "max_abs_logit_diff": diff,
                 "tolerance": RELOAD_TOLERANCE, "world_size": dist.get_world_size(),
                 "load_seconds": info["load_seconds"],
                 "how": "fresh model + strategy, strategy.load_checkpoint, full_state_dict into a plain HF model; "
                        "fp32 logits on the fixed eval batch vs those recorded at save time"}
 
-    phase.guarded("reload", reload)
+    validator.guarded("reload", reload)
     strategy = None  # the parity check builds its own; free this one first
     gc.collect()
     if not job["parity"]:
-        phase.record("resume_parity", {"status": UNSUPPORTED, "reason": f"steps ({spec['steps']}) <= "
+        validator.record("resume_parity", {"status": UNSUPPORTED, "reason": f"steps ({spec['steps']}) <= "
                                        f"{ckpt.PARITY_STEPS}: no mid-run checkpoint to resume from"})
         return
 
     def resume_parity():
-        strategy, signature = phase.build(spec)
+        strategy, signature = validator.build(spec)
         blocks = load_blocks(job["data_dir"], "train")
         stream = IndexStream(len(blocks), spec, strategy.data_parallel_rank, strategy.data_parallel_size)
-        info = ckpt.load_checkpoint(job["parity"], strategy, phase.ctx, signature, stream=stream, verify=False)
+        info = ckpt.load_checkpoint(job["parity"], strategy, validator.ctx, signature, stream=stream, verify=False)
         start = info["steps_done"]
-        records = gather(train(phase.ctx, strategy, blocks, start_step=start, stream=stream,
+        records = gather(train(validator.ctx, strategy, blocks, start_step=start, stream=stream,
                                train_labels=load_labels(job["data_dir"], "train"))["records"])
-        model, logits = phase.consolidated_logits(strategy)
-        if phase.rank != 0:
+        model, logits = validator.consolidated_logits(strategy)
+        if validator.rank != 0:
             return {}
         losses = []
         for i in range(len(records[0])):
@@ -223,7 +224,7 @@ def run_same(phase: Phase, world_size: int) -> None:
             losses.append(sum(values) / len(values))
         expected = job["expected_losses"][start:]
         loss_diff = max(abs(a - b) for a, b in zip(losses, expected))
-        logit_diff = (logits - phase.saved_logits()).abs().max().item()
+        logit_diff = (logits - validator.saved_logits()).abs().max().item()
         tolerance = PARITY_TOLERANCE[spec["precision"]]
         return {"status": PASSED if len(losses) == len(expected) and max(loss_diff, logit_diff) <= tolerance
                 else FAILED, "resumed_at_step": start, "steps_resumed": len(losses), "resumed_losses": losses,
@@ -233,39 +234,40 @@ def run_same(phase: Phase, world_size: int) -> None:
                        "data position; the LR is constant) and trains to the end; losses vs the training run's "
                        "own later steps, final logits vs the final checkpoint's"}
 
-    phase.guarded("resume_parity", resume_parity)
+    validator.guarded("resume_parity", resume_parity)
 
 
-def run_reshard(phase: Phase, world_size: int) -> None:
+def check_at_other_world_size(validator: ValidationRank, world_size: int) -> None:
+    """The reshard check: the checkpoint loaded into a group of another world size."""
     import torch.distributed as dist
 
     from distlab import checkpoint as ckpt
 
-    meta = ckpt.read_meta(phase.job["final"])
-    phase.spec = dict(phase.job["spec"], world_size=world_size)
+    meta = ckpt.read_meta(validator.job["final"])
+    validator.spec = dict(validator.job["spec"], world_size=world_size)
 
     def reshard():
-        strategy, signature = phase.build(phase.spec)
-        info = ckpt.load_checkpoint(phase.job["final"], strategy, phase.ctx, signature, verify=False,
+        strategy, signature = validator.build(validator.spec)
+        info = ckpt.load_checkpoint(validator.job["final"], strategy, validator.ctx, signature, verify=False,
                                     allow_world_size=True)
-        _, logits = phase.consolidated_logits(strategy)
-        if phase.rank != 0:
+        _, logits = validator.consolidated_logits(strategy)
+        if validator.rank != 0:
             return {}
-        diff = (logits - phase.saved_logits()).abs().max().item()
+        diff = (logits - validator.saved_logits()).abs().max().item()
         return {"status": PASSED if diff <= RELOAD_TOLERANCE else FAILED, "from_world_size": meta["world_size"],
                 "to_world_size": dist.get_world_size(), "max_abs_logit_diff": diff, "tolerance": RELOAD_TOLERANCE,
                 "load_seconds": info["load_seconds"],
                 "how": "the final checkpoint loaded by the same strategy at another world size; consolidated "
                        "logits vs those recorded at save time"}
 
-    if not phase.guarded("reshard", reshard):
-        phase.checks["reshard"].update(from_world_size=meta["world_size"], to_world_size=dist.get_world_size())
-        phase.record("reshard", phase.checks["reshard"])
+    if not validator.guarded("reshard", reshard):
+        validator.checks["reshard"].update(from_world_size=meta["world_size"], to_world_size=dist.get_world_size())
+        validator.record("reshard", validator.checks["reshard"])
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--job", required=True, help="phase job file written by validate_run")
+    parser.add_argument("--job", required=True, help="validator job file written by validate_run")
     args = parser.parse_args(argv)
     from distlab.launchers.process import die_with_parent
 
@@ -274,15 +276,15 @@ def main(argv=None) -> None:
     import torch.distributed as dist
 
     started = time.time()
-    phase = Phase(job)
-    if phase.rank == 0 and any(name == "same" for name, _ in job["plan"]):
-        phase.guarded("export", lambda: check_export(phase))  # first: before this process loads anything else
+    validator = ValidationRank(job)
+    if validator.rank == 0 and any(name == "same" for name, _ in job["plan"]):
+        validator.guarded("export", lambda: check_export(validator))  # first: before this process loads anything else
     dist.barrier()
     for index, (name, world_size) in enumerate(job["plan"]):
-        if index and not phase.shrink_to_one_rank():
+        if index and not validator.shrink_to_one_rank():
             return
-        (run_same if name == "same" else run_reshard)(phase, world_size)
-        print(f"validation {name} at world size {world_size}, rank {phase.rank}: "
+        (check_at_saved_world_size if name == "same" else check_at_other_world_size)(validator, world_size)
+        print(f"validation {name} at world size {world_size}, rank {validator.rank}: "
               f"{time.time() - started:.1f} s", flush=True)
     dist.barrier()
     dist.destroy_process_group()

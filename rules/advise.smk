@@ -19,6 +19,10 @@ rule advise:
         cpu_ranks=max(spec["world_size"] for spec in SPECS.values()),
     log:
         f"{RESULTS}/{MACHINE}/logs/advise.log",
+    resources:
+        # Arithmetic on the model's config.json and hardware.json; no model is loaded.
+        mem_mb=1000,
+        runtime=5,
     conda:
         "../envs/report.yaml"
     script:

@@ -20,6 +20,8 @@ rule collectives:
     threads: collectives_plan()["world_size"]
     resources:
         gpu=collectives_plan()["gpus"],
+        mem_mb=collectives_mem_mb(),
+        runtime=15,  # a few iterations per message size and op: minutes
     conda:
         "../envs/train.yaml"
     script:

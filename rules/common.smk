@@ -10,6 +10,7 @@ from distlab.config import ConfigError, load as load_config, validated_experimen
 from distlab.data_checks import datasets_of
 from distlab.tokenizer_checks import tokenizer_source
 from distlab.hardware import gpu_count, machine_tag
+from distlab.run_layout import RUN_FILES
 from snakemake.exceptions import WorkflowError
 
 try:
@@ -137,6 +138,11 @@ def this_machine_metrics():
     return expand(f"{RUN}/metrics.json", experiment=list(SPECS))
 
 
+def this_machine_run_files():
+    """Each run's run_files/ (configs the launch generated, pipeline records): the report reads them."""
+    return expand(f"{RUN}/{RUN_FILES}", experiment=list(SPECS))
+
+
 def shared_metrics():
     """metrics.json of every machine folder already under results/ (or extra_results):
     copying another machine's folder in makes the summary and report include it."""
@@ -172,6 +178,17 @@ def rank_mem_mb(spec):
 def experiment_mem_mb(wildcards):
     spec = SPECS[wildcards.experiment]
     return JOB_MEM_MB_OVERHEAD if on_ray_cluster(spec) else JOB_MEM_MB_OVERHEAD + spec["world_size"] * rank_mem_mb(spec)
+
+
+def one_process_model_mem_mb():
+    """A single process holding the base model (build, base-model eval): one rank's figure."""
+    return JOB_MEM_MB_OVERHEAD + RANK_MEM_MB_DEFAULT
+
+
+def collectives_mem_mb():
+    """The benchmark's ranks: torch, a process group and its largest message twice, each."""
+    plan = collectives_plan()
+    return JOB_MEM_MB_OVERHEAD + plan["world_size"] * 2000
 
 
 def validation_mem_mb(wildcards):

@@ -10,6 +10,10 @@ rule train_tokenizer:
         data=dataset_config("default"),
     log:
         f"{PREP}/logs/tokenizer.log",
+    resources:
+        # The corpus and BPE merges in one process: small next to any training job.
+        mem_mb=4000,
+        runtime=30,
     conda:
         "../envs/train.yaml"
     script:
@@ -29,6 +33,10 @@ rule prepare_data:
     log:
         f"{PREP}/logs/data-{{dataset}}-seq{{seq_len}}.log",
     threads: 2
+    resources:
+        # Tokenised blocks of one dataset in one process (written in shards as they fill).
+        mem_mb=4000,
+        runtime=30,
     conda:
         "../envs/train.yaml"
     script:

@@ -12,6 +12,9 @@ rule evaluate_base_model:
         model_source=model_source,
     log:
         f"{PREP}/logs/eval-base-{{dataset}}-seq{{seq_len}}.log",
+    resources:
+        mem_mb=one_process_model_mem_mb(),
+        runtime=15,  # one forward pass over the held-out blocks
     conda:
         "../envs/train.yaml"
     script:

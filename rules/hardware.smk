@@ -9,6 +9,10 @@ rule hardware:
     log:
         f"{RESULTS}/{MACHINE}/logs/hardware.log",
     threads: workflow.cores
+    resources:
+        # A probe: device queries and a short CPU matmul peak measurement.
+        mem_mb=2000,
+        runtime=10,
     conda:
         "../envs/train.yaml"
     script:

@@ -11,6 +11,10 @@ rule kuberay:
         ray_specs=ray_experiment_specs(),
     log:
         f"{RESULTS}/logs/kuberay.log",
+    resources:
+        # Writes two manifests and checks them; no cluster is contacted from here.
+        mem_mb=500,
+        runtime=5,
     conda:
         "../envs/train.yaml"
     script:

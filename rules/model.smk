@@ -10,6 +10,9 @@ rule build_base_model:
         build=config["model"]["build"],
     log:
         f"{PREP}/logs/model.log",
+    resources:
+        mem_mb=one_process_model_mem_mb(),
+        runtime=15,  # builds and saves a model: minutes even for the largest preset
     conda:
         "../envs/train.yaml"
     script:

@@ -31,6 +31,7 @@ rule report:
     input:
         summary=f"{RESULTS}/summary.csv",
         metrics=this_machine_metrics() + shared_metrics(),
+        run_files=this_machine_run_files(),
         validations=this_machine_validations(),
         collectives=collectives_outputs(),
         advice=advice_outputs(),

@@ -13,6 +13,9 @@ rule train:
         checkpoint=directory(f"{RUN}/checkpoint"),
         devices=f"{RUN}/devices.json",
         job=f"{RUN}/job.json",
+        # Generated accelerate/deepspeed configs and per-rank records (pipeline-rank<r>.json)
+        # the report reads: one declared folder (distlab/run_layout.py).
+        run_files=directory(f"{RUN}/{RUN_FILES}"),
     params:
         spec=experiment_spec,
         model_source=model_source,

@@ -2,7 +2,7 @@
 import json
 
 from distlab.advisor import advise, render_markdown
-from distlab.smk import logged
+from distlab.rule_log import logged
 
 with logged(snakemake):
     with open(snakemake.input.model) as fh:

@@ -3,7 +3,7 @@ import os
 
 from distlab.data import load_tokenizer
 from distlab.model import build_base_model
-from distlab.smk import logged
+from distlab.rule_log import logged
 
 with logged(snakemake):
     info = build_base_model(snakemake.params.build, load_tokenizer(snakemake.input.tokenizer),

@@ -3,7 +3,7 @@ the report, which shows why, was built)."""
 import json
 import sys
 
-from distlab.smk import logged
+from distlab.rule_log import logged
 
 with logged(snakemake):
     failed = []

@@ -5,7 +5,7 @@ import subprocess
 from distlab.gpu_alloc import allocate, lock_dir_for
 from distlab.launchers.environment import BASE_ENV
 from distlab.launchers.torchrun import torchrun_command
-from distlab.smk import logged
+from distlab.rule_log import logged
 
 with logged(snakemake):
     plan = dict(snakemake.params.plan)

@@ -2,7 +2,7 @@
 import json
 
 from distlab.hardware import describe
-from distlab.smk import logged
+from distlab.rule_log import logged
 
 with logged(snakemake):
     info = describe(snakemake.params.machine)

@@ -6,7 +6,7 @@ from importlib.metadata import version
 import yaml
 
 from distlab import kuberay
-from distlab.smk import logged
+from distlab.rule_log import logged
 
 with logged(snakemake):
     kube, specs = snakemake.params.kubernetes, dict(snakemake.params.ray_specs)

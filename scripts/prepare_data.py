@@ -3,7 +3,7 @@ import os
 import shutil
 
 from distlab.data import build_dataset, load_rows, load_tokenizer
-from distlab.smk import logged
+from distlab.rule_log import logged
 
 with logged(snakemake):
     data = snakemake.params.data

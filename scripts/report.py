@@ -4,7 +4,7 @@ import sys
 
 from distlab.report.build import build_report
 from distlab.report.collect import load_checked_runs
-from distlab.smk import logged
+from distlab.rule_log import logged
 
 with logged(snakemake):
     runs, rejected = load_checked_runs(list(snakemake.input.metrics))

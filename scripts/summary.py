@@ -6,7 +6,7 @@ import sys
 
 from distlab.evaluation import eval_columns
 from distlab.report.collect import load_checked_runs, summary_frame
-from distlab.smk import logged
+from distlab.rule_log import logged
 
 with logged(snakemake):
     runs, rejected = load_checked_runs(list(snakemake.input.mine) + list(snakemake.input.shared))

@@ -3,7 +3,7 @@ import os
 from pathlib import Path
 
 from distlab.launch import launch
-from distlab.smk import logged
+from distlab.rule_log import logged
 
 with logged(snakemake):
     run_dir = os.path.dirname(snakemake.output.metrics)

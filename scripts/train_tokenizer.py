@@ -2,7 +2,7 @@
 import os
 
 from distlab.data import load_rows, text_batches, train_tokenizer
-from distlab.smk import logged
+from distlab.rule_log import logged
 
 with logged(snakemake):
     data = snakemake.params.data

@@ -1,7 +1,7 @@
 """Rule validate_checkpoint: validate one experiment's checkpoints into validation.json."""
 import os
 
-from distlab.smk import logged
+from distlab.rule_log import logged
 from distlab.validate import validate_run
 
 with logged(snakemake):

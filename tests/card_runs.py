@@ -10,7 +10,7 @@ from conftest import resolve
 _TIMING = {"n": 4, "median": 0.1, "min": 0.09, "max": 0.12, "p25": 0.095, "p75": 0.11}
 
 
-def fake_run(run_dir, overrides: dict, stage: str = "ddp", *, actual: dict | None = None,
+def fake_run(run_dir, overrides: dict, stage: str = "ddp", *, as_built: dict | None = None,
              comm_median_s: float | None = 0.01, losses=(3.0, 2.5, 2.0), step_median_s: float = 0.1,
              state_bytes: dict | None = None, budget: dict | None = None, status: str = "ok") -> dict:
     spec = resolve(overrides, stage)
@@ -20,9 +20,9 @@ def fake_run(run_dir, overrides: dict, stage: str = "ddp", *, actual: dict | Non
     run_dir.mkdir(parents=True, exist_ok=True)
     return {
         "experiment": spec["id"], "stage": stage, "machine": "testbox", "status": status, "spec": spec,
-        "actual": {"strategy": spec["strategy"], "outer_wrapper": "DistributedDataParallel",
+        "as_built": {"strategy": spec["strategy"], "outer_wrapper": "DistributedDataParallel",
                    "wrappers_found": ["DistributedDataParallel"], "world_size": world, "backend": "gloo",
-                   "data_parallel_size": world, "device": "cpu", **(actual or {})},
+                   "data_parallel_size": world, "device": "cpu", **(as_built or {})},
         "parameters": {"total": 1000, "trainable": 1000},
         "loss": {"first": losses[0], "last": losses[-1], "per_step": list(losses)},
         "timing": {"step_time_s": timing, "comm_inflight_s_per_step": dict(_TIMING, median=comm_median_s),

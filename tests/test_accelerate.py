@@ -37,7 +37,7 @@ def runs(prepared, tmp_path_factory):
 
 
 def saved_config(run) -> tuple[dict, bytes]:
-    raw = (Path(run["_dir"]) / "accelerate_config.yaml").read_bytes()
+    raw = (Path(run["_dir"]) / "run_files" / "accelerate_config.yaml").read_bytes()
     return yaml.safe_load(raw), raw
 
 
@@ -46,7 +46,7 @@ def by_hand(run_dir: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(run_dir / "accelerate_config.yaml"), "-m", "distlab.worker", "--job", str(run_dir / "job.json")]
+           str(run_dir / "run_files" / "accelerate_config.yaml"), "-m", "distlab.worker", "--job", str(run_dir / "job.json")]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -145,13 +145,13 @@ def test_accelerate_launch_reads_the_config_file_saved_beside_the_results(runs):
     run = runs["w2"]
     config, raw = saved_config(run)
     assert config["num_processes"] == 2 and config["use_cpu"] is True and config["mixed_precision"] == "no"
-    launched = run["actual"]["accelerate"]["launched_with"]
+    launched = run["as_built"]["accelerate"]["launched_with"]
     assert launched["sha256"] == hashlib.sha256(raw).hexdigest()  # the file on disk, unchanged since
     assert launched["rank_env_mixed_precision"] == "no"  # exported to the ranks by accelerate launch
     first = (Path(run["_dir"]) / "train.log").read_text().splitlines()[0]
-    assert "accelerate.commands.launch --config_file" in first and str(Path(run["_dir"]) / "accelerate_config.yaml") in first
-    assert run["actual"]["world_size"] == 2 and run["actual"]["accelerate"]["distributed_type"] == "MULTI_CPU"
-    assert run["actual"]["wrapped_by"] == "DistributedDataParallel"
+    assert "accelerate.commands.launch --config_file" in first and str(Path(run["_dir"]) / "run_files" / "accelerate_config.yaml") in first
+    assert run["as_built"]["world_size"] == 2 and run["as_built"]["accelerate"]["distributed_type"] == "MULTI_CPU"
+    assert run["as_built"]["wrapped_by"] == "DistributedDataParallel"
 
 
 @pytest.mark.slow
@@ -161,8 +161,8 @@ def test_single_and_multi_process_runs_differ_only_in_the_accelerate_config_file
            {k: v for k, v in two["spec"].items() if k not in ("id", "world_size")}
     file_one, file_two = saved_config(one)[0], saved_config(two)[0]
     assert {k for k in file_one if file_one[k] != file_two.get(k)} == {"distributed_type", "num_processes"}
-    assert (one["actual"]["world_size"], two["actual"]["world_size"]) == (1, 2)
-    assert (one["actual"]["accelerate"]["distributed_type"], two["actual"]["accelerate"]["distributed_type"]) == \
+    assert (one["as_built"]["world_size"], two["as_built"]["world_size"]) == (1, 2)
+    assert (one["as_built"]["accelerate"]["distributed_type"], two["as_built"]["accelerate"]["distributed_type"]) == \
            ("NO", "MULTI_CPU")
     assert one["data"]["per_rank_reads"] == [12] and two["data"]["per_rank_reads"] == [12, 12]
     assert two["data"]["duplicate_reads"] == 0
@@ -174,10 +174,10 @@ def test_accelerate_gradient_accumulation_matches_ddp_at_the_same_global_batch(r
     accumulated, ddp, plain = runs["w2ga2"], runs["ddp"], runs["w2"]
     for a, b in zip(accumulated["loss"]["per_step"], ddp["loss"]["per_step"]):
         assert abs(a - b) < 1e-5, (accumulated["loss"]["per_step"], ddp["loss"]["per_step"])
-    counts = accumulated["actual"]["accelerate"]["counts"]
+    counts = accumulated["as_built"]["accelerate"]["counts"]
     assert counts["micro_batches"] == 12 and counts["optimizer_steps_taken"] == 6 and counts["gradient_syncs"] == 6
     # Gradients are all-reduced once per optimizer step, not once per micro-batch.
-    assert counts["allreduce_calls"] == plain["actual"]["accelerate"]["counts"]["allreduce_calls"] > 0
+    assert counts["allreduce_calls"] == plain["as_built"]["accelerate"]["counts"]["allreduce_calls"] > 0
 
 
 @pytest.mark.slow
@@ -198,7 +198,7 @@ def test_the_saved_command_reruns_the_experiment_by_hand_and_reads_the_file(runs
     again = json.loads((run_dir / "metrics.json").read_text())
     assert again["loss"]["per_step"] == first
     # Edit the file: the next launch must see the edit (and refuse it, the spec says fp32).
-    path = run_dir / "accelerate_config.yaml"
+    path = run_dir / "run_files" / "accelerate_config.yaml"
     path.write_text(path.read_text().replace("mixed_precision: 'no'", "mixed_precision: bf16"))
     proc = by_hand(run_dir)
     assert proc.returncode != 0
@@ -221,5 +221,5 @@ def test_card2_goals_are_computed_from_the_runs(runs):
     assert list(sweep["grad accum"]) == [1, 2] and list(sweep["micro-batches per step (measured)"]) == [1.0, 2.0]
     assert list(sweep["optimizer steps taken"]) == [6, 6]
     # A run whose counters disagree with its spec fails the goal instead of passing silently.
-    loaded[2]["actual"]["accelerate"]["counts"]["optimizer_steps_taken"] = 5
+    loaded[2]["as_built"]["accelerate"]["counts"]["optimizer_steps_taken"] = 5
     assert build(loaded).goals[2].status == "failed"

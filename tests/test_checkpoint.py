@@ -10,6 +10,7 @@ import torch
 
 from conftest import resolve, run_experiment
 from distlab import checkpoint as ckpt
+from distlab.checkpoint_files import MANIFEST, sha256_file, verify_manifest
 from distlab.loop import IndexStream
 from distlab.validate import validate_run
 
@@ -72,11 +73,11 @@ def test_checkpoint_folder_has_native_state_trainer_state_export_and_manifest(tr
                  "trainer/rng-rank1.safetensors", "export/config.json", "export/model.safetensors",
                  "export/tokenizer.json", "eval_logits.safetensors", ckpt.META]:
         assert (final / name).is_file(), name
-    manifest = json.loads((final / ckpt.MANIFEST).read_text())["files"]
-    assert manifest["state/model.safetensors"]["sha256"] == ckpt.sha256_file(final / "state/model.safetensors")
-    assert ckpt.verify_manifest(final) == []
+    manifest = json.loads((final / MANIFEST).read_text())["files"]
+    assert manifest["state/model.safetensors"]["sha256"] == sha256_file(final / "state/model.safetensors")
+    assert verify_manifest(final) == []
     # The mid-run checkpoint validation resumes from moved in; the crash-recovery ones are gone.
-    assert (run / "checkpoint" / "step-000004" / ckpt.MANIFEST).is_file()
+    assert (run / "checkpoint" / "step-000004" / MANIFEST).is_file()
     assert not (run / "resume").exists()
     metrics = json.loads((run / "metrics.json").read_text())
     assert [s["steps_done"] for s in metrics["checkpoint"]["periodic_saves"]] == [2, 4]

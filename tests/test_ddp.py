@@ -19,7 +19,7 @@ def assert_same_losses(a, b, tol=1e-4):
 @pytest.mark.slow
 def test_two_rank_ddp_matches_one_rank_loss_at_the_same_global_batch(prepared, tmp_path, one_rank):
     two = run_experiment(prepared, tmp_path / "w2", resolve({"world_size": 2, "micro_batch": 4}), checkpoint=False)
-    assert two["actual"]["world_size"] == 2 and two["actual"]["outer_wrapper"] == "DistributedDataParallel"
+    assert two["as_built"]["world_size"] == 2 and two["as_built"]["outer_wrapper"] == "DistributedDataParallel"
     assert len(one_rank["loss"]["per_step"]) == 6
     assert_same_losses(one_rank, two)
     # The loss moved: the parity above is between two real trajectories, not two constants.

@@ -51,17 +51,17 @@ def test_zero_stage_matches_ddp_loss_over_20_steps(runs, variant):
 def test_the_deepspeed_config_on_disk_is_the_one_the_engine_used(runs):
     for name, ds in ZERO_VARIANTS.items():
         run = runs[name]
-        path = Path(run["_dir"]) / run["actual"]["deepspeed"]["config_path"]
+        path = Path(run["_dir"]) / run["as_built"]["deepspeed"]["config_path"]
         written = json.loads(path.read_text())
-        assert written == run["actual"]["deepspeed"]["config_used"]
-        assert written["zero_optimization"]["stage"] == ds["zero_stage"] == run["actual"]["deepspeed"]["zero_stage"]
+        assert written == run["as_built"]["deepspeed"]["config_used"]
+        assert written["zero_optimization"]["stage"] == ds["zero_stage"] == run["as_built"]["deepspeed"]["zero_stage"]
         assert written["train_batch_size"] == 8 and written["gradient_accumulation_steps"] == 2
-        assert run["actual"]["deepspeed"]["offload_param"] == ds.get("offload_param", "none")
+        assert run["as_built"]["deepspeed"]["offload_param"] == ds.get("offload_param", "none")
 
 
 @pytest.mark.slow
 def test_zero_stages_shrink_per_rank_model_state_as_the_fp32_formula_says(runs):
-    from distlab.report.cards.stage3_deepspeed import zero_formula_bytes
+    from distlab.report.cards.zero_memory import zero_formula_bytes
 
     psi = runs["z0"]["parameters"]["trainable"]
     held = {}
@@ -80,7 +80,7 @@ def test_verify_fails_a_run_whose_engine_stage_differs_from_the_spec(runs, tmp_p
     from distlab.strategies.base import FidelityError, RunContext
     from distlab.strategies.deepspeed import DeepSpeedStrategy
 
-    described = runs["z2"]["actual"]  # what a real ZeRO-2 engine reported
+    described = runs["z2"]["as_built"]  # what a real ZeRO-2 engine reported
 
     def verify_against(**ds):
         spec = deepspeed_spec(**ds)

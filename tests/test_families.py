@@ -168,13 +168,13 @@ def test_family_runs_with_the_plain_models_step0_loss_on_the_same_samples(
     launch(job, log_path=str(run_dir / "train.log"), timeout=300)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     blocks = load_blocks(prepared / "data32", "train")
-    samples = step0_samples(run_dir, spec, metrics["actual"]["data_parallel_size"], len(blocks))
+    samples = step0_samples(run_dir, spec, metrics["as_built"]["data_parallel_size"], len(blocks))
     expected = plain_losses(folder, blocks, samples)
     assert abs(metrics["loss"]["first"] - expected) < LOSS_TOLERANCE, (metrics["loss"]["first"], expected)
-    actual = metrics["actual"]
+    as_built = metrics["as_built"]
     if strategy == "pp":
         # Each stage read only its own weights: together exactly the model, no stage all of it.
-        loaded = [stage["weights_loaded_bytes"] for stage in actual["stages"]]
+        loaded = [stage["weights_loaded_bytes"] for stage in as_built["stages"]]
         total = 4 * metrics["parameters"]["total"]
         assert sum(loaded) == total and max(loaded) < 0.8 * total, (loaded, total)
         if family == "mistral":
@@ -182,8 +182,8 @@ def test_family_runs_with_the_plain_models_step0_loss_on_the_same_samples(
             causal = plain_losses(folder, blocks, samples, sliding_window=False)
             assert abs(causal - expected) > 100 * LOSS_TOLERANCE, (causal, expected)
     if strategy == "tp":
-        assert actual["weights_loaded_bytes"] < 4 * metrics["parameters"]["total"]
-        assert actual["split_linears"] == len(actual["tp_plan"]) * 2
+        assert as_built["weights_loaded_bytes"] < 4 * metrics["parameters"]["total"]
+        assert as_built["split_linears"] == len(as_built["tp_plan"]) * 2
 
 
 def test_a_tp_plan_style_torch_cannot_express_is_refused_naming_the_style():

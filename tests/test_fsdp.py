@@ -176,10 +176,10 @@ def test_fsdp_full_shard_matches_ddp_loss_and_holds_half_the_model_state(prepare
                    **DEFAULTS)
     run = run_experiment(prepared, tmp_path / "fsdp", spec, checkpoint=False)
     assert_same_trajectory(run, baseline)
-    actual = run["actual"]
-    assert actual["wrappers_found"] == ["FSDPModule"] and actual["world_size"] == 2
-    assert actual["dtensor_parameters"] == actual["parameters"] and actual["mesh_sizes"] == [2]
-    assert actual["fsdp_layers"] == 2  # the tiny model's decoder layers, each its own unit
+    as_built = run["as_built"]
+    assert as_built["wrappers_found"] == ["FSDPModule"] and as_built["world_size"] == 2
+    assert as_built["dtensor_parameters"] == as_built["parameters"] and as_built["mesh_sizes"] == [2]
+    assert as_built["fsdp_layers"] == 2  # the tiny model's decoder layers, each its own unit
     ddp_state = baseline["memory"]["model_state_bytes_per_rank"][0]
     for state in run["memory"]["model_state_bytes_per_rank"]:
         for part in ("params", "grads", "optimizer"):
@@ -194,8 +194,8 @@ def test_fsdp_without_reshard_and_with_cpu_offload_matches_ddp_loss(prepared, tm
                    stage="fsdp", **DEFAULTS)
     run = run_experiment(prepared, tmp_path / "fsdp-gradop", spec, checkpoint=False)
     assert_same_trajectory(run, baseline)
-    assert run["actual"]["reshard_after_forward"] is False and run["actual"]["cpu_offload"] is True
-    assert run["actual"]["param_shard_devices"] == ["cpu"] and "cpu_offload_note" in run["actual"]
+    assert run["as_built"]["reshard_after_forward"] is False and run["as_built"]["cpu_offload"] is True
+    assert run["as_built"]["param_shard_devices"] == ["cpu"] and "cpu_offload_note" in run["as_built"]
 
 
 @pytest.mark.slow
@@ -223,7 +223,7 @@ def test_stage4_card_passes_the_checkpoint_goal_only_on_a_validated_checkpoint(v
     spec = resolve({"strategy": "fsdp", "world_size": 2}, stage="fsdp")
     run = {"stage": "fsdp", "status": "ok", "experiment": spec["id"], "machine": "m", "spec": spec, "_dir": "d",
            "_validation": validation, "checkpoint": {"status": "saved"},
-           "actual": {"wrappers_found": ["FSDPModule"], "dtensor_parameters": 3, "placements": ["(Shard(dim=0),)"],
+           "as_built": {"wrappers_found": ["FSDPModule"], "dtensor_parameters": 3, "placements": ["(Shard(dim=0),)"],
                       "world_size": 2, "fsdp_layers": 2}}
     goal = stage4_fsdp.run_goal([run], stage4_fsdp.fsdp_runs([run]))
     assert goal.status == status, goal.evidence

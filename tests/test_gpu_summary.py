@@ -19,7 +19,7 @@ def test_summary_prints_throughput_mfu_memory_oom_validations_and_nccl(tmp_path)
         "experiment": "ddp-a", "status": "ok", "throughput": {"tokens_per_s": 123456.0},
         "flops": {"mfu": 0.412, "peak_flops_per_rank": 989.5e12, "peak_how": "dense bf16 peak of NVIDIA H200"},
         "memory": {"per_rank": [{"cuda_max_allocated_bytes": 3 * 2**30, "cuda_max_reserved_bytes": 4 * 2**30}]},
-        "timing": {"comm_inflight_s_per_step": {"median": 0.0021}}, "actual": {"comm_timing": "CUDA events"}})
+        "timing": {"comm_inflight_s_per_step": {"median": 0.0021}}, "as_built": {"comm_timing": "CUDA events"}})
     write(box / "ddp-a" / "validation.json", {"experiment": "ddp-a", "status": "passed",
                                               "checks": {"reload": {"status": "passed"},
                                                          "reshard": {"status": "unsupported"}}})

@@ -75,7 +75,7 @@ def test_sigkill_of_snakemake_leaves_no_launcher_or_rank_running(prepared, tmp_p
     (tmp_path / "train.py").write_text(textwrap.dedent("""
         import json
         from distlab.launch import launch
-        from distlab.smk import logged
+        from distlab.rule_log import logged
         with logged(snakemake):
             launch(json.loads(open(snakemake.input[0]).read()))
     """))

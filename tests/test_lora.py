@@ -104,7 +104,7 @@ def test_lora_under_ddp_freezes_the_base_weights(prepared, ddp_lora):
 @pytest.mark.slow
 def test_lora_under_ddp_two_ranks_matches_one_rank(ddp_lora):
     one, two = ddp_lora["w1"], ddp_lora["w2"]
-    assert two["actual"]["world_size"] == 2 and two["actual"]["outer_wrapper"] == "DistributedDataParallel"
+    assert two["as_built"]["world_size"] == 2 and two["as_built"]["outer_wrapper"] == "DistributedDataParallel"
     assert one["lora_targets"] == two["lora_targets"] and one["parameters"] == two["parameters"]
     assert len(one["loss"]["per_step"]) == len(two["loss"]["per_step"]) == 6
     for a, b in zip(one["loss"]["per_step"], two["loss"]["per_step"]):

@@ -30,7 +30,7 @@ def test_pipeline_produces_measured_stage1_report(finished):
     work, _ = finished
     results = work / "results"
     metrics = json.loads((results / MACHINE / "ddp-full-w2-mb4-ga1" / "metrics.json").read_text())
-    assert metrics["actual"]["world_size"] == 2 and metrics["status"] == "ok"
+    assert metrics["as_built"]["world_size"] == 2 and metrics["status"] == "ok"
     assert metrics["timing"]["step_time_s"]["n"] == 6 and metrics["throughput"]["tokens_per_s"] > 0
     assert (results / MACHINE / "hardware.json").is_file()
     summary = (results / "summary.csv").read_text().splitlines()
@@ -101,11 +101,22 @@ def test_a_config_file_on_the_command_line_replaces_the_embedded_default(tmp_pat
 def test_delete_all_output_leaves_nothing_of_a_run_but_its_logs(finished, tmp_path):
     import shutil
 
+    from distlab.config import load
+
     work, cfg = finished
-    copy = tmp_path / "work"
-    shutil.copytree(work, copy, symlinks=True)
-    snakemake(copy, "--delete-all-output", "--cores", "1", config=cfg)
-    results = copy / "results"
+    copy_dir = tmp_path / "work"
+    shutil.copytree(work, copy_dir, symlinks=True)
+    # Runs that write side files: the generated accelerate config, the pipeline's per-rank records.
+    cfg = copy.deepcopy(cfg)
+    cfg["stages"]["accelerate"] = {"experiments": [{"strategy": "accelerate", "world_size": 1, "micro_batch": 4}]}
+    cfg["stages"]["parallel"] = {"experiments": [{"strategy": "pp", "world_size": 2}]}
+    _, specs = load(copy.deepcopy(cfg), gpu_count=0)
+    side = [i for i, s in specs.items() if s["stage"] in ("accelerate", "parallel")]
+    snakemake(copy_dir, "--cores", "2", *[f"results/{MACHINE}/{i}/metrics.json" for i in side], config=cfg)
+    results = copy_dir / "results"
+    written = {p.name for i in side for p in (results / MACHINE / i).rglob("*")}
+    assert {"accelerate_config.yaml", "pipeline-rank0.json", "pipeline-rank1.json"} <= written, written
+    snakemake(copy_dir, "--delete-all-output", "--cores", "1", config=cfg)
     logs = {".log", ".tsv"}  # Snakemake keeps logs and benchmarks by design
     left = sorted(str(p.relative_to(results)) for p in (results / MACHINE).rglob("*")
                   if p.is_file() and p.suffix not in logs)
@@ -132,3 +143,15 @@ def test_a_failed_checkpoint_validation_fails_the_workflow_after_the_report_is_b
     assert report.stat().st_mtime > (run / "validation.json").stat().st_mtime  # rebuilt, after the edit
     summary = {r.split(",")[2]: r for r in (copy / "results" / "summary.csv").read_text().splitlines()[1:]}
     assert ",failed," in summary["ddp-full-w1-mb8-ga1"]  # the column comes from the declared validation.json
+
+
+def test_every_rule_that_runs_a_job_declares_its_memory_and_runtime():
+    from conftest import REPO
+
+    missing = []
+    for path in sorted((REPO / "rules").glob("*.smk")):
+        for block in re.split(r"^rule ", path.read_text(), flags=re.M)[1:]:
+            name = block.split(":")[0]
+            if "mem_mb=" not in block or "runtime=" not in block:
+                missing.append(f"{path.name}: {name}")
+    assert missing == []

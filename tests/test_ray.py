@@ -180,8 +180,8 @@ def test_two_node_ray_run_puts_one_rank_on_each_node_and_records_where(two_node_
     ray = metrics["ray"]
     assert metrics["spec"]["ray"]["address"] == "env"  # from profiles/ray-head, resolved from RAY_ADDRESS
     assert metrics["status"] == "ok" and ray["launcher"] == "ray" and ray["cluster"]["address"] == cluster.address
-    assert ray["world_size"] == 2 and metrics["actual"]["world_size"] == 2
-    assert metrics["actual"]["outer_wrapper"] == "DistributedDataParallel" and metrics["actual"]["backend"] == "gloo"
+    assert ray["world_size"] == 2 and metrics["as_built"]["world_size"] == 2
+    assert metrics["as_built"]["outer_wrapper"] == "DistributedDataParallel" and metrics["as_built"]["backend"] == "gloo"
     alive = {n["node_id"] for n in ray["nodes_in_cluster"] if n["alive"]}
     assert len(alive) == 2
     assert {r["node_id"] for r in ray["ranks"]} == alive, ray["ranks"]  # one rank per node, both recorded
@@ -299,7 +299,7 @@ def test_elastic_ray_run_grows_when_a_node_joins_and_shrinks_when_it_leaves(prep
     assert changes[:2] == [(2, 3), (3, 2)], metrics["ray"]["world_size_changes"]
     steps = [c["step"] for c in metrics["ray"]["world_size_changes"]]
     assert 0 < steps[0] <= steps[1] < spec["steps"]  # each change recorded at the checkpoint it resumed from
-    assert metrics["ray"]["world_size"] == 2 and metrics["actual"]["world_size"] == 2
+    assert metrics["ray"]["world_size"] == 2 and metrics["as_built"]["world_size"] == 2
     grown = next(a for a in metrics["ray"]["attempts"] if a["world_size"] == 3)
     assert len(grown["nodes"]) == 3  # the joined node really ran a rank
     assert len(metrics["loss"]["per_step"]) == spec["steps"] and None not in metrics["loss"]["per_step"]

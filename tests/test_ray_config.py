@@ -35,7 +35,7 @@ def _run(launcher, median, **ray):
     spec = resolve({"world_size": 2, "launcher": launcher}, stage="ray" if launcher == "ray" else "ddp")
     run = {"machine": "box", "experiment": spec["id"], "stage": spec["stage"], "status": "ok", "spec": spec,
            "_dir": f"/nonexistent/box/{spec['id']}", "loss": {"per_step": [2.0, 1.0]},
-           "actual": {"backend": "gloo", "outer_wrapper": "DistributedDataParallel", "world_size": 2},
+           "as_built": {"backend": "gloo", "outer_wrapper": "DistributedDataParallel", "world_size": 2},
            "timing": {"step_time_s": {"median": median, "p25": median, "p75": median, "n": 4}}}
     if launcher == "ray":
         run["ray"] = {"world_size": 2, "distinct_nodes": 1, "cluster": {"mode": "local"}, "restarts": 0,

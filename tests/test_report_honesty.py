@@ -79,7 +79,7 @@ def test_fsdp_through_accelerate_is_on_the_stage4_card_and_does_not_turn_it_red(
     from distlab.report.cards import stage4_fsdp
 
     run = fake_run(tmp_path / "acc", {"strategy": "fsdp", "world_size": 2, "micro_batch": 2}, "fsdp",
-                   comm_median_s=None, actual={"wrappers_found": ["FSDPModule (fully_shard)"], "device": "cuda:0",
+                   comm_median_s=None, as_built={"wrappers_found": ["FSDPModule (fully_shard)"], "device": "cuda:0",
                                                "outer_wrapper": "FSDPLlamaForCausalLM",
                                                "accelerate": {"fsdp_sharded_modules": 3}})
     run["spec"]["fsdp"]["via"], run["spec"]["device"] = "accelerate", "cuda"  # a GPU path: config refuses it on CPU

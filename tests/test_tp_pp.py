@@ -21,9 +21,9 @@ def test_tensor_parallel_matches_ddp_loss_with_attention_and_mlp_split(prepared,
     run = run_experiment(prepared, tmp_path / "tp", resolve({"strategy": "tp", **WHOLE_BATCH}, stage="parallel",
                                                             **DEFAULTS), checkpoint=False)
     assert_same_trajectory(run, baseline)
-    actual = run["actual"]
-    assert actual["tp_degree"] == 2 and actual["data_parallel_size"] == 1 and actual["heads_per_rank"] == 2
-    split = actual["split_linears_per_layer"]
+    as_built = run["as_built"]
+    assert as_built["tp_degree"] == 2 and as_built["data_parallel_size"] == 1 and as_built["heads_per_rank"] == 2
+    split = as_built["split_linears_per_layer"]
     assert {split[k] for k in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj",
                                "mlp.gate_proj")} == {"(Shard(dim=0),)"}
     assert split["self_attn.o_proj"] == split["mlp.down_proj"] == "(Shard(dim=1),)"
@@ -41,12 +41,12 @@ def test_pipeline_parallel_matches_ddp_loss_and_measures_its_bubble(prepared, tm
                    stage="parallel", **DEFAULTS)
     run = run_experiment(prepared, tmp_path / schedule, spec, checkpoint=False)
     assert_same_trajectory(run, baseline)
-    actual = run["actual"]
-    assert actual["schedule"] == {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}[schedule]
-    assert [s["layers"] for s in actual["stages"]] == [[0], [1]]
-    assert actual["bubble_formula"] == pytest.approx(1 / 3)  # (p-1)/(m+p-1), p=2, m=2
+    as_built = run["as_built"]
+    assert as_built["schedule"] == {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}[schedule]
+    assert [s["layers"] for s in as_built["stages"]] == [[0], [1]]
+    assert as_built["bubble_formula"] == pytest.approx(1 / 3)  # (p-1)/(m+p-1), p=2, m=2
     for rank in (0, 1):
-        bubble = json.loads((tmp_path / schedule / f"pipeline-rank{rank}.json").read_text())
+        bubble = json.loads((tmp_path / schedule / "run_files" / f"pipeline-rank{rank}.json").read_text())
         assert bubble["idle_fraction"]["n"] == DEFAULTS["steps"] - DEFAULTS["warmup_steps"]
         assert 0 < bubble["idle_fraction"]["median"] < 1
 
@@ -98,7 +98,7 @@ def test_pipeline_refuses_tied_embeddings_across_stages():
 
 
 def test_layers_split_into_contiguous_balanced_stages():
-    from distlab.strategies.pp import bubble_formula, split_layers
+    from distlab.strategies.pp_stages import bubble_formula, split_layers
 
     assert split_layers(5, 2) == [range(0, 3), range(3, 5)]
     assert [len(r) for r in split_layers(32, 3)] == [11, 11, 10]

@@ -179,7 +179,7 @@ def fit(job: dict) -> dict:
 
 
 def write_results(job: dict, outcome: dict, cluster: dict) -> None:
-    from distlab.worker import write_outputs
+    from distlab.run_outputs import write_outputs
 
     spec = job["spec"]
     returned = outcome["result"].return_value

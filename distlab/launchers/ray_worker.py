@@ -23,7 +23,7 @@ def node_identity() -> dict:
 
 
 def _ray_checkpoints_class():
-    """TrainingCheckpoints (distlab.worker) that also tells Ray about every checkpoint and
+    """TrainingCheckpoints (distlab.training_checkpoints) that also tells Ray about every checkpoint and
     resumes from the one Ray hands back; built on first use so that importing this module
     (the launcher registry does) loads neither torch nor Ray."""
     import ray
@@ -32,7 +32,7 @@ def _ray_checkpoints_class():
     from ray.train import Checkpoint
 
     from distlab import checkpoint as ckpt
-    from distlab.worker import TrainingCheckpoints
+    from distlab.training_checkpoints import TrainingCheckpoints
 
     class RayCheckpoints(TrainingCheckpoints):
         run_log = None  # the driver's RunLog actor, set by train_worker

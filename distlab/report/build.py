@@ -1,12 +1,10 @@
 """The milestone report: where you stand (overview), what to run next (advisor), one card per
 roadmap stage, then what spans stages: strategy ranking, machines side by side, collective
 bandwidth with the data-parallel break-even batch, loss curves. Self-contained HTML (plots
-embedded, readable on a phone, printable) and Markdown.
+embedded, readable on a phone, printable) and Markdown (distlab.report.render).
 """
 from __future__ import annotations
 
-import datetime
-import html
 import os
 
 from distlab import advisor as adv
@@ -16,31 +14,9 @@ from distlab.report.cards.checkpoint_table import checkpoint_card
 from distlab.report.collect import (COLLECTIVES_SCHEMA_VERSION, HARDWARE_SCHEMA_VERSION, clear_winner, load_runs,
                                     machine_files, read_json, summary_frame)
 from distlab.report.plots import bandwidth_curves, loss_panels, ranking
+from distlab.report.render import render_html, render_markdown
 
-BADGE = {PASSED: "#1a7f37", FAILED: "#cf222e", NOT_RUN: "#6e7781", COMPARED: "#9a6700"}
 NO_CLEAR_WINNER = "no clear winner"
-
-CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:980px;margin:auto;padding:.75rem;
-color:#1f2328;line-height:1.45}
-p,li{overflow-wrap:anywhere}
-.card{border:1px solid #d0d7de;border-radius:8px;padding:.8rem 1rem;margin:1rem 0;break-inside:avoid}
-.badge{color:#fff;border-radius:4px;padding:0 .4rem;font-size:.85em;white-space:nowrap}
-table{border-collapse:collapse;font-size:.8em;display:block;overflow-x:auto;max-width:100%}
-td,th{border:1px solid #d0d7de;padding:.2rem .4rem;text-align:right;white-space:nowrap}
-img{max-width:100%;height:auto}
-.how{color:#57606a;font-size:.85em}
-nav{display:flex;flex-wrap:wrap;gap:.2rem .8rem}
-@media print{.card{page-break-inside:avoid} nav{display:none} a{color:inherit}}
-"""
-
-
-def _rel(path, out_dir):
-    return os.path.relpath(path, out_dir)
-
-
-def _metrics_link(run):
-    return os.path.join(run["_dir"], "metrics.json")
 
 
 def _label(run):
@@ -134,8 +110,8 @@ def ranking_card(runs: list[dict]) -> Card:
             versus = "" if nxt is None else ("faster" if clear_winner(run, nxt) else NO_CLEAR_WINNER)
             rows.append({"rank": i + 1, "experiment": run["experiment"], "stage": run["stage"],
                          "tokens/s": round(t["median"], 1), "spread": f"{t['low']:.1f}-{t['high']:.1f}",
-                         "vs next": versus, "ranks": run["actual"]["world_size"],
-                         "wrapped by": run["actual"].get("outer_wrapper"),
+                         "vs next": versus, "ranks": run["as_built"]["world_size"],
+                         "wrapped by": run["as_built"].get("outer_wrapper"),
                          "checkpoint check": run.get("_validation") and
                          ("passed" if run["_validation"].get("passed") else "failed") or "-"})
         how = (f"{mine[0]['_throughput']['how']}; tokens = every rank's tokens per optimizer step; device "
@@ -216,7 +192,7 @@ def break_even_notes(machine: str, result: dict, runs: list[dict]) -> list[str]:
     """The global batch above which N data-parallel ranks beat one, from measured numbers."""
     n = result["world_size"]
     singles = [r for r in runs if r["machine"] == machine and r.get("status") == "ok" and r["stage"] == "ddp"
-               and r["actual"]["world_size"] == 1]
+               and r["as_built"]["world_size"] == 1]
     if not singles:
         return [f"{machine}: no 1-rank DDP run, so no break-even batch (needs its compute time per sample)."]
     one = singles[0]
@@ -233,7 +209,7 @@ def break_even_notes(machine: str, result: dict, runs: list[dict]) -> list[str]:
             f"beat 1 once the global batch exceeds B* = a*N/(c*(N-1)) = {b_star:.1f} samples (upper bound: DDP "
             "overlaps the all-reduce with backward).")
     peers = [r for r in runs if r["machine"] == machine and r.get("status") == "ok" and r["stage"] == "ddp"
-             and r["actual"]["world_size"] == n and r["spec"]["sampler"] == "distributed"
+             and r["as_built"]["world_size"] == n and r["spec"]["sampler"] == "distributed"
              and r["throughput"]["samples_per_step"] == one["throughput"]["samples_per_step"]]
     if peers:
         speed = peers[0]["throughput"]["tokens_per_s"] / one["throughput"]["tokens_per_s"]
@@ -253,64 +229,6 @@ def loss_card(runs: list[dict]) -> Card:
         card.figures.append(Figure("Loss per optimizer step, one panel per stage", loss_panels(by_stage),
                                    "mean training loss over data-parallel ranks per optimizer step, warm-up included"))
     return card
-
-
-def render_html(sections: list[Card], frame, out_dir: str, versions: str) -> str:
-    machines = ", ".join(sorted(set(frame["machine"]))) if len(frame) else "none"
-    nav = " ".join(f"<a href='#s{c.number}'>{html.escape(c.title.split(' - ')[0])}</a>" for c in sections)
-    parts = ["<!doctype html><html lang='en'><head><meta charset='utf-8'>",
-             "<meta name='viewport' content='width=device-width, initial-scale=1'><link rel='icon' href='data:,'>",
-             f"<title>distlab milestone report</title><style>{CSS}</style></head><body>",
-             "<h1>distlab milestone report</h1>",
-             f"<p class='how'>Built {datetime.datetime.now().isoformat(timespec='seconds')} from {len(frame)} run(s) "
-             f"on machine(s): {html.escape(machines)}. Every figure is measured by the pipeline; each says how. "
-             f"{html.escape(versions)}</p><nav>{nav}</nav>"]
-    for card in sections:
-        parts.append(f"<section class='card' id='s{card.number}'><h2>{html.escape(card.title)}</h2>")
-        if card.goals:
-            parts.append("<ul>")
-            for goal in card.goals:
-                links = " ".join(f"<a href='{html.escape(_rel(l, out_dir))}'>evidence</a>" for l in goal.links)
-                parts.append(f"<li><span class='badge' style='background:{BADGE[goal.status]}'>{goal.status}</span> "
-                             f"<b>{goal.kind}</b>: {html.escape(goal.text)}<br><span class='how'>"
-                             f"{html.escape(goal.evidence)}</span> {links}</li>")
-            parts.append("</ul>")
-        parts += [f"<p>{html.escape(note)}</p>" for note in card.notes]
-        for table in card.tables:
-            parts.append(f"<h3>{html.escape(table.title)}</h3>{table.frame.to_html(index=False, border=0)}"
-                         f"<p class='how'>{html.escape(table.how)}</p>")
-        for fig in card.figures:
-            parts.append(f"<h3>{html.escape(fig.title)}</h3><img alt='{html.escape(fig.title)}' "
-                         f"src='data:image/png;base64,{fig.png_b64}'><p class='how'>{html.escape(fig.how)}</p>")
-        parts.append("</section>")
-    parts.append("</body></html>")
-    return "\n".join(parts)
-
-
-def _table_markdown(frame) -> str:
-    try:
-        return frame.to_markdown(index=False)
-    except ImportError:  # tabulate missing: still readable
-        return "```\n" + frame.to_string(index=False) + "\n```"
-
-
-def render_markdown(sections: list[Card], frame, out_dir: str, versions: str) -> str:
-    lines = ["# distlab milestone report", "",
-             f"{len(frame)} run(s); open index.html for the plots. Every figure is measured by the pipeline. "
-             f"{versions}", ""]
-    for card in sections:
-        lines += [f"## {card.title}", ""]
-        for goal in card.goals:
-            links = " ".join(f"[evidence]({_rel(l, out_dir)})" for l in goal.links)
-            lines.append(f"- **{goal.status}** ({goal.kind}) {goal.text}: {goal.evidence} {links}".rstrip())
-        lines.append("")
-        for note in card.notes:
-            lines += [note, ""]
-        for table in card.tables:
-            lines += [f"### {table.title}", "", _table_markdown(table.frame), "", f"_{table.how}_", ""]
-        for fig in card.figures:
-            lines += [f"- Figure in index.html: {fig.title} ({fig.how})", ""]
-    return "\n".join(lines)
 
 
 def _versions(runs: list[dict]) -> str:

@@ -100,6 +100,8 @@ def load_run(path: str | Path) -> dict:
     for key in ("experiment", "machine", "stage", "spec", "status"):
         if key not in run:
             raise ResultsError(f"{path}: metrics file lacks '{key}'; fix or remove it")
+    if "actual" in run and "as_built" not in run:  # the name results written before 'as_built' used
+        run["as_built"] = run.pop("actual")
     run["_path"] = str(path)
     run["_dir"] = str(path.parent)
     check_run(run)
@@ -218,8 +220,8 @@ def summary_row(run: dict) -> dict:
         "micro_batch": spec["micro_batch"], "grad_accum": spec["grad_accum"], "seq_len": spec["seq_len"],
         "sampler": spec["sampler"], "precision": spec["precision"], "steps": spec["steps"],
         "warmup_steps": spec["warmup_steps"], "repeats": spec.get("repeats", 1),
-        "actual_wrapper": _get(run, "actual", "outer_wrapper"),
-        "actual_world_size": _get(run, "actual", "world_size"),
+        "actual_wrapper": _get(run, "as_built", "outer_wrapper"),
+        "actual_world_size": _get(run, "as_built", "world_size"),
         "step_time_median_s": step.get("median"), "step_time_p25_s": step.get("p25"),
         "step_time_p75_s": step.get("p75"), "step_time_min_s": step.get("min"), "step_time_max_s": step.get("max"),
         "timed_steps": step.get("n"),

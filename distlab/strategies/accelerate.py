@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.launchers.accelerate import CONFIG_NAME, MIXED_PRECISION, uses_accelerate_fsdp
+from distlab.run_layout import RUN_FILES, run_files_dir
 from distlab.strategies.base import FidelityError, Strategy
 
 
@@ -41,7 +42,7 @@ class AccelerateStrategy(Strategy):
         self.fsdp = uses_accelerate_fsdp(self.spec)
         self.accelerator = None
         self.hook = None
-        # Counted as they happen; finish() reports the final counts.
+        # Counted as they happen; facts_after_training() reports the final counts.
         self.counts = {"micro_batches": 0, "gradient_syncs": 0, "optimizer_steps_taken": 0,
                        "optimizer_steps_skipped": 0, "allreduce_calls": 0}
 
@@ -180,7 +181,7 @@ class AccelerateStrategy(Strategy):
         }
         return described
 
-    def finish(self) -> dict:
+    def facts_after_training(self) -> dict:
         return {"accelerate": {**self.describe()["accelerate"], "counts": dict(self.counts)}}
 
     def _launch_config(self) -> dict | None:
@@ -190,12 +191,12 @@ class AccelerateStrategy(Strategy):
             return None
         import yaml
 
-        path = Path(self.ctx.run_dir) / CONFIG_NAME
+        path = run_files_dir(self.ctx.run_dir) / CONFIG_NAME
         if not path.is_file():
             raise FidelityError(f"launcher accelerate but no {path}: the ranks were not started from it")
         text = path.read_bytes()
         config = yaml.safe_load(text)
-        return {"path": CONFIG_NAME, "sha256": hashlib.sha256(text).hexdigest(),
+        return {"path": f"{RUN_FILES}/{CONFIG_NAME}", "sha256": hashlib.sha256(text).hexdigest(),
                 "distributed_type": config.get("distributed_type"), "num_processes": config.get("num_processes"),
                 "use_cpu": config.get("use_cpu"), "mixed_precision": config.get("mixed_precision"),
                 "rank_env_mixed_precision": os.environ.get("ACCELERATE_MIXED_PRECISION")}

@@ -26,7 +26,7 @@ class RunContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    extras: dict = field(default_factory=dict)
+    job: dict = field(default_factory=dict)  # the whole job.json this rank runs
 
     @property
     def is_main(self) -> bool:
@@ -117,9 +117,9 @@ class Strategy:
         measure it (recorded as 'not measured', never as 0)."""
         return None
 
-    def finish(self) -> dict | None:
+    def facts_after_training(self) -> dict | None:
         """Once on every rank after the last step, outside any timer: what the strategy
-        measured across the whole run. Returned keys are merged into the run's `actual`
+        measured across the whole run. Returned keys are merged into the run's `as_built`
         record (rank 0's); a strategy may also write side files (the pipeline bubble)."""
         return None
 

@@ -114,7 +114,7 @@ class DDPStrategy(Strategy):
         value, self.hook.seconds = self.hook.seconds, 0.0
         return value
 
-    def finish(self) -> dict:
+    def facts_after_training(self) -> dict:
         return {"comm_timing": CommTimer.HOW[self.ctx.device.type]}
 
     def unwrapped(self):

@@ -1,5 +1,6 @@
 """DeepSpeed ZeRO 0-3, with optimizer/parameter offload: deepspeed.initialize with a JSON
-config generated from the spec, written beside the results and read back from that file.
+config generated from the spec (distlab.strategies.deepspeed_config), written beside the results
+and read back from that file.
 
 DeepSpeed's engine owns gradient accumulation (engine.backward scales by 1/GAS and
 engine.step only updates on the accumulation boundary), so every micro-batch calls
@@ -7,7 +8,6 @@ backward and step; the loop's optimizer_step is the boundary's step.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -15,77 +15,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from distlab.run_layout import run_files_dir
 from distlab.strategies.base import FidelityError, Strategy
+from distlab.strategies.deepspeed_config import (CONFIG_NAME, deepspeed_config, file_sha256, uses_torch_adam,
+                                                write_config)
 from distlab.strategies.deepspeed_state import engine_state_bytes, estimator_bytes
-
-CONFIG_NAME = "deepspeed_config.json"
-# torch.optim.AdamW defaults, written out so the config file says what runs.
-ADAM_BETAS = [0.9, 0.999]
-ADAM_EPS = 1e-8
-
-
-def uses_torch_adam(spec: dict) -> bool:
-    return spec["deepspeed"]["optimizer_impl"] == "torch"
-
-
-def deepspeed_config(spec: dict, world_size: int) -> dict:
-    """The DeepSpeed JSON config of one experiment (every value from the spec)."""
-    ds = spec["deepspeed"]
-    cuda = spec["device"] == "cuda"
-    zero: dict = {"stage": ds["zero_stage"]}
-    if ds["zero_stage"] == 3:
-        # Partition every parameter: DeepSpeed's default keeps those under 1e5 elements whole
-        # on every rank (fewer all-gathers on GPUs), which a small model is made of.
-        zero["stage3_param_persistence_threshold"] = 0
-        # DeepSpeed's defaults for stage3_max_live_parameters / max_reuse_distance (1e9) keep
-        # gathered parameters resident on a small model; setting them (and the prefetch
-        # bucket) to 0 made a 20-step ZeRO-3 run of the tests' tiny model run past 300 s on
-        # this 2-core machine, so they stay at DeepSpeed's defaults here.
-    for key in ("offload_optimizer", "offload_param"):
-        if ds[key] != "none":
-            block = {"device": ds[key], "pin_memory": cuda}  # pinning needs a CUDA host allocator
-            if ds[key] == "nvme":
-                block["nvme_path"] = ds["nvme_path"]
-            zero[key] = block
-    config = {
-        "train_micro_batch_size_per_gpu": spec["micro_batch"],
-        "gradient_accumulation_steps": spec["grad_accum"],
-        "train_batch_size": spec["micro_batch"] * spec["grad_accum"] * world_size,
-        "optimizer": {"type": "AdamW", "params": {
-            "lr": spec["lr"], "weight_decay": spec["weight_decay"], "betas": ADAM_BETAS, "eps": ADAM_EPS,
-            # torch: torch.optim.AdamW, the implementation DDP runs (nothing to compile).
-            # deepspeed: FusedAdam, or DeepSpeedCPUAdam when offloading (JIT-built ops).
-            "torch_adam": uses_torch_adam(spec)}},
-        # DDP runs do not clip; 0 keeps DeepSpeed from clipping either.
-        "gradient_clipping": 0.0,
-        "zero_optimization": zero,
-        "bf16": {"enabled": spec["precision"] == "bf16"},
-        "fp16": {"enabled": spec["precision"] == "fp16"},
-        "steps_per_print": 2**31 - 1,  # the loop logs; keep the rank logs quiet
-        "wall_clock_breakdown": False,
-    }
-    if uses_torch_adam(spec) and (ds["offload_optimizer"] != "none"):
-        # DeepSpeed refuses a non-DeepSpeedCPUAdam optimizer with offload unless told.
-        config["zero_force_ds_cpu_optimizer"] = False
-    return config
-
 
 def full_numel(param) -> int:
     """Elements of a parameter, also of a ZeRO-3 partitioned one (whose .numel() is 0)."""
     return getattr(param, "ds_numel", None) or param.numel()
-
-
-def write_config(config: dict, run_dir: str, name: str = CONFIG_NAME) -> str:
-    path = Path(run_dir) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(config, indent=1, sort_keys=True))
-    os.replace(tmp, path)
-    return str(path)
-
-
-def file_sha256(path: str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def skip_inference_shm_op() -> None:
@@ -170,9 +108,9 @@ class DeepSpeedStrategy(Strategy):
         # config (another train_batch_size) goes beside the experiment's, never over it.
         name = CONFIG_NAME if world == self.spec["world_size"] else f"deepspeed_config-world{world}.json"
         if dist.get_rank() == 0:
-            write_config(config, self.ctx.run_dir, name)
+            write_config(config, run_files_dir(self.ctx.run_dir), name)
         dist.barrier()
-        self.config_path = str(Path(self.ctx.run_dir) / name)
+        self.config_path = str(run_files_dir(self.ctx.run_dir) / name)
         self.config_sha256 = file_sha256(self.config_path)
         self.largest_layer_params = max(sum(full_numel(p) for p in m.parameters(recurse=False))
                                         for m in model.modules())

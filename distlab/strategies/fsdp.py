@@ -193,7 +193,7 @@ def dcp_save(strategy: Strategy, path: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from distlab.checkpoint import atomic_dir
+    from distlab.checkpoint_files import atomic_dir
 
     model_state, optim_state = get_state_dict(strategy.model, strategy.optimizer, options=_dcp_options())
     tmp, commit = atomic_dir(path) if dist.get_rank() == 0 else (Path(str(path) + ".tmp"), None)

@@ -4,7 +4,7 @@ activations travel rank to rank by point-to-point sends.
 
 A stage is the model's own forward with the other stages' layers replaced by pass-throughs
 (StageModule): masks (sliding window, per-layer attention types), rotary embeddings and norms
-are the model's code, not a re-implementation. Which children run before and after the
+are the model's code, not a re-implementation (distlab.strategies.pp_stages). Which children run before and after the
 layers comes from the model's `base_model_pp_plan`; families without one, or with tied
 embeddings, are refused at config time (distlab.families). Each rank builds the model on the
 meta device and reads from the safetensors only the weights of its stage
@@ -18,123 +18,26 @@ tokens, the last the labels): the data-parallel size is 1.
 
 The bubble is measured, not only computed: each rank times the compute it does inside
 a schedule step (stage forward, loss, stage backward) against the step's wall time;
-the rest is time spent waiting on neighbours. Written per rank to pipeline-rank<r>.json
+the rest is time spent waiting on neighbours. Written per rank to run_files/pipeline-rank<r>.json
 after each step (outside the step timer), next to the formula (p-1)/(m+p-1).
 """
 from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from distlab.model import decoder_layers
 from distlab.partial_load import empty_model, load_held_weights
+from distlab.run_layout import run_files_dir
 from distlab.strategies.base import FidelityError, ModelParallel, Strategy, autocast
+from distlab.strategies.pp_stages import StageModule, bubble_formula, prune_to_stage, split_layers
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-def split_layers(n_layers: int, n_stages: int) -> list[range]:
-    """Contiguous runs of layers, sizes differing by at most one (earlier stages get more)."""
-    if n_stages > n_layers:
-        raise ValueError(f"a pipeline of {n_stages} stages needs at least {n_stages} decoder layers; "
-                         f"the model has {n_layers}")
-    base, extra = divmod(n_layers, n_stages)
-    bounds, start = [], 0
-    for stage in range(n_stages):
-        size = base + (1 if stage < extra else 0)
-        bounds.append(range(start, start + size))
-        start += size
-    return bounds
-
-
-def bubble_formula(stages: int, microbatches: int) -> float:
-    """GPipe / 1F1B idle fraction with equal stage times (Huang et al. 2019; Narayanan et al. 2021)."""
-    return (stages - 1) / (microbatches + stages - 1)
-
-
-class PassThrough(nn.Module):
-    """Stands in for a decoder layer another stage holds: the list keeps its length, so the
-    model's forward still sees layer i at index i (per-layer attention types are indexed)."""
-
-    def forward(self, hidden_states, *args, **kwargs):
-        return hidden_states
-
-
-class StageModule(nn.Module):
-    """This rank's slice of a Hugging Face causal LM, run through the model's own forward.
-
-    Every stage calls the base model's forward (the full causal LM's on the last stage, so the
-    head and any logit soft-capping are the model's own): the masks it builds (causal, sliding
-    window, per-layer types), its rotary embeddings and its final norm are exactly those of the
-    plain model. Layers of other stages are PassThrough. A later stage passes the activations it
-    received as `inputs_embeds` (only their shape, dtype and device shape the masks and rotary
-    tables) and a pre-hook on its first own layer hands them to that layer unchanged, so
-    whatever the preamble does to embeddings (scaling, dropout) happens once, on stage 0.
-    """
-
-    def __init__(self, model, first_layer: nn.Module, first: bool, last: bool):
-        super().__init__()
-        self.hf = model
-        self.first, self.last = first, last
-        self._incoming = None
-        if not first:
-            first_layer.register_forward_pre_hook(self._hand_over, with_kwargs=True)
-
-    def _hand_over(self, _module, args, kwargs):
-        if args:
-            return (self._incoming, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": self._incoming}
-
-    def forward(self, x):
-        inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        self._incoming = None if self.first else x
-        if self.last:
-            return self.hf(**inputs, use_cache=False).logits
-        return self.hf.base_model(**inputs, use_cache=False).last_hidden_state
-
-
-def prune_to_stage(model, keep: range, first: bool, last: bool) -> nn.Module:
-    """Drop what other stages own, keeping Hugging Face parameter names for what stays; returns
-    this stage's first decoder layer. What runs before and after the layers comes from the
-    model's own pipeline plan (config.base_model_pp_plan, see distlab.families)."""
-    from distlab.families import pp_pieces
-
-    if model.config.tie_word_embeddings and not (first and last):
-        raise NotImplementedError("pipeline parallel with tied input/output embeddings would put one weight on "
-                                  "two stages; use a model with tie_word_embeddings false")
-    pieces = pp_pieces(model.config)
-    if pieces is None:
-        raise NotImplementedError(f"pipeline parallel: {type(model).__name__} declares no base_model_pp_plan")
-    before, layers_name, after = pieces
-    base = model.base_model
-    layers = getattr(base, layers_name)
-    for index in range(len(layers)):
-        if index not in keep:
-            layers[index] = PassThrough()
-    if not first:
-        embed = model.get_input_embeddings()
-        for name in before:
-            child = getattr(base, name)
-            if child is embed:
-                setattr(base, name, None)  # never called: later stages pass inputs_embeds
-            elif any(True for _ in child.parameters()):
-                raise NotImplementedError(f"pipeline parallel: '{name}' of {type(base).__name__} has weights and "
-                                          "runs before the decoder layers; only the first stage could hold it")
-    if not last:
-        for name in after:
-            setattr(base, name, nn.Identity())  # the final norm belongs to the last stage
-        head = model.get_output_embeddings()
-        for name, child in model.named_children():
-            if child is head:
-                setattr(model, name, None)
-    return layers[keep.start]
 
 
 class ComputeTimer:
@@ -250,7 +153,7 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
     def take_comm_seconds(self) -> None:
         return None  # point-to-point time is inside the measured idle fraction, not timed apart
 
-    def finish(self) -> None:
+    def facts_after_training(self) -> None:
         if len(self._timings) > self.spec["warmup_steps"]:
             self._write_bubble()
 
@@ -271,8 +174,9 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
                     "wall time of schedule.step, per optimizer step after warm-up; the idle part is waiting on "
                     "neighbour stages (bubble) plus point-to-point transfer time"),
         }
-        Path(self.ctx.run_dir).mkdir(parents=True, exist_ok=True)
-        Path(self.ctx.run_dir, f"pipeline-rank{dist.get_rank()}.json").write_text(json.dumps(record, indent=1))
+        folder = run_files_dir(self.ctx.run_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"pipeline-rank{dist.get_rank()}.json").write_text(json.dumps(record, indent=1))
 
     # -- truth --------------------------------------------------------------------------
     def describe(self) -> dict:

@@ -7,6 +7,7 @@ they cannot pass it). Modules are discovered, so adding a stage touches no regis
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 from dataclasses import dataclass, field
 
@@ -67,6 +68,11 @@ def comm_ms(run) -> float | str:
     """Median collective time per step in ms, or "not measured" (never a 0 standing in for null)."""
     seconds = run["timing"]["comm_inflight_s_per_step"]["median"]
     return "not measured" if seconds is None else round(seconds * 1000, 2)
+
+
+def metrics_link(run) -> str:
+    """A run's metrics.json: the evidence link of a goal about that run."""
+    return os.path.join(run["_dir"], "metrics.json")
 
 
 def ok_runs(runs: list[dict], stage: str) -> list[dict]:

@@ -1,17 +1,11 @@
 """Stage 1 - PyTorch DDP with torchrun: 1 vs N ranks, DistributedSampler, gradient sync."""
 from __future__ import annotations
 
-import os
-
 from distlab.evaluation import eval_sentence
 from distlab.report.cards import (FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Goal, Table, comm_ms,
-                                  ok_runs)
+                                  metrics_link, ok_runs)
 from distlab.report.collect import clear_winner
 from distlab.report.plots import figure, loss_curves, to_png_b64
-
-
-def _link(run):
-    return os.path.join(run["_dir"], "metrics.json")
 
 
 def scaling_groups(runs):
@@ -41,14 +35,14 @@ def loss_parity(group: dict) -> float:
 def build(runs: list[dict]) -> Card:
     card = Card(1, "Stage 1 - PyTorch DDP with torchrun")
     ddp = [r for r in ok_runs(runs, "ddp") if r["spec"]["strategy"] == "ddp"]
-    multi = [r for r in ddp if r["actual"]["world_size"] >= 2 and r["actual"]["outer_wrapper"] == "DistributedDataParallel"]
+    multi = [r for r in ddp if r["as_built"]["world_size"] >= 2 and r["as_built"]["outer_wrapper"] == "DistributedDataParallel"]
     if multi:
-        best = max(multi, key=lambda r: r["actual"]["world_size"])
+        best = max(multi, key=lambda r: r["as_built"]["world_size"])
         med = best["timing"]["step_time_s"]["median"]
         card.goals.append(Goal("minimal", "DDP training ran on 2+ ranks, time measured", PASSED,
-                               f"{best['experiment']} on {best['machine']}: {best['actual']['world_size']} ranks "
-                               f"({best['actual']['backend']}), median step {med * 1000:.1f} ms over "
-                               f"{best['timing']['step_time_s']['n']} timed steps", [_link(best)]))
+                               f"{best['experiment']} on {best['machine']}: {best['as_built']['world_size']} ranks "
+                               f"({best['as_built']['backend']}), median step {med * 1000:.1f} ms over "
+                               f"{best['timing']['step_time_s']['n']} timed steps", [metrics_link(best)]))
     else:
         status = FAILED if ddp else NOT_RUN
         card.goals.append(Goal("minimal", "DDP training ran on 2+ ranks, time measured", status,
@@ -92,7 +86,7 @@ def build(runs: list[dict]) -> Card:
         card.goals.append(Goal("bonus", "Speedup graph 1 vs 2 ranks", PASSED,
                                f"{len(groups)} comparison(s); e.g. {max(first)} ranks: "
                                f"{first[max(first)]['throughput']['tokens_per_s'] / first[1]['throughput']['tokens_per_s']:.2f}x "
-                               "the 1-rank tokens/s", [_link(first[w]) for w in sorted(first)]))
+                               "the 1-rank tokens/s", [metrics_link(first[w]) for w in sorted(first)]))
     else:
         card.goals.append(Goal("bonus", "Speedup graph 1 vs 2 ranks", NOT_RUN,
                                "needs a 1-rank and a 2+-rank DDP run with the same global batch"))
@@ -103,8 +97,8 @@ def build(runs: list[dict]) -> Card:
             card.notes.append(
                 f"Without DistributedSampler ({run['experiment']}): {cov['duplicate_reads']} of {cov['reads']} "
                 f"sample reads were duplicates ({cov['duplicate_fraction']:.0%}); every rank read the same "
-                f"{cov['samples_read_by_every_rank']} samples, so {run['actual']['world_size']} ranks did the work of one.")
-        elif run["actual"]["world_size"] > 1:
+                f"{cov['samples_read_by_every_rank']} samples, so {run['as_built']['world_size']} ranks did the work of one.")
+        elif run["as_built"]["world_size"] > 1:
             cov = run["data"]
             card.notes.append(
                 f"With DistributedSampler ({run['experiment']}): {cov['duplicate_reads']} duplicate reads of "

@@ -2,39 +2,35 @@
 the Accelerate config file alone, and gradient accumulation vs throughput.
 
 Every figure comes from the runs' metrics.json: what Accelerate reported at run time
-(actual.accelerate), the config file the launch read (actual.accelerate.launched_with) and
+(as_built.accelerate), the config file the launch read (as_built.accelerate.launched_with) and
 the counters the strategy kept (micro-batches, gradient syncs, optimizer steps taken).
 """
 from __future__ import annotations
 
 import math
-import os
 
 from matplotlib.ticker import ScalarFormatter
 
 from distlab.evaluation import eval_sentence
-from distlab.report.cards import (FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, comm_ms, ok_runs,
-                                  tokens_per_s)
+from distlab.report.cards import (FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, comm_ms, metrics_link,
+                                  ok_runs, tokens_per_s)
 from distlab.report.plots import figure, loss_curves, to_png_b64
+from distlab.run_layout import run_files_dir
 
 STAGE = "accelerate"
 
 
-def _link(run) -> str:
-    return os.path.join(run["_dir"], "metrics.json")
-
-
-def _facts(run) -> dict:
-    return (run.get("actual") or {}).get("accelerate") or {}
+def _accelerate_record(run) -> dict:
+    return (run.get("as_built") or {}).get("accelerate") or {}
 
 
 def _counts(run) -> dict:
-    return _facts(run).get("counts") or {}
+    return _accelerate_record(run).get("counts") or {}
 
 
 def accelerate_runs(runs: list[dict]) -> list[dict]:
     """Successful stage-2 runs that the Accelerate strategy really ran."""
-    return [r for r in ok_runs(runs, STAGE) if r["spec"]["strategy"] == "accelerate" and _facts(r)]
+    return [r for r in ok_runs(runs, STAGE) if r["spec"]["strategy"] == "accelerate" and _accelerate_record(r)]
 
 
 def stepped_as_asked(run) -> str | None:
@@ -56,12 +52,12 @@ def config_pairs(runs: list[dict]) -> list[tuple[dict, dict]]:
     everything else that differed between them was the Accelerate config file."""
     pairs = []
     for one in runs:
-        if one["spec"]["world_size"] != 1 or not _facts(one).get("launched_with"):
+        if one["spec"]["world_size"] != 1 or not _accelerate_record(one).get("launched_with"):
             continue
         for multi in runs:
             if multi["machine"] != one["machine"] or multi["spec"]["world_size"] < 2:
                 continue
-            if not _facts(multi).get("launched_with"):
+            if not _accelerate_record(multi).get("launched_with"):
                 continue
             a = {k: v for k, v in one["spec"].items() if k not in ("id", "world_size")}
             b = {k: v for k, v in multi["spec"].items() if k not in ("id", "world_size")}
@@ -86,22 +82,22 @@ def lora_goal(runs: list[dict], accel: list[dict]) -> Goal:
     lora = [r for r in accel if r["spec"]["method"] == "lora"]
     good = [r for r in lora if stepped_as_asked(r) is None and math.isfinite(r["loss"]["last"] or math.nan)]
     if good:
-        run = max(good, key=lambda r: r["actual"]["world_size"])
-        facts, params = _facts(run), run["parameters"]
+        run = max(good, key=lambda r: r["as_built"]["world_size"])
+        facts, params = _accelerate_record(run), run["parameters"]
         return Goal("minimal", text, PASSED,
                     f"{run['experiment']} on {run['machine']}: Accelerate {facts['distributed_type']}, "
-                    f"{facts['num_processes']} process(es), model wrapped by {run['actual']['wrapped_by']}; "
+                    f"{facts['num_processes']} process(es), model wrapped by {run['as_built']['wrapped_by']}; "
                     f"{params['trainable']:,} of {params['total']:,} parameters trainable "
                     f"({params['trainable_fraction']:.1%}, targets {', '.join(run.get('lora_targets') or [])}); "
                     f"{_counts(run)['optimizer_steps_taken']} optimizer steps, loss {run['loss']['first']:.3f} -> "
-                    f"{run['loss']['last']:.3f}", [_link(r) for r in good])
+                    f"{run['loss']['last']:.3f}", [metrics_link(r) for r in good])
     tried = [r for r in runs if r["stage"] == STAGE and r["spec"]["method"] == "lora"]
     if lora:
         return Goal("minimal", text, FAILED, "; ".join(f"{r['experiment']}: {stepped_as_asked(r)}" for r in lora),
-                    [_link(r) for r in lora])
+                    [metrics_link(r) for r in lora])
     if tried:
         return Goal("minimal", text, FAILED, "; ".join(f"{r['experiment']}: status {r.get('status')}" for r in tried),
-                    [_link(r) for r in tried])
+                    [metrics_link(r) for r in tried])
     return Goal("minimal", text, NOT_RUN, "no Accelerate LoRA experiment in the results")
 
 
@@ -115,11 +111,11 @@ def switch_goal(card: Card, pairs) -> None:
 
     rows, verdicts = [], []
     for one, multi in pairs:
-        real = (one["actual"]["world_size"], multi["actual"]["world_size"])
+        real = (one["as_built"]["world_size"], multi["as_built"]["world_size"])
         ok = real == (1, multi["spec"]["world_size"])
         verdicts.append(ok)
         for run in (one, multi):
-            facts, launched = _facts(run), _facts(run)["launched_with"]
+            facts, launched = _accelerate_record(run), _accelerate_record(run)["launched_with"]
             st = run["timing"]["step_time_s"]
             median, low, high = tokens_per_s(run)
             rows.append({"machine": run["machine"], "experiment": run["experiment"],
@@ -127,7 +123,7 @@ def switch_goal(card: Card, pairs) -> None:
                          "config distributed_type": launched["distributed_type"],
                          "config num_processes": launched["num_processes"],
                          "Accelerate reported": facts["distributed_type"],
-                         "real world size": run["actual"]["world_size"], "wrapped by": run["actual"]["wrapped_by"],
+                         "real world size": run["as_built"]["world_size"], "wrapped by": run["as_built"]["wrapped_by"],
                          "median step (ms)": round(st["median"] * 1000, 1),
                          "tokens/s (spread)": f"{median:.0f} ({low:.0f}-{high:.0f})",
                          "loss first -> last": f"{run['loss']['first']:.3f} -> {run['loss']['last']:.3f}"})
@@ -135,12 +131,13 @@ def switch_goal(card: Card, pairs) -> None:
     card.goals.append(Goal(
         "minimal", text, PASSED if all(verdicts) else FAILED,
         f"{one['experiment']} and {multi['experiment']} have the same spec except world_size; their config files "
-        f"asked for {_facts(one)['launched_with']['num_processes']} and "
-        f"{_facts(multi)['launched_with']['num_processes']} processes and the runs recorded real world sizes "
-        f"{one['actual']['world_size']} and {multi['actual']['world_size']} (Accelerate: "
-        f"{_facts(one)['distributed_type']}, {_facts(multi)['distributed_type']})",
-        [_link(one), _link(multi), os.path.join(one["_dir"], "accelerate_config.yaml"),
-         os.path.join(multi["_dir"], "accelerate_config.yaml")]))
+        f"asked for {_accelerate_record(one)['launched_with']['num_processes']} and "
+        f"{_accelerate_record(multi)['launched_with']['num_processes']} processes and the runs recorded real "
+        f"world sizes "
+        f"{one['as_built']['world_size']} and {multi['as_built']['world_size']} (Accelerate: "
+        f"{_accelerate_record(one)['distributed_type']}, {_accelerate_record(multi)['distributed_type']})",
+        [metrics_link(one), metrics_link(multi), str(run_files_dir(one["_dir"]) / "accelerate_config.yaml"),
+         str(run_files_dir(multi["_dir"]) / "accelerate_config.yaml")]))
     card.tables.append(Table("Single vs multi process: only the Accelerate config file changed", pd.DataFrame(rows),
                              "config columns: the file `accelerate launch` read, as the ranks found it; reported "
                              "columns: Accelerator.distributed_type and torch.distributed world size at run time; "
@@ -201,7 +198,7 @@ def accumulation_goal(card: Card, groups: dict) -> None:
                 f"each run took exactly its {group[lo]['spec']['steps']} optimizer steps with one gradient sync each")
     card.goals.append(Goal("bonus", text, FAILED if problems else PASSED,
                            "; ".join(problems) if problems else evidence,
-                           [_link(r) for g in groups.values() for r in g.values()]))
+                           [metrics_link(r) for g in groups.values() for r in g.values()]))
 
 
 def build(runs: list[dict]) -> Card:
@@ -210,10 +207,11 @@ def build(runs: list[dict]) -> Card:
     card.goals.append(lora_goal(runs, accel))
     switch_goal(card, config_pairs(accel))
     accumulation_goal(card, accumulation_groups(accel))
-    relabelled = [r for r in accel if (_facts(r).get("launched_with") or {}).get("distributed_type")
-                  not in (None, _facts(r)["distributed_type"])]
+    relabelled = [r for r in accel if (_accelerate_record(r).get("launched_with") or {}).get("distributed_type")
+                  not in (None, _accelerate_record(r)["distributed_type"])]
     if relabelled:
-        seen = sorted({(_facts(r)["launched_with"]["distributed_type"], _facts(r)["distributed_type"])
+        seen = sorted({(_accelerate_record(r)["launched_with"]["distributed_type"],
+                        _accelerate_record(r)["distributed_type"])
                        for r in relabelled})
         card.notes.append(
             f"Config file vs Accelerate at run time ({', '.join(r['experiment'] for r in relabelled)}): "

@@ -1,27 +1,14 @@
-"""Stage 3 - DeepSpeed ZeRO: per-rank model-state memory by stage, measured vs formula."""
+"""Stage 3 - DeepSpeed ZeRO: per-rank model-state memory by stage, measured vs formula
+(distlab.report.cards.zero_memory), the budget, offload and DDP-parity goals."""
 from __future__ import annotations
-
-import os
 
 from distlab.evaluation import eval_sentence
 from distlab.memory import phase_peaks
-from distlab.report.cards import COMPARED, FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs
-from distlab.report.plots import figure, loss_curves, to_png_b64
+from distlab.report.cards import (COMPARED, FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, metrics_link,
+                                  ok_runs)
+from distlab.report.cards.zero_memory import GAP_LIMIT, MIB, gap_note, memory_figure, memory_rows
+from distlab.report.plots import loss_curves
 
-# Bytes per parameter of (weights, grads, optimizer state). Mixed precision is the ZeRO
-# paper's (Rajbhandari et al. 2020): 2 + 2 + K=12 (fp32 master 4, Adam m 4, v 4). In fp32
-# the weights and grads are 4 bytes; ZeRO 1-3 still keep a separate fp32 master partition
-# (K=12), while stage 0 steps the weights themselves (K=8: Adam m and v only).
-BYTES_PER_PARAM = {"fp32": (4, 4, 12), "mixed": (2, 2, 12)}
-
-
-def zero_formula_bytes(psi: int, world: int, stage: int, precision: str) -> float:
-    """Per-rank model-state bytes: optimizer state sharded from stage 1, grads from 2, weights at 3."""
-    return sum(zero_formula_parts(psi, world, stage, precision).values())
-
-
-MIB = 2**20
-GAP_LIMIT = 0.10
 GOAL_TABLE = "ZeRO stage memory table, measured vs formula (ZeRO on 2+ devices, memory measured)"
 GOAL_BUDGET = "ZeRO-3 ran what a single device could not, under the same per-rank memory budget"
 # Max |loss diff| vs DDP below which the card says ZeRO left fp32 training unchanged (float
@@ -30,111 +17,10 @@ PARITY_TOLERANCE = 1e-4
 GOAL_OFFLOAD = "Offload slowdown measured (same model and batch, with and without offload)"
 
 
-def _link(run) -> str:
-    return os.path.join(run["_dir"], "metrics.json")
-
-
-def zero_formula_parts(psi: int, world: int, stage: int, precision: str) -> dict:
-    weights, grads, optim = BYTES_PER_PARAM["fp32" if precision == "fp32" else "mixed"]
-    if stage == 0 and precision == "fp32":
-        optim = 8
-    return {"params": weights * psi / (world if stage >= 3 else 1),
-            "grads": grads * psi / (world if stage >= 2 else 1),
-            "optimizer": optim * psi / (world if stage >= 1 else 1)}
-
-
-def formula_text(stage: int, precision: str) -> str:
-    parts = zero_formula_parts(1, 1, stage, precision)  # bytes per parameter, N left symbolic
-    terms = [f"{int(v)}*Psi{'/N' if stage >= lim else ''}"
-             for v, lim in ((parts["params"], 3), (parts["grads"], 2), (parts["optimizer"], 1))]
-    return " + ".join(terms)
-
-
-def held(state: dict) -> dict:
-    """Model state one rank held, where offloaded state counts with its category."""
-    return {k: state.get(k, 0) + state.get(f"offloaded_{k}", 0) for k in ("params", "grads", "optimizer")}
-
-
-def largest_rank_state(run: dict) -> dict:
-    states = [s for s in run["memory"]["model_state_bytes_per_rank"] if s]
-    return max(states, key=lambda s: sum(held(s).values()))
-
-
 def deepspeed_runs(runs: list[dict]) -> list[dict]:
     """Successful runs a DeepSpeed engine really ran (the label alone is not trusted)."""
     return [r for r in ok_runs(runs, "deepspeed") if r["spec"]["strategy"] == "deepspeed"
-            and (r.get("actual") or {}).get("deepspeed", {}).get("engine") == "DeepSpeedEngine"]
-
-
-def gap_note(run, measured: dict, expected: dict) -> str:
-    """Where a gap over 10% sits: each category measured vs the formula."""
-    parts = [f"{k} {measured[k] / MIB:.2f} vs {expected[k] / MIB:.2f} MiB" for k in expected
-             if abs(measured[k] - expected[k]) > GAP_LIMIT * max(expected[k], 1)]
-    why = []
-    if run["spec"]["deepspeed"]["zero_stage"] == 1 and run["spec"]["grad_accum"] == 1:
-        why.append("with grad_accum 1 DeepSpeed's ZeRO-1 reduces and frees the whole gradients inside the "
-                   "boundary backward, so no snapshot after a backward holds them")
-    if run["spec"]["deepspeed"]["offload_optimizer"] != "none" and measured["grads"] > expected["grads"]:
-        why.append("ZeRO-Offload keeps a second fp32 copy of the gradient partition in host memory for the "
-                   "CPU optimizer step")
-    return "; ".join(parts + why)
-
-
-def memory_rows(ds_runs: list[dict]) -> list[dict]:
-    rows = []
-    # The formulas assume every parameter trains; LoRA runs hold frozen weights outside them.
-    ds_runs = [r for r in ds_runs if r["spec"]["method"] == "full"]
-    for run in sorted(ds_runs, key=lambda r: (r["machine"], r["spec"]["deepspeed"]["zero_stage"], r["experiment"])):
-        spec, actual = run["spec"], run["actual"]
-        stage, world = actual["deepspeed"]["zero_stage"], actual["world_size"]
-        psi = run["parameters"]["trainable"]
-        state = largest_rank_state(run)
-        measured = held(state)
-        total = sum(measured.values())
-        expected = zero_formula_parts(psi, world, stage, spec["precision"])
-        formula = sum(expected.values())
-        estimator = actual["deepspeed"].get("estimator") or {}
-        off = sum(state.get(f"offloaded_{k}", 0) for k in ("params", "grads", "optimizer"))
-        device_held = total - off
-        est = estimator.get("device_bytes")
-        if off and spec["device"] == "cpu":
-            est = None  # offloaded and "device" state share host memory: no device figure to compare
-            estimator = dict(estimator, device_bytes=None,
-                             why="n/a: on a CPU run offloaded and device state share host memory")
-        gap = total / formula - 1
-        rows.append({
-            "machine": run["machine"], "experiment": run["experiment"], "ZeRO stage": stage, "ranks": world,
-            "offload (opt/param)": f"{actual['deepspeed']['offload_optimizer']}/{actual['deepspeed']['offload_param']}",
-            "precision": spec["precision"], "params (Psi)": psi,
-            "measured state (MiB/rank)": round(total / MIB, 3),
-            "of it offloaded (MiB)": round(off / MIB, 3),
-            "formula": formula_text(stage, spec["precision"]),
-            "formula (MiB)": round(formula / MIB, 3),
-            "gap vs formula": f"{gap:+.1%}",
-            "DeepSpeed estimator, device (MiB)": round(est / MIB, 3) if est is not None else "n/a",
-            "measured on device vs estimator": f"{device_held / est - 1:+.1%}" if est else
-            (estimator.get("why") or "n/a"),
-            "other ZeRO buffers (MiB)": round(state.get("other", 0) / MIB, 3),
-            "_gap": gap, "_run": run, "_measured": measured, "_expected": expected, "_estimator": estimator,
-        })
-    return rows
-
-
-def memory_figure(rows: list[dict]) -> str:
-    fig, ax = figure(6.5, 3.6)
-    labels = [f"z{r['ZeRO stage']} w{r['ranks']}{' off' if r['of it offloaded (MiB)'] else ''}" for r in rows]
-    xs = range(len(rows))
-    ax.bar([x - 0.27 for x in xs], [r["measured state (MiB/rank)"] for r in rows], 0.27, label="measured")
-    ax.bar(list(xs), [r["formula (MiB)"] for r in rows], 0.27, label="ZeRO formula")
-    est = [r["DeepSpeed estimator, device (MiB)"] for r in rows]
-    ax.bar([x + 0.27 for x in xs], [e if isinstance(e, float) else 0 for e in est], 0.27,
-           label="DeepSpeed estimator (device)")
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels(labels, fontsize=7)
-    ax.set_ylabel("model state per rank (MiB)")
-    ax.set_title("ZeRO per-rank model state")
-    ax.legend(fontsize=7)
-    return to_png_b64(fig)
+            and (r.get("as_built") or {}).get("deepspeed", {}).get("engine") == "DeepSpeedEngine"]
 
 
 def budget_goal(runs: list[dict]) -> Goal:
@@ -161,11 +47,11 @@ def budget_goal(runs: list[dict]) -> Goal:
             if verdicts and all(v and v["fits"] for v in verdicts):
                 worst = max(v["measured_bytes"] for v in verdicts)
                 if verdicts[0]["enforced"]:
-                    why = (f"{run['actual']['world_size']} ranks finished under the enforced budget of "
+                    why = (f"{run['as_built']['world_size']} ranks finished under the enforced budget of "
                            f"{verdicts[0]['bytes'] / MIB:.1f} MiB per rank ({verdicts[0].get('how', 'how not recorded').split(' (')[0]}); "
                            f"largest rank {worst / MIB:.1f} MiB ({verdicts[0].get('measured_what', 'measure not recorded')})")
                 else:
-                    why = (f"{run['actual']['world_size']} ranks, largest rank {worst / MIB:.1f} MiB <= budget "
+                    why = (f"{run['as_built']['world_size']} ranks, largest rank {worst / MIB:.1f} MiB <= budget "
                            f"{verdicts[0]['bytes'] / MIB:.1f} MiB, compared, not enforced")
                 sharded.append((run, why, verdicts[0]["enforced"]))
     if not budgeted:
@@ -184,7 +70,7 @@ def budget_goal(runs: list[dict]) -> Goal:
                 f"{one['experiment']}: {one_why}; {zero['experiment']}: {zero_why}"
                 + ("" if enforced else ". The budget was compared with the measured memory after the run, not "
                    "enforced by an allocator, so this does not show the runs could not exceed it"),
-                [_link(one), _link(zero)])
+                [metrics_link(one), metrics_link(zero)])
 
 
 def offload_pairs(ds_runs: list[dict]) -> list[tuple[dict, dict]]:
@@ -193,10 +79,10 @@ def offload_pairs(ds_runs: list[dict]) -> list[tuple[dict, dict]]:
         return (r["machine"], s["deepspeed"]["zero_stage"], s["world_size"], s["micro_batch"], s["grad_accum"],
                 s["seq_len"], s["precision"], s["method"])
 
-    plain = {key(r): r for r in ds_runs if r["actual"]["deepspeed"]["offload_optimizer"] == "none"
-             and r["actual"]["deepspeed"]["offload_param"] == "none"}
+    plain = {key(r): r for r in ds_runs if r["as_built"]["deepspeed"]["offload_optimizer"] == "none"
+             and r["as_built"]["deepspeed"]["offload_param"] == "none"}
     return [(plain[key(r)], r) for r in ds_runs if key(r) in plain and r is not plain[key(r)]
-            and "none" != r["actual"]["deepspeed"]["offload_optimizer"]]
+            and "none" != r["as_built"]["deepspeed"]["offload_optimizer"]]
 
 
 def ddp_parity(ds_runs: list[dict], runs: list[dict]) -> list[dict]:
@@ -217,7 +103,7 @@ def ddp_parity(ds_runs: list[dict], runs: list[dict]) -> list[dict]:
             n = min(len(a), len(z))
             rows.append({"DeepSpeed run": run["experiment"], "DDP run": base["experiment"], "steps compared": n,
                          "max |loss diff|": f"{max(abs(x - y) for x, y in zip(a[:n], z[:n])):.2e}",
-                         "optimizer": run["actual"]["deepspeed"]["basic_optimizer"], "precision": s["precision"]})
+                         "optimizer": run["as_built"]["deepspeed"]["basic_optimizer"], "precision": s["precision"]})
             break
     return rows
 
@@ -259,7 +145,7 @@ def build(runs: list[dict]) -> Card:
                                f"ZeRO stages {stages} ran on 2+ ranks with per-rank model state measured; "
                                f"state {'shrinks' if shrinks else 'does NOT shrink'} stage by stage; largest gap vs "
                                f"formula {worst['_gap']:+.1%} ({worst['experiment']})",
-                               [_link(r["_run"]) for r in multi]))
+                               [metrics_link(r["_run"]) for r in multi]))
     else:
         card.goals.append(Goal("minimal", GOAL_TABLE, FAILED if ds_runs else NOT_RUN,
                                "needs DeepSpeed runs of at least two ZeRO stages on 2+ ranks"))
@@ -271,10 +157,10 @@ def build(runs: list[dict]) -> Card:
         card.goals.append(Goal("bonus", GOAL_OFFLOAD, PASSED,
                                f"{off['experiment']} median step {off['timing']['step_time_s']['median'] * 1000:.0f} ms"
                                f" vs {plain['experiment']} {plain['timing']['step_time_s']['median'] * 1000:.0f} ms: "
-                               f"{slow:.2f}x", [_link(plain), _link(off)]))
+                               f"{slow:.2f}x", [metrics_link(plain), metrics_link(off)]))
         card.tables.append(Table("Offload slowdown", pd.DataFrame([{
             "run": r["experiment"], "offload (opt/param)":
-                f"{r['actual']['deepspeed']['offload_optimizer']}/{r['actual']['deepspeed']['offload_param']}",
+                f"{r['as_built']['deepspeed']['offload_optimizer']}/{r['as_built']['deepspeed']['offload_param']}",
             "median step (ms)": round(r["timing"]["step_time_s"]["median"] * 1000, 1),
             "step p25-p75 (ms)": f"{r['timing']['step_time_s']['p25'] * 1000:.1f}-"
                                  f"{r['timing']['step_time_s']['p75'] * 1000:.1f}",
@@ -324,7 +210,7 @@ def build(runs: list[dict]) -> Card:
                               + (f"; {compared} rank(s) only compared after the run (not enforced)" if compared
                                  else "") + ". A run past an enforced budget ends with status oom.")
         card.tables.append(Table("Per-rank peak memory: load phase vs training phase", pd.DataFrame([
-            {"run": r["experiment"], "ranks": r["actual"]["world_size"], "ZeRO stage": r["actual"]["deepspeed"]["zero_stage"],
+            {"run": r["experiment"], "ranks": r["as_built"]["world_size"], "ZeRO stage": r["as_built"]["deepspeed"]["zero_stage"],
              **{f"{name} peak, largest rank (MiB)": round(v / MIB, 1) if (v := phase_peaks(r)[phase]) is not None
                 else None for name, phase in (("load", "load_phase"), ("training", "training_phase"))},
              "measured as": phase_peaks(r)["load_phase_what"]} for r in ds_runs]),

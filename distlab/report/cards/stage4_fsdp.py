@@ -2,7 +2,7 @@
 shard next to DeepSpeed ZeRO-3 on the same model, data and global batch.
 
 Everything comes from the runs' metrics.json (what fully_shard really did is under
-`actual`) and, for the checkpoint, from validation.json written by checkpoint validation.
+`as_built`) and, for the checkpoint, from validation.json written by checkpoint validation.
 """
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 
 from distlab.evaluation import eval_sentence
-from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs, tokens_per_s
+from distlab.report.cards import (FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, metrics_link, ok_runs,
+                                  tokens_per_s)
 from distlab.report.collect import clear_winner
 from distlab.report.plots import loss_curves, to_png_b64
 
@@ -20,20 +21,16 @@ GOAL_VS = "ZeRO-3 vs FSDP throughput"
 MIB = 2**20
 
 
-def _link(run) -> str:
-    return os.path.join(run["_dir"], "metrics.json")
-
-
 def fsdp_runs(runs: list[dict]) -> list[dict]:
     """Successful FSDP runs (native or through Accelerate, spec fsdp.via) that fully_shard really
     wrapped: native runs record "FSDPModule", Accelerate's "FSDPModule (fully_shard)"."""
     return [r for r in ok_runs(runs, "fsdp") if r["spec"]["strategy"] == "fsdp"
-            and any(w.startswith("FSDPModule") for w in (r.get("actual") or {}).get("wrappers_found", []))]
+            and any(w.startswith("FSDPModule") for w in (r.get("as_built") or {}).get("wrappers_found", []))]
 
 
 def sharding_text(run: dict) -> str:
     """How the run's parameters were sharded, from what its record measured."""
-    a = run["actual"]
+    a = run["as_built"]
     if a.get("dtensor_parameters") is not None:
         return (f"{a['dtensor_parameters']} parameters sharded as {a['placements']} over {a['world_size']} ranks, "
                 f"{a['fsdp_layers']} decoder layers as fully_shard units")
@@ -102,7 +99,7 @@ def row(run: dict, label: str) -> dict:
     peak, peak_what = peak_mib(run)
     state = state_mib(run)
     return {"run": label, "experiment": run["experiment"], "machine": run["machine"],
-            "ranks": run["actual"]["world_size"], "global batch": global_batch(run),
+            "ranks": run["as_built"]["world_size"], "global batch": global_batch(run),
             "tokens/s": round(tps, 1), "tokens/s range": f"{low:.0f}-{high:.0f}",
             "median step (ms)": round(st["median"] * 1000, 1),
             "step p25-p75 (ms)": f"{st['p25'] * 1000:.1f}-{st['p75'] * 1000:.1f}",
@@ -123,19 +120,19 @@ def run_goal(runs: list[dict], fsdp: list[dict]) -> Goal:
         run = passed[0]
         return Goal("minimal", GOAL_RUN, PASSED,
                     f"{run['experiment']}: {sharding_text(run)}; checkpoint saved and its validation passed",
-                    [_link(run), os.path.join(run["_dir"], "validation.json")])
+                    [metrics_link(run), os.path.join(run["_dir"], "validation.json")])
     failed = [(r, v) for r, v in checked if v is not None]
     if failed:
         run, v = failed[0]
         bad = [name for name, c in (v.get("checks") or {}).items() if c.get("status") == "failed"]
         return Goal("minimal", GOAL_RUN, FAILED,
                     f"{run['experiment']} trained, but checkpoint validation failed ({', '.join(bad) or 'see file'})",
-                    [_link(run), os.path.join(run["_dir"], "validation.json")])
+                    [metrics_link(run), os.path.join(run["_dir"], "validation.json")])
     run = fsdp[0]
     saved = (run.get("checkpoint") or {}).get("status", "no record")
     return Goal("minimal", GOAL_RUN, NOT_RUN,
                 f"{run['experiment']} trained with sharded parameters (checkpoint save: {saved}), but checkpoint "
-                "validation has not run, so the checkpoint part is not checked", [_link(run)])
+                "validation has not run, so the checkpoint part is not checked", [metrics_link(run)])
 
 
 def build(runs: list[dict]) -> Card:
@@ -176,9 +173,9 @@ def build(runs: list[dict]) -> Card:
         verdict = ("the spreads do not overlap" if clear_winner(f, z)
                    else "the spreads overlap, so this machine does not tell them apart")
         card.goals.append(Goal("bonus", GOAL_VS, PASSED,
-                               f"{f['experiment']} vs {z['experiment']} ({f['machine']}, {f['actual']['world_size']} "
+                               f"{f['experiment']} vs {z['experiment']} ({f['machine']}, {f['as_built']['world_size']} "
                                f"ranks, global batch {global_batch(f)}): FSDP at {ratio:.2f}x ZeRO-3's median tokens/s; "
-                               f"{verdict}", [_link(f), _link(z)]))
+                               f"{verdict}", [metrics_link(f), metrics_link(z)]))
     else:
         missing = ("no FSDP full-shard run" if not any(is_full_shard(r) for r in fsdp) else
                    "no DeepSpeed ZeRO-3 run (no offload) with the same machine, world size, micro-batch, "
@@ -191,7 +188,7 @@ def build(runs: list[dict]) -> Card:
         rows = []
         for run in fsdp:
             r = row(run, "FSDP")
-            a, fs = run["actual"], run["spec"]["fsdp"]
+            a, fs = run["as_built"], run["spec"]["fsdp"]
             r["run"] = ("full shard" if fs["reshard_after_forward"] else "no reshard (grad-op)") + \
                 (" + CPU offload" if fs["cpu_offload"] else "") + (" via Accelerate" if fs["via"] == "accelerate" else "")
             r["mixed precision"] = a.get("mixed_precision")

@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 from pathlib import Path
 
 from distlab.evaluation import eval_sentence
-from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table
+from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, metrics_link
 from distlab.report.collect import clear_winner
 from distlab.report.plots import figure, loss_curves, to_png_b64
 
 # Spec fields that may differ between a Ray run and its torchrun twin.
 LAUNCH_ONLY = ("launcher", "id", "stage", "ray", "tag")
 DOCS_CLAIM = 0.025  # the roadmap's figure for Ray Train's overhead over plain torchrun
-
-
-def _link(run):
-    return os.path.join(run["_dir"], "metrics.json")
 
 
 def ray_runs(runs):
@@ -64,7 +59,7 @@ def overhead_rows(runs):
             "job wall torchrun (s)": None if base_job is None else round(base_job, 1),
             "job overhead": None if not (ray_job and base_job) else f"{ray_job / base_job - 1:+.1%}",
             "_step_ratio": ray_step["median"] / base_step["median"],
-            "_links": [_link(run), _link(twin)],
+            "_links": [metrics_link(run), metrics_link(twin)],
         })
     return rows
 
@@ -106,9 +101,9 @@ def build(runs: list[dict]) -> Card:
         info = best["ray"]
         card.goals.append(Goal("minimal", "Distributed run on a local Ray cluster", PASSED,
                                f"{best['experiment']} on {best['machine']}: {info['world_size']} Ray Train workers "
-                               f"({best['actual']['backend']}, {best['actual']['outer_wrapper']}) on "
+                               f"({best['as_built']['backend']}, {best['as_built']['outer_wrapper']}) on "
                                f"{info['distinct_nodes']} Ray node(s), {info['cluster']['mode']}; median step "
-                               f"{best['timing']['step_time_s']['median'] * 1000:.1f} ms", [_link(best)]))
+                               f"{best['timing']['step_time_s']['median'] * 1000:.1f} ms", [metrics_link(best)]))
     else:
         card.goals.append(Goal("minimal", "Distributed run on a local Ray cluster", FAILED if tried else NOT_RUN,
                                "no successful launcher-ray run with 2+ workers"))
@@ -135,7 +130,7 @@ def build(runs: list[dict]) -> Card:
                                                                 for c in r["ray"]["world_size_changes"])
                             for r in resized)
         card.goals.append(Goal("bonus", "Elastic resize observed (node joined / left)", PASSED, changes,
-                               [_link(r) for r in resized]))
+                               [metrics_link(r) for r in resized]))
         card.figures.append(Figure("Elastic worker group", elastic_figure(resized),
                                    "ranks of each Ray Train worker group, from the workers' own start records; "
                                    "a resize restarts the group from the newest checkpoint"))
@@ -150,7 +145,7 @@ def build(runs: list[dict]) -> Card:
                                "; ".join(f"{r['experiment']}: {len(r['ray']['faults_injected'])} injected fault(s), "
                                          f"{r['ray']['restarts']} restart(s), resumed at step(s) "
                                          f"{[a['start_step'] for a in r['ray']['attempts'][1:]]}" for r in recovered),
-                               [_link(r) for r in recovered]))
+                               [metrics_link(r) for r in recovered]))
     else:
         card.goals.append(Goal("bonus", "Fault recovered (worker replaced, resumed from checkpoint)", NOT_RUN,
                                "no recorded run restarted after a failure (ray.max_failures > 0 and a killed "

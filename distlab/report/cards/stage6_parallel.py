@@ -2,31 +2,26 @@
 
 Loss is compared with a DDP run that read the same samples per step (same machine, global
 batch, seq_len, seed, steps); the pipeline bubble is the per-rank measurement the pipeline
-strategy wrote (pipeline-rank<r>.json) next to the formula (p-1)/(m+p-1).
+strategy wrote (run_files/pipeline-rank<r>.json) next to the formula (p-1)/(m+p-1).
 """
 from __future__ import annotations
 
 import json
-import os
 import statistics
-from pathlib import Path
 
 from distlab.evaluation import eval_sentence
-from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, ok_runs
+from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, metrics_link, ok_runs
 from distlab.report.plots import figure, loss_curves, to_png_b64
+from distlab.run_layout import run_files_dir
 
 # Same data, seed and global batch in fp32: only float reduction order differs. Measured
 # differences are ~1e-5; anything past this is a real difference in the update.
 LOSS_TOLERANCE = 1e-3
 
 
-def _link(run) -> str:
-    return os.path.join(run["_dir"], "metrics.json")
-
-
 def parallel_runs(runs: list[dict], strategy: str, wrapper: str) -> list[dict]:
     return [r for r in ok_runs(runs, "parallel") if r["spec"]["strategy"] == strategy
-            and wrapper in (r.get("actual") or {}).get("wrappers_found", [])]
+            and wrapper in (r.get("as_built") or {}).get("wrappers_found", [])]
 
 
 def ddp_twin(run: dict, runs: list[dict]) -> dict | None:
@@ -50,7 +45,7 @@ def loss_gap(run: dict, baseline: dict) -> float:
 
 
 def bubble_records(run: dict) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(Path(run["_dir"]).glob("pipeline-rank*.json"))]
+    return [json.loads(p.read_text()) for p in sorted(run_files_dir(run["_dir"]).glob("pipeline-rank*.json"))]
 
 
 def stage_compute_ms(record: dict) -> float:
@@ -77,7 +72,7 @@ def parity_goal(tp: list[dict], pp: list[dict], runs: list[dict], rows: list[dic
     status = PASSED if worst[2] < LOSS_TOLERANCE else FAILED
     return Goal("bonus", text, status,
                 f"{len(compared)} run(s) compared; worst max per-step gap {worst[2]:.2e} ({worst[0]['experiment']} vs "
-                f"{worst[1]['experiment']}); tolerance {LOSS_TOLERANCE:g}", [_link(c[0]) for c in compared])
+                f"{worst[1]['experiment']}); tolerance {LOSS_TOLERANCE:g}", [metrics_link(c[0]) for c in compared])
 
 
 def build(runs: list[dict]) -> Card:
@@ -89,21 +84,21 @@ def build(runs: list[dict]) -> Card:
     tried = [r for r in runs if r["stage"] == "parallel"]
 
     if tp:
-        a = tp[0]["actual"]
+        a = tp[0]["as_built"]
         card.goals.append(Goal("minimal", "Tensor-parallel training ran with attention and MLP split", PASSED,
                                f"{tp[0]['experiment']}: {a['split_linears']} linear layers split over {a['tp_degree']} "
                                f"ranks ({', '.join(f'{k} {v}' for k, v in a['split_linears_per_layer'].items())}), "
-                               f"{a['heads_per_rank']} attention heads per rank", [_link(tp[0])]))
+                               f"{a['heads_per_rank']} attention heads per rank", [metrics_link(tp[0])]))
     else:
         card.goals.append(Goal("minimal", "Tensor-parallel training ran with attention and MLP split",
                                FAILED if any(r["spec"]["strategy"] == "tp" for r in tried) else NOT_RUN,
                                "no successful tensor-parallel run"))
-    schedules = sorted({r["actual"]["schedule"] for r in pp})
+    schedules = sorted({r["as_built"]["schedule"] for r in pp})
     if pp:
         card.goals.append(Goal("minimal", "Pipeline-parallel training ran, stages split by layers", PASSED,
                                f"{len(pp)} run(s), schedules {', '.join(schedules)}; e.g. {pp[0]['experiment']}: "
-                               + "; ".join(f"stage {i} layers {s['layers']}" for i, s in enumerate(pp[0]['actual']['stages'])),
-                               [_link(r) for r in pp]))
+                               + "; ".join(f"stage {i} layers {s['layers']}" for i, s in enumerate(pp[0]['as_built']['stages'])),
+                               [metrics_link(r) for r in pp]))
     else:
         card.goals.append(Goal("minimal", "Pipeline-parallel training ran, stages split by layers",
                                FAILED if any(r["spec"]["strategy"] == "pp" for r in tried) else NOT_RUN,
@@ -119,7 +114,7 @@ def build(runs: list[dict]) -> Card:
     for run in pp:
         for rec in bubble_records(run):
             idle = rec["idle_fraction"]
-            bubble_rows.append({"experiment": run["experiment"], "schedule": run["actual"]["schedule"],
+            bubble_rows.append({"experiment": run["experiment"], "schedule": run["as_built"]["schedule"],
                                 "stage (rank)": rec["stage"], "p stages": rec["stages"], "m micro-batches": rec["microbatches"],
                                 "measured idle fraction (median)": round(idle["median"], 3),
                                 "idle p25-p75": f"{idle['p25']:.3f}-{idle['p75']:.3f}", "timed steps": idle["n"],
@@ -140,7 +135,7 @@ def build(runs: list[dict]) -> Card:
         card.figures.append(Figure("Pipeline bubble", to_png_b64(fig), how))
         card.goals.append(Goal("bonus", "Pipeline bubble measured next to (p-1)/(m+p-1)", PASSED,
                                f"{len(bubble_rows)} stage measurement(s) over {len(pp)} run(s); see the table",
-                               [_link(r) for r in pp]))
+                               [metrics_link(r) for r in pp]))
         card.notes.append("The measured idle fraction also holds point-to-point transfer time and, on shared CPU "
                           "cores, time the OS gave to other processes; the formula assumes equal stage times and "
                           "free communication: unequal stages (the last one also runs the LM head and the loss) "

@@ -1,4 +1,4 @@
-"""Glue for the scripts Snakemake runs: send their output to the rule's log."""
+"""The scripts Snakemake runs send their output to the rule's log: `with logged(snakemake):`."""
 from __future__ import annotations
 
 import contextlib

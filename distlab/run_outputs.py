@@ -1,0 +1,27 @@
+"""A run's two result files: metrics.json (strict JSON) and steps.jsonl."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def nan_to_none(value):
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: nan_to_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [nan_to_none(v) for v in value]
+    return value
+
+
+def write_outputs(run_dir: str, summary) -> None:
+    """Rank 0 (or the Ray driver): summary = (metrics, step rows) -> metrics.json, steps.jsonl."""
+    metrics, steps = summary
+    run = Path(run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    with open(run / "steps.jsonl", "w") as fh:
+        for row in steps:
+            fh.write(json.dumps(row) + "\n")
+    # Strict JSON (no NaN): a figure that was not measured is null, with its reason beside it.
+    (run / "metrics.json").write_text(json.dumps(nan_to_none(metrics), indent=1, default=str))

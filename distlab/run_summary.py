@@ -1,0 +1,107 @@
+"""What a run measured, in the form metrics.json and steps.jsonl hold: every rank's records
+gathered, then rank 0 summarises timing, throughput, MFU, memory, data coverage."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from distlab import metrics as M
+from distlab.data import run_data_facts
+from distlab.hardware import peak_flops_per_rank
+from distlab.loop import gather
+
+
+def gather_ranks(result: dict, memory: dict) -> dict:
+    """Collective: every rank's step records, epoch plan, state bytes, memory record and
+    per-step communication time, as lists indexed by rank."""
+    records = result["records"]
+    return {"records": gather(records), "plans": gather(result["stream"].epoch_plan()),
+            "state_bytes": gather(result["state_bytes"]), "memory": gather(memory),
+            "comm": gather([r["comm_inflight_s"] for r in records])}
+
+
+def coverage(records_by_rank: list[list[dict]], plans: list[list[int]], n_samples: int) -> dict:
+    """Did data-parallel ranks read disjoint samples, and does the epoch plan cover the data?"""
+    consumed = [sorted({i for rec in recs for i in rec["samples"]}) for recs in records_by_rank]
+    reads = sum(len(rec["samples"]) for recs in records_by_rank for rec in recs)
+    distinct = len(set().union(*map(set, consumed))) if consumed else 0
+    overlap = len(set.intersection(*map(set, consumed))) if len(consumed) > 1 else 0
+    planned = [set(p) for p in plans]
+    union = set().union(*planned)
+    pairwise_disjoint = sum(len(p) for p in planned) == len(union)
+    return {
+        "epoch_size": n_samples,
+        "reads": reads,
+        "distinct_samples_read": distinct,
+        "duplicate_reads": reads - distinct,
+        "duplicate_fraction": (reads - distinct) / reads if reads else 0.0,
+        "samples_read_by_every_rank": overlap,
+        "epoch_plan_disjoint": pairwise_disjoint,
+        "epoch_plan_covered": len(union),
+        "epoch_plan_dropped": n_samples - len(union),  # drop_last remainder
+        "per_rank_reads": [sum(len(rec["samples"]) for rec in recs) for recs in records_by_rank],
+    }
+
+
+def summarize_run(job: dict, ctx, strategy, prepared, ranks: dict, n_samples: int, started: float):
+    """Rank 0: (metrics.json's dict, steps.jsonl's rows) from what gather_ranks collected."""
+    spec = job["spec"]
+    flops = prepared.flops
+    all_records, all_memory, comm = ranks["records"], ranks["memory"], ranks["comm"]
+    hardware = json.loads(Path(job["hardware_json"]).read_text())
+    warm = spec["warmup_steps"]
+    # A step ends when the slowest rank finishes: the step time is the max over ranks.
+    step_times = [max(recs[i]["step_time_s"] for recs in all_records) for i in range(len(all_records[0]))]
+    losses = []
+    for i in range(len(all_records[0])):
+        values = [recs[i]["loss"] for recs in all_records if recs[i]["loss"] is not None]
+        losses.append(sum(values) / len(values) if values else None)
+    timed = M.summarize(step_times[warm:])
+    dp = strategy.data_parallel_size
+    samples_per_step = spec["micro_batch"] * spec["grad_accum"] * dp
+    tokens_per_step = samples_per_step * spec["seq_len"]
+    tps = tokens_per_step / timed["median"]
+    peak, peak_how = peak_flops_per_rank(ctx.device, spec, hardware)
+    per_rank_tps = tps / ctx.world_size
+    measured = all(v is not None for c in comm for v in c)
+    comm_per_step = [max(c[i] for c in comm) if measured else None for i in range(len(step_times))]
+    return {
+        "schema_version": M.METRICS_SCHEMA_VERSION,
+        "experiment": spec["id"],
+        "stage": spec["stage"],
+        "machine": hardware["machine"],
+        "status": "ok",
+        "spec": spec,
+        "as_built": prepared.described,
+        "parameters": prepared.parameter_counts,
+        "lora_targets": prepared.lora_targets,
+        "loss": {"first": losses[0], "last": losses[-1], "per_step": losses},
+        "timing": {
+            "step_time_s": timed,
+            "how": f"wall time of each optimizer step (max over ranks), steps {warm}..{len(step_times) - 1} "
+                   f"after {warm} warm-up steps; median and spread",
+            "comm_inflight_s_per_step": M.summarize(comm_per_step[warm:] if measured else []),
+            "comm_how": ("all-reduce launch-to-completion time per step (overlaps backward); from a DDP comm hook "
+                         "or the strategy's own counter") if measured else
+                        f"not measured for strategy {spec['strategy']}: " + getattr(
+                            strategy, "comm_unmeasured_reason", "its collectives are not timed without changing them"),
+        },
+        "throughput": {
+            "tokens_per_s": tps, "samples_per_s": samples_per_step / timed["median"],
+            "tokens_per_s_per_rank": per_rank_tps, "samples_per_step": samples_per_step,
+            "tokens_per_step": tokens_per_step,
+        },
+        "flops": {**flops, "peak_flops_per_rank": peak, "peak_how": peak_how,
+                  "mfu": M.mfu(flops["flops_per_token"], per_rank_tps, peak)},
+        "memory": {"per_rank": all_memory, "model_state_bytes_per_rank": ranks["state_bytes"]},
+        "data": coverage(all_records, ranks["plans"], n_samples),
+        "data_prep": run_data_facts(job["data_dir"], all_records, ctx.world_size // dp),  # tokenizer identity, tokens trained/masked
+        "versions": M.library_versions(),
+        "environment": M.allowed_environment(job.get("env_allowlist", [])),
+        "wall_seconds_rank0": time.time() - started,
+    }, [
+        {"step": i, "loss": losses[i], "step_time_s": step_times[i], "comm_inflight_s": comm_per_step[i],
+         "warmup": i < warm, "samples_by_rank": [recs[i]["samples"] for recs in all_records]}
+        for i in range(len(step_times))
+    ]

@@ -1,0 +1,72 @@
+"""The DeepSpeed JSON config of one experiment, every value from its spec, and the file it is
+written to (run_files/deepspeed_config.json) and read back from."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+CONFIG_NAME = "deepspeed_config.json"
+# torch.optim.AdamW defaults, written out so the config file says what runs.
+ADAM_BETAS = [0.9, 0.999]
+ADAM_EPS = 1e-8
+
+
+def uses_torch_adam(spec: dict) -> bool:
+    return spec["deepspeed"]["optimizer_impl"] == "torch"
+
+
+def deepspeed_config(spec: dict, world_size: int) -> dict:
+    """The DeepSpeed JSON config of one experiment (every value from the spec)."""
+    ds = spec["deepspeed"]
+    cuda = spec["device"] == "cuda"
+    zero: dict = {"stage": ds["zero_stage"]}
+    if ds["zero_stage"] == 3:
+        # Partition every parameter: DeepSpeed's default keeps those under 1e5 elements whole
+        # on every rank (fewer all-gathers on GPUs), which a small model is made of.
+        zero["stage3_param_persistence_threshold"] = 0
+        # DeepSpeed's defaults for stage3_max_live_parameters / max_reuse_distance (1e9) keep
+        # gathered parameters resident on a small model; setting them (and the prefetch
+        # bucket) to 0 made a 20-step ZeRO-3 run of the tests' tiny model run past 300 s on
+        # this 2-core machine, so they stay at DeepSpeed's defaults here.
+    for key in ("offload_optimizer", "offload_param"):
+        if ds[key] != "none":
+            block = {"device": ds[key], "pin_memory": cuda}  # pinning needs a CUDA host allocator
+            if ds[key] == "nvme":
+                block["nvme_path"] = ds["nvme_path"]
+            zero[key] = block
+    config = {
+        "train_micro_batch_size_per_gpu": spec["micro_batch"],
+        "gradient_accumulation_steps": spec["grad_accum"],
+        "train_batch_size": spec["micro_batch"] * spec["grad_accum"] * world_size,
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": spec["lr"], "weight_decay": spec["weight_decay"], "betas": ADAM_BETAS, "eps": ADAM_EPS,
+            # torch: torch.optim.AdamW, the implementation DDP runs (nothing to compile).
+            # deepspeed: FusedAdam, or DeepSpeedCPUAdam when offloading (JIT-built ops).
+            "torch_adam": uses_torch_adam(spec)}},
+        # DDP runs do not clip; 0 keeps DeepSpeed from clipping either.
+        "gradient_clipping": 0.0,
+        "zero_optimization": zero,
+        "bf16": {"enabled": spec["precision"] == "bf16"},
+        "fp16": {"enabled": spec["precision"] == "fp16"},
+        "steps_per_print": 2**31 - 1,  # the loop logs; keep the rank logs quiet
+        "wall_clock_breakdown": False,
+    }
+    if uses_torch_adam(spec) and (ds["offload_optimizer"] != "none"):
+        # DeepSpeed refuses a non-DeepSpeedCPUAdam optimizer with offload unless told.
+        config["zero_force_ds_cpu_optimizer"] = False
+    return config
+
+
+def write_config(config: dict, folder: str | os.PathLike, name: str = CONFIG_NAME) -> str:
+    path = Path(folder) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(config, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    return str(path)
+
+
+def file_sha256(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
