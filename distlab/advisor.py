@@ -16,13 +16,15 @@ Memory = model state + activations, per device:
   - DeepSpeed (module in bf16/fp16 when precision asks, adapters included; else fp32,
     w = 2 or 4): gradients w*T; optimizer Adam 8*T plus an fp32 master partition 4*T, also
     in fp32 runs (ZeRO 1-3: 12*T/N); ZeRO-0 fp32 keeps no master (8*T), ZeRO-0 bf16/fp16
-    keeps masters and fp32 gradient accumulators (16*T). ZeRO-1 shards the optimizer,
-    ZeRO-2 + gradients, ZeRO-3 + weights (each parameter's partition padded to a multiple
+    keeps the masters (12*T). ZeRO-1 shards the optimizer (whole gradients are held
+    between accumulated micro-batches, else reduce-scattered), ZeRO-2 + gradients, ZeRO-3 + weights (each parameter's partition padded to a multiple
     of N). Optimizer offload moves the optimizer state to CPU RAM and adds an fp32
     gradient partition there (4*T/N); parameter offload moves the weight partitions too.
   - FSDP2 (fp32 shards; on CUDA a MixedPrecisionPolicy casts only the gathered copy):
     weights 4*Psi, gradients 4*T, AdamW 8*T, all over N (dim 0 padded to a multiple of N);
     CPUOffloadPolicy keeps all three in CPU RAM.
+  - Pipeline parallel, rank 0: the embedding and the first stage's layers, 16 bytes/param.
+    Tensor parallel has no formula yet (not checked).
   - Gathered: the largest unit (layer or embedding) ZeRO-3/FSDP all-gathers, transient.
 - Activations per decoder layer: s*b*h*(34 + 5*a*s/h) bytes at 16 bits (Korthikanti et
   al. 2022, "Reducing Activation Recomputation", no recomputation; doubled for fp32), plus
@@ -116,6 +118,7 @@ def _parameter_counts(config_json: str, lora_json: str) -> dict:
         total = sum(p.numel() for p in model.parameters())
     return {"total": total, "embedding": embedding, "per_layer": per_layer,
             "largest_unit": max(per_layer, embedding, head), "trainable": trainable,
+            "layers": len(decoder_layers(model)),
             "_shapes": [(tuple(p.shape), p.requires_grad) for p in model.parameters()]}
 
 
@@ -168,9 +171,12 @@ def strategy_state(strategy: str, counts: dict, n: int, precision: str, lora: bo
         w = 2 if mixed else 4
         stage = settings.get("zero_stage", 0)
         if stage == 0:
-            held = {"params": w * psi, "grads": w * t, "optimizer": (16 if mixed else 8) * t}
+            held = {"params": w * psi, "grads": w * t, "optimizer": (12 if mixed else 8) * t}
         elif stage < 3:
-            held = {"params": w * psi, "grads": w * t / (n if stage == 2 else 1), "optimizer": 12 * t / n}
+            # ZeRO-1 reduce-scatters at the accumulation boundary: whole gradients live only
+            # between the micro-batches of an accumulated step.
+            whole = stage == 1 and settings.get("grad_accum", 1) > 1
+            held = {"params": w * psi, "grads": w * t / (1 if whole else n), "optimizer": 12 * t / n}
         else:
             p_local, t_local = _padded(counts, n, "zero3")
             held = {"params": w * p_local, "grads": w * t_local, "optimizer": 12 * t / n}
@@ -187,6 +193,17 @@ def strategy_state(strategy: str, counts: dict, n: int, precision: str, lora: bo
         gathered = (2 if mixed else 4) * counts["largest_unit"]
         if settings.get("cpu_offload"):
             cpu, held = held, {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    elif strategy == "pp":
+        # Rank 0 = the first stage: the input embedding and its run of decoder layers
+        # (strategies.pp.split_layers); LoRA's adapters sit in the layers.
+        layers = counts.get("layers")
+        if not layers:
+            return None
+        first = math.ceil(layers / n)
+        adapters = t * first / layers if lora else 0.0
+        mine = counts["embedding"] + first * counts["per_layer"] + adapters
+        mine_t = adapters if lora else mine
+        held = {"params": 4 * mine, "grads": 4 * mine_t, "optimizer": 8 * mine_t}
     else:
         return None
     return {**held, "gathered": gathered, "cpu_offloaded": sum(cpu.values()), "cpu_parts": cpu}
@@ -330,7 +347,8 @@ def estimate_key(spec: dict) -> str | None:
 
 
 def spec_settings(spec: dict) -> dict:
-    return {"deepspeed": spec.get("deepspeed"), "fsdp": spec.get("fsdp")}.get(spec["strategy"]) or {}
+    settings = {"deepspeed": spec.get("deepspeed"), "fsdp": spec.get("fsdp")}.get(spec["strategy"]) or {}
+    return {**settings, "grad_accum": spec.get("grad_accum", 1)}
 
 
 def estimate_spec(shape: dict, spec: dict) -> dict | None:
