@@ -17,9 +17,10 @@ Memory = model state + activations, per device:
     w = 2 or 4): gradients w*T; optimizer Adam 8*T plus an fp32 master partition 4*T, also
     in fp32 runs (ZeRO 1-3: 12*T/N); ZeRO-0 fp32 keeps no master (8*T), ZeRO-0 bf16/fp16
     keeps the masters (12*T). ZeRO-1 shards the optimizer (whole gradients are held
-    between accumulated micro-batches, else reduce-scattered), ZeRO-2 + gradients, ZeRO-3 + weights (each parameter's partition padded to a multiple
-    of N). Optimizer offload moves the optimizer state to CPU RAM and adds an fp32
-    gradient partition there (4*T/N); parameter offload moves the weight partitions too.
+    between accumulated micro-batches, else reduce-scattered), ZeRO-2 + gradients, ZeRO-3
+    + weights (each parameter's partition padded to a multiple of N). Optimizer offload
+    moves the optimizer state to CPU RAM and adds an fp32 gradient partition there
+    (4*T/N); parameter offload moves the weight partitions too.
   - FSDP2 (fp32 shards; on CUDA a MixedPrecisionPolicy casts only the gathered copy):
     weights 4*Psi, gradients 4*T, AdamW 8*T, all over N (dim 0 padded to a multiple of N);
     CPUOffloadPolicy keeps all three in CPU RAM.
@@ -209,10 +210,10 @@ def strategy_state(strategy: str, counts: dict, n: int, precision: str, lora: bo
     return {**held, "gathered": gathered, "cpu_offloaded": sum(cpu.values()), "cpu_parts": cpu}
 
 
-def model_state(key: str, counts: dict, n: int, precision: str, lora: bool) -> dict:
+def model_state(key: str, counts: dict, n: int, precision: str, lora: bool, grad_accum: int = 1) -> dict:
     """One advisor row's state: the strategy that row stands for (ROW_SPEC), as distlab runs it."""
     strategy, settings = ROW_SPEC[key]
-    out = strategy_state(strategy, counts, n, precision, lora, settings)
+    out = strategy_state(strategy, counts, n, precision, lora, {**settings, "grad_accum": grad_accum})
     out.pop("cpu_parts")
     return out
 
@@ -233,7 +234,7 @@ def estimate(shape: dict, workload: dict, n: int) -> list[dict]:
     act = activation_bytes(shape, workload["micro_batch"], workload["seq_len"], workload["precision"])
     rows = []
     for key in ROW_ORDER:
-        state = model_state(key, counts, n, workload["precision"], lora)
+        state = model_state(key, counts, n, workload["precision"], lora, workload.get("grad_accum", 1))
         device_state = state["params"] + state["grads"] + state["optimizer"] + state["gathered"]
         rows.append({"key": key, "strategy": ROW_LABEL[key], "devices": n, **state,
                      "model_state_bytes": device_state, "activation_bytes": act,
@@ -277,7 +278,8 @@ def workload_from_config(config: dict) -> dict:
     from distlab.config import EXPERIMENT_DEFAULTS, _deep_merge
 
     spec = _deep_merge(EXPERIMENT_DEFAULTS, config.get("defaults", {}))
-    return {k: copy.deepcopy(spec[k]) for k in ("method", "micro_batch", "seq_len", "precision", "lora")}
+    return {k: copy.deepcopy(spec[k]) for k in ("method", "micro_batch", "grad_accum", "seq_len", "precision",
+                                                   "lora")}
 
 
 def advise(model_config: dict, hardware: dict, config: dict, cpu_ranks: int = 1) -> dict:
@@ -390,7 +392,8 @@ def check_against_runs(advice: dict, runs: list[dict], tolerance: float = TOLERA
         for part in ("params", "grads", "optimizer"):
             guess = est[part] + est["cpu_parts"][part]
             if guess and measured_parts[part] and abs(measured_parts[part] / guess - 1) > tolerance:
-                parts.append(f"{part}: estimated {guess / 2**20:.1f} MiB, measured {measured_parts[part] / 2**20:.1f} MiB")
+                parts.append(f"{part}: estimated {guess / 2**20:.1f} MiB, "
+                             f"measured {measured_parts[part] / 2**20:.1f} MiB")
         row = {"machine": run["machine"], "experiment": run["experiment"], "estimate": estimate_key(spec),
                "estimated_state_MiB": round(expected / 2**20, 2), "measured_state_MiB": round(measured / 2**20, 2),
                "measured/estimated": round(ratio, 3) if ratio else None,

@@ -46,8 +46,10 @@ def test_parameter_counts_match_the_real_model_with_and_without_lora(prepared):
 def test_state_formulas_are_what_distlab_allocates():
     counts = {"total": 1000, "trainable": 1000, "largest_unit": 0}
     n = 4
-    state = {k: advisor.model_state(k, counts, n, "bf16", lora=False) for k in advisor.ROW_ORDER}
+    state = {k: advisor.model_state(k, counts, n, "bf16", lora=False, grad_accum=2) for k in advisor.ROW_ORDER}
     held = {k: v["params"] + v["grads"] + v["optimizer"] for k, v in state.items()}
+    # ZeRO-1 without accumulation: gradients reduce-scattered right after backward.
+    assert advisor.model_state("zero1", counts, n, "bf16", lora=False)["grads"] == 2 * 1000 / n
     # DDP under bf16 autocast: fp32 weights and grads, DDP's gradient buckets, AdamW.
     assert held["ddp"] == (4 + 4 + 4 + 8) * 1000
     # DeepSpeed bf16: 2-byte module and grads, fp32 master + Adam (12) sharded from ZeRO-1.
