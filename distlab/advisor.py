@@ -6,23 +6,42 @@ not fit -> CPU offload; no NVLink -> avoid tensor/pipeline parallel; GPUs of dif
 sizes -> planned for the smallest; several machines -> Ray Train around the strategy.
 
 Memory = model state + activations, per device:
-- Model state, Psi parameters over N devices (DeepSpeed ZeRO paper / memory docs): bytes
-  per parameter split into weights w, gradients g, optimizer o (Adam: m, v, plus an fp32
-  master copy in mixed precision). Mixed bf16/fp16 (DeepSpeed's layout): w=2, g=2, o=12.
-  fp32 (and distlab's autocast, whose weights stay fp32): w=4, g=4, o=8. 16 bytes/param
-  either way; ZeRO-1 shards o, ZeRO-2 shards o+g, ZeRO-3/FSDP shards all three.
-  LoRA: frozen weights are w bytes each with no gradient or optimizer state.
+- Model state, Psi parameters (T trainable: all, or LoRA's adapters; the frozen rest has
+  no gradient or optimizer state) over N devices, in bytes per parameter of what distlab
+  itself allocates (checked against real runs' tensors within TOLERANCE, tests/test_advisor.py):
+  - DDP / Accelerate (autocast over fp32 weights; LoRA's frozen base in bf16 when precision
+    is bf16, adapters fp32): weights 4*Psi (LoRA bf16: 2*(Psi-T) + 4*T), gradients 4*T plus
+    DDP's flat gradient buckets 4*T (a second copy; Accelerate adds them only at 2+
+    processes, where it wraps DDP), AdamW 8*T.
+  - DeepSpeed (module in bf16/fp16 when precision asks, adapters included; else fp32,
+    w = 2 or 4): gradients w*T; optimizer Adam 8*T plus an fp32 master partition 4*T, also
+    in fp32 runs (ZeRO 1-3: 12*T/N); ZeRO-0 fp32 keeps no master (8*T), ZeRO-0 bf16/fp16
+    keeps the masters (12*T). ZeRO-1 shards the optimizer (whole gradients are held
+    between accumulated micro-batches, else reduce-scattered), ZeRO-2 + gradients, ZeRO-3
+    + weights (each parameter's partition padded to a multiple of N). Optimizer offload
+    moves the optimizer state to CPU RAM and adds an fp32 gradient partition there
+    (4*T/N); parameter offload moves the weight partitions too.
+  - FSDP2 (fp32 shards; on CUDA a MixedPrecisionPolicy casts only the gathered copy):
+    weights 4*Psi, gradients 4*T, AdamW 8*T, all over N (dim 0 padded to a multiple of N);
+    CPUOffloadPolicy keeps all three in CPU RAM.
+  - Pipeline parallel, rank 0: the embedding and the first stage's layers, 16 bytes/param.
+    Tensor parallel has no formula yet (not checked).
+  - Gathered: the largest unit (layer or embedding) ZeRO-3/FSDP all-gathers, transient.
 - Activations per decoder layer: s*b*h*(34 + 5*a*s/h) bytes at 16 bits (Korthikanti et
   al. 2022, "Reducing Activation Recomputation", no recomputation; doubled for fp32), plus
   the logits and their gradient (2*s*b*V fp32). Llama's SwiGLU MLP and SDPA attention make
-  this an approximation; the run check below says how far off it was.
+  this an approximation; on CPU runs it is not checked (peak RSS includes the interpreter).
 """
 from __future__ import annotations
 
 import copy
+import functools
+import json
+import math
 
 GIB = 2**30
-BYTES_PER_PARAM = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}
+# measured / estimated model state a run may be off by and still be called right (report too).
+TOLERANCE = 0.15
 ROW_ORDER = ["ddp", "zero1", "zero2", "zero3", "zero3-offopt", "zero3-offopt-offparam"]
 ROW_LABEL = {
     "ddp": "DDP (each device holds everything)",
@@ -68,7 +87,15 @@ def model_shape(config_json: dict) -> dict:
 
 def parameter_counts(shape: dict, lora: dict | None = None) -> dict:
     """Total, embedding, per-layer and LoRA-trainable counts, exact for every family: the
-    model is instantiated on the meta device (no memory) and its parameters summed."""
+    model is instantiated on the meta device (no memory) and its parameters summed.
+    `_shapes`: each parameter's shape and whether it trains (for sharding padding)."""
+    return copy.deepcopy(_parameter_counts(json.dumps(shape["config_json"], sort_keys=True, default=str),
+                                           json.dumps(lora, sort_keys=True, default=str)))
+
+
+@functools.lru_cache(maxsize=32)
+def _parameter_counts(config_json: str, lora_json: str) -> dict:
+    shape, lora = {"config_json": json.loads(config_json)}, json.loads(lora_json)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -91,34 +118,103 @@ def parameter_counts(shape: dict, lora: dict | None = None) -> dict:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
     return {"total": total, "embedding": embedding, "per_layer": per_layer,
-            "largest_unit": max(per_layer, embedding, head), "trainable": trainable}
+            "largest_unit": max(per_layer, embedding, head), "trainable": trainable,
+            "layers": len(decoder_layers(model)),
+            "_shapes": [(tuple(p.shape), p.requires_grad) for p in model.parameters()]}
+
+
+def _padded(counts: dict, n: int, how: str) -> tuple[float, float]:
+    """(all, trainable) parameters one of n ranks holds once sharded, padding included:
+    ZeRO-3 pads each flattened parameter to a multiple of n; FSDP2 pads dim 0."""
+    shapes = counts.get("_shapes")
+    if not shapes or n == 1:
+        return counts["total"] / n, counts["trainable"] / n
+    total = trainable = 0
+    for shape, grad in shapes:
+        numel = math.prod(shape)
+        if how == "fsdp" and shape:
+            local = math.ceil(shape[0] / n) * (numel // shape[0] if shape[0] else 0)
+        else:
+            local = math.ceil(numel / n)
+        total += local
+        trainable += local if grad else 0
+    return total, trainable
 
 
 def precision_layout(precision: str) -> str:
     return "fp32" if precision == "fp32" else "mixed"
 
 
-def model_state(key: str, counts: dict, n: int, precision: str, lora: bool) -> dict:
-    """Bytes one device holds for weights, gradients and optimizer, plus what sits in CPU RAM."""
-    w, g, o = BYTES_PER_PARAM[precision_layout(precision)]
-    psi, trainable = counts["total"], counts["trainable"]
-    frozen = psi - trainable if lora else 0
-    weights = w * psi
-    grads, optim = g * trainable, o * trainable
-    if lora and precision_layout(precision) == "mixed":
-        weights = w * frozen + 4 * trainable  # adapters keep an fp32 copy
-    shard = {"ddp": (1, 1, 1), "zero1": (1, 1, n), "zero2": (1, n, n)}.get(key, (n, n, n))
-    out = {"params": weights / shard[0], "grads": grads / shard[1], "optimizer": optim / shard[2],
-           "gathered": 0.0, "cpu_offloaded": 0.0}
-    if key.startswith("zero3"):
-        # Transient, not held: the unit (layer or embedding) all-gathered for compute.
-        out["gathered"] = w * counts["largest_unit"]
-    if key.startswith("zero3-offopt"):
-        out["cpu_offloaded"] += out["optimizer"]
-        out["optimizer"] = 0.0
-    if key == "zero3-offopt-offparam":
-        out["cpu_offloaded"] += out["params"]
-        out["params"] = 0.0
+# The strategy (and settings) each advisor row stands for, as distlab runs it.
+ROW_SPEC = {"ddp": ("ddp", {}), "zero1": ("deepspeed", {"zero_stage": 1}), "zero2": ("deepspeed", {"zero_stage": 2}),
+            "zero3": ("deepspeed", {"zero_stage": 3}),
+            "zero3-offopt": ("deepspeed", {"zero_stage": 3, "offload_optimizer": "cpu"}),
+            "zero3-offopt-offparam": ("deepspeed", {"zero_stage": 3, "offload_optimizer": "cpu",
+                                                    "offload_param": "cpu"})}
+
+
+def strategy_state(strategy: str, counts: dict, n: int, precision: str, lora: bool, settings: dict | None = None,
+                   ) -> dict | None:
+    """Bytes one rank holds for weights, gradients (DDP's buckets included) and optimizer,
+    and what of it sits in CPU RAM, as distlab's `strategy` allocates it (module docstring).
+    None: no formula (tensor/pipeline parallel)."""
+    settings = settings or {}
+    psi = counts["total"]
+    t = counts["trainable"] if lora else psi
+    mixed = precision_layout(precision) == "mixed"
+    cpu = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    gathered = 0.0
+    if strategy in ("ddp", "accelerate"):
+        buckets = 4 * t if strategy == "ddp" or n > 1 else 0.0
+        frozen_bytes = 2 if lora and precision == "bf16" else 4  # strategies.base.frozen_base_dtype
+        held = {"params": frozen_bytes * (psi - t) + 4 * t, "grads": 4 * t + buckets, "optimizer": 8 * t}
+    elif strategy == "deepspeed":
+        w = 2 if mixed else 4
+        stage = settings.get("zero_stage", 0)
+        if stage == 0:
+            held = {"params": w * psi, "grads": w * t, "optimizer": (12 if mixed else 8) * t}
+        elif stage < 3:
+            # ZeRO-1 reduce-scatters at the accumulation boundary: whole gradients live only
+            # between the micro-batches of an accumulated step.
+            whole = stage == 1 and settings.get("grad_accum", 1) > 1
+            held = {"params": w * psi, "grads": w * t / (1 if whole else n), "optimizer": 12 * t / n}
+        else:
+            p_local, t_local = _padded(counts, n, "zero3")
+            held = {"params": w * p_local, "grads": w * t_local, "optimizer": 12 * t / n}
+            gathered = w * counts["largest_unit"]
+            if settings.get("offload_optimizer", "none") != "none":
+                cpu["optimizer"] = held.pop("optimizer")
+                cpu["grads"] = 4 * t / n  # the fp32 gradient partition the CPU optimizer steps on
+                held["optimizer"] = 0.0
+            if settings.get("offload_param", "none") != "none":
+                cpu["params"], held["params"] = held["params"], 0.0
+    elif strategy == "fsdp":
+        p_local, t_local = _padded(counts, n, "fsdp")
+        held = {"params": 4 * p_local, "grads": 4 * t_local, "optimizer": 8 * t_local}
+        gathered = (2 if mixed else 4) * counts["largest_unit"]
+        if settings.get("cpu_offload"):
+            cpu, held = held, {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    elif strategy == "pp":
+        # Rank 0 = the first stage: the input embedding and its run of decoder layers
+        # (strategies.pp.split_layers); LoRA's adapters sit in the layers.
+        layers = counts.get("layers")
+        if not layers:
+            return None
+        first = math.ceil(layers / n)
+        adapters = t * first / layers if lora else 0.0
+        mine = counts["embedding"] + first * counts["per_layer"] + adapters
+        mine_t = adapters if lora else mine
+        held = {"params": 4 * mine, "grads": 4 * mine_t, "optimizer": 8 * mine_t}
+    else:
+        return None
+    return {**held, "gathered": gathered, "cpu_offloaded": sum(cpu.values()), "cpu_parts": cpu}
+
+
+def model_state(key: str, counts: dict, n: int, precision: str, lora: bool, grad_accum: int = 1) -> dict:
+    """One advisor row's state: the strategy that row stands for (ROW_SPEC), as distlab runs it."""
+    strategy, settings = ROW_SPEC[key]
+    out = strategy_state(strategy, counts, n, precision, lora, {**settings, "grad_accum": grad_accum})
+    out.pop("cpu_parts")
     return out
 
 
@@ -138,7 +234,7 @@ def estimate(shape: dict, workload: dict, n: int) -> list[dict]:
     act = activation_bytes(shape, workload["micro_batch"], workload["seq_len"], workload["precision"])
     rows = []
     for key in ROW_ORDER:
-        state = model_state(key, counts, n, workload["precision"], lora)
+        state = model_state(key, counts, n, workload["precision"], lora, workload.get("grad_accum", 1))
         device_state = state["params"] + state["grads"] + state["optimizer"] + state["gathered"]
         rows.append({"key": key, "strategy": ROW_LABEL[key], "devices": n, **state,
                      "model_state_bytes": device_state, "activation_bytes": act,
@@ -182,7 +278,8 @@ def workload_from_config(config: dict) -> dict:
     from distlab.config import EXPERIMENT_DEFAULTS, _deep_merge
 
     spec = _deep_merge(EXPERIMENT_DEFAULTS, config.get("defaults", {}))
-    return {k: copy.deepcopy(spec[k]) for k in ("method", "micro_batch", "seq_len", "precision", "lora")}
+    return {k: copy.deepcopy(spec[k]) for k in ("method", "micro_batch", "grad_accum", "seq_len", "precision",
+                                                   "lora")}
 
 
 def advise(model_config: dict, hardware: dict, config: dict, cpu_ranks: int = 1) -> dict:
@@ -224,8 +321,9 @@ def advise(model_config: dict, hardware: dict, config: dict, cpu_ranks: int = 1)
     if plan["nodes"] > 1:
         reasons.append(f"{plan['nodes']} machines: launch through Ray Train (stage 5) with the strategy above "
                        "inside each worker; keep sharding within a node where links are fast")
-    return {"schema_version": 1, "model": {"shape": shape, "parameters": parameter_counts(
-                shape, workload["lora"] if workload["method"] == "lora" else None)},
+    counts = parameter_counts(shape, workload["lora"] if workload["method"] == "lora" else None)
+    return {"schema_version": 1, "model": {"shape": shape, "parameters": {
+                k: v for k, v in counts.items() if not k.startswith("_")}},
             "workload": workload, "devices": plan, "usable_bytes_per_device": budget,
             "recommendation": pick, "recommendation_label": ROW_LABEL.get(pick, "none fits"),
             "reasons": reasons, "estimates": list(many.values()), "single_device": one["ddp"],
@@ -233,7 +331,7 @@ def advise(model_config: dict, hardware: dict, config: dict, cpu_ranks: int = 1)
 
 
 def estimate_key(spec: dict) -> str | None:
-    """Which estimate row a run's spec corresponds to (None: no formula for it)."""
+    """Which advisor row a run's spec corresponds to (None: no formula for it)."""
     strategy = spec["strategy"]
     if strategy in ("ddp", "accelerate"):
         return "ddp"
@@ -250,42 +348,61 @@ def estimate_key(spec: dict) -> str | None:
     return None
 
 
-def check_against_runs(advice: dict, runs: list[dict], tolerance: float = 0.25) -> list[dict]:
+def spec_settings(spec: dict) -> dict:
+    settings = {"deepspeed": spec.get("deepspeed"), "fsdp": spec.get("fsdp")}.get(spec["strategy"]) or {}
+    return {**settings, "grad_accum": spec.get("grad_accum", 1)}
+
+
+def estimate_spec(shape: dict, spec: dict) -> dict | None:
+    """The estimate for one run's own spec (its strategy, settings, world size, method,
+    precision): per-rank model state in bytes; None for strategies without a formula."""
+    lora = spec["method"] == "lora"
+    counts = parameter_counts(shape, spec["lora"] if lora else None)
+    state = strategy_state(spec["strategy"], counts, spec["world_size"], spec["precision"], lora,
+                           spec_settings(spec))
+    if state is None:
+        return None
+    act = activation_bytes(shape, spec["micro_batch"], spec["seq_len"], spec["precision"])
+    device_state = state["params"] + state["grads"] + state["optimizer"] + state["gathered"]
+    return {**state, "model_state_bytes": device_state, "activation_bytes": act, "total_bytes": device_state + act}
+
+
+MEASURED_PARTS = {"params": ("params", "offloaded_params"), "grads": ("grads", "grad_buckets", "offloaded_grads"),
+                  "optimizer": ("optimizer", "offloaded_optimizer")}
+
+
+def check_against_runs(advice: dict, runs: list[dict], tolerance: float = TOLERANCE) -> list[dict]:
     """The advisor's estimate for each measured run's own spec next to what the run measured."""
     shape = advice["model"]["shape"]
     rows = []
     for run in runs:
         if run.get("status") != "ok" or not run.get("memory"):
             continue
-        spec, key = run["spec"], estimate_key(run["spec"])
+        spec = run["spec"]
         held = (run["memory"].get("model_state_bytes_per_rank") or [None])[0]
-        if key is None or not held:
+        est = estimate_spec(shape, spec) if held else None
+        if est is None:
             continue
-        workload = {k: spec[k] for k in ("method", "micro_batch", "seq_len", "precision", "lora")}
-        est = {r["key"]: r for r in estimate(shape, workload, spec["world_size"])}[key]
         # Measured state counts every tensor the rank holds, wherever it lives (offload included).
         expected = est["params"] + est["grads"] + est["optimizer"] + est["cpu_offloaded"]
-        measured = sum(held.get(k, 0) or 0 for k in ("params", "grads", "optimizer", "offloaded_params",
-                                                     "offloaded_grads", "offloaded_optimizer"))
+        measured_parts = {part: sum(held.get(k, 0) or 0 for k in keys) for part, keys in MEASURED_PARTS.items()}
+        measured = sum(measured_parts.values())
         ratio = measured / expected if expected else None
         parts = []
         for part in ("params", "grads", "optimizer"):
-            guess = est[part] if "off" not in key else None  # offloaded parts are compared in the total
-            if guess and held.get(part) and abs(held[part] / guess - 1) > tolerance:
-                parts.append(f"{part}: estimated {guess / 2**20:.1f} MiB, measured {held[part] / 2**20:.1f} MiB")
-        row = {"machine": run["machine"], "experiment": run["experiment"], "estimate": key,
+            guess = est[part] + est["cpu_parts"][part]
+            if guess and measured_parts[part] and abs(measured_parts[part] / guess - 1) > tolerance:
+                parts.append(f"{part}: estimated {guess / 2**20:.1f} MiB, "
+                             f"measured {measured_parts[part] / 2**20:.1f} MiB")
+        row = {"machine": run["machine"], "experiment": run["experiment"], "estimate": estimate_key(spec),
                "estimated_state_MiB": round(expected / 2**20, 2), "measured_state_MiB": round(measured / 2**20, 2),
                "measured/estimated": round(ratio, 3) if ratio else None,
                "verdict": "right" if ratio and abs(ratio - 1) <= tolerance else "WRONG",
                "where": "; ".join(parts)}
         peaks = [m.get("cuda_max_allocated_bytes") for m in run["memory"].get("per_rank", [])]
         peaks = [p for p in peaks if p]
-        if peaks:
-            row["estimated_peak_MiB"] = round(est["total_bytes"] / 2**20, 1)
-            row["measured_cuda_peak_MiB"] = round(max(peaks) / 2**20, 1)
-        else:
-            row["estimated_peak_MiB"] = round(est["total_bytes"] / 2**20, 1)
-            row["measured_cuda_peak_MiB"] = None
+        row["estimated_peak_MiB"] = round(est["total_bytes"] / 2**20, 1)
+        row["measured_cuda_peak_MiB"] = round(max(peaks) / 2**20, 1) if peaks else None
         rows.append(row)
     return rows
 

@@ -166,8 +166,28 @@ def model_state_bytes(model, optimizer) -> dict:
     if optimizer is not None:
         for state in optimizer.state.values():
             opt_tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
-    return {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(opt_tensors),
-            "how": "distinct tensor storages held by this rank (DTensor: local shard)"}
+    out = {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(opt_tensors),
+           "how": "distinct tensor storages held by this rank (DTensor: local shard)"}
+    buckets = ddp_bucket_bytes(model)
+    if buckets is not None:
+        out["grad_buckets"] = buckets
+        out["how"] += ("; grad_buckets: DistributedDataParallel's flat gradient buckets (a second copy of the "
+                       "gradients unless gradient_as_bucket_view), from its logging data")
+    return out
+
+
+def ddp_bucket_bytes(model) -> int | None:
+    """Bytes of DDP's gradient buckets (None: not a DDP model). With gradient_as_bucket_view
+    off (the default) the reducer keeps them beside param.grad: the gradients held twice."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return None
+    data = model._get_ddp_logging_data()
+    if data.get("gradient_as_bucket_view"):
+        return 0
+    sizes = str(data.get("bucket_sizes") or "")
+    return sum(int(s) for s in sizes.replace(" ", "").split(",") if s)
 
 
 def peak_rss_bytes() -> int:

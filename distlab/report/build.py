@@ -81,8 +81,9 @@ def advisor_card(advice: dict, runs: list[dict]) -> Card:
         if checked:
             wrong = [c for c in checked if c["verdict"] != "right"]
             card.tables.append(Table(f"Estimate vs measured on {machine}", pd.DataFrame(checked),
-                                     "model state = params + grads + optimizer bytes the rank held at the last "
-                                     "step, counted from its tensors; right = within 25%. On CPU the activation "
+                                     "model state = params + grads (DDP's buckets included) + optimizer bytes "
+                                     "the rank held at the last step, offloaded ones too, counted from its "
+                                     f"tensors; right = within {adv.TOLERANCE:.0%}. On CPU the activation "
                                      "estimate is not checked: peak RSS includes the interpreter and libraries."))
             card.notes.append(f"The estimate was wrong for {len(wrong)} of {len(checked)} run(s)"
                               + (": " + "; ".join(f"{c['experiment']} ({c['where'] or 'total'})" for c in wrong)

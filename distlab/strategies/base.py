@@ -40,6 +40,16 @@ def autocast(spec: dict, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def frozen_base_dtype(spec: dict):
+    """The dtype whole-model strategies (DDP, Accelerate) load weights in: LoRA's frozen base
+    in bf16 when precision is bf16 (it is never stepped, autocast computes in bf16 anyway;
+    peft keeps the adapters in fp32), else fp32 (full fine-tuning: the weights are the
+    optimizer's fp32 masters under autocast). distlab.advisor counts the same bytes."""
+    if spec.get("method") == "lora" and spec.get("precision") == "bf16":
+        return torch.bfloat16
+    return torch.float32
+
+
 class Strategy:
     """Defaults fit any data-parallel wrapper whose forward returns a HF output with .loss."""
 
@@ -74,11 +84,12 @@ class Strategy:
     # -- model --------------------------------------------------------------------------
     def load_model(self, model_source: str):
         """The model this rank starts from, before LoRA and wrap(): by default every rank
-        loads the whole model (fp32, host memory). Strategies that shard or split the model
-        override this so that no rank ever holds more than its part (distlab.model_setup)."""
+        loads the whole model (host memory) in frozen_base_dtype(spec). Strategies that shard
+        or split the model override this so that no rank ever holds more than its part
+        (distlab.model_setup)."""
         from distlab.model import load_model
 
-        return load_model(model_source)
+        return load_model(model_source, dtype=frozen_base_dtype(self.spec))
 
     def lora_context(self):
         """Context around LoRA's application to load_model's result (a meta-device model's
