@@ -163,6 +163,16 @@ def consolidated_model(full_state: dict, model_source: str, spec: dict):
     from distlab.lora import apply_lora
     from distlab.model import load_model
 
+    if spec["method"] == "full":
+        # Full fine-tuning: the architecture on meta, the gathered tensors assigned as its
+        # parameters (fp32, as the copying path keeps them), so rank 0 holds one whole-model
+        # copy, not two (a per-rank memory budget counts it).
+        model = load_model(model_source, device="meta")
+        model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in full_state.items()},
+                              strict=True, assign=True)
+        if model.config.tie_word_embeddings:
+            model.tie_weights()
+        return model.eval()
     model = load_model(model_source)
     if spec["method"] == "lora":
         model, _ = apply_lora(model, spec["lora"], spec["seed"])

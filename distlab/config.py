@@ -197,7 +197,11 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
     if spec["repeats"] > 1 and timed < 2 * spec["repeats"]:
         fail("repeats", f"{spec['repeats']} repeat windows need at least {2 * spec['repeats']} timed steps "
              f"(steps - warmup_steps = {timed}); raise steps or lower repeats")
-    max_pos = model_max_positions(config)
+    model = spec.get("model", "default")
+    if model != "default" and model not in config.get("model", {}).get("extra", {}):
+        fail("model", f"no model named '{model}': the default or one of model.extra "
+             f"({', '.join(sorted(config.get('model', {}).get('extra', {}))) or 'none declared'})")
+    max_pos = model_max_positions(config, spec)
     if max_pos is not None and spec["seq_len"] > max_pos:
         fail("seq_len", f"sequence length {spec['seq_len']} exceeds the model's max_position_embeddings ({max_pos})")
     if spec["device"] == "cuda" and gpu_count < spec["world_size"] and spec["launcher"] != "ray":
@@ -210,22 +214,23 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
             fail("deepspeed.offload_optimizer", "optimizer offload needs zero_stage 1, 2 or 3")
         if "nvme" in (ds["offload_optimizer"], ds["offload_param"]) and not ds["nvme_path"]:
             fail("deepspeed.nvme_path", "NVMe offload needs a nvme_path folder")
-    families.check(spec, config, fail)  # family x strategy, from the model folder's own config
+    if model == "default":  # model.extra entries are built Llamas (checked in check_config)
+        families.check(spec, config, fail)  # family x strategy, from the model folder's own config
     if spec["strategy"] in ("tp", "pp") and spec["method"] != "full":
         fail("method", f"{spec['strategy']} runs full fine-tuning only (LoRA would wrap the split layers)")
     if spec["strategy"] == "tp":
-        heads = model_shape(config).get("num_attention_heads")
-        kv_heads = model_shape(config).get("num_key_value_heads", heads)
+        heads = model_shape(config, spec).get("num_attention_heads")
+        kv_heads = model_shape(config, spec).get("num_key_value_heads", heads)
         for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
             if count is not None and count % spec["world_size"]:
                 fail("world_size", f"tensor parallel degree {spec['world_size']} does not divide the model's "
                      f"{name} ({count})")
     if spec["strategy"] == "pp":
-        layers = model_shape(config).get("num_hidden_layers")
+        layers = model_shape(config, spec).get("num_hidden_layers")
         if layers is not None and layers < spec["world_size"]:
             fail("world_size", f"pipeline of {spec['world_size']} stages needs at least that many decoder "
                  f"layers; the model has {layers}")
-        if spec["world_size"] > 1 and model_shape(config).get("tie_word_embeddings"):
+        if spec["world_size"] > 1 and model_shape(config, spec).get("tie_word_embeddings"):
             fail("world_size", "pipeline stages cannot share the tied input/output embedding of this model "
                  "(tie_word_embeddings true); use world_size 1 or an untied model")
         if spec["micro_batch"] % spec["pp"]["microbatches"]:
@@ -263,7 +268,9 @@ def validated_experiments(config: dict, specs: dict[str, dict]) -> list[str]:
     if scope == "all":
         return list(specs)
     chosen, seen = [], set()
-    for exp_id, spec in specs.items():
+    # A run held to memory_budget_gib may end as oom and save nothing (its validation would
+    # have nothing to check), so a format is represented by an unbudgeted run where one exists.
+    for exp_id, spec in sorted(specs.items(), key=lambda item: item[1].get("memory_budget_gib") is not None):
         key = (spec["strategy"], spec["method"], spec["launcher"], spec["fsdp"]["via"] if spec["strategy"] == "fsdp"
                else None)
         if scope == "per_format":
@@ -271,7 +278,7 @@ def validated_experiments(config: dict, specs: dict[str, dict]) -> list[str]:
         if key not in seen:
             seen.add(key)
             chosen.append(exp_id)
-    return chosen
+    return [exp_id for exp_id in specs if exp_id in chosen]
 
 
 def checkpoint_format(spec: dict) -> tuple:
@@ -285,9 +292,20 @@ def checkpoint_format(spec: dict) -> tuple:
     return (spec["precision"],)
 
 
-def model_shape(config: dict) -> dict:
-    """The base model's shape: its config.json when a local path is given, else `model.build`."""
+def built_model(config: dict, name: str) -> dict:
+    """The build block of a model.extra entry: `model.build` with the entry's keys over it."""
     model = config.get("model", {})
+    return _deep_merge(model.get("build", {}), model.get("extra", {})[name].get("build", {}))
+
+
+def model_shape(config: dict, spec: dict | None = None) -> dict:
+    """The shape of the model an experiment fine-tunes (spec None or no `model` key: the base
+    model): a model.extra entry's build, the base model's config.json when a local path is
+    given, else `model.build`."""
+    model = config.get("model", {})
+    name = (spec or {}).get("model", "default")
+    if name != "default":
+        return built_model(config, name)
     if model.get("path"):
         cfg = Path(model["path"]) / "config.json"
         if cfg.is_file():
@@ -299,8 +317,8 @@ def model_shape(config: dict) -> dict:
     return model.get("build", {})
 
 
-def model_max_positions(config: dict):
-    return model_shape(config).get("max_position_embeddings")
+def model_max_positions(config: dict, spec: dict | None = None):
+    return model_shape(config, spec).get("max_position_embeddings")
 
 
 def check_config(config: dict) -> None:
@@ -317,13 +335,18 @@ def check_config(config: dict) -> None:
         if not (path / "config.json").is_file():
             raise ConfigError(f"config field 'model.path': '{path}' has no config.json (not a Hugging Face model folder)")
         input_checks.model_config(path)
-    build = model["build"]
-    if build["hidden_size"] % build["num_attention_heads"]:
-        raise ConfigError("config field 'model.build.num_attention_heads': hidden_size "
-                          f"{build['hidden_size']} is not divisible by {build['num_attention_heads']} heads")
-    if build["num_attention_heads"] % build["num_key_value_heads"]:
-        raise ConfigError("config field 'model.build.num_key_value_heads': num_attention_heads must be a "
-                          "multiple of num_key_value_heads")
+    if model.get("extra") and model.get("hub_id") and not config["data"]["tokenizer"]:
+        raise ConfigError("config field 'model.extra': a built model takes the data's tokenizer file; with "
+                          "model.hub_id set data.tokenizer names none")
+    builds = [("model.build", model["build"])] + [(f"model.extra.{name}.build", built_model(config, name))
+                                                  for name in model.get("extra", {})]
+    for where, build in builds:
+        if build["hidden_size"] % build["num_attention_heads"]:
+            raise ConfigError(f"config field '{where}.num_attention_heads': hidden_size "
+                              f"{build['hidden_size']} is not divisible by {build['num_attention_heads']} heads")
+        if build["num_attention_heads"] % build["num_key_value_heads"]:
+            raise ConfigError(f"config field '{where}.num_key_value_heads': num_attention_heads must be a "
+                              "multiple of num_key_value_heads")
     data = config["data"]
     if data["source"] == "files":
         if not data["files"]:

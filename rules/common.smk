@@ -6,7 +6,7 @@ import sys
 
 sys.path.insert(0, workflow.basedir)  # distlab/ works from a checkout without `pip install -e .`
 
-from distlab.config import ConfigError, load as load_config, validated_experiments
+from distlab.config import ConfigError, built_model, load as load_config, validated_experiments
 from distlab.data_checks import datasets_of
 from distlab.tokenizer_checks import tokenizer_source
 from distlab.hardware import gpu_count, machine_tag
@@ -29,6 +29,7 @@ wildcard_constraints:
     experiment="[A-Za-z0-9._-]+",
     seq_len="[0-9]+",
     dataset="[a-z0-9][a-z0-9.-]*",
+    model_suffix="(|_[a-z0-9][a-z0-9.-]*)",  # "" = the base model, "_<name>" = model.extra.<name>
 
 
 def tokenizer_path():
@@ -54,21 +55,39 @@ def dataset_config(name):
     return datasets_of(config["data"])[name]
 
 
-def model_config_path():
-    """config.json of the base model: the user's local folder, or the one the pipeline builds."""
-    if config["model"]["path"]:
+def model_suffix(name):
+    """Path suffix of a model's files: "" for the base model, "_<name>" for model.extra.<name>."""
+    return "" if name == "default" else f"_{name}"
+
+
+def model_config_path(name="default"):
+    """config.json of a model: the user's local folder, or the one the pipeline builds."""
+    if config["model"]["path"] and name == "default":
         return os.path.join(config["model"]["path"], "config.json")
-    return f"{PREP}/model/config.json"
+    return f"{PREP}/model{model_suffix(name)}/config.json"
 
 
-def model_inputs():
-    """The base model's config.json as an input, unless it comes from the hub by id."""
-    return [] if config["model"]["hub_id"] else [model_config_path()]
+def model_build(name):
+    """The build block of a model the pipeline builds: model.build, or model.extra.<name>'s over it."""
+    return config["model"]["build"] if name == "default" else built_model(config, name)
+
+
+def wildcards_model(wildcards):
+    """The model a job uses: its experiment's `model`, else the job's model_suffix wildcard."""
+    if hasattr(wildcards, "experiment"):
+        return SPECS[wildcards.experiment].get("model", "default")
+    return wildcards.model_suffix[1:] or "default"
+
+
+def model_inputs(wildcards):
+    """The job's model config.json as an input, unless it is the base model from the hub by id."""
+    name = wildcards_model(wildcards)
+    return [] if config["model"]["hub_id"] and name == "default" else [model_config_path(name)]
 
 
 def model_source(wildcards, input):
-    """What from_pretrained loads: the hub id, or the folder of the model's config.json."""
-    return config["model"]["hub_id"] or os.path.dirname(input.model[0])
+    """What from_pretrained loads: the folder of the model's config.json, or the hub id."""
+    return os.path.dirname(input.model[0]) if input.model else config["model"]["hub_id"]
 
 
 def data_dir(wildcards):
@@ -79,7 +98,8 @@ def data_dir(wildcards):
 def base_eval_path(wildcards):
     """The base model's held-out eval on this experiment's data (rule evaluate_base_model)."""
     spec = SPECS[wildcards.experiment]
-    return f"{PREP}/eval/base-{spec.get('dataset', 'default')}-seq{spec['seq_len']}.json"
+    return (f"{PREP}/eval/base-{spec.get('dataset', 'default')}-seq{spec['seq_len']}"
+            f"{model_suffix(spec.get('model', 'default'))}.json")
 
 
 def experiment_spec(wildcards):

@@ -1,17 +1,17 @@
-# Held-out evaluation of the base model, once per dataset and seq_len: every trained run's
+# Held-out evaluation of the base model, once per dataset, seq_len and model: every trained run's
 # eval loss (computed in its worker on the same tokens) is set beside it.
 
 
 rule evaluate_base_model:
     input:
         data=f"{PREP}/data/{{dataset}}-seq{{seq_len}}",
-        model=model_inputs(),
+        model=model_inputs,
     output:
-        f"{PREP}/eval/base-{{dataset}}-seq{{seq_len}}.json",
+        f"{PREP}/eval/base-{{dataset}}-seq{{seq_len}}{{model_suffix}}.json",
     params:
         model_source=model_source,
     log:
-        f"{PREP}/logs/eval-base-{{dataset}}-seq{{seq_len}}.log",
+        f"{PREP}/logs/eval-base-{{dataset}}-seq{{seq_len}}{{model_suffix}}.log",
     resources:
         mem_mb=one_process_model_mem_mb(),
         runtime=15,  # one forward pass over the held-out blocks

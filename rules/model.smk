@@ -1,15 +1,16 @@
-# The base model: built once with a fixed seed (unless model.path names a real one).
+# The base model (unless model.path names a real one) and each model.extra entry: built
+# once with a fixed seed.
 
 
 rule build_base_model:
     input:
         tokenizer=tokenizer_path(),
     output:
-        f"{PREP}/model/config.json",
+        f"{PREP}/model{{model_suffix}}/config.json",
     params:
-        build=config["model"]["build"],
+        build=lambda wildcards: model_build(wildcards.model_suffix[1:] or "default"),
     log:
-        f"{PREP}/logs/model.log",
+        f"{PREP}/logs/model{{model_suffix}}.log",
     resources:
         mem_mb=one_process_model_mem_mb(),
         runtime=15,  # builds and saves a model: minutes even for the largest preset

@@ -4,7 +4,7 @@
 rule train:
     input:
         data=data_dir,
-        model=model_inputs(),
+        model=model_inputs,
         hardware=f"{RESULTS}/{MACHINE}/hardware.json",
         base_eval=base_eval_path,
     output:

@@ -8,7 +8,7 @@ rule validate_checkpoint:
         metrics=f"{RUN}/metrics.json",
         checkpoint=f"{RUN}/checkpoint",
         data=data_dir,
-        model=model_inputs(),
+        model=model_inputs,
     output:
         f"{RUN}/validation.json",
         work=directory(f"{RUN}/validation-work"),  # each launch's job file and raw checks

@@ -88,6 +88,11 @@ def advisor_card(advice: dict, runs: list[dict]) -> Card:
             card.notes.append(f"The estimate was wrong for {len(wrong)} of {len(checked)} run(s)"
                               + (": " + "; ".join(f"{c['experiment']} ({c['where'] or 'total'})" for c in wrong)
                                  if wrong else "."))
+        other = sorted(r["experiment"] for r in runs if r["machine"] == machine and r.get("status") == "ok"
+                       and r["spec"].get("model", "default") != "default")
+        if other:
+            card.notes.append(f"Not checked against the estimate: {', '.join(other)} (another model than the "
+                              "base model the advice sizes: model.extra).")
     return card
 
 

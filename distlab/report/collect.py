@@ -216,7 +216,8 @@ def summary_row(run: dict) -> dict:
     return {
         "machine": run["machine"], "stage": run["stage"], "experiment": run["experiment"],
         "status": run.get("status"), "strategy": spec["strategy"], "launcher": spec["launcher"],
-        "method": spec["method"], "device": spec["device"], "world_size": spec["world_size"],
+        "method": spec["method"], "model": spec.get("model", "default"), "memory_budget_gib": spec.get("memory_budget_gib"),
+        "device": spec["device"], "world_size": spec["world_size"],
         "micro_batch": spec["micro_batch"], "grad_accum": spec["grad_accum"], "seq_len": spec["seq_len"],
         "sampler": spec["sampler"], "precision": spec["precision"], "steps": spec["steps"],
         "warmup_steps": spec["warmup_steps"], "repeats": spec.get("repeats", 1),

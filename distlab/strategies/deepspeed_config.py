@@ -30,6 +30,9 @@ def deepspeed_config(spec: dict, world_size: int) -> dict:
         # gathered parameters resident on a small model; setting them (and the prefetch
         # bucket) to 0 made a 20-step ZeRO-3 run of the tests' tiny model run past 300 s on
         # this 2-core machine, so they stay at DeepSpeed's defaults here.
+    # deepspeed.zero_config: the experiment's own zero_optimization keys (bucket sizes, ZeRO-3's
+    # live-parameter limits) over the ones above; set only where an experiment asks.
+    zero.update(ds.get("zero_config") or {})
     for key in ("offload_optimizer", "offload_param"):
         if ds[key] != "none":
             block = {"device": ds[key], "pin_memory": cuda}  # pinning needs a CUDA host allocator

@@ -25,9 +25,9 @@ def deepspeed_runs(runs: list[dict]) -> list[dict]:
 
 def budget_goal(runs: list[dict]) -> Goal:
     """A 1-device run out of memory under the budget and a ZeRO-3 run on 2+ devices that finished
-    under the same budget. The budget is enforced per rank process (distlab.memory: CUDA
-    allocator fraction, CPU RLIMIT_DATA); a run recorded before CPU enforcement is only
-    compared, and says so."""
+    under the same budget, on the same model. The budget is enforced per rank process
+    (distlab.memory: CUDA allocator fraction, CPU RSS watchdog); a run recorded before CPU
+    enforcement is only compared, and says so. Passed only where both verdicts are enforced."""
     budgeted = [r for r in runs if r["stage"] == "deepspeed" and r["spec"].get("memory_budget_gib")]
     single, sharded = [], []
     for run in budgeted:
@@ -57,11 +57,12 @@ def budget_goal(runs: list[dict]) -> Goal:
     if not budgeted:
         return Goal("bonus", GOAL_BUDGET, NOT_RUN, "no DeepSpeed run with memory_budget_gib")
     pairs = [(s, z) for s in single for z in sharded
-             if s[0]["machine"] == z[0]["machine"] and s[0]["spec"]["memory_budget_gib"] == z[0]["spec"]["memory_budget_gib"]]
+             if s[0]["machine"] == z[0]["machine"] and s[0]["spec"]["memory_budget_gib"] == z[0]["spec"]["memory_budget_gib"]
+             and s[0]["spec"].get("model", "default") == z[0]["spec"].get("model", "default")]
     if not pairs:
         return Goal("bonus", GOAL_BUDGET, FAILED,
                     f"{len(single)} single-device run(s) over budget, {len(sharded)} ZeRO-3 run(s) within it: "
-                    "no pair on one machine with the same budget")
+                    "no pair on one machine with the same budget and model")
     # Passed only where an allocator held both runs to the budget; a limit compared after the
     # fact shows the arithmetic, not that the run could not have exceeded it.
     (one, one_why, one_enforced), (zero, zero_why, zero_enforced) = max(pairs, key=lambda p: p[0][2] and p[1][2])
@@ -77,7 +78,7 @@ def offload_pairs(ds_runs: list[dict]) -> list[tuple[dict, dict]]:
     def key(r):
         s = r["spec"]
         return (r["machine"], s["deepspeed"]["zero_stage"], s["world_size"], s["micro_batch"], s["grad_accum"],
-                s["seq_len"], s["precision"], s["method"])
+                s["seq_len"], s["precision"], s["method"], s.get("model", "default"))
 
     plain = {key(r): r for r in ds_runs if r["as_built"]["deepspeed"]["offload_optimizer"] == "none"
              and r["as_built"]["deepspeed"]["offload_param"] == "none"}
@@ -137,7 +138,8 @@ def build(runs: list[dict]) -> Card:
         plain = {}
         for r in multi:
             if r["of it offloaded (MiB)"] == 0:
-                plain.setdefault((r["machine"], r["ranks"], r["precision"]), {})[r["ZeRO stage"]] = r
+                # Per model too (params (Psi)): a run on a model.extra model is not a stage of another's.
+                plain.setdefault((r["machine"], r["ranks"], r["precision"], r["params (Psi)"]), {})[r["ZeRO stage"]] = r
         shrinks = all([g[s]["measured state (MiB/rank)"] for s in sorted(g)] ==
                       sorted((g[s]["measured state (MiB/rank)"] for s in g), reverse=True) for g in plain.values())
         worst = max(multi, key=lambda r: abs(r["_gap"]))

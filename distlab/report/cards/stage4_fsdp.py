@@ -54,7 +54,7 @@ def comparable_key(run: dict) -> tuple:
     s = run["spec"]
     # Micro-batch shape too: two passes of 2 are not the same work as one pass of 4.
     return (run["machine"], s["device"], s["world_size"], s["micro_batch"], s["grad_accum"], s["seq_len"],
-            s["method"], s["precision"])
+            s["method"], s["precision"], s.get("model", "default"))
 
 
 def is_full_shard(run: dict) -> bool:
