@@ -30,7 +30,7 @@ def default_pair():
 
 def test_the_default_config_holds_the_budget_pair_on_its_own_built_model():
     from distlab.config import model_shape, validated_experiments
-    from distlab.report.cards.stage3_deepspeed import zero_formula_bytes
+    from distlab.report.cards.zero_memory import zero_formula_bytes
 
     config, specs, one, three = default_pair()
     assert one["memory_budget_gib"] == three["memory_budget_gib"]
