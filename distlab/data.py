@@ -8,9 +8,11 @@ permutation for the train/eval split.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 from distlab.data_checks import builder_for
@@ -20,11 +22,14 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
 DATA_INFO = "distlab_data.json"  # written beside the Arrow splits: tokenizer identity, token counts
 BATCH = 1000  # rows per tokenize batch (one call of the fast tokenizer)
 PACK_BATCH = 10_000  # encoded rows per packing batch (numpy over the whole batch)
-# A plain-text file streams as lines (load_dataset's text builder, 10 MB reads) regrouped into
-# pieces of about PIECE_LINES lines, cut only where tokenizing the pieces apart gives the
-# document's own tokens; a piece is cut anyway at the last line end once it passes PIECE_CHARS.
-PIECE_LINES = 32
-PIECE_CHARS = 1 << 20
+# A plain-text file streams as lines (load_dataset's text builder, TEXT_READ_BYTES per read),
+# regrouped PIECE_BATCH_LINES at a time into pieces of at least PIECE_CHARS, cut only where
+# tokenizing the pieces apart gives the document's own tokens (SAFE_CUT); with no such place
+# within PIECE_MAX_CHARS, at the last line end before it.
+TEXT_READ_BYTES = 4 << 20
+PIECE_BATCH_LINES = 10_000
+PIECE_CHARS = 4096
+PIECE_MAX_CHARS = 32 << 10
 
 
 def pydoc_topics() -> list[tuple[str, str]]:
@@ -75,49 +80,65 @@ def load_rows(cfg: dict, cache_dir=None):
     raise ValueError(f"data.source: unknown source {source!r}")
 
 
-def safe_cut(text: str) -> int:
-    """Where `text` may be cut into two pieces tokenized apart without changing its tokens:
-    just after the last line end with no whitespace on either side ("...x\ny..."). There the
-    byte-level pre-tokenizers (GPT-2, Llama-3, Qwen2, GPT-NeoX) split anyway: the newline is
-    a pre-token of its own or ends the one before it. 0 where there is no such line end."""
-    end = len(text) - 1  # the character after the cut must be known
-    while (at := text.rfind("\n", 1, end)) > 0:
-        if not text[at - 1].isspace() and not text[at + 1].isspace():
-            return at + 1
-        end = at
-    return 0
+# Where a text may be cut into two pieces tokenized apart without changing its tokens: just
+# after a line end with no whitespace on either side ("...x\ny..."). There the byte-level
+# pre-tokenizers (GPT-2, Llama-3, Qwen2, GPT-NeoX) split anyway: the newline is a pre-token of
+# its own or ends the one before it.
+SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
+
+
+def piece_ends(text: str, target: int = PIECE_CHARS, max_chars: int = PIECE_MAX_CHARS) -> list[int]:
+    """Cut positions for `text`: safe ones (SAFE_CUT), each piece at least `target` long;
+    where no safe cut comes within max_chars, the last line end before it (else max_chars).
+    What follows the last cut is left over (the start of the next piece)."""
+    safe = [m.start() for m in SAFE_CUT.finditer(text)]  # one C-level scan
+    ends, last, i = [], 0, 0
+    while True:
+        i = bisect.bisect_left(safe, last + target, i)
+        if i < len(safe) and safe[i] - last <= max_chars:
+            last = safe[i]
+        elif len(text) - last > max_chars:
+            line_end = text.rfind("\n", last + 1, last + max_chars)
+            last = line_end + 1 if line_end >= 0 else last + max_chars
+        else:
+            return ends
+        ends.append(last)
 
 
 class DocumentPieces:
     """Batched-map body over one plain-text file's lines (in order, one process): the lines
-    joined into pieces cut where safe_cut allows; the file's last piece ends the document."""
+    joined into pieces cut at piece_ends; the file's last piece ends the document."""
 
-    def __init__(self, field: str, n_lines: int, max_chars: int = PIECE_CHARS):
-        self.field, self.n_lines, self.max_chars = field, n_lines, max_chars
+    def __init__(self, field: str, n_lines: int):
+        self.field, self.n_lines = field, n_lines
         self.carry = ""
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:
         text = self.carry + "".join(batch["text"])
-        if indices[-1] == self.n_lines - 1:
+        ends = piece_ends(text)
+        starts = [0] + ends
+        pieces = [text[a:b] for a, b in zip(starts, ends)]
+        self.carry = text[starts[-1]:]
+        if indices[-1] == self.n_lines - 1 and self.carry:  # the file's last line: the document ends
+            pieces.append(self.carry)
             self.carry = ""
-            return {self.field: [text], DOCUMENT_END: [True]}
-        cut = safe_cut(text)
-        if not cut and len(text) > self.max_chars:  # no safe line end in a long stretch: any line end
-            cut = text.rfind("\n") + 1 or len(text)
-        self.carry = text[cut:]
-        return {self.field: [text[:cut]] if cut else [], DOCUMENT_END: [False] if cut else []}
+        flags = [False] * len(pieces)
+        if indices[-1] == self.n_lines - 1 and pieces:
+            flags[-1] = True
+        return {self.field: pieces, DOCUMENT_END: flags}
 
 
 def text_file_pieces(name, field: str = "text", cache_dir=None):
     """A plain-text file as one document, streamed: load_dataset's text builder reads it as
-    lines (keeping the line breaks, 10 MB at a time), a sequential batched map regroups them
-    into pieces. Memory holds a piece, never the file; the pieces' tokens are the document's."""
+    lines (keeping the line breaks, TEXT_READ_BYTES at a time), a sequential batched map
+    regroups them into pieces. Memory holds a read and a batch, never the file; the pieces'
+    tokens are the document's (see SAFE_CUT)."""
     import datasets
 
     lines = datasets.load_dataset("text", data_files=[str(name)], split="train", cache_dir=cache_dir,
-                                  sample_by="line", keep_linebreaks=True)
-    return lines.map(DocumentPieces(field, len(lines)), batched=True, batch_size=PIECE_LINES, with_indices=True,
-                     remove_columns=lines.column_names, desc="pieces",
+                                  sample_by="line", keep_linebreaks=True, chunksize=TEXT_READ_BYTES)
+    return lines.map(DocumentPieces(field, len(lines)), batched=True, batch_size=PIECE_BATCH_LINES,
+                     with_indices=True, remove_columns=lines.column_names, desc="pieces",
                      features=datasets.Features({field: datasets.Value("string"),
                                                  DOCUMENT_END: datasets.Value("bool")}))
 
