@@ -311,8 +311,15 @@ def build_dataset(rows, tokenizer, seq_len: int, eval_fraction: float, seed: int
         # new_fingerprint: the results live in a scratch folder removed below, so nothing is
         # looked up by fingerprint; naming one skips hashing the tokenizer (dill) per map.
         tag = f"{rows._fingerprint}-{seq_len}-{cfg['format']}"
+        workers = num_proc if num_proc > 1 and len(rows) >= 2 * num_proc else None
+        if cfg["format"] == "text" and getattr(tokenizer, "is_fast", False):
+            # One process: the fast tokenizer's batch encoding spreads over the job's threads
+            # itself (Rust, one shared BPE cache). num_proc workers each pickle the tokenizer
+            # and warm their own cache: measured here, ~40% more CPU for the same ids.
+            os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, num_proc)))
+            workers = None
         encoded = rows.map(fn, fn_kwargs=fn_kwargs, batched=True, batch_size=BATCH, remove_columns=rows.column_names,
-                           num_proc=num_proc if num_proc > 1 and len(rows) >= 2 * num_proc else None,
+                           num_proc=workers,
                            features=encoded_features, new_fingerprint=f"{tag}-tokenize",
                            cache_file_name=os.path.join(scratch, "encoded.arrow"), desc="tokenize")
         blocks = encoded.with_format("arrow").map(
