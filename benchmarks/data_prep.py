@@ -1,13 +1,19 @@
-"""Data-prep memory and time: the list-based path of faacf6d vs the datasets path, side by side.
+"""Data-prep time and memory: the list-based path of faacf6d vs the datasets path, side by side.
 
-    nice -n 10 python benchmarks/data_prep.py --mb 200 --old-mb 20 --out /tmp/dataprep
+    nice -n 10 python benchmarks/data_prep.py --mb 20 --out /tmp/dataprep           # a few minutes
+    nice -n 10 python benchmarks/data_prep.py --mb 20 --new-only-mb 200 --repeat 2   # + the big corpus
 
 Generates a JSONL corpus of about --mb MB (rows cut from Python's own documentation, seeded),
-trains one 4096-token BPE on python-docs, then prepares the corpus (tokenize, pack seq 128,
-split, save Arrow) once per path, each in its own subprocess. Peak RSS is sampled (psutil,
-every 0.1 s) as the sum over the process and its children (the datasets path's num_proc
-workers are separate processes). The old path holds the corpus as Python lists (~70x the text size), so it runs
-on --old-mb (a smaller corpus) unless told otherwise: at 200 MB it needs ~14 GB.
+trains one 4096-token BPE on python-docs, then prepares that same corpus (tokenize, pack seq
+128, split, save Arrow) with the old path and with the new one, each in its own subprocess,
+alternating old/new --repeat times (the order flips every round, so a load change on a shared
+machine hits both alike). Per run: wall time, CPU (user+sys of the process and its children,
+from GNU time: the figure a shared machine distorts least), peak RSS summed over the process
+tree (psutil, every 0.1 s; the num_proc workers are separate processes) and the 1-minute load
+average. Then the medians and new/old ratios, and a check that both paths wrote the same
+blocks (same ids, same block positions, same train/eval split). --new-only-mb runs the new
+path alone on a bigger corpus: the old path holds the corpus as Python lists (~60x the text
+size), ~12 GB at 200 MB.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -60,13 +67,15 @@ def make_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
 
 
 def measured(cmd: list[str], env: dict) -> dict:
-    """Wall time and peak RSS (summed over the process tree, sampled) of one subprocess."""
+    """Wall time, CPU and peak RSS (summed over the process tree, sampled) of one subprocess."""
     import psutil
 
+    load_before = os.getloadavg()[0]
     start = time.perf_counter()
     # GNU time: user+sys CPU seconds of the process and every child it waited for (the map
     # workers), a figure a machine shared with other jobs distorts less than wall time.
-    proc = subprocess.Popen(["/usr/bin/time", "-f", "CPU %U %S"] + cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(["/usr/bin/time", "-f", "CPU %U %S"] + cmd, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
     ps, peak_tree = psutil.Process(proc.pid), 0
     while proc.poll() is None:
         try:
@@ -80,13 +89,54 @@ def measured(cmd: list[str], env: dict) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd} failed ({proc.returncode}):\n{err[-3000:]}")
     user, system = next(line for line in err.splitlines() if line.startswith("CPU ")).split()[1:]
-    return {"wall_s": wall, "cpu_s": float(user) + float(system), "peak_rss_tree_bytes": peak_tree}
+    return {"wall_s": wall, "cpu_s": float(user) + float(system), "peak_rss_tree_bytes": peak_tree,
+            "load_1min": round((load_before + os.getloadavg()[0]) / 2, 1)}
+
+
+def prepared_blocks(path: Path) -> dict:
+    """Every block of a prepared folder by split: block positions and ids, as numpy."""
+    import datasets
+    import numpy as np
+
+    saved = datasets.load_from_disk(str(path))
+    out = {}
+    for split in ("train", "eval"):
+        part = saved[split].with_format("numpy")
+        out[split] = (np.asarray(part["block"]), np.stack(part["input_ids"]).astype(np.int64))
+    return out
+
+
+def same_blocks(a: Path, b: Path) -> bool:
+    import numpy as np
+
+    left, right = prepared_blocks(a), prepared_blocks(b)
+    return all(np.array_equal(left[s][0], right[s][0]) and np.array_equal(left[s][1], right[s][1])
+               for s in ("train", "eval"))
+
+
+def run_path(kind: str, corpus: Path, out: Path, tok_dir: Path, old_module: Path, num_proc: int, env: dict) -> dict:
+    megabytes = corpus.stat().st_size / 1e6
+    target = out / f"prepared-{kind}-{corpus.stem}"
+    subprocess.run(["rm", "-rf", str(target), str(target) + ".cache"], check=True)
+    os.makedirs(str(target) + ".cache", exist_ok=True)
+    if kind == "old":
+        cmd = [sys.executable, "-c", textwrap.dedent(OLD_SCRIPT), str(old_module), str(tok_dir), str(corpus),
+               str(target)]
+    else:
+        cmd = [sys.executable, "-c", textwrap.dedent(NEW_SCRIPT), str(tok_dir), str(corpus), str(target),
+               str(target) + ".cache", str(num_proc)]
+    row = {"path": kind, "corpus_mb": megabytes, **measured(cmd, env), "prepared": str(target)}
+    row["blocks"] = sum(len(v[0]) for v in prepared_blocks(target).values())
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mb", type=float, default=200, help="corpus size for the datasets path (MB)")
-    parser.add_argument("--old-mb", type=float, default=20, help="corpus size for the old list path (MB)")
+    parser.add_argument("--mb", type=float, default=20, help="corpus size both paths prepare (MB)")
+    parser.add_argument("--new-only-mb", type=float, nargs="*", default=[],
+                        help="bigger corpora for the new path alone (MB)")
+    parser.add_argument("--repeat", type=int, default=1, help="old/new rounds on the --mb corpus")
     parser.add_argument("--num-proc", type=int, default=2, help="Dataset.map workers (the job's threads)")
     parser.add_argument("--out", default="/tmp/distlab-dataprep-bench")
     args = parser.parse_args(argv)
@@ -102,32 +152,37 @@ def main(argv=None) -> None:
     old_module = out / "old_data.py"
     old_module.write_text(subprocess.run(["git", "-C", str(REPO), "show", f"{OLD_COMMIT}:distlab/data.py"],
                                          check=True, capture_output=True, text=True).stdout)
+    corpora = {}
+    for megabytes in [args.mb, *args.new_only_mb]:
+        corpora[megabytes] = out / f"corpus-{megabytes:g}mb.jsonl"
+        if not corpora[megabytes].is_file():
+            make_corpus(corpora[megabytes], megabytes)
+    print(f"{os.cpu_count()} CPUs; load average before: {os.getloadavg()}", flush=True)
     results = []
-    for path_name, megabytes in (("old (faacf6d, Python lists)", args.old_mb),
-                                 ("datasets (this branch)", args.old_mb), ("datasets (this branch)", args.mb)):
-        corpus = out / f"corpus-{megabytes:g}mb.jsonl"
-        if not corpus.is_file():
-            make_corpus(corpus, megabytes)
-        target = out / f"prepared-{'old' if path_name.startswith('old') else 'new'}-{megabytes:g}mb"
-        subprocess.run(["rm", "-rf", str(target), str(target) + ".cache"], check=True)
-        os.makedirs(str(target) + ".cache", exist_ok=True)
-        if path_name.startswith("old"):
-            cmd = [sys.executable, "-c", textwrap.dedent(OLD_SCRIPT), str(old_module), str(tok_dir), str(corpus),
-                   str(target)]
-        else:
-            cmd = [sys.executable, "-c", textwrap.dedent(NEW_SCRIPT), str(tok_dir), str(corpus), str(target),
-                   str(target) + ".cache", str(args.num_proc)]
-        row = {"path": path_name, "corpus_mb": corpus.stat().st_size / 1e6, **measured(cmd, env)}
-        blocks = sum(len(data.load_blocks(target, split)) for split in ("train", "eval"))
-        row["blocks"] = blocks
-        results.append(row)
-        print(json.dumps(row), flush=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    print(f"\n| path | corpus (MB) | wall (s) | CPU user+sys (s) | peak RSS, process tree (GB) | blocks of 128 |")
-    print("|---|---|---|---|---|---|")
+    for round_no in range(args.repeat):
+        for kind in (("old", "new") if round_no % 2 == 0 else ("new", "old")):
+            results.append(run_path(kind, corpora[args.mb], out, tok_dir, old_module, args.num_proc, env))
+    identical = same_blocks(Path(results[0]["prepared"]), Path(results[1]["prepared"]))
+    for megabytes in args.new_only_mb:
+        results.append(run_path("new", corpora[megabytes], out, tok_dir, old_module, args.num_proc, env))
+    summary = {}
+    for kind in ("old", "new"):
+        runs = [r for r in results if r["path"] == kind and r["corpus_mb"] == results[0]["corpus_mb"]]
+        summary[kind] = {k: statistics.median(r[k] for r in runs) for k in ("wall_s", "cpu_s", "peak_rss_tree_bytes")}
+    ratio = {k: summary["new"][k] / summary["old"][k] for k in summary["new"]}
+    (out / "results.json").write_text(json.dumps({"runs": results, "median": summary, "new_over_old": ratio,
+                                                  "same_blocks": identical, "num_proc": args.num_proc}, indent=1))
+    names = {"old": f"old ({OLD_COMMIT}, Python lists)", "new": f"datasets (num_proc {args.num_proc})"}
+    print("\n| path | corpus (MB) | wall (s) | CPU user+sys (s) | peak RSS, process tree (GB) | load avg | blocks of 128 |")
+    print("|---|---|---|---|---|---|---|")
     for row in results:
-        print(f"| {row['path']} | {row['corpus_mb']:.0f} | {row['wall_s']:.1f} | {row['cpu_s']:.1f} | "
-              f"{row['peak_rss_tree_bytes'] / 1e9:.2f} | {row['blocks']:,} |")
+        print(f"| {names[row['path']]} | {row['corpus_mb']:.0f} | {row['wall_s']:.1f} | {row['cpu_s']:.1f} | "
+              f"{row['peak_rss_tree_bytes'] / 1e9:.2f} | {row['load_1min']:.1f} | {row['blocks']:,} |")
+    print(f"\nmedian over {args.repeat} round(s) at {results[0]['corpus_mb']:.0f} MB, new/old: "
+          f"wall {ratio['wall_s']:.2f}, CPU {ratio['cpu_s']:.2f}, peak RSS {ratio['peak_rss_tree_bytes']:.2f}")
+    print(f"same blocks from both paths (ids, positions, train/eval split): {identical}")
+    if not identical:
+        raise SystemExit("the two paths prepared different blocks")
 
 
 if __name__ == "__main__":

@@ -15,12 +15,22 @@ BUILT_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|endoftext|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+# Rows that are pieces of a longer document (a plain-text file streamed in pieces) carry this
+# column: EOS follows only the piece that ends its document. Rows without it are documents.
+DOCUMENT_END = "document_end"
 
 
 def encode_text(batch: dict, tokenizer, field: str) -> dict:
-    """Documents, each followed by EOS (the separator packing keeps)."""
+    """Documents, each followed by EOS (the separator packing keeps). One batched call of the
+    fast tokenizer per batch; no attention masks (packing needs none)."""
     eos = tokenizer.eos_token_id
-    return {"input_ids": [row + [eos] for row in tokenizer(batch[field], add_special_tokens=False)["input_ids"]]}
+    ids = tokenizer(batch[field], add_special_tokens=False, return_attention_mask=False,
+                    return_token_type_ids=False)["input_ids"]
+    ends = batch.get(DOCUMENT_END)
+    for index, row in enumerate(ids):
+        if ends is None or ends[index]:
+            row.append(eos)
+    return {"input_ids": ids}
 
 
 def _render(tokenizer, messages, **kwargs) -> str:
