@@ -16,20 +16,12 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 WORK = Path(os.environ.get("ADVISOR_CHECK_DIR", "/tmp/distlab-advisor-check"))
-from conftest import tiny_config, resolve, run_experiment
+from conftest import build_prepared, resolve, run_experiment
 from distlab import advisor
 
 root = WORK / "prep"
 if not (root / "model").exists():
-    from distlab import data, hardware, model
-    from distlab.config import validate_schema
-    cfg = validate_schema(tiny_config({}))
-    texts = data.corpus_texts(cfg["data"])
-    tok = data.train_tokenizer(texts, cfg["data"]["vocab_size"], root / "tokenizer")
-    data.build_dataset(texts, tok, 32, 0.05, 0, root / "data32")
-    model.build_base_model(cfg["model"]["build"], tok, root / "model")
-    info = hardware.describe("testbox", probe=False)
-    (root / "hardware.json").write_text(json.dumps(info))
+    build_prepared(root)
 
 base = dict(steps=3, warmup_steps=1)
 CASES = {

@@ -31,6 +31,9 @@ Memory = model state + activations, per device:
   al. 2022, "Reducing Activation Recomputation", no recomputation; doubled for fp32), plus
   the logits and their gradient (2*s*b*V fp32). Llama's SwiGLU MLP and SDPA attention make
   this an approximation; on CPU runs it is not checked (peak RSS includes the interpreter).
+
+Longer than ~300 lines on purpose: the per-strategy byte formulas are used by both the
+recommendation and the estimate-vs-measured check below; split, the two could drift apart.
 """
 from __future__ import annotations
 

@@ -2,6 +2,9 @@
 
 Imported by the Snakefile at parse time, so it must stay light: no torch, no transformers
 (a no-op `snakemake` rerun has to answer in well under two seconds).
+
+Longer than ~300 lines on purpose: every semantic rule of the schema sits beside the
+expansion into specs it guards (the schema file holds the types, this module the relations).
 """
 from __future__ import annotations
 

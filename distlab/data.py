@@ -5,6 +5,9 @@ batched Dataset.map or a generator written to Arrow as it goes: memory stays fla
 large the corpus (no Python list of it). Deterministic: files in the given order, the
 embedded corpus in sorted order, one continuous token stream cut into blocks, a seeded
 permutation for the train/eval split.
+
+Longer than ~300 lines on purpose: loading, streaming .txt pieces, tokenizing and packing are
+one chain over one datasets.Dataset; each step is a function of its own here.
 """
 from __future__ import annotations
 

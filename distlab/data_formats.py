@@ -20,13 +20,30 @@ BUILT_CHAT_TEMPLATE = (
 DOCUMENT_END = "document_end"
 
 
+def pieces_tokenize_like_the_whole(tokenizer) -> bool:
+    """Whether a text cut after a line end ("x\ny" -> "x\n" + "y") tokenizes apart into its own
+    tokens. True for byte-level BPE (GPT-2, Llama-3, Qwen2, GPT-NeoX); false for tokenizers
+    that prepend a space marker to every call (SentencePiece's Metaspace: Llama-2, Mistral)."""
+    def encode(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    return all(encode(a + b) == encode(a) + encode(b) for a, b in (("x\n", "y"), ("Hello world.\n", "Next line")))
+
+
 def encode_text(batch: dict, tokenizer, field: str) -> dict:
     """Documents, each followed by EOS (the separator packing keeps). One batched call of the
     fast tokenizer per batch; no attention masks (packing needs none)."""
     eos = tokenizer.eos_token_id
+    ends = batch.get(DOCUMENT_END)
+    if ends is not None and not pieces_tokenize_like_the_whole(tokenizer):
+        # Tokenized apart, each streamed piece would gain a leading space marker: other ids
+        # than the document's. Refused rather than trained on silently changed text.
+        raise ValueError(f"a plain-text file streams in pieces, and this tokenizer "
+                         f"({type(tokenizer).__name__}, {getattr(tokenizer, 'name_or_path', '')}) tokenizes "
+                         "pieces differently from the whole text (it prepends a space marker to every "
+                         "call); give the data as JSON lines, one document per row, instead of .txt")
     ids = tokenizer(batch[field], add_special_tokens=False, return_attention_mask=False,
                     return_token_type_ids=False)["input_ids"]
-    ends = batch.get(DOCUMENT_END)
     for index, row in enumerate(ids):
         if ends is None or ends[index]:
             row.append(eos)

@@ -46,10 +46,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory):
     """tokenizer + data (seq 32) + tiny model + hardware.json, built with the pipeline's own code."""
+    return build_prepared(tmp_path_factory.mktemp("prepared"))
+
+
+def build_prepared(root: Path) -> Path:
+    """The tiny workspace in `root` (also used by benchmarks/advisor_check.py)."""
+    root.mkdir(parents=True, exist_ok=True)
     from distlab import data, hardware, model
     from distlab.config import validate_schema
 
-    root = tmp_path_factory.mktemp("prepared")
     cfg = validate_schema(tiny_config({}))
     texts = data.corpus_texts(cfg["data"])
     tok = data.train_tokenizer(texts, cfg["data"]["vocab_size"], root / "tokenizer")

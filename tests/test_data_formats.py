@@ -91,3 +91,30 @@ def test_training_loss_counts_only_response_tokens(prepared, instruction_data, t
     assert run_tokens["trained"] + run_tokens["masked"] == 3 * 4 * 31
     assert metrics["data_prep"]["format"] == "instruction"
     assert metrics["data_prep"]["tokenizer"]["eos_token_id"] == data.load_tokenizer(prepared / "tokenizer").eos_token_id
+
+
+def test_a_tokenizer_that_marks_every_call_is_refused_for_streamed_text_pieces():
+    import pytest
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from distlab.data_formats import DOCUMENT_END, encode_text, pieces_tokenize_like_the_whole
+
+    def fast(pre_tokenizer, decoder):
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer, tok.decoder = pre_tokenizer, decoder
+        tok.train_from_iterator(["Hello world.\nNext line\nx\ny"] * 20,
+                                trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"],
+                                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+
+    sentencepiece_like = fast(pre_tokenizers.Metaspace(prepend_scheme="always"), decoders.Metaspace())
+    byte_level = fast(pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel())
+    assert pieces_tokenize_like_the_whole(byte_level)
+    assert not pieces_tokenize_like_the_whole(sentencepiece_like)
+    pieces = {"text": ["Hello world.\n", "Next line"], DOCUMENT_END: [False, True]}
+    assert encode_text(pieces, byte_level, "text")["input_ids"][1][-1] == byte_level.eos_token_id
+    with pytest.raises(ValueError, match="JSON lines"):
+        encode_text(pieces, sentencepiece_like, "text")
+    # Whole documents (JSON lines) are fine with either tokenizer.
+    assert encode_text({"text": ["Hello world.\nNext line"]}, sentencepiece_like, "text")["input_ids"]
