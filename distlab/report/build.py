@@ -53,12 +53,20 @@ def overview_card(cards: list[Card], runs: list[dict], advice: dict) -> Card:
     return card
 
 
+def card_noting_missing(number: int, title: str, source: dict, missing: str) -> Card:
+    """A card whose input file may be absent: then it says which file and which rule."""
+    card = Card(number, title)
+    if not source:
+        card.notes.append(missing)
+    return card
+
+
 def advisor_card(advice: dict, runs: list[dict]) -> Card:
     import pandas as pd
 
-    card = Card(90, "Advisor: what to run on this hardware")
+    card = card_noting_missing(90, "Advisor: what to run on this hardware", advice,
+                               "No advice.json found (rule `advise`); run `snakemake advise`.")
     if not advice:
-        card.notes.append("No advice.json found (rule `advise`); run `snakemake advise`.")
         return card
     for machine, a in sorted(advice.items()):
         card.notes.append(f"{machine}: recommended {a['recommendation_label']}. " + " ".join(
@@ -161,9 +169,9 @@ def machines_card(runs: list[dict], hardware: dict) -> Card | None:
 def collectives_card(bench: dict, runs: list[dict]) -> Card:
     import pandas as pd
 
-    card = Card(93, "Communication: collective bandwidth and when N ranks beat 1")
+    card = card_noting_missing(93, "Communication: collective bandwidth and when N ranks beat 1", bench,
+                               "No collectives.json (rule `collectives`); the benchmark has not run.")
     if not bench:
-        card.notes.append("No collectives.json (rule `collectives`); the benchmark has not run.")
         return card
     series, rows = [], []
     for machine, result in sorted(bench.items()):

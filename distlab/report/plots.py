@@ -23,6 +23,14 @@ def figure(width=5.5, height=3.4):
     return fig, ax
 
 
+def label_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
+    """Axis names, title and a small legend: how every card's figure is labelled."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+
+
 def loss_curves(runs: list[dict], title: str) -> str:
     fig, ax = figure()
     for run in runs:

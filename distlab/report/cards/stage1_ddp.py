@@ -5,7 +5,7 @@ from distlab.evaluation import eval_sentence
 from distlab.report.cards import (FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Goal, Table, comm_ms,
                                   metrics_link, ok_runs)
 from distlab.report.collect import clear_winner
-from distlab.report.plots import figure, loss_curves, to_png_b64
+from distlab.report.plots import figure, label_axes, loss_curves, to_png_b64
 
 
 def scaling_groups(runs):
@@ -71,10 +71,7 @@ def build(runs: list[dict]) -> Card:
                              "max loss diff vs 1 rank": f"{loss_parity({1: group[1], w: run}):.2e}"})
         top = max(worlds)
         ax.plot([1, top], [1, top], linestyle="--", color="grey", label="linear")
-        ax.set_xlabel("ranks")
-        ax.set_ylabel("throughput / 1-rank throughput")
-        ax.set_title("DDP speedup, same global batch")
-        ax.legend(fontsize=7)
+        label_axes(ax, "ranks", "throughput / 1-rank throughput", "DDP speedup, same global batch")
         how = ("tokens/s = global tokens per step / median step time (max over ranks) after warm-up; "
                "same model, data, seed and global batch at each rank count; 'no clear winner' when the "
                f"throughput spreads overlap; {SPREAD_CAVEAT}")

@@ -14,7 +14,7 @@ from matplotlib.ticker import ScalarFormatter
 from distlab.evaluation import eval_sentence
 from distlab.report.cards import (FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, comm_ms, metrics_link,
                                   ok_runs, tokens_per_s)
-from distlab.report.plots import figure, loss_curves, to_png_b64
+from distlab.report.plots import figure, label_axes, loss_curves, to_png_b64
 from distlab.run_layout import run_files_dir
 
 STAGE = "accelerate"
@@ -182,10 +182,8 @@ def accumulation_goal(card: Card, groups: dict) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted({ga for g in groups.values() for ga in g}))
     ax.xaxis.set_major_formatter(ScalarFormatter())
-    ax.set_xlabel("gradient accumulation steps (micro-batches per optimizer step)")
-    ax.set_ylabel("tokens/s (global)")
-    ax.set_title("Accelerate: gradient accumulation vs throughput")
-    ax.legend(fontsize=7)
+    label_axes(ax, "gradient accumulation steps (micro-batches per optimizer step)", "tokens/s (global)",
+               "Accelerate: gradient accumulation vs throughput")
     how = ("tokens/s = global tokens per optimizer step / median step time (max over ranks) after warm-up, "
            "error bars the spread; optimizer steps taken counted by a post-step hook on the torch optimizer, "
            "gradient syncs = micro-batches on which Accelerate's sync_gradients was true, all-reduce calls "
