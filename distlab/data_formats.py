@@ -7,6 +7,8 @@ convention of TRL's SFTTrainer, LLaMA-Factory and axolotl.
 """
 from __future__ import annotations
 
+import functools
+
 IGNORE = -100
 # Instruction rows with a tokenizer that has no chat template (documented in schema.yaml).
 PLAIN_PROMPT = "### Instruction:\n{prompt}\n\n### Response:\n"
@@ -20,6 +22,7 @@ BUILT_CHAT_TEMPLATE = (
 DOCUMENT_END = "document_end"
 
 
+@functools.lru_cache(maxsize=8)  # once per tokenizer, not once per batch of rows
 def pieces_tokenize_like_the_whole(tokenizer) -> bool:
     """Whether a text cut after a line end ("x\ny" -> "x\n" + "y") tokenizes apart into its own
     tokens. True for byte-level BPE (GPT-2, Llama-3, Qwen2, GPT-NeoX); false for tokenizers
