@@ -29,6 +29,20 @@ def tiny_config(stages: dict, **top) -> dict:
     return cfg
 
 
+# The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, .ci/run): a serial
+# run keeps about 1.3 of 2 cores busy (process start, Ray waiting on nodes). Each module is one
+# group, so its module-scoped runs happen once; the modules that read the session's finished
+# workflow run share a group (one worker builds it), as do the modules that start Ray clusters.
+SHARED_GROUPS = {"pipeline": {"test_pipeline", "test_report", "test_bad_input", "test_browser", "test_merge"}}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        group = next((name for name, modules in SHARED_GROUPS.items() if module in modules), module)
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory):
     """tokenizer + data (seq 32) + tiny model + hardware.json, built with the pipeline's own code."""
