@@ -104,3 +104,15 @@ def snakemake(workdir: Path, *args: str, config: dict | None = None, check: bool
         raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-4000:]}")
     return proc
+
+
+def assert_advisor_estimate_holds(prepared: Path, run: dict, name: str) -> None:
+    """The advisor's estimate for a real run's own spec vs the state its rank measured from its
+    tensors (distlab.metrics / strategies.deepspeed_state), within advisor.TOLERANCE. Checked
+    on the runs the strategy tests already made, so it costs no run of its own."""
+    from distlab import advisor
+
+    shape = advisor.model_shape(json.loads((prepared / "model" / "config.json").read_text()))
+    (row,) = advisor.check_against_runs({"model": {"shape": shape}}, [dict(run, machine="testbox", experiment=name)])
+    assert abs(row["measured/estimated"] - 1) <= advisor.TOLERANCE, row
+    assert row["verdict"] == "right" and not row["where"], row

@@ -153,33 +153,3 @@ def test_gpu_preset_is_schema_valid_and_advised_as_documented(name, monkeypatch)
 
 def test_every_preset_is_covered_by_a_test():
     assert {p.stem for p in PRESETS.glob("*.yaml")} == set(EXPECTED)
-
-
-# Real short runs of the tiny model: the estimate for each run's own spec vs the state its rank
-# measured from its tensors (distlab.metrics / strategies.deepspeed_state), within TOLERANCE.
-MEASURED = {
-    "ddp-w2": ({"strategy": "ddp", "world_size": 2}, "ddp"),
-    "zero1-w2": ({"strategy": "deepspeed", "world_size": 2, "deepspeed": {"zero_stage": 1}}, "deepspeed"),
-    "zero2-w2": ({"strategy": "deepspeed", "world_size": 2, "deepspeed": {"zero_stage": 2}}, "deepspeed"),
-    "zero3-w2": ({"strategy": "deepspeed", "world_size": 2, "deepspeed": {"zero_stage": 3}}, "deepspeed"),
-    "zero3-offload-w2": ({"strategy": "deepspeed", "world_size": 2, "deepspeed": {
-        "zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}}, "deepspeed"),
-    "fsdp-w2": ({"strategy": "fsdp", "world_size": 2}, "fsdp"),
-    "fsdp-lora-w2": ({"strategy": "fsdp", "world_size": 2, "method": "lora"}, "fsdp"),
-}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(MEASURED))
-def test_estimate_matches_a_real_runs_measured_state(name, prepared, tmp_path):
-    from conftest import resolve, run_experiment
-
-    overrides, stage = MEASURED[name]
-    spec = resolve({"micro_batch": 2, **overrides}, stage=stage, steps=2, warmup_steps=1)
-    run = run_experiment(prepared, tmp_path / name, spec, checkpoint=False)
-    assert run["status"] == "ok"
-    run.update(machine="testbox", experiment=name)
-    shape = advisor.model_shape(json.loads((prepared / "model" / "config.json").read_text()))
-    (row,) = advisor.check_against_runs({"model": {"shape": shape}}, [run])
-    assert abs(row["measured/estimated"] - 1) <= advisor.TOLERANCE, row
-    assert row["verdict"] == "right" and not row["where"], row

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import resolve, run_experiment
+from conftest import assert_advisor_estimate_holds, resolve, run_experiment
 
 STEPS = 20
 # Max |loss difference| per step vs DDP over 20 fp32 steps. Seen here: ~1e-6 (float
@@ -45,6 +45,12 @@ def test_zero_stage_matches_ddp_loss_over_20_steps(runs, variant):
     worst = max(abs(a - b) for a, b in zip(ddp, zero))
     assert worst < LOSS_TOLERANCE, (variant, worst, ddp, zero)
     assert ddp[-1] < ddp[0] - 0.05  # both trajectories moved: parity is not between constants
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp", *ZERO_VARIANTS])
+def test_the_advisor_estimates_each_zero_runs_measured_state(prepared, runs, name):
+    assert_advisor_estimate_holds(prepared, runs[name], name)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import re
 
 import pytest
 
-from conftest import REPO, resolve, run_experiment
+from conftest import REPO, assert_advisor_estimate_holds, resolve, run_experiment
 
 # fp32, same seed, data and global batch: sharding changes only the order of float
 # reductions, so per-step losses agree to float32 noise (measured ~1e-6 here; 1e-4 leaves
@@ -185,6 +185,7 @@ def test_fsdp_full_shard_matches_ddp_loss_and_holds_half_the_model_state(prepare
         for part in ("params", "grads", "optimizer"):
             # Shard(0) over 2 ranks: half of DDP's bytes (plus padding of odd-sized rows).
             assert state[part] <= 0.55 * ddp_state[part], (part, state, ddp_state)
+    assert_advisor_estimate_holds(prepared, run, "fsdp")
 
 
 @pytest.mark.slow
@@ -196,6 +197,7 @@ def test_fsdp_without_reshard_and_with_cpu_offload_matches_ddp_loss(prepared, tm
     assert_same_trajectory(run, baseline)
     assert run["as_built"]["reshard_after_forward"] is False and run["as_built"]["cpu_offload"] is True
     assert run["as_built"]["param_shard_devices"] == ["cpu"] and "cpu_offload_note" in run["as_built"]
+    assert_advisor_estimate_holds(prepared, run, "fsdp-gradop-offload")
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import resolve, run_experiment
+from conftest import assert_advisor_estimate_holds, resolve, run_experiment
 
 LORA = {"method": "lora", "strategy": "ddp"}
 
@@ -111,3 +111,9 @@ def test_lora_under_ddp_two_ranks_matches_one_rank(ddp_lora):
         assert abs(a - b) < 1e-4, (one["loss"]["per_step"], two["loss"]["per_step"])
     # The adapters learned something: parity between two real trajectories, not two constants.
     assert one["loss"]["per_step"][-1] != one["loss"]["per_step"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["w1", "w2"])
+def test_the_advisor_estimates_a_lora_runs_measured_state(prepared, ddp_lora, name):
+    assert_advisor_estimate_holds(prepared, ddp_lora[name], f"ddp-lora-{name}")

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import resolve, run_experiment
+from conftest import assert_advisor_estimate_holds, resolve, run_experiment
 
 MIB = 2**20
 # 1.2 GiB per rank process: a 1-rank DDP rank of this model peaks near 1.4 GiB here (0.22 GiB
@@ -66,7 +66,7 @@ def model_part(rank: dict, phase: str) -> int:
 
 
 @pytest.mark.slow
-def test_sharded_ranks_load_and_train_holding_less_than_one_ddp_rank(runs):
+def test_sharded_ranks_load_and_train_holding_less_than_one_ddp_rank(big, runs):
     (ddp,) = runs["ddp"]["memory"]["per_rank"]
     ddp_load, ddp_train = model_part(ddp, "load_phase"), model_part(ddp, "training_phase")
     assert ddp_load > 600 * MIB  # the fp32 weights (620 MB) really were resident
@@ -81,6 +81,8 @@ def test_sharded_ranks_load_and_train_holding_less_than_one_ddp_rank(runs):
             assert load < load_limit * ddp_load, (name, index, load / ddp_load)
             if name == "fsdp-budget":  # ZeRO-3 keeps gathered parameters live (DeepSpeed's defaults)
                 assert train < 0.85 * ddp_train, (name, index, train / ddp_train)
+    for name in ("ddp", "fsdp-budget", "zero3"):  # LoRA at 155M: the advisor's estimate holds too
+        assert_advisor_estimate_holds(big, runs[name], name)
     assert runs["zero3"]["as_built"]["deepspeed"]["partitioned_at_load"]
     assert runs["fsdp-budget"]["as_built"]["sharded_load"]["checkpoint_tensors_loaded"] > 0
 
