@@ -32,10 +32,13 @@ def tiny_config(stages: dict, **top) -> dict:
 # The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, .ci/run): a serial
 # run keeps about 1.3 of 2 cores busy (process start, Ray waiting on nodes). Each module is one
 # group, so its module-scoped runs happen once; the modules that read the session's finished
-# workflow run share a group (one worker builds it), as do the modules that start Ray clusters.
+# workflow run share a group (one worker builds it). Only test_ray.py starts Ray clusters.
 SHARED_GROUPS = {"pipeline": {"test_pipeline", "test_report", "test_bad_input", "test_browser", "test_merge"}}
 
 
+# tryfirst: xdist's own collection hook turns the xdist_group marker into the scheduling key,
+# so the markers must be on the items before it runs.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
