@@ -132,8 +132,39 @@ def check_tokenizer(config: dict) -> None:
     ids = special_ids_from_files(tok_json, tok_cfg, model_cfg, str(tok_json))
     if model_cfg is not None:
         compare_with_model(ids, ids["max_id"], model_cfg, str(tok_json), model_name)
+    check_streamed_text_pieces(config, tok_json, field)
     from distlab.data_checks import datasets_of
 
     if any(cfg["format"] == "chat" for cfg in datasets_of(data).values()) and has_chat_template(source) is False:
         raise ConfigError(f"config field 'data.format': chat rows are rendered with the tokenizer's own chat "
                           f"template and {source} has none (tokenizer_config.json chat_template)")
+
+
+def streamed_text_files(data: dict) -> list[str]:
+    """Config fields of the plain-text files data prep streams in pieces (format text, .txt)."""
+    from distlab.data_checks import builder_for, datasets_of
+
+    fields = []
+    for name, cfg in datasets_of(data).items():
+        prefix = "data" if name == "default" else f"data.extra.{name}"
+        if cfg["source"] == "files" and cfg["format"] == "text":
+            fields += [f"{prefix}.files[{i}]" for i, f in enumerate(cfg["files"]) if builder_for(f) == "text"]
+    return fields
+
+
+def check_streamed_text_pieces(config: dict, tok_json: Path, tok_field: str) -> None:
+    """Refuse, before any job, a .txt file the tokenizer would encode differently in pieces
+    than whole (the data-prep job refuses it too, for tokenizers without a tokenizer.json)."""
+    from tokenizers import Tokenizer
+
+    from distlab.data_formats import pieces_split_cleanly
+
+    streamed = streamed_text_files(config["data"])
+    if not streamed:
+        return
+    tokenizer = Tokenizer.from_file(str(tok_json))
+    if not pieces_split_cleanly(lambda text: tokenizer.encode(text, add_special_tokens=False).ids):
+        raise ConfigError(f"config field '{streamed[0]}': a plain-text (.txt) file is streamed in pieces, and the "
+                          f"tokenizer of '{tok_field}' ({tok_json}) encodes pieces differently from the whole "
+                          "text (it prepends a space marker to every call, as SentencePiece does); give the "
+                          "data as JSON lines, one document per row, instead of .txt")

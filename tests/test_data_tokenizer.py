@@ -123,3 +123,34 @@ def test_bare_tokenizer_json_without_any_eos_is_refused(tmp_path):
     cfg["data"]["tokenizer"] = str(tmp_path / "tok" / "tokenizer.json")  # the built model: no config ids
     with pytest.raises(ConfigError, match="names no EOS token"):
         load(cfg, gpu_count=0)
+
+
+def test_streamed_txt_with_a_space_marking_tokenizer_is_refused_before_any_job(tmp_path):
+    """SentencePiece-style tokenizers prepend a space marker to every call, so a .txt file
+    streamed in pieces would train on other ids than the document's: refused at config time,
+    naming the file's field; JSON lines with the same tokenizer, and .txt with a byte-level
+    one, are accepted."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from distlab.config import ConfigError, load
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(prepend_scheme="always"), decoders.Metaspace()
+    tok.train_from_iterator(CORPUS[:50], trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"],
+                                                             show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>").save_pretrained(
+        str(tmp_path / "sp"))
+    _own_tokenizer(tmp_path / "bytes")
+    book = tmp_path / "book.txt"
+    book.write_text("\n".join(CORPUS[:40]) + "\n")
+
+    def config(tokenizer, corpus):
+        cfg = tiny_config({"ddp": {"experiments": [{"strategy": "ddp"}]}})
+        cfg["data"].update(source="files", files=[str(corpus)], tokenizer=str(tmp_path / tokenizer))
+        return cfg
+
+    with pytest.raises(ConfigError, match=r"'data\.files\[0\]': a plain-text \(\.txt\) file is streamed"):
+        load(config("sp", book), gpu_count=0)
+    load(config("sp", _jsonl(tmp_path / "book.jsonl", CORPUS[:40])), gpu_count=0)
+    load(config("bytes", book), gpu_count=0)
