@@ -62,46 +62,49 @@ def card_noting_missing(number: int, title: str, source: dict, missing: str) -> 
 
 
 def advisor_card(advice: dict, runs: list[dict]) -> Card:
-    import pandas as pd
-
     card = card_noting_missing(90, "Advisor: what to run on this hardware", advice,
                                "No advice.json found (rule `advise`); run `snakemake advise`.")
-    if not advice:
-        return card
     for machine, a in sorted(advice.items()):
-        card.notes.append(f"{machine}: recommended {a['recommendation_label']}. " + " ".join(
-            f"{r[0].upper()}{r[1:]}." for r in a["reasons"]))
-        unit, scale = adv.unit_for(max(r["total_bytes"] for r in a["estimates"]))
-        frame = pd.DataFrame([{"strategy": r["strategy"], f"params {unit}": round(r["params"] / scale, 2),
-                               f"grads {unit}": round(r["grads"] / scale, 2),
-                               f"optimizer {unit}": round(r["optimizer"] / scale, 2),
-                               f"gathered {unit}": round(r["gathered"] / scale, 2),
-                               f"activations {unit}": round(r["activation_bytes"] / scale, 2),
-                               f"total {unit}/device": round(r["total_bytes"] / scale, 2),
-                               f"in CPU RAM {unit}": round(r["cpu_offloaded"] / scale, 2),
-                               "fits": "yes" if r["total_bytes"] <= a["usable_bytes_per_device"] else "no"}
-                              for r in a["estimates"]])
-        plan = a["devices"]
-        card.tables.append(Table(f"Estimated memory per device on {machine} ({plan['devices']} device(s), "
-                                 f"{adv.human(a['usable_bytes_per_device'])} usable each)", frame,
-                                 " ".join(a["how"].split())))
-        checked = adv.check_against_runs(a, [r for r in runs if r["machine"] == machine])
-        if checked:
-            wrong = [c for c in checked if c["verdict"] != "right"]
-            card.tables.append(Table(f"Estimate vs measured on {machine}", pd.DataFrame(checked),
-                                     "model state = params + grads (DDP's buckets included) + optimizer bytes "
-                                     "the rank held at the last step, offloaded ones too, counted from its "
-                                     f"tensors; right = within {adv.TOLERANCE:.0%}. On CPU the activation "
-                                     "estimate is not checked: peak RSS includes the interpreter and libraries."))
-            card.notes.append(f"The estimate was wrong for {len(wrong)} of {len(checked)} run(s)"
-                              + (": " + "; ".join(f"{c['experiment']} ({c['where'] or 'total'})" for c in wrong)
-                                 if wrong else "."))
-        other = sorted(r["experiment"] for r in runs if r["machine"] == machine and r.get("status") == "ok"
-                       and r["spec"].get("model", "default") != "default")
-        if other:
-            card.notes.append(f"Not checked against the estimate: {', '.join(other)} (another model than the "
-                              "base model the advice sizes: model.extra).")
+        advise_machine(card, machine, a, [r for r in runs if r["machine"] == machine])
     return card
+
+
+def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
+    """One machine's advice: the recommendation, the estimate table, the check against its runs."""
+    import pandas as pd
+
+    card.notes.append(f"{machine}: recommended {a['recommendation_label']}. " + " ".join(
+        f"{r[0].upper()}{r[1:]}." for r in a["reasons"]))
+    unit, scale = adv.unit_for(max(r["total_bytes"] for r in a["estimates"]))
+    frame = pd.DataFrame([{"strategy": r["strategy"], f"params {unit}": round(r["params"] / scale, 2),
+                           f"grads {unit}": round(r["grads"] / scale, 2),
+                           f"optimizer {unit}": round(r["optimizer"] / scale, 2),
+                           f"gathered {unit}": round(r["gathered"] / scale, 2),
+                           f"activations {unit}": round(r["activation_bytes"] / scale, 2),
+                           f"total {unit}/device": round(r["total_bytes"] / scale, 2),
+                           f"in CPU RAM {unit}": round(r["cpu_offloaded"] / scale, 2),
+                           "fits": "yes" if r["total_bytes"] <= a["usable_bytes_per_device"] else "no"}
+                          for r in a["estimates"]])
+    plan = a["devices"]
+    card.tables.append(Table(f"Estimated memory per device on {machine} ({plan['devices']} device(s), "
+                             f"{adv.human(a['usable_bytes_per_device'])} usable each)", frame,
+                             " ".join(a["how"].split())))
+    checked = adv.check_against_runs(a, runs)
+    if checked:
+        wrong = [c for c in checked if c["verdict"] != "right"]
+        card.tables.append(Table(f"Estimate vs measured on {machine}", pd.DataFrame(checked),
+                                 "model state = params + grads (DDP's buckets included) + optimizer bytes "
+                                 "the rank held at the last step, offloaded ones too, counted from its "
+                                 f"tensors; right = within {adv.TOLERANCE:.0%}. On CPU the activation "
+                                 "estimate is not checked: peak RSS includes the interpreter and libraries."))
+        card.notes.append(f"The estimate was wrong for {len(wrong)} of {len(checked)} run(s)"
+                          + (": " + "; ".join(f"{c['experiment']} ({c['where'] or 'total'})" for c in wrong)
+                             if wrong else "."))
+    other = sorted(r["experiment"] for r in runs if r.get("status") == "ok"
+                   and r["spec"].get("model", "default") != "default")
+    if other:
+        card.notes.append(f"Not checked against the estimate: {', '.join(other)} (another model than the "
+                          "base model the advice sizes: model.extra).")
 
 
 def ranking_card(runs: list[dict]) -> Card:
