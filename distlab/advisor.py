@@ -25,7 +25,8 @@ Memory = model state + activations, per device:
     weights 4*Psi, gradients 4*T, AdamW 8*T, all over N (dim 0 padded to a multiple of N);
     CPUOffloadPolicy keeps all three in CPU RAM.
   - Pipeline parallel, rank 0: the embedding and the first stage's layers, 16 bytes/param.
-    Tensor parallel has no formula yet (not checked).
+  - Tensor parallel (full fine-tuning): 16 bytes per parameter a rank holds: the linears the
+    model's tp plan splits over N (rank 0's piece of an uneven split), the rest whole.
   - Gathered: the largest unit (layer or embedding) ZeRO-3/FSDP all-gathers, transient.
 - Activations per decoder layer: s*b*h*(34 + 5*a*s/h) bytes at 16 bits (Korthikanti et
   al. 2022, "Reducing Activation Recomputation", no recomputation; doubled for fp32), plus
@@ -113,6 +114,7 @@ def _parameter_counts(config_json: str, lora_json: str) -> dict:
     tied = output is None or output.weight is model.get_input_embeddings().weight
     head = 0 if tied else output.weight.numel()
     per_layer = sum(p.numel() for p in decoder_layers(model)[0].parameters())
+    tp_split = _tp_split(model)
     trainable = total
     if lora is not None:
         from distlab.lora import apply_lora
@@ -123,7 +125,30 @@ def _parameter_counts(config_json: str, lora_json: str) -> dict:
     return {"total": total, "embedding": embedding, "per_layer": per_layer,
             "largest_unit": max(per_layer, embedding, head), "trainable": trainable,
             "layers": len(decoder_layers(model)),
-            "_shapes": [(tuple(p.shape), p.requires_grad) for p in model.parameters()]}
+            "_shapes": [(tuple(p.shape), p.requires_grad) for p in model.parameters()], "_tp_split": tp_split}
+
+
+def _tp_split(model) -> list[tuple[tuple, int]] | None:
+    """(shape, split dim) of each parameter tensor parallel splits, from the same plan
+    strategies.tp applies (colwise: weight and bias on dim 0; rowwise: weight on dim 1, bias
+    whole); None for a model without a usable plan (tensor parallel refused)."""
+    from distlab.model import decoder_layers
+    from distlab.strategies.tp import layer_plan
+
+    try:
+        plan = layer_plan(model)
+    except NotImplementedError:
+        return None
+    out = []
+    for layer in decoder_layers(model):
+        for name, module in layer.named_modules():
+            if name not in plan:
+                continue
+            colwise = plan[name].startswith("colwise")
+            for param_name, param in module.named_parameters(recurse=False):
+                if param_name == "weight" or (param_name == "bias" and colwise):
+                    out.append((tuple(param.shape), 0 if colwise else 1))
+    return out
 
 
 def _padded(counts: dict, n: int, how: str) -> tuple[float, float]:
@@ -160,7 +185,7 @@ def strategy_state(strategy: str, counts: dict, n: int, precision: str, lora: bo
                    ) -> dict | None:
     """Bytes one rank holds for weights, gradients (DDP's buckets included) and optimizer,
     and what of it sits in CPU RAM, as distlab's `strategy` allocates it (module docstring).
-    None: no formula (tensor/pipeline parallel)."""
+    None: no formula (a pipeline-parallel model without layers, tensor parallel without a plan)."""
     settings = settings or {}
     psi = counts["total"]
     t = counts["trainable"] if lora else psi
@@ -208,6 +233,16 @@ def strategy_state(strategy: str, counts: dict, n: int, precision: str, lora: bo
         mine = counts["embedding"] + first * counts["per_layer"] + adapters
         mine_t = adapters if lora else mine
         held = {"params": 4 * mine, "grads": 4 * mine_t, "optimizer": 8 * mine_t}
+    elif strategy == "tp":
+        # Full fine-tuning only (strategies.tp); the split linears are sharded, the rest
+        # (embedding, head, norms) replicated; rank 0 holds the larger piece of an uneven split.
+        split = counts.get("_tp_split")
+        if split is None:
+            return None
+        whole = sum(math.prod(shape) for shape, _ in split)
+        local = sum(math.ceil(shape[dim] / n) * (math.prod(shape) // shape[dim]) for shape, dim in split)
+        mine = psi - whole + local
+        held = {"params": 4 * mine, "grads": 4 * mine, "optimizer": 8 * mine}
     else:
         return None
     return {**held, "gathered": gathered, "cpu_offloaded": sum(cpu.values()), "cpu_parts": cpu}
@@ -348,7 +383,7 @@ def estimate_key(spec: dict) -> str | None:
         return "zero3-offopt" if ds["offload_optimizer"] != "none" else "zero3"
     if strategy == "fsdp":
         return "zero3-offopt-offparam" if spec["fsdp"]["cpu_offload"] else "zero3"
-    return None
+    return strategy if strategy in ("tp", "pp") else None  # formulas of their own, no advisor row
 
 
 def spec_settings(spec: dict) -> dict:

@@ -98,8 +98,8 @@ def materialize(model, device, read) -> int:
     """Give every meta parameter of `model` its real value: read(name, param) returns the tensor
     (on CPU) for that parameter as this rank holds it (a DTensor's local shard). Returns the
     bytes this rank loaded."""
+    import torch
     from accelerate.utils import set_module_tensor_to_device
-
     from torch import nn
     from torch.distributed.tensor import DTensor
 
@@ -107,7 +107,11 @@ def materialize(model, device, read) -> int:
     for name, param in list(model.named_parameters()):
         if param.device.type != "meta":
             continue
-        value = read(name, param).to(device=device, dtype=param.dtype)
+        # safetensors hands out views into the memory-mapped file, and a column slice's view
+        # spans the whole stored tensor: a copy gives the parameter memory of its own, holding
+        # only this rank's part (the file is closed once every parameter is read).
+        value = read(name, param).to(device=device, dtype=param.dtype, memory_format=torch.contiguous_format,
+                                     copy=True)
         if isinstance(param, DTensor):  # a tensor-parallel shard: `value` is this rank's local part
             owner, leaf = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
             sharded = DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,

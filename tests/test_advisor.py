@@ -78,6 +78,25 @@ def test_sharded_state_counts_padding():
     assert fsdp["params"] == 4 * 2 * 4  # dim 0 of 3 padded to 4, split over 2
 
 
+def test_tensor_parallel_rank_holds_its_split_of_the_plans_linears_and_the_rest_whole(prepared):
+    """The TP formula reads the model's own tp plan: on the tests' Llama every q/k/v/o and
+    gate/up/down weight is split over the ranks, the embeddings, head and norms are not."""
+    import torch
+
+    from distlab.model import decoder_layers, load_model
+
+    model = load_model(str(prepared / "model"))
+    counts = advisor.parameter_counts(advisor.model_shape(model.config.to_dict()))
+    linears = sum(m.weight.numel() for layer in decoder_layers(model) for m in layer.modules()
+                  if isinstance(m, torch.nn.Linear))
+    tp = advisor.strategy_state("tp", counts, 2, "fp32", lora=False)
+    assert tp["params"] == 4 * (counts["total"] - linears / 2)
+    assert tp["grads"] == tp["params"] and tp["optimizer"] == 2 * tp["params"]
+    gpt2 = advisor.parameter_counts(advisor.model_shape({"model_type": "gpt2", "n_embd": 32, "n_layer": 2,
+                                                         "n_head": 2, "vocab_size": 100}))
+    assert advisor.strategy_state("tp", gpt2, 2, "fp32", lora=False) is None  # no tp plan: refused, no formula
+
+
 def test_fits_one_gpu_means_ddp():
     advice = plan([80, 80], method="lora", micro_batch=1, seq_len=512)
     assert advice["recommendation"] == "ddp"

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import resolve, run_experiment
+from conftest import assert_advisor_estimate_holds, resolve, run_experiment
 from distlab.config import ConfigError
 from test_fsdp import DEFAULTS, assert_same_trajectory, ddp_baseline, sharded_checks
 
@@ -29,6 +29,8 @@ def test_tensor_parallel_matches_ddp_loss_with_attention_and_mlp_split(prepared,
     assert split["self_attn.o_proj"] == split["mlp.down_proj"] == "(Shard(dim=1),)"
     # Both ranks read the same samples (data-parallel size 1): that is TP, not a sampler bug.
     assert run["data"]["samples_read_by_every_rank"] == run["data"]["distinct_samples_read"]
+    # Each rank holds its split of the plan's linears and the rest whole: the advisor's TP formula.
+    assert_advisor_estimate_holds(prepared, run, "tp")
 
 
 @pytest.mark.slow
@@ -49,6 +51,7 @@ def test_pipeline_parallel_matches_ddp_loss_and_measures_its_bubble(prepared, tm
         bubble = json.loads((tmp_path / schedule / "run_files" / f"pipeline-rank{rank}.json").read_text())
         assert bubble["idle_fraction"]["n"] == DEFAULTS["steps"] - DEFAULTS["warmup_steps"]
         assert 0 < bubble["idle_fraction"]["median"] < 1
+    assert_advisor_estimate_holds(prepared, run, f"pp-{schedule}")
 
 
 @pytest.mark.slow
