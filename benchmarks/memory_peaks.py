@@ -29,12 +29,12 @@ RUNS = {
     "fsdp w2": ({"strategy": "fsdp", "world_size": 2, "micro_batch": 1}, "fsdp"),
     "zero3 w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 1, "deepspeed": {"zero_stage": 3}},
                  "deepspeed"),
-    # The default config's stage-3 budget run bounds what ZeRO-3 keeps gathered and buffered
-    # (DeepSpeed's 1e9-element defaults keep a small model's gathered parameters resident).
-    "zero3 bounded w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 1, "deepspeed": {
-        "zero_stage": 3, "zero_config": {"reduce_bucket_size": 5_000_000, "sub_group_size": 5_000_000,
-                                         "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 0,
-                                         "stage3_max_reuse_distance": 0}}}, "deepspeed"),
+    # ZeRO-3 with DeepSpeed's own live-parameter defaults instead of distlab's layer-sized
+    # limits (strategies/deepspeed_config.zero3_live_limits): what those limits save.
+    "zero3 ds-live w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 1, "deepspeed": {
+        "zero_stage": 3, "zero_config": {"stage3_max_live_parameters": 1_000_000_000,
+                                         "stage3_max_reuse_distance": 1_000_000_000,
+                                         "stage3_prefetch_bucket_size": 50_000_000}}}, "deepspeed"),
     "zero3+offload w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 1,
                           "deepspeed": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}},
                          "deepspeed"),

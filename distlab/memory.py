@@ -234,6 +234,40 @@ def budget_verdict(budget: dict | None, memory: dict, state_bytes: dict | None) 
     return verdict
 
 
+def peak_through_save(device) -> int | None:
+    """This rank's peak once the final save and export are done: on CPU the process's RSS
+    high-water mark over its whole life (ru_maxrss, which clear_refs does not reset); on CUDA
+    the allocator's reserved peak since the first step (training, eval, save)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device)
+    from distlab import metrics as M
+
+    return M.peak_rss_bytes()
+
+
+def gather_peaks_through_save(device) -> list:
+    """Collective: every rank's peak_through_save, on every rank."""
+    import torch.distributed as dist
+
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak_through_save(device))
+    return peaks
+
+
+def add_peaks_through_save(memory: dict, peaks: list) -> None:
+    """The run summary's per-rank memory records gain the peak through the final save; a
+    budget's verdict then covers the save and export too (they run after the training peak
+    was recorded, under the same enforced budget)."""
+    for record, peak in zip(memory["per_rank"], peaks):
+        record["peak_through_save_bytes"] = peak
+        verdict = record.get("budget")
+        if verdict is None or peak is None:
+            continue
+        verdict["measured_bytes"] = max(verdict["measured_bytes"], peak)
+        verdict["measured_what"] += ", through the final save and export"
+        verdict["fits"] = verdict["measured_bytes"] <= verdict["bytes"]
+
+
 def _chain(error: BaseException):
     seen = set()
     while error is not None and id(error) not in seen:

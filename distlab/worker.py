@@ -21,8 +21,9 @@ import torch.distributed as dist
 from distlab.data import load_blocks, load_labels
 from distlab.evaluation import evaluate_run
 from distlab.loop import train
-from distlab.memory import (OOM_EXIT_CODE, apply_memory_budget, budget_verdict, is_out_of_memory,
-                            load_phase_record, memory_record, record_oom, rss_now)
+from distlab.memory import (OOM_EXIT_CODE, add_peaks_through_save, apply_memory_budget, budget_verdict,
+                            gather_peaks_through_save, is_out_of_memory, load_phase_record, memory_record,
+                            record_oom, rss_now)
 from distlab.model_setup import prepare_model
 from distlab.run_outputs import write_outputs
 from distlab.run_summary import gather_ranks, summarize_run
@@ -74,9 +75,11 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     evaluation = evaluate_run(strategy, job)  # collective: the trained model on the held-out tokens
     out = summarize_run(job, ctx, strategy, prepared, ranks, len(train_blocks), started) if ctx.is_main else None
     saved = checkpoints.save_final()
+    peaks_through_save = gather_peaks_through_save(ctx.device)  # collective: eval, save and export included
     if out is not None:
         out[0]["checkpoint"] = saved
         out[0]["eval"] = evaluation
+        add_peaks_through_save(out[0]["memory"], peaks_through_save)
     return out
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from distlab.model import decoder_layers
 from distlab.run_layout import run_files_dir
 from distlab.strategies.base import FidelityError, Strategy
 from distlab.strategies.deepspeed_config import (CONFIG_NAME, deepspeed_config, file_sha256, uses_torch_adam,
@@ -24,6 +25,16 @@ from distlab.strategies.deepspeed_state import engine_state_bytes, estimator_byt
 def full_numel(param) -> int:
     """Elements of a parameter, also of a ZeRO-3 partitioned one (whose .numel() is 0)."""
     return getattr(param, "ds_numel", None) or param.numel()
+
+
+def decoder_layer_params(model_source: str) -> int:
+    """Parameters of one decoder layer of the model in `model_source`, from its config.json
+    alone (counted on the meta device: advisor.parameter_counts), before anything is built."""
+    from distlab.advisor import model_shape, parameter_counts
+    from distlab.partial_load import model_folder
+
+    config = json.loads((model_folder(model_source) / "config.json").read_text())
+    return parameter_counts(model_shape(config))["per_layer"]
 
 
 def skip_inference_shm_op() -> None:
@@ -90,7 +101,8 @@ class DeepSpeedStrategy(Strategy):
         # transformers holds only a weak reference: alive while loading, then released. Left
         # alive, every later from_config/from_pretrained on rank 0 alone (the export's reload
         # check, held-out evaluation) would enter zero.Init, a collective, and hang.
-        hf_deepspeed_config = HfDeepSpeedConfig(deepspeed_config(self.spec, dist.get_world_size()))
+        self.layer_params = decoder_layer_params(model_source)
+        hf_deepspeed_config = HfDeepSpeedConfig(deepspeed_config(self.spec, dist.get_world_size(), self.layer_params))
         try:
             model = load_model(model_source, dtype=dtype)
         finally:
@@ -103,7 +115,10 @@ class DeepSpeedStrategy(Strategy):
         import deepspeed
 
         world = dist.get_world_size()
-        config = deepspeed_config(self.spec, world)
+        if self.spec["deepspeed"]["zero_stage"] == 3 and getattr(self, "layer_params", None) is None:
+            # a model handed over, not built by load_model
+            self.layer_params = sum(full_numel(p) for p in decoder_layers(model)[0].parameters())
+        config = deepspeed_config(self.spec, world, getattr(self, "layer_params", None))
         # Checkpoint validation reloads at another world size in the same run folder: its
         # config (another train_batch_size) goes beside the experiment's, never over it.
         name = CONFIG_NAME if world == self.spec["world_size"] else f"deepspeed_config-world{world}.json"
