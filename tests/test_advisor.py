@@ -138,6 +138,11 @@ def test_estimate_check_says_where_it_was_wrong():
     held["optimizer"] = 16 * psi  # e.g. an optimizer keeping an extra fp32 copy the formula forgot
     (row,) = advisor.check_against_runs(advice, [run])
     assert row["verdict"] == "WRONG" and row["where"].startswith("optimizer: estimated")
+    # A total within the tolerance does not hide a part that is far off (here params 1.5x,
+    # grads 0.5x: the total still matches).
+    held.update(optimizer=8 * psi, params=6 * psi, grads=2 * psi)
+    (row,) = advisor.check_against_runs(advice, [run])
+    assert row["measured/estimated"] == 1 and row["verdict"] == "WRONG" and row["where"].startswith("params:")
 
 
 # preset -> (recommendation, devices, estimated GiB per device of the recommended row)

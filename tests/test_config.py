@@ -193,3 +193,36 @@ def test_a_configfile_with_a_yaml_syntax_error_is_named_by_distlab_check_config(
     err = capsys.readouterr()
     assert f"{bad}, line 4" in err.err
     assert f"{default}: ok" in err.out
+
+
+def test_a_new_strategy_is_its_module_and_its_name_in_the_schema(monkeypatch):
+    """ARCHITECTURE.md's walk-through: a strategy module with STRATEGY, its name in the schema
+    enum, and a run finds it; nothing else to register. Every shipped name resolves the same way."""
+    import sys
+    import types
+
+    from distlab import config as config_module
+    from distlab import strategies
+    from distlab.strategies.base import Strategy
+
+    for name in strategies.strategy_names():
+        found = strategies.get_strategy_class(name)
+        assert issubclass(found, Strategy) and found.name == name, name
+
+    class MineStrategy(Strategy):
+        name = "mine"
+
+    module = types.ModuleType("distlab.strategies.mine")
+    module.STRATEGY = MineStrategy
+    monkeypatch.setitem(sys.modules, "distlab.strategies.mine", module)
+    real_schema = config_module.load_schema
+
+    def schema_with_mine():
+        schema = real_schema()
+        schema["$defs"]["experiment"]["properties"]["strategy"]["enum"].append("mine")
+        return schema
+
+    monkeypatch.setattr(config_module, "load_schema", schema_with_mine)
+    assert strategies.strategy_for({"strategy": "mine"}) is MineStrategy
+    with pytest.raises(NotImplementedError, match=r"strategy 'nope' is not implemented.*'mine'"):
+        strategies.get_strategy_class("nope")

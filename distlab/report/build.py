@@ -95,7 +95,8 @@ def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
         card.tables.append(Table(f"Estimate vs measured on {machine}", pd.DataFrame(checked),
                                  "model state = params + grads (DDP's buckets included) + optimizer bytes "
                                  "the rank held at the last step, offloaded ones too, counted from its "
-                                 f"tensors; right = within {adv.TOLERANCE:.0%}. On CPU the activation "
+                                 f"tensors; right = the total and each of params, grads and optimizer within "
+                                 f"{adv.TOLERANCE:.0%} ('where' names a part that is not). On CPU the activation "
                                  "estimate is not checked: peak RSS includes the interpreter and libraries."))
         card.notes.append(f"The estimate was wrong for {len(wrong)} of {len(checked)} run(s)"
                           + (": " + "; ".join(f"{c['experiment']} ({c['where'] or 'total'})" for c in wrong)

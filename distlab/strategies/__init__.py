@@ -1,16 +1,17 @@
-"""Strategy registry: name -> "module:Class", imported only when a run asks for it."""
+"""Strategies: the strategy `<name>` is the `STRATEGY` class of distlab/strategies/<name>.py,
+imported only when a run asks for it (parsing the Snakefile never imports torch or
+DeepSpeed). config/schema.yaml's strategy enum is the list of names a config may use, so a
+new strategy is its module, its name in that enum, and a report card (ARCHITECTURE.md)."""
 from __future__ import annotations
 
 from distlab.registry import load
 
-REGISTRY = {
-    "ddp": "distlab.strategies.ddp:DDPStrategy",
-    "accelerate": "distlab.strategies.accelerate:AccelerateStrategy",
-    "deepspeed": "distlab.strategies.deepspeed:DeepSpeedStrategy",
-    "fsdp": "distlab.strategies.fsdp:FSDPStrategy",
-    "tp": "distlab.strategies.tp:TensorParallelStrategy",
-    "pp": "distlab.strategies.pp:PipelineParallelStrategy",
-}
+
+def strategy_names() -> list[str]:
+    """The strategy enum of config/schema.yaml."""
+    from distlab.config import load_schema
+
+    return list(load_schema()["$defs"]["experiment"]["properties"]["strategy"]["enum"])
 
 
 def strategy_key(spec: dict) -> str:
@@ -25,4 +26,4 @@ def strategy_for(spec: dict):
 
 
 def get_strategy_class(name: str):
-    return load(REGISTRY, name, "strategy")
+    return load({known: f"distlab.strategies.{known}:STRATEGY" for known in strategy_names()}, name, "strategy")

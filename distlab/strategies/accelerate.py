@@ -252,3 +252,7 @@ class AccelerateStrategy(Strategy):
 
     def load_checkpoint(self, path: str) -> None:
         self.accelerator.load_state(str(path))
+
+
+# The class distlab.strategies finds for the strategy name "accelerate" (its module name).
+STRATEGY = AccelerateStrategy

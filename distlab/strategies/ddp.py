@@ -129,3 +129,7 @@ class DDPStrategy(Strategy):
         from distlab.checkpoint import load_plain
 
         load_plain(self, path)
+
+
+# The class distlab.strategies finds for the strategy name "ddp" (its module name).
+STRATEGY = DDPStrategy

@@ -29,8 +29,8 @@ def full_numel(param) -> int:
 
 def decoder_layer_params(model_source: str) -> int:
     """Parameters of one decoder layer of the model in `model_source`, from its config.json
-    alone (counted on the meta device: advisor.parameter_counts), before anything is built."""
-    from distlab.advisor import model_shape, parameter_counts
+    alone (counted on the meta device: distlab.parameter_counts), before anything is built."""
+    from distlab.parameter_counts import model_shape, parameter_counts
     from distlab.partial_load import model_folder
 
     config = json.loads((model_folder(model_source) / "config.json").read_text())
@@ -285,3 +285,7 @@ class DeepSpeedStrategy(Strategy):
                                                   load_lr_scheduler_states=True)
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint (tag 'final') under {path}")
+
+
+# The class distlab.strategies finds for the strategy name "deepspeed" (its module name).
+STRATEGY = DeepSpeedStrategy

@@ -219,3 +219,7 @@ def dcp_load(strategy: Strategy, path: str) -> None:
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(strategy.model, strategy.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=_dcp_options())
+
+
+# The class distlab.strategies finds for the strategy name "fsdp" (its module name).
+STRATEGY = FSDPStrategy

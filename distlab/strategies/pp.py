@@ -233,3 +233,7 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
         from distlab.strategies.fsdp import dcp_load
 
         dcp_load(self, path)
+
+
+# The class distlab.strategies finds for the strategy name "pp" (its module name).
+STRATEGY = PipelineParallelStrategy

@@ -149,3 +149,7 @@ def check_heads(config, degree: int) -> None:
         if count is not None and count % degree:
             raise ValueError(f"tensor parallel degree {degree} does not divide the model's {name} ({count})")
 
+
+
+# The class distlab.strategies finds for the strategy name "tp" (its module name).
+STRATEGY = TensorParallelStrategy
