@@ -53,6 +53,22 @@ def load_model(path_or_id: str, dtype=None, device: str | None = None):
     return AutoModelForCausalLM.from_pretrained(str(path_or_id), dtype=dtype)
 
 
+def import_model_code(path_or_id: str, lora: bool) -> None:
+    """Import the modeling code a rank is about to use (the architecture's transformers
+    module, peft for LoRA) without building anything: the RSS read right after it is then the
+    process's own cost (interpreter, libraries, process group), and the model's share of a
+    peak starts there. Importing a Llama's modeling code alone adds ~170 MiB of RSS here."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(str(path_or_id)))]
+    except KeyError:
+        pass  # not a causal LM transformers knows: load_model says so
+    if lora:
+        import peft  # noqa: F401
+
+
 def decoder_layer_class(model):
     """The repeated block class (LlamaDecoderLayer, Qwen2DecoderLayer, ...), found, not named.
 

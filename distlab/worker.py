@@ -24,6 +24,7 @@ from distlab.loop import train
 from distlab.memory import (OOM_EXIT_CODE, add_peaks_through_save, apply_memory_budget, budget_verdict,
                             gather_peaks_through_save, is_out_of_memory, load_phase_record, memory_record,
                             record_oom, rss_now)
+from distlab.model import import_model_code
 from distlab.model_setup import prepare_model
 from distlab.run_outputs import write_outputs
 from distlab.run_summary import gather_ranks, summarize_run
@@ -54,6 +55,7 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     strategy.init_distributed()
     ctx.rank, ctx.world_size = dist.get_rank(), dist.get_world_size()
 
+    import_model_code(job["model_source"], spec["method"] == "lora")
     rss_before_model = rss_now()  # interpreter + libraries + process group: what a rank costs before its model
     prepared = prepare_model(strategy, job["model_source"], spec)
     train_blocks = load_blocks(job["data_dir"], "train")

@@ -23,8 +23,8 @@ def zero3_live_limits(layer_params: int) -> dict:
     elements live and reuse distance, 5e7 prefetched) keep every gathered parameter of a
     model under ~1e9 parameters resident from forward to backward, a whole copy beside the
     partitions. Measured on a 155M-parameter LoRA run at 2 ranks (benchmarks/memory_peaks.py),
-    training peak vs one DDP rank: DeepSpeed's defaults 1.67-1.71x; two layers live + one
-    prefetched 0.89x; one live + one prefetched 0.83x; these 0.78x; all at 0 0.75x. Their
+    training peak vs one DDP rank: DeepSpeed's defaults 1.7-1.8x; two layers live + one
+    prefetched 0.89x; one live + one prefetched 0.83x; these 0.73-0.78x; all at 0 0.75x. Their
     cost on the tests' tiny model: 0.083 s per step vs 0.062 (two live + one prefetched).
     A GPU run that wants the overlap sets stage3_prefetch_bucket_size in deepspeed.zero_config."""
     return {"stage3_max_live_parameters": layer_params, "stage3_max_reuse_distance": layer_params,
