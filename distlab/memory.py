@@ -28,7 +28,11 @@ interpreter, torch/transformers/deepspeed and their libraries included.
 Peaks: the load-phase peak is the process's high-water mark from start to the first
 step (CPU: VmHWM of /proc/self/status; CUDA: torch.cuda.max_memory_allocated/reserved and
 NVML); then the marks are reset (/proc/self/clear_refs "5", torch.cuda.reset_peak_memory_stats)
-so the training-phase peak covers the steps alone.
+so the training-phase peak covers the steps alone; after the final save and export each
+rank's lifetime peak (ru_maxrss; CUDA: the reserved peak) joins the record and the budget verdict.
+
+Over ~300 lines on purpose: the budget, the phase peaks and the OOM record read the same
+high-water marks, and must agree on what "the rank's memory" is.
 """
 from __future__ import annotations
 

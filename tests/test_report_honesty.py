@@ -103,6 +103,20 @@ def test_no_clear_winner_says_its_spread_is_one_process_not_independent_repeats(
         "measured" in table.how
 
 
+def test_the_ranking_gives_each_runs_own_number_of_timed_steps(tmp_path):
+    """Runs timed over different step counts: the caption does not quote one run's count for all."""
+    from distlab.report.build import ranking_card
+    from distlab.report.collect import throughput_stats
+
+    runs = [fake_run(tmp_path / str(w), {"world_size": w, "micro_batch": 8 // w}) for w in (1, 2)]
+    for run, timed in zip(runs, (16, 8)):
+        run["_steps"] = [{"step_time_s": 0.1, "warmup": False}] * timed
+        run["_throughput"], run["versions"] = throughput_stats(run), {"torch": "x"}
+    (table,) = ranking_card(runs).tables
+    assert sorted(table.frame["timed steps"]) == [8, 16]
+    assert "16 timed steps" not in table.how and "column 'timed steps'" in table.how
+
+
 def test_the_kuberay_goal_says_its_checks_are_distlabs_own_not_the_crd_schema(tmp_path):
     import json
 

@@ -128,11 +128,17 @@ def ranking_card(runs: list[dict]) -> Card:
             versus = "" if nxt is None else ("faster" if clear_winner(run, nxt) else NO_CLEAR_WINNER)
             rows.append({"rank": i + 1, "experiment": run["experiment"], "stage": run["stage"],
                          "tokens/s": round(t["median"], 1), "spread": f"{t['low']:.1f}-{t['high']:.1f}",
+                         "timed steps": t.get("timed_steps"),
                          "vs next": versus, "ranks": run["as_built"]["world_size"],
                          "wrapped by": run["as_built"].get("outer_wrapper"),
                          "checkpoint check": run.get("_validation") and
                          ("passed" if run["_validation"].get("passed") else "failed") or "-"})
-        how = (f"{mine[0]['_throughput']['how']}; tokens = every rank's tokens per optimizer step; device "
+        hows = sorted({r["_throughput"]["how"] for r in mine})
+        # One sentence when every run was timed alike; else the per-run count is the column.
+        timing = hows[0] if len(hows) == 1 else ("median tokens/s over each run's timed steps (column 'timed "
+                                                 "steps'), spread from the step-time interquartile range, or "
+                                                 "the min-max of its windows where spec 'repeats' asks")
+        how = (f"{timing}; tokens = every rank's tokens per optimizer step; device "
                f"{mine[0]['spec']['device']}; torch {mine[0]['versions'].get('torch')}. Runs of different "
                f"global batch or method are not like-for-like: read the ranking with the stage cards. The {SPREAD_CAVEAT}.")
         card.tables.append(Table(f"{machine}: fastest first", pd.DataFrame(rows), how))

@@ -73,7 +73,7 @@ def throughput_stats(run: dict) -> dict | None:
         ordered = sorted(timed)
         q = statistics.quantiles(ordered, n=4, method="inclusive") if len(ordered) > 1 else [ordered[0]] * 3
         return {"median": tokens / statistics.median(ordered), "low": tokens / q[2], "high": tokens / q[0],
-                "windows": [], "repeats": 1,
+                "windows": [], "repeats": 1, "timed_steps": len(timed),
                 "how": f"{len(timed)} timed steps; median tokens/s, spread from the step-time interquartile range"}
     size, extra = divmod(len(timed), repeats)
     windows, start = [], 0
@@ -82,7 +82,7 @@ def throughput_stats(run: dict) -> dict | None:
         windows.append(tokens / statistics.median(timed[start:end]))
         start = end
     return {"median": statistics.median(windows), "low": min(windows), "high": max(windows), "windows": windows,
-            "repeats": repeats,
+            "repeats": repeats, "timed_steps": len(timed),
             "how": f"{len(timed)} timed steps in {repeats} windows; median and min-max of the windows' tokens/s"}
 
 
