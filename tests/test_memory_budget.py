@@ -30,3 +30,18 @@ def test_a_cpu_run_past_its_budget_ends_as_oom_and_one_within_it_finishes(prepar
     # torch + transformers are imported before the first step: hundreds of MB, then training on top.
     assert load > 200 * MIB and training > 0
     assert rank["load_phase"]["reset_for_training"]
+
+
+def test_the_budget_verdict_covers_the_final_save_and_export():
+    """The export runs after the training peak is recorded: its peak joins the verdict, so a
+    rank that fit through training but not through the save is not reported as fitting."""
+    from distlab.memory import add_peaks_through_save
+
+    verdict = {"bytes": 100, "enforced": False, "measured_bytes": 90, "measured_what": "peak RSS", "fits": True}
+    memory = {"per_rank": [{"budget": dict(verdict)}, {"budget": dict(verdict)}]}
+    add_peaks_through_save(memory, [95, 120])
+    first, second = (record["budget"] for record in memory["per_rank"])
+    assert first["fits"] and first["measured_bytes"] == 95
+    assert not second["fits"] and second["measured_bytes"] == 120
+    assert second["measured_what"].endswith("through the final save and export")
+    assert memory["per_rank"][1]["peak_through_save_bytes"] == 120
