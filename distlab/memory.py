@@ -217,7 +217,7 @@ def apply_memory_budget(ctx) -> dict | None:
     _WATCHDOG = BudgetWatchdog(budget, ctx.run_dir)
     return {"bytes": budget, "enforced": True, "rss_when_set": process_status().get("VmRSS"),
             "how": "RSS watchdog in the rank process (VmHWM every 10 ms; whole process: interpreter, libraries, "
-                   "tensors); past the budget the run ends with status oom"}
+                   "tensors)"}
 
 
 def budget_verdict(budget: dict | None, memory: dict, state_bytes: dict | None) -> dict | None:

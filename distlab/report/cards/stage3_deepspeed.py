@@ -210,10 +210,7 @@ def build(runs: list[dict]) -> Card:
             compared = sum(1 for b in budgets if not b["enforced"])
             card.notes.append("Memory budgets: " + ("; ".join(f"enforced by {how}" for how in enforced) or "none enforced")
                               + (f"; {compared} rank(s) only compared after the run (not enforced)" if compared
-                                 else "") + "."
-                              # the CPU watchdog's description already says what happens past it
-                              + ("" if all("status oom" in how for how in enforced) else
-                                 " A run past an enforced budget ends with status oom."))
+                                 else "") + ". A run past an enforced budget ends with status oom.")
         card.tables.append(Table("Per-rank peak memory: load phase vs training phase", pd.DataFrame([
             {"run": r["experiment"], "ranks": r["as_built"]["world_size"], "ZeRO stage": r["as_built"]["deepspeed"]["zero_stage"],
              **{f"{name} peak, largest rank (MiB)": round(v / MIB, 1) if (v := phase_peaks(r)[phase]) is not None
