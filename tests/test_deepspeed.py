@@ -54,7 +54,10 @@ def test_the_advisor_estimates_each_zero_runs_measured_state(prepared, runs, nam
 
 
 @pytest.mark.slow
-def test_the_deepspeed_config_on_disk_is_the_one_the_engine_used(runs):
+def test_the_deepspeed_config_on_disk_is_the_one_the_engine_used(prepared, runs):
+    from distlab.model import decoder_layers, load_model
+
+    layer = sum(p.numel() for p in decoder_layers(load_model(str(prepared / "model")))[0].parameters())
     for name, ds in ZERO_VARIANTS.items():
         run = runs[name]
         path = Path(run["_dir"]) / run["as_built"]["deepspeed"]["config_path"]
@@ -63,6 +66,9 @@ def test_the_deepspeed_config_on_disk_is_the_one_the_engine_used(runs):
         assert written["zero_optimization"]["stage"] == ds["zero_stage"] == run["as_built"]["deepspeed"]["zero_stage"]
         assert written["train_batch_size"] == 8 and written["gradient_accumulation_steps"] == 2
         assert run["as_built"]["deepspeed"]["offload_param"] == ds.get("offload_param", "none")
+        if ds["zero_stage"] == 3:  # one decoder layer gathered, the next prefetched (zero3_live_limits)
+            zero = written["zero_optimization"]
+            assert zero["stage3_max_live_parameters"] == zero["stage3_prefetch_bucket_size"] == layer, zero
 
 
 @pytest.mark.slow

@@ -27,16 +27,6 @@ def full_numel(param) -> int:
     return getattr(param, "ds_numel", None) or param.numel()
 
 
-def decoder_layer_params(model_source: str) -> int:
-    """Parameters of one decoder layer of the model in `model_source`, from its config.json
-    alone (counted on the meta device: distlab.parameter_counts), before anything is built."""
-    from distlab.parameter_counts import model_shape, parameter_counts
-    from distlab.partial_load import model_folder
-
-    config = json.loads((model_folder(model_source) / "config.json").read_text())
-    return parameter_counts(model_shape(config))["per_layer"]
-
-
 def skip_inference_shm_op() -> None:
     """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op on its first
     init_distributed (about 3 minutes on a busy 2-core machine). Only its
@@ -101,8 +91,9 @@ class DeepSpeedStrategy(Strategy):
         # transformers holds only a weak reference: alive while loading, then released. Left
         # alive, every later from_config/from_pretrained on rank 0 alone (the export's reload
         # check, held-out evaluation) would enter zero.Init, a collective, and hang.
-        self.layer_params = decoder_layer_params(model_source)
-        hf_deepspeed_config = HfDeepSpeedConfig(deepspeed_config(self.spec, dist.get_world_size(), self.layer_params))
+        # zero.Init reads the partitioning and offload keys only; the live-parameter limits
+        # sized from the built model are the engine's (wrap).
+        hf_deepspeed_config = HfDeepSpeedConfig(deepspeed_config(self.spec, dist.get_world_size()))
         try:
             model = load_model(model_source, dtype=dtype)
         finally:
@@ -115,10 +106,9 @@ class DeepSpeedStrategy(Strategy):
         import deepspeed
 
         world = dist.get_world_size()
-        if self.spec["deepspeed"]["zero_stage"] == 3 and getattr(self, "layer_params", None) is None:
-            # a model handed over, not built by load_model
-            self.layer_params = sum(full_numel(p) for p in decoder_layers(model)[0].parameters())
-        config = deepspeed_config(self.spec, world, getattr(self, "layer_params", None))
+        layer_params = (sum(full_numel(p) for p in decoder_layers(model)[0].parameters())
+                        if self.spec["deepspeed"]["zero_stage"] == 3 else None)
+        config = deepspeed_config(self.spec, world, layer_params)
         # Checkpoint validation reloads at another world size in the same run folder: its
         # config (another train_batch_size) goes beside the experiment's, never over it.
         name = CONFIG_NAME if world == self.spec["world_size"] else f"deepspeed_config-world{world}.json"
