@@ -25,7 +25,8 @@ def zero3_live_limits(layer_params: int) -> dict:
     ~1e9 parameters resident from forward to backward, a whole copy beside the partitions.
     Measured on a 155M-parameter LoRA run at 2 ranks (benchmarks/memory_peaks.py), training
     peak vs one DDP rank: DeepSpeed's defaults 1.7-1.8x; two layers live + one prefetched
-    0.89x; these 0.83x; one live, none prefetched 0.78x; all at 0 0.75x. Step time on the
+    0.89x; these 0.83x; one live, none prefetched 0.78x; all at 0 0.75x (these 0.79-0.80x once
+    the RSS before the model was read after the modeling imports, README). Step time on the
     tests' tiny model: these 0.046-0.047 s, none prefetched 0.082 s."""
     return {"stage3_max_live_parameters": layer_params, "stage3_max_reuse_distance": layer_params,
             "stage3_prefetch_bucket_size": layer_params}
