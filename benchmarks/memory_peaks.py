@@ -1,7 +1,11 @@
-"""Per-rank load-phase and training-phase memory peaks per strategy, on a 155M-parameter
-Llama built here (LoRA, seq 32, 2 steps): what sharded loading saves against one DDP rank.
+"""Per-rank load-phase and training-phase memory peaks per strategy, on a Llama built here
+(hidden 1024, 24 layers: 305M parameters, the model of tests/test_memory_sharded.py; LoRA,
+seq 32, 2 steps): what sharded loading and training save against one DDP rank.
 
-    nice -n 10 python benchmarks/memory_peaks.py [--out results/benchmarks/memory_peaks.json]
+    nice -n 10 python benchmarks/memory_peaks.py [--layers 24] [--out results/benchmarks/memory_peaks.json]
+
+--layers 12 gives the 155M model of earlier figures: with fewer, larger layers the gathered
+layers are a larger share of a sharded rank's training peak.
 
 Each run goes through the real launcher (distlab.launch, torchrun ranks over gloo). Figures
 per rank, from metrics.json (distlab.memory): the RSS before the model (interpreter,
@@ -41,8 +45,8 @@ RUNS = {
 }
 
 
-def prepare(root: Path) -> None:
-    """The tests' tiny tokenizer and data (seq 32), and the 155M model, built with the pipeline's code."""
+def prepare(root: Path, layers: int) -> int:
+    """The tests' tiny tokenizer and data (seq 32), and the big model, built with the pipeline's code."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -56,7 +60,7 @@ def prepare(root: Path) -> None:
     data.build_dataset(texts, tok, 32, 0.05, 0, root / "data32")
     model.build_base_model(cfg["model"]["build"], tok, root / "tiny-model")
     config = AutoConfig.from_pretrained(root / "tiny-model")
-    config.update({"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 12,
+    config.update({"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": layers,
                    "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 64})
     torch.manual_seed(0)
     big = AutoModelForCausalLM.from_config(config)
@@ -70,6 +74,7 @@ def prepare(root: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=24, help="decoder layers of the model (hidden 1024)")
     parser.add_argument("--out", default=str(REPO / "results" / "benchmarks" / "memory_peaks.json"))
     args = parser.parse_args()
     from conftest import resolve, run_experiment
@@ -77,7 +82,7 @@ def main() -> None:
     os.environ.setdefault("PYTHONPATH", str(REPO))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        n_params = prepare(root)
+        n_params = prepare(root, args.layers)
         rows = []
         for label, (overrides, stage) in RUNS.items():
             metrics = run_experiment(root, root / "runs" / label.replace(" ", "-"),
@@ -91,7 +96,7 @@ def main() -> None:
                              "training_model_part_mib": (train - before) / MIB,
                              "first_loss": metrics["loss"]["first"]})
     ddp = next(r for r in rows if r["run"] == "ddp w1")
-    print(f"model: {n_params / 1e6:.1f}M parameters, LoRA, seq 32; MiB per rank")
+    print(f"model: {n_params / 1e6:.1f}M parameters, {args.layers} layers, LoRA, seq 32; MiB per rank")
     print(f"{'run':18} rank  before  load  train  load-part  train-part  vs DDP (load/train part)")
     for r in rows:
         print(f"{r['run']:18} {r['rank']:4} {r['before_model_mib']:7.0f} {r['load_peak_mib']:5.0f} "
@@ -99,7 +104,7 @@ def main() -> None:
               f"{r['load_model_part_mib'] / ddp['load_model_part_mib']:.2f} / "
               f"{r['training_model_part_mib'] / ddp['training_model_part_mib']:.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"parameters": n_params, "rows": rows}, indent=1))
+    Path(args.out).write_text(json.dumps({"parameters": n_params, "layers": args.layers, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -93,23 +93,57 @@ class WeightFiles:
             self.handles[file] = safe_open(str(self.folder / file), framework="pt")
         return self.handles[file].get_slice(key)
 
+    def close(self) -> None:
+        """Unmap the files: pages read through a handle stay in this process's RSS until it
+        closes, so a loader that kept one open for the whole model would count every page it
+        touched (a TP column slice touches every page of its tensor)."""
+        self.handles.clear()
 
-def materialize(model, device, read) -> int:
+
+def layer_groups(names) -> list[list[str]]:
+    """`names` grouped by decoder layer (`...layers.<i>.`), then one group for the rest, in
+    first-seen order: a loader that reads (and unmaps) one group at a time holds one
+    layer's pages at a time."""
+    import re
+
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        layer = re.match(r"(.*\.layers\.\d+\.)", name)
+        groups.setdefault(layer.group(1) if layer else "", []).append(name)
+    return list(groups.values())
+
+
+def materialize(model, device, read, after_layer=None) -> int:
     """Give every meta parameter of `model` its real value: read(name, param) returns the tensor
-    (on CPU) for that parameter as this rank holds it (a DTensor's local shard). Returns the
-    bytes this rank loaded."""
+    (on CPU) for that parameter as this rank holds it (a DTensor's local shard); after_layer()
+    runs after each decoder layer's parameters (layer_groups), to unmap what was read. Returns
+    the bytes this rank loaded."""
+    loaded = 0
+    params = dict(model.named_parameters())
+    for group in layer_groups(name for name, p in params.items() if p.device.type == "meta"):
+        loaded += _materialize_group(model, device, read, {name: params[name] for name in group})
+        if after_layer is not None:
+            after_layer()
+    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
+        model.tie_weights()  # the output embedding points at the input one again
+    left = [name for name, p in model.named_parameters() if p.device.type == "meta"]
+    if left:
+        raise RuntimeError(f"parameters left without weights after loading: {left[:5]}")
+    model.to(device)  # buffers (computed, not loaded) follow the parameters
+    return loaded
+
+
+def _materialize_group(model, device, read, params: dict) -> int:
     import torch
     from accelerate.utils import set_module_tensor_to_device
     from torch import nn
     from torch.distributed.tensor import DTensor
 
     loaded = 0
-    for name, param in list(model.named_parameters()):
-        if param.device.type != "meta":
-            continue
+    for name, param in params.items():
         # safetensors hands out views into the memory-mapped file, and a column slice's view
         # spans the whole stored tensor: a copy gives the parameter memory of its own, holding
-        # only this rank's part (the file is closed once every parameter is read).
+        # only this rank's part (the file is unmapped after each layer: after_layer).
         value = read(name, param).to(device=device, dtype=param.dtype, memory_format=torch.contiguous_format,
                                      copy=True)
         if isinstance(param, DTensor):  # a tensor-parallel shard: `value` is this rank's local part
@@ -120,12 +154,6 @@ def materialize(model, device, read) -> int:
         else:
             set_module_tensor_to_device(model, name, device, value=value)
         loaded += value.numel() * value.element_size()
-    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
-        model.tie_weights()  # the output embedding points at the input one again
-    left = [name for name, p in model.named_parameters() if p.device.type == "meta"]
-    if left:
-        raise RuntimeError(f"parameters left without weights after loading: {left[:5]}")
-    model.to(device)  # buffers (computed, not loaded) follow the parameters
     return loaded
 
 
@@ -147,4 +175,5 @@ def load_held_weights(model, device) -> int:
         model.to(device)  # a model loaded whole (tests, callers outside a strategy): nothing to read
         return 0
     files = WeightFiles(model)
-    return materialize(model, device, lambda name, param: files.slice(name)[local_part(param)])
+    return materialize(model, device, lambda name, param: files.slice(name)[local_part(param)],
+                       after_layer=files.close)

@@ -115,6 +115,17 @@ def test_zero3_checkpoint_is_native_and_exports_the_whole_model(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["z3", "z3-offload"])
+def test_zero3_ranks_read_only_their_own_partitions_of_the_weights(runs, name):
+    from distlab.strategies.deepspeed_load import ROUTE_RANK_SLICES
+
+    load = runs[name]["as_built"]["deepspeed"]["load"]
+    assert load["how"] == ROUTE_RANK_SLICES
+    # Rank 0 of 2 copied half of the fp32 weights (each partition padded to an even split).
+    assert 0.45 < load["bytes_read"] / (4 * runs[name]["parameters"]["total"]) < 0.55, load
+
+
+@pytest.mark.slow
 def test_card_3_compares_measured_state_with_formula_and_estimator(runs):
     from distlab.report.cards import PASSED
     from distlab.report.cards.stage3_deepspeed import GOAL_OFFLOAD, GOAL_TABLE, build
@@ -125,6 +136,8 @@ def test_card_3_compares_measured_state_with_formula_and_estimator(runs):
     card = build(listed)
     goals = {g.text: g for g in card.goals}
     assert goals[GOAL_TABLE].status == PASSED and goals[GOAL_OFFLOAD].status == PASSED
+    peaks = next(t.frame for t in card.tables if t.title.startswith("Per-rank peak memory"))
+    assert sum(v.startswith("its partitions: ") for v in peaks["weights read by rank 0"]) == 2
     memory = next(t.frame for t in card.tables if t.title.startswith("Per-rank model state"))
     assert sorted(memory["ZeRO stage"]) == [0, 1, 2, 3, 3]
     # Stages 2 and 3 have DeepSpeed estimators; offload on CPU has no separate device to compare.

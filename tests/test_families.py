@@ -66,18 +66,20 @@ REFUSED = {
     ("gpt2", "pp"): "declares no pipeline plan",
     ("gemma", "pp"): "tie_word_embeddings",
 }
-# What really runs (2 ranks, 11 runs of ~33 s of CPU each here): the strategies that build
+# What really runs (2 ranks, 14 runs of ~33 s of CPU each here): the strategies that build
 # or split the model themselves, for the families where that goes wrong. Mistral under
-# ZeRO-3 (zero.Init), FSDP (meta-device load), TP and PP (its sliding window is where a
-# re-implemented mask goes wrong); tp + pp for Phi-3 (packed qkv/gate_up) and GPT-NeoX (its
-# own layout and stored weight names); pp for Qwen2 (per-layer attention types indexed by
-# layer); tp for Gemma (tied, scaled embeddings); LoRA through Accelerate for GPT-2 (Conv1D
-# layers, the family refused by tp/pp). DDP and Accelerate run the model's own forward
-# unchanged on every family (GPT-2 covers them here, tests/test_ddp.py and test_lora.py the
-# Llama default); every other accepted combination is checked at config time only.
+# ZeRO-3, FSDP (meta-device load), TP and PP (its sliding window is where a re-implemented
+# mask goes wrong); tp + pp for Phi-3 (packed qkv/gate_up) and GPT-NeoX (its own layout and
+# stored weight names); pp for Qwen2 (per-layer attention types indexed by layer); tp for
+# Gemma (tied, scaled embeddings); LoRA through Accelerate for GPT-2 (Conv1D layers, the
+# family refused by tp/pp); ZeRO-3, whose ranks each copy their flat partition out of the
+# stored tensors, also for Gemma (tied), GPT-NeoX (stored names) and GPT-2 (Conv1D, tied).
+# DDP and Accelerate run the model's own forward unchanged on every family (GPT-2 covers
+# them here, tests/test_ddp.py and test_lora.py the Llama default); every other accepted
+# combination is checked at config time only.
 RUNS = [("mistral", strategy) for strategy in ("deepspeed", "fsdp", "tp", "pp")] + [
     ("phi3", "tp"), ("phi3", "pp"), ("gpt_neox", "tp"), ("gpt_neox", "pp"), ("qwen2", "pp"), ("gemma", "tp"),
-    ("gpt2", "accelerate"),
+    ("gpt2", "accelerate"), ("gemma", "deepspeed"), ("gpt_neox", "deepspeed"), ("gpt2", "deepspeed"),
 ]
 LOSS_TOLERANCE = 1e-5
 
@@ -181,6 +183,13 @@ def test_family_runs_with_the_plain_models_step0_loss_on_the_same_samples(
             # The window matters here: a plain causal mask gives a different loss.
             causal = plain_losses(folder, blocks, samples, sliding_window=False)
             assert abs(causal - expected) > 100 * LOSS_TOLERANCE, (causal, expected)
+    if strategy == "deepspeed":
+        from distlab.strategies.deepspeed_load import ROUTE_RANK_SLICES
+
+        load = as_built["deepspeed"]["load"]
+        # Rank 0 read its half of every weight: not the whole checkpoint, and more than nothing.
+        assert load["how"] == ROUTE_RANK_SLICES, load
+        assert 0.4 * 4 * metrics["parameters"]["total"] < load["bytes_read"] < 0.6 * 4 * metrics["parameters"]["total"]
     if strategy == "tp":
         assert as_built["weights_loaded_bytes"] < 4 * metrics["parameters"]["total"]
         assert as_built["split_linears"] == len(as_built["tp_plan"]) * 2

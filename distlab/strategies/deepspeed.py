@@ -74,33 +74,51 @@ class DeepSpeedStrategy(Strategy):
 
     def load_model(self, model_source: str):
         """The weights in the dtype DeepSpeed keeps its module in (bf16/fp16 with fp32 masters
-        in the optimizer, else fp32); at ZeRO-3 built under deepspeed.zero.Init through
-        transformers' HfDeepSpeedConfig, so each parameter is partitioned (and offloaded where
-        configured) as it loads and no rank holds the whole model."""
+        in the optimizer, else fp32). At ZeRO-3 the model is built under deepspeed.zero.Init,
+        so each parameter is partitioned (and offloaded where configured) as it is built, and
+        each rank reads only its partitions from the safetensors (strategies.deepspeed_load):
+        no rank holds or reads the whole model."""
         from distlab.model import load_model
+        from distlab.strategies import deepspeed_load
 
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.spec["precision"], torch.float32)
         if self.spec["deepspeed"]["zero_stage"] != 3:
             return load_model(model_source, dtype=dtype)
-        from transformers.integrations import HfDeepSpeedConfig
-        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
         if self.ctx.device.type == "cpu":
             skip_inference_shm_op()
         forget_deepspeed_groups()
+        # zero.Init reads the partitioning and offload keys only; the live-parameter limits
+        # sized from the built model are the engine's (wrap).
+        ds_config = deepspeed_config(self.spec, dist.get_world_size())
+        model, why = None, "NVMe parameter offload keeps partitions in swap buffers"
+        if deepspeed_load.loads_rank_slices(self.spec):
+            model = deepspeed_load.build_partitioned(model_source, ds_config, dtype)
+            try:
+                self.load_report = deepspeed_load.load_rank_partitions(model)
+            except NotImplementedError as exc:  # stored weights transformers converts on load
+                model, why = None, str(exc)
+        if model is None:
+            model = self._load_through_transformers(model_source, ds_config, dtype)
+            self.load_report = {"how": deepspeed_load.ROUTE_TRANSFORMERS, "why": why}
+        self.partitioned_at_load = all(hasattr(p, "ds_id") for p in model.parameters())
+        return model
+
+    @staticmethod
+    def _load_through_transformers(model_source: str, ds_config: dict, dtype):
+        from transformers.integrations import HfDeepSpeedConfig
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        from distlab.model import load_model
+
         # transformers holds only a weak reference: alive while loading, then released. Left
         # alive, every later from_config/from_pretrained on rank 0 alone (the export's reload
         # check, held-out evaluation) would enter zero.Init, a collective, and hang.
-        # zero.Init reads the partitioning and offload keys only; the live-parameter limits
-        # sized from the built model are the engine's (wrap).
-        hf_deepspeed_config = HfDeepSpeedConfig(deepspeed_config(self.spec, dist.get_world_size()))
+        hf_deepspeed_config = HfDeepSpeedConfig(ds_config)
         try:
-            model = load_model(model_source, dtype=dtype)
+            return load_model(model_source, dtype=dtype)
         finally:
             del hf_deepspeed_config
             unset_hf_deepspeed_config()
-        self.partitioned_at_load = all(hasattr(p, "ds_id") for p in model.parameters())
-        return model
 
     def wrap(self, model) -> None:
         import deepspeed
@@ -189,6 +207,7 @@ class DeepSpeedStrategy(Strategy):
             "config_sha256": self.config_sha256,
             "config_used": engine.config,
             "partitioned_at_load": getattr(self, "partitioned_at_load", False),
+            "load": getattr(self, "load_report", None),
             "comm_time": "not measured: DeepSpeed's comms logger blocks on every collective to time it",
             "estimator": estimator_bytes(self.spec["deepspeed"], self.total_params, self.largest_layer_params,
                                          dist.get_world_size()),

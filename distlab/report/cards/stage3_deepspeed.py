@@ -74,6 +74,18 @@ def budget_goal(runs: list[dict]) -> Goal:
                 [metrics_link(one), metrics_link(zero)])
 
 
+def weights_read(run: dict) -> str:
+    """How rank 0 got its weights, from as_built.deepspeed.load (ZeRO-3) or the stage (0-2)."""
+    load = run["as_built"]["deepspeed"].get("load")
+    if run["as_built"]["deepspeed"]["zero_stage"] != 3:
+        return "whole model (from_pretrained)"
+    if not load:
+        return "not recorded"
+    if "bytes_read" in load:
+        return f"its partitions: {load['bytes_read'] / MIB:.1f} MiB"
+    return f"whole state dict (transformers' ZeRO-3 route: {load.get('why', '')})"
+
+
 def offload_pairs(ds_runs: list[dict]) -> list[tuple[dict, dict]]:
     def key(r):
         s = r["spec"]
@@ -215,9 +227,12 @@ def build(runs: list[dict]) -> Card:
             {"run": r["experiment"], "ranks": r["as_built"]["world_size"], "ZeRO stage": r["as_built"]["deepspeed"]["zero_stage"],
              **{f"{name} peak, largest rank (MiB)": round(v / MIB, 1) if (v := phase_peaks(r)[phase]) is not None
                 else None for name, phase in (("load", "load_phase"), ("training", "training_phase"))},
+             "weights read by rank 0": weights_read(r),
              "measured as": phase_peaks(r)["load_phase_what"]} for r in ds_runs]),
             "load: process start (interpreter, libraries) to the first step, model load and ZeRO partitioning "
-            "included; training: the steps alone (peak reset before step 0). distlab.memory"))
+            "included; training: the steps alone (peak reset before step 0). distlab.memory. Weights read: "
+            "ZeRO-3 ranks copy their own partitions out of the safetensors (as_built.deepspeed.load); ZeRO 0-2 "
+            "ranks load the whole model"))
         card.figures.append(Figure("Loss curves", loss_curves(ds_runs, "Stage 3 loss"),
                                    "mean training loss over data-parallel ranks per optimizer step"))
     card.notes.append(eval_sentence([r for r in runs if r["stage"] == "deepspeed"]))  # base vs tuned eval loss

@@ -1,0 +1,65 @@
+"""Loading only what a rank holds: the exact elements of its partition, read from the rows
+that cover them, and no safetensors file left mapped (pages read stay in RSS while it is)."""
+from pathlib import Path
+
+import pytest
+
+
+def test_a_ranks_flat_partition_is_read_from_the_rows_that_cover_it(tmp_path):
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from distlab.strategies.deepspeed_load import flat_range
+
+    tensors = {"matrix": torch.arange(5 * 7, dtype=torch.float32).reshape(5, 7),
+               "cube": torch.arange(3 * 4 * 5, dtype=torch.float32).reshape(3, 4, 5),
+               "vector": torch.arange(11, dtype=torch.float32)}
+    save_file(tensors, str(tmp_path / "w.safetensors"))
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as handle:
+        for name, tensor in tensors.items():
+            flat = tensor.reshape(-1)
+            # Whole rows, partial first and last rows, inside one row, a single element.
+            for start, stop in ((0, flat.numel()), (3, 17), (8, 12), (flat.numel() - 1, flat.numel()),
+                                (flat.numel() // 2, flat.numel())):
+                got = flat_range(handle.get_slice(name), start, stop)
+                assert torch.equal(got, flat[start:stop]), (name, start, stop)
+
+
+def mapped_files() -> set[str]:
+    return {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+            if line.split()[-1].endswith(".safetensors")}
+
+
+def test_loading_a_ranks_part_unmaps_the_safetensors_after_each_layer(prepared, monkeypatch):
+    import json
+
+    from distlab.partial_load import WeightFiles, empty_model, load_held_weights
+
+    closes = []
+    original = WeightFiles.close
+
+    def recording_close(self):
+        closes.append(len(self.handles))
+        original(self)
+
+    monkeypatch.setattr(WeightFiles, "close", recording_close)
+    model = empty_model(str(prepared / "model"))
+    loaded = load_held_weights(model, "cpu")
+    layers = json.loads((prepared / "model" / "config.json").read_text())["num_hidden_layers"]
+    assert loaded == 4 * sum(p.numel() for p in model.parameters())
+    assert closes == [1] * (layers + 1)  # one file, unmapped after each layer and after the rest
+    assert not any(str(prepared) in path for path in mapped_files())
+
+
+@pytest.mark.parametrize("names, groups", [
+    (["model.embed_tokens.weight", "model.layers.0.a", "model.layers.0.b", "model.layers.1.a", "model.norm.weight",
+      "lm_head.weight"],
+     [["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"], ["model.layers.0.a", "model.layers.0.b"],
+      ["model.layers.1.a"]]),
+    (["model.layers.10.x", "model.layers.1.x"], [["model.layers.10.x"], ["model.layers.1.x"]]),
+])
+def test_weights_are_grouped_by_decoder_layer(names, groups):
+    from distlab.partial_load import layer_groups
+
+    assert layer_groups(names) == groups
