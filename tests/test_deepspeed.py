@@ -57,7 +57,11 @@ def test_the_advisor_estimates_each_zero_runs_measured_state(prepared, runs, nam
 def test_the_deepspeed_config_on_disk_is_the_one_the_engine_used(prepared, runs):
     from distlab.model import decoder_layers, load_model
 
-    layer = sum(p.numel() for p in decoder_layers(load_model(str(prepared / "model")))[0].parameters())
+    model = load_model(str(prepared / "model"))
+    layer = sum(p.numel() for p in decoder_layers(model)[0].parameters())
+    sizes = [p.numel() for p in model.parameters()]
+    # Full fine-tuning: one layer's gradients per bucket, or the largest parameter's if larger.
+    bucket = min(sum(sizes), max(layer, max(sizes)))
     for name, ds in ZERO_VARIANTS.items():
         run = runs[name]
         path = Path(run["_dir"]) / run["as_built"]["deepspeed"]["config_path"]
@@ -66,9 +70,14 @@ def test_the_deepspeed_config_on_disk_is_the_one_the_engine_used(prepared, runs)
         assert written["zero_optimization"]["stage"] == ds["zero_stage"] == run["as_built"]["deepspeed"]["zero_stage"]
         assert written["train_batch_size"] == 8 and written["gradient_accumulation_steps"] == 2
         assert run["as_built"]["deepspeed"]["offload_param"] == ds.get("offload_param", "none")
+        zero = written["zero_optimization"]
+        if ds["zero_stage"] >= 1:  # not DeepSpeed's 5e8 elements, allocated up front on a GPU
+            assert zero["reduce_bucket_size"] == bucket, (name, zero)
         if ds["zero_stage"] == 3:  # one decoder layer gathered, the next prefetched (zero3_live_limits)
-            zero = written["zero_optimization"]
             assert zero["stage3_max_live_parameters"] == zero["stage3_prefetch_bucket_size"] == layer, zero
+            # The reduce bucket ZeRO-3 allocates at engine start is counted in the rank's state.
+            (state, *_) = run["memory"]["model_state_bytes_per_rank"]
+            assert state["other"] >= 4 * bucket, (name, state)
 
 
 @pytest.mark.slow
@@ -157,3 +166,22 @@ def test_impossible_deepspeed_settings_are_rejected_naming_the_field(ds, field):
 
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         deepspeed_spec(**ds)
+
+
+@pytest.mark.parametrize("layer, largest, trainable, expected", [
+    (1000, 200, 5000, 1000),  # full fine-tuning: one layer
+    (1000, 3000, 50000, 3000),  # an embedding larger than a layer still fits whole
+    (1000, 64, 300, 300),  # LoRA: no more than every trainable parameter
+])
+def test_zero_gradient_buckets_are_sized_by_the_model_not_deepspeeds_5e8(layer, largest, trainable, expected):
+    from distlab.strategies.deepspeed_config import deepspeed_config, gradient_bucket_size
+
+    assert gradient_bucket_size(layer, largest, trainable) == expected
+    for stage in (1, 2, 3):
+        spec = deepspeed_spec(zero_stage=stage)
+        zero = deepspeed_config(spec, 2, layer if stage == 3 else None, expected)["zero_optimization"]
+        assert zero["reduce_bucket_size"] == expected
+        assert zero.get("allgather_bucket_size") == (expected if stage < 3 else None)
+    overridden = deepspeed_spec(zero_stage=2)
+    overridden["deepspeed"]["zero_config"] = {"reduce_bucket_size": 7}
+    assert deepspeed_config(overridden, 2, None, expected)["zero_optimization"]["reduce_bucket_size"] == 7

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from distlab.model import decoder_layers
 from distlab.run_layout import run_files_dir
 from distlab.strategies.base import FidelityError, Strategy
-from distlab.strategies.deepspeed_config import (CONFIG_NAME, deepspeed_config, file_sha256, uses_torch_adam,
-                                                write_config)
+from distlab.strategies.deepspeed_config import (CONFIG_NAME, deepspeed_config, file_sha256, gradient_bucket_size,
+                                                uses_torch_adam, write_config)
 from distlab.strategies.deepspeed_state import engine_state_bytes, estimator_bytes
 
 def full_numel(param) -> int:
@@ -124,9 +124,10 @@ class DeepSpeedStrategy(Strategy):
         import deepspeed
 
         world = dist.get_world_size()
-        layer_params = (sum(full_numel(p) for p in decoder_layers(model)[0].parameters())
-                        if self.spec["deepspeed"]["zero_stage"] == 3 else None)
-        config = deepspeed_config(self.spec, world, layer_params)
+        layer_params = sum(full_numel(p) for p in decoder_layers(model)[0].parameters())
+        trainable = [full_numel(p) for p in self.trainable(model)]
+        config = deepspeed_config(self.spec, world, layer_params if self.spec["deepspeed"]["zero_stage"] == 3 else None,
+                                  gradient_bucket_size(layer_params, max(trainable), sum(trainable)))
         # Checkpoint validation reloads at another world size in the same run folder: its
         # config (another train_batch_size) goes beside the experiment's, never over it.
         name = CONFIG_NAME if world == self.spec["world_size"] else f"deepspeed_config-world{world}.json"

@@ -32,12 +32,29 @@ def zero3_live_limits(layer_params: int) -> dict:
             "stage3_prefetch_bucket_size": layer_params}
 
 
-def deepspeed_config(spec: dict, world_size: int, layer_params: int | None = None) -> dict:
+def gradient_bucket_size(layer_params: int, largest_trainable: int, trainable: int) -> int:
+    """ZeRO 1-3's gradient reduce bucket, in elements: one decoder layer's parameters, never
+    less than the largest trainable parameter (its gradient is copied into the bucket whole:
+    an embedding can be larger than a layer) and never more than all trainable parameters
+    (LoRA). DeepSpeed's default, 5e8 elements, is allocated up front with contiguous
+    gradients (ZeRO-3 at engine start): 2 GB per rank in fp32, 1 GB in bf16, on a GPU as real
+    device memory whatever the model; on CPU untouched pages cost nothing, so only a GPU
+    shows it. Hugging Face's "auto" sizes it as hidden_size^2 (about 1/12 of a Llama layer)."""
+    return max(1, min(trainable, max(layer_params, largest_trainable)))
+
+
+def deepspeed_config(spec: dict, world_size: int, layer_params: int | None = None,
+                     bucket_elements: int | None = None) -> dict:
     """The DeepSpeed JSON config of one experiment (every value from the spec; at ZeRO-3
-    the live-parameter limits also from the model's decoder-layer size, `layer_params`)."""
+    the live-parameter limits also from the model's decoder-layer size, `layer_params`; at
+    ZeRO 1-3 the gradient buckets from `bucket_elements`, gradient_bucket_size)."""
     ds = spec["deepspeed"]
     cuda = spec["device"] == "cuda"
     zero: dict = {"stage": ds["zero_stage"]}
+    if bucket_elements and ds["zero_stage"] >= 1:
+        zero["reduce_bucket_size"] = bucket_elements
+        if ds["zero_stage"] < 3:
+            zero["allgather_bucket_size"] = bucket_elements  # stage 1-2's all-gather of updated params
     if ds["zero_stage"] == 3:
         # Partition every parameter: DeepSpeed's default keeps those under 1e5 elements whole
         # on every rank (fewer all-gathers on GPUs), which a small model is made of.

@@ -72,6 +72,9 @@ def engine_state_bytes(engine, offload: dict) -> dict:
                 continue
             for tensor, is_grad in _tensors(value):
                 claims.append(("grads" if is_grad else _category(attribute), [tensor]))
+        # The gradient reduce buckets sit in bucket objects (ipg_buckets: dtype -> bucket).
+        for bucket in (getattr(zero_opt, "ipg_buckets", None) or {}).values():
+            claims.append(("other", [t for t, _ in _tensors(getattr(bucket, "buffer", None))]))
     seen, out = set(), {"params": 0, "grads": 0, "optimizer": 0, "other": 0}
     offloaded = {"offloaded_params": 0, "offloaded_grads": 0, "offloaded_optimizer": 0}
     for category, tensors in claims:
@@ -90,8 +93,8 @@ def engine_state_bytes(engine, offload: dict) -> dict:
                 out[category] += storage.nbytes()
     out.update(offloaded)
     out["how"] = ("distinct tensor storages held by this rank: module params and ZeRO-3 partitions, grads and "
-                  "ZeRO grad buffers, Adam state and fp32 master partitions ('other': remaining ZeRO buffers); "
-                  "offloaded_*: state DeepSpeed keeps off the accelerator (on a CPU run: what the config offloads)")
+                  "ZeRO grad buffers, Adam state and fp32 master partitions ('other': remaining ZeRO buffers, the "
+                  "gradient reduce buckets included); offloaded_*: state DeepSpeed keeps off the accelerator (on a CPU run: what the config offloads)")
     return out
 
 
