@@ -32,15 +32,23 @@ def zero3_live_limits(layer_params: int) -> dict:
             "stage3_prefetch_bucket_size": layer_params}
 
 
+# DeepSpeed's default gradient bucket, and the floor below which small models pay in latency.
+DEEPSPEED_BUCKET = 500_000_000
+SMALL_BUCKET = 5_000_000
+
+
 def gradient_bucket_size(layer_params: int, largest_trainable: int, trainable: int) -> int:
-    """ZeRO 1-3's gradient reduce bucket, in elements: one decoder layer's parameters, never
-    less than the largest trainable parameter (its gradient is copied into the bucket whole:
-    an embedding can be larger than a layer) and never more than all trainable parameters
-    (LoRA). DeepSpeed's default, 5e8 elements, is allocated up front with contiguous
-    gradients (ZeRO-3 at engine start): 2 GB per rank in fp32, 1 GB in bf16, on a GPU as real
-    device memory whatever the model; on CPU untouched pages cost nothing, so only a GPU
-    shows it. Hugging Face's "auto" sizes it as hidden_size^2 (about 1/12 of a Llama layer)."""
-    return max(1, min(trainable, max(layer_params, largest_trainable)))
+    """ZeRO 1-3's gradient reduce bucket, in elements: one decoder layer's parameters, kept
+    between 5e6 (smaller buckets mean more collectives: benchmarks/zero_buckets.py measured
+    ZeRO-3 steps on the tests' tiny model 1.08x slower with one-layer buckets than with
+    DeepSpeed's, 0.94x with these) and DeepSpeed's 5e8; never less than the largest trainable parameter (its gradient is
+    copied into the bucket whole: an embedding can be larger than a layer) and never more
+    than all trainable parameters (LoRA). DeepSpeed's 5e8 is allocated up front with
+    contiguous gradients (ZeRO-3 at engine start): 2 GB per rank in fp32, 1 GB in bf16, on a
+    GPU as real device memory whatever the model; on CPU untouched pages cost nothing, so only
+    a GPU shows it. Hugging Face's "auto" sizes it as hidden_size^2 (about 1/12 of a Llama layer)."""
+    layer = min(DEEPSPEED_BUCKET, max(SMALL_BUCKET, layer_params))
+    return max(1, min(trainable, max(layer, largest_trainable)))
 
 
 def deepspeed_config(spec: dict, world_size: int, layer_params: int | None = None,
