@@ -22,19 +22,11 @@ sys.path.insert(0, str(REPO / "tests"))
 
 
 def prepare(root: Path) -> int:
-    """The tests' tiny tokenizer, data (seq 32) and model; returns one decoder layer's parameters."""
-    from conftest import tiny_config
-    from distlab import data, hardware, model
-    from distlab.config import validate_schema
+    """The tests' tiny workspace (conftest.build_prepared); returns one decoder layer's parameters."""
+    from conftest import build_prepared
+    from distlab import model
 
-    cfg = validate_schema(tiny_config({}))
-    texts = data.corpus_texts(cfg["data"])
-    tok = data.train_tokenizer(texts, cfg["data"]["vocab_size"], root / "tokenizer")
-    data.build_dataset(texts, tok, 32, 0.05, 0, root / "data32")
-    model.build_base_model(cfg["model"]["build"], tok, root / "model")
-    info = hardware.describe("benchmark", probe=False)
-    info["cpu_peak"] = {"per_thread": hardware.measure_cpu_matmul_peak(1, size=256, seconds=0.2)}
-    (root / "hardware.json").write_text(json.dumps(info))
+    build_prepared(root)
     built = model.load_model(str(root / "model"))
     return sum(p.numel() for p in model.decoder_layers(built)[0].parameters())
 
