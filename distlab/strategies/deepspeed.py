@@ -98,27 +98,10 @@ class DeepSpeedStrategy(Strategy):
             except NotImplementedError as exc:  # stored weights transformers converts on load
                 model, why = None, str(exc)
         if model is None:
-            model = self._load_through_transformers(model_source, ds_config, dtype)
+            model = deepspeed_load.load_through_transformers(model_source, ds_config, dtype)
             self.load_report = {"how": deepspeed_load.ROUTE_TRANSFORMERS, "why": why}
         self.partitioned_at_load = all(hasattr(p, "ds_id") for p in model.parameters())
         return model
-
-    @staticmethod
-    def _load_through_transformers(model_source: str, ds_config: dict, dtype):
-        from transformers.integrations import HfDeepSpeedConfig
-        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-        from distlab.model import load_model
-
-        # transformers holds only a weak reference: alive while loading, then released. Left
-        # alive, every later from_config/from_pretrained on rank 0 alone (the export's reload
-        # check, held-out evaluation) would enter zero.Init, a collective, and hang.
-        hf_deepspeed_config = HfDeepSpeedConfig(ds_config)
-        try:
-            return load_model(model_source, dtype=dtype)
-        finally:
-            del hf_deepspeed_config
-            unset_hf_deepspeed_config()
 
     def wrap(self, model) -> None:
         import deepspeed

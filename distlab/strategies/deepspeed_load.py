@@ -56,6 +56,24 @@ def build_partitioned(source: str, ds_config: dict, dtype):
     return model
 
 
+def load_through_transformers(source: str, ds_config: dict, dtype):
+    """transformers' ZeRO-3 route (ROUTE_TRANSFORMERS): from_pretrained under HfDeepSpeedConfig."""
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from distlab.model import load_model
+
+    # transformers holds only a weak reference: alive while loading, then released. Left
+    # alive, every later from_config/from_pretrained on rank 0 alone (the export's reload
+    # check, held-out evaluation) would enter zero.Init, a collective, and hang.
+    hf_deepspeed_config = HfDeepSpeedConfig(ds_config)
+    try:
+        return load_model(source, dtype=dtype)
+    finally:
+        del hf_deepspeed_config
+        unset_hf_deepspeed_config()
+
+
 def flat_range(stored, start: int, stop: int) -> torch.Tensor:
     """Elements [start, stop) of the row-major flattening of a safetensors slice, reading only
     the rows that cover them."""
