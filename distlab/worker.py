@@ -91,7 +91,13 @@ def main(argv=None) -> None:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help="accepted for the deepspeed launcher; LOCAL_RANK is used")
     args = parser.parse_args(argv)
+    import faulthandler
+
     from distlab.launchers.process import die_with_parent
+
+    # A rank killed by a signal from native code (SIGABRT: "terminate called without an active
+    # exception", seen once under load) leaves every thread's Python stack in its log.
+    faulthandler.enable()
 
     die_with_parent(parent_names=args.job)  # a rank never outlives its launcher
     job = json.loads(Path(args.job).read_text())
