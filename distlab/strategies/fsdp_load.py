@@ -15,7 +15,6 @@ Every parameter must be covered by 3 or 4, or the run fails naming the ones left
 from __future__ import annotations
 
 import contextlib
-import re
 from pathlib import Path
 
 import torch
@@ -80,6 +79,7 @@ def materialize_sharded(model, folder: str, device: torch.device) -> dict:
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    from distlab.partial_load import layer_groups
     from distlab.strategies.base import FidelityError
 
     buffers = {name: b.detach().clone() for name, b in model.named_buffers() if b.device.type != "meta"}
@@ -99,13 +99,9 @@ def materialize_sharded(model, folder: str, device: torch.device) -> dict:
             covered.add(name)
     # One read per decoder layer (and one for the rest): the reader's transient buffers hold
     # one layer's slices at a time, not the rank's whole shard.
-    groups: dict[str, dict] = {}
-    for key, param in targets.items():
-        layer = re.match(r"(.*\.layers\.\d+\.)", key)
-        groups.setdefault(layer.group(1) if layer else "", {})[key] = param
     with torch.no_grad():
-        for group in groups.values():
-            dcp.load(group, storage_reader=HuggingFaceStorageReader(folder))
+        for group in layer_groups(targets):
+            dcp.load({key: targets[key] for key in group}, storage_reader=HuggingFaceStorageReader(folder))
     if adapters:
         set_model_state_dict(model, {k: v.to(device) for k, v in adapters.items()},
                              options=StateDictOptions(full_state_dict=True, strict=False))
