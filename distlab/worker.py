@@ -96,7 +96,7 @@ def main(argv=None) -> None:
     from distlab.launchers.process import die_with_parent
 
     # A rank killed by a signal from native code (SIGABRT: "terminate called without an active
-    # exception", seen once under load) leaves every thread's Python stack in its log.
+    # exception", seen twice under load, cause unknown) leaves every thread's Python stack in its log.
     faulthandler.enable()
 
     die_with_parent(parent_names=args.job)  # a rank never outlives its launcher

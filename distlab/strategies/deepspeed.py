@@ -89,17 +89,9 @@ class DeepSpeedStrategy(Strategy):
         forget_deepspeed_groups()
         # zero.Init reads the partitioning and offload keys only; the live-parameter limits
         # sized from the built model are the engine's (wrap).
-        ds_config = deepspeed_config(self.spec, dist.get_world_size())
-        model, why = None, "NVMe parameter offload keeps partitions in swap buffers"
-        if deepspeed_load.loads_rank_slices(self.spec):
-            model = deepspeed_load.build_partitioned(model_source, ds_config, dtype)
-            try:
-                self.load_report = deepspeed_load.load_rank_partitions(model)
-            except NotImplementedError as exc:  # stored weights transformers converts on load
-                model, why = None, str(exc)
-        if model is None:
-            model = deepspeed_load.load_through_transformers(model_source, ds_config, dtype)
-            self.load_report = {"how": deepspeed_load.ROUTE_TRANSFORMERS, "why": why}
+        model, self.load_report = deepspeed_load.load_partitioned(
+            model_source, deepspeed_config(self.spec, dist.get_world_size()), dtype,
+            nvme_params=self.spec["deepspeed"]["offload_param"] == "nvme")
         self.partitioned_at_load = all(hasattr(p, "ds_id") for p in model.parameters())
         return model
 

@@ -41,9 +41,9 @@ def gradient_bucket_size(layer_params: int, largest_trainable: int, trainable: i
     """ZeRO 1-3's gradient reduce bucket, in elements: one decoder layer's parameters, kept
     between 5e6 (smaller buckets mean more collectives: benchmarks/zero_buckets.py measured
     ZeRO-3 steps on the tests' tiny model 1.08x slower with one-layer buckets than with
-    DeepSpeed's, 0.94x with these) and DeepSpeed's 5e8; never less than the largest trainable parameter (its gradient is
-    copied into the bucket whole: an embedding can be larger than a layer) and never more
-    than all trainable parameters (LoRA). DeepSpeed's 5e8 is allocated up front with
+    DeepSpeed's, 0.94x with these) and DeepSpeed's 5e8; never less than the largest
+    trainable parameter (its gradient is copied into the bucket whole: an embedding can be
+    larger than a layer) and never more than all trainable parameters (LoRA). DeepSpeed's 5e8 is allocated up front with
     contiguous gradients (ZeRO-3 at engine start): 2 GB per rank in fp32, 1 GB in bf16, on a
     GPU as real device memory whatever the model; on CPU untouched pages cost nothing, so only
     a GPU shows it. Hugging Face's "auto" sizes it as hidden_size^2 (about 1/12 of a Llama layer)."""

@@ -33,6 +33,21 @@ ROUTE_TRANSFORMERS = ("transformers from_pretrained under HfDeepSpeedConfig: zer
                       "reads the whole state dict and each parameter is gathered to copy it in")
 
 
+def load_partitioned(source: str, ds_config: dict, dtype, nvme_params: bool) -> tuple:
+    """(model, load report): every rank reads its own partitions, except where that cannot work
+    (module docstring), which loads through transformers and says why in the report."""
+    if nvme_params:
+        why = "NVMe parameter offload keeps partitions in swap buffers"
+    else:
+        model = build_partitioned(source, ds_config, dtype)
+        try:
+            return model, load_rank_partitions(model)
+        except NotImplementedError as exc:  # raised before any weight is read, on every rank alike
+            del model
+            why = str(exc)
+    return load_through_transformers(source, ds_config, dtype), {"how": ROUTE_TRANSFORMERS, "why": why}
+
+
 def build_partitioned(source: str, ds_config: dict, dtype):
     """The causal LM of `source`, every parameter a ZeRO-3 partition, weights not yet read."""
     import contextlib
@@ -116,8 +131,3 @@ def _copy_partition(param, stored) -> int:
     values = flat_range(stored, start, stop)
     part[: stop - start].copy_(values.to(part.dtype))
     return values.numel() * values.element_size()
-
-
-def loads_rank_slices(spec: dict) -> bool:
-    """Whether this spec's ZeRO-3 run loads by rank slices (not with NVMe parameter offload)."""
-    return spec["deepspeed"]["offload_param"] != "nvme"
