@@ -44,7 +44,8 @@ GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 } > "$OUT_DIR/versions.txt" 2>&1
 
 start=$(date +%s)
-timeout 440 "$PY" -m snakemake -s "$REPO/Snakefile" -d "$WORK" --configfile "$REPO/config/gpu_check.yaml" \
+CONFIGS=("$REPO/config/gpu_check.yaml")
+timeout 440 "$PY" -m snakemake -s "$REPO/Snakefile" -d "$WORK" --configfile "${CONFIGS[@]}" \
   --cores all --resources gpu="$GPUS" --keep-going --rerun-incomplete > "$OUT_DIR/snakemake.log" 2>&1
 status=$?
 echo "snakemake exit $status after $(( $(date +%s) - start )) s" | tee -a "$OUT_DIR/versions.txt"
@@ -55,6 +56,9 @@ cp -r "$WORK/results/report" "$OUT_DIR/" 2>/dev/null
 (cd "$WORK/results" && tar czf "$OUT_DIR/runs.tgz" --exclude='checkpoint*' --exclude='*.safetensors' \
    --exclude='*.pt' --exclude='prep' . 2>/dev/null)
 # The figures a reader wants, from the results (distlab/gpu_summary.py): tokens/s, MFU and
-# its peak, peak memory, the recorded OOM, checkpoint validations, NCCL bandwidth.
-"$PY" -m distlab.gpu_summary "$WORK/results" | tee "$OUT_DIR/figures.txt"
-exit $status
+# its peak, peak memory, the recorded OOM, checkpoint validations, NCCL bandwidth. Every run
+# the config plans is listed with its status; a failed or missing one makes the kit fail.
+"$PY" -m distlab.gpu_summary "$WORK/results" --configfile "${CONFIGS[@]}" --gpus "$GPUS" | tee "$OUT_DIR/figures.txt"
+summary_status=${PIPESTATUS[0]}
+[ "$status" -ne 0 ] && exit "$status"
+exit "$summary_status"
