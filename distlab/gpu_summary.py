@@ -117,7 +117,8 @@ def run_status(run: Path, budgeted: bool) -> tuple[str | None, list[str]]:
         why = f"trained, but its checkpoint save failed: {str(saved.get('error', ''))[:160]}"
         return why, lines + [f"    FAILED: {why}"]
     if budgeted:
-        lines.append(f"    note: it did not run out of memory under its {metrics.get('memory_budget_gib')} GiB budget")
+        budget = (metrics.get("spec") or {}).get("memory_budget_gib")
+        lines.append(f"    note: it did not run out of memory under its {budget} GiB budget")
     return None, lines
 
 

@@ -95,3 +95,13 @@ def test_a_trained_run_whose_save_failed_counts_as_failed(tmp_path):
                                                    "checkpoint": {"status": "failed", "error": "disk full"}})
     lines, failed = summarize(tmp_path, {"experiments": ["a"], "validated": [], "budgeted": []})
     assert failed == ["a"] and any("trained, but its checkpoint save failed: disk full" in line for line in lines)
+
+
+def test_a_budget_run_that_fit_its_budget_is_a_note_not_a_failure(tmp_path):
+    from distlab.gpu_summary import summarize
+
+    write(tmp_path / "box" / "hardware.json", {"gpus": []})
+    write(tmp_path / "box" / "b" / "metrics.json", {"experiment": "b", "status": "ok",
+                                                   "spec": {"memory_budget_gib": 2}})
+    lines, failed = summarize(tmp_path, {"experiments": ["b"], "validated": [], "budgeted": ["b"]})
+    assert failed == [] and "    note: it did not run out of memory under its 2 GiB budget" in lines
