@@ -129,7 +129,8 @@ def summarize(results: Path, plan: dict | None = None) -> tuple[list[str], list[
         if results.is_dir() else []
     if not machines:
         lines = [f"no machine folder with hardware.json under {results}: the kit did not get far enough"]
-        return lines, list((plan or {}).get("experiments", []))
+        failed = list((plan or {}).get("experiments", []))
+        return lines + ([f"FAILED ({len(failed)}, none ran): {', '.join(failed)}"] if failed else []), failed
     for machine in machines:
         hardware = _load(machine / "hardware.json") or {}
         gpus = ", ".join(g.get("name", "?") for g in hardware.get("gpus", [])) or "no GPU in hardware.json"

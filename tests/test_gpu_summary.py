@@ -45,6 +45,8 @@ def test_summary_says_what_is_missing_when_the_kit_stopped_early(tmp_path):
     text = "\n".join(summary(tmp_path))
     assert "checkpoint validation: none finished" in text and "the collectives rule did not finish" in text
     assert "did not get far enough" in summary(tmp_path / "vm")[0]
+    lines = summary(tmp_path / "vm", {"experiments": ["a", "b"], "validated": [], "budgeted": []})
+    assert lines[-1] == "FAILED (2, none ran): a, b"
 
 
 def test_measured_nccl_prints_the_best_bus_bandwidth_per_op(tmp_path):
