@@ -78,7 +78,9 @@ cp -r "$WORK/results/report" "$OUT_DIR/" 2>/dev/null
 # The figures a reader wants, from the results (distlab/gpu_summary.py): tokens/s, MFU and
 # its peak, peak memory, the recorded OOM, checkpoint validations, NCCL bandwidth. Every run
 # the config plans is listed with its status; a failed or missing one makes the kit fail.
-"$PY" -m distlab.gpu_summary "$WORK/results" --configfile "${CONFIGS[@]}" --gpus "$GPUS" | tee "$OUT_DIR/figures.txt"
+: > "$OUT_DIR/figures.txt"
+[ "$REHEARSAL" = 1 ] && echo "CPU rehearsal: no GPU was used; no figure here is a GPU figure" | tee "$OUT_DIR/figures.txt"
+"$PY" -m distlab.gpu_summary "$WORK/results" --configfile "${CONFIGS[@]}" --gpus "$GPUS" | tee -a "$OUT_DIR/figures.txt"
 summary_status=${PIPESTATUS[0]}
 [ "$status" -ne 0 ] && exit "$status"
 exit "$summary_status"
