@@ -99,6 +99,7 @@ def test_kuberay_rule_writes_the_manifests_and_their_checks(tmp_path):
     snakemake(tmp_path, "--cores", "1", "results/kuberay/checks.json", config=config)
     record = json.loads((tmp_path / "results/kuberay/checks.json").read_text())
     assert record["passed"] and set(record["checks"]) == {"RayCluster", "RayJob"}
+    assert "KubeRay v1.7.0's own RayCluster/RayJob CRD schemas (vendored, strict" in record["checked_against"]
     cluster = yaml.safe_load((tmp_path / "results/kuberay/raycluster.yaml").read_text())
     job = yaml.safe_load((tmp_path / "results/kuberay/rayjob.yaml").read_text())
     assert cluster["kind"] == "RayCluster" and job["kind"] == "RayJob"
