@@ -9,9 +9,14 @@
 # Settings (environment variables):
 #   PYTHON_VERSION  the target interpreter, e.g. 3.12 (default: the box's, 3.12)
 #   PLATFORMS       space-separated wheel platforms (default: manylinux x86_64 tags)
-#   DEST            the wheel folder to fill (default: .whl)
-#   CACHE           where the whole closure is built once and reused (default: build/wheel-cache/py<ver>)
+#   DISTLAB_WHEEL_DEST   the wheel folder to fill (default: .whl)
+#   DISTLAB_WHEEL_CACHE  where the whole closure is built once and reused (default: build/wheel-cache/py<ver>)
 #   KEEP_BOX=1      keep the packages the box already has (a clean venv needs them: the test)
+#
+# The script deletes only what it made: its two folders carry a stamp file (.inputs in the
+# cache, .distlab-wheels in the wheel folder); a folder that exists, is not empty and has no
+# stamp is refused before anything runs (generic names like CACHE or DEST, which CI systems
+# and dotfiles export, are not read).
 #
 # How: `pip wheel` builds or fetches a wheel of every requirement and dependency for the
 # interpreter running this script (some, like connection_pool, are sdist-only: built here
@@ -26,9 +31,24 @@ PYTHON=${PYTHON:-python3}
 HERE_VERSION=$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 PYTHON_VERSION=${PYTHON_VERSION:-3.12}
 PLATFORMS=${PLATFORMS:-"manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64"}
-DEST=${DEST:-.whl}
-CACHE=${CACHE:-build/wheel-cache/py$PYTHON_VERSION}
+DEST=${DISTLAB_WHEEL_DEST:-.whl}
+CACHE=${DISTLAB_WHEEL_CACHE:-build/wheel-cache/py$PYTHON_VERSION}
 KEEP_BOX=${KEEP_BOX:-0}
+DEST_STAMP=.distlab-wheels
+
+# Refuse a folder this script did not make: it exists, holds something, and has no stamp.
+refuse_foreign() {  # <folder> <stamp> <variable>
+  if [ -d "$1" ] && [ -n "$(ls -A "$1")" ] && [ ! -e "$1/$2" ]; then
+    echo "gpu_wheels: refusing $3=$1: it holds files this script did not make (no $2 stamp); name an empty or new folder" >&2
+    exit 2
+  fi
+  if [ -e "$1" ] && [ ! -d "$1" ]; then
+    echo "gpu_wheels: refusing $3=$1: not a folder" >&2
+    exit 2
+  fi
+}
+refuse_foreign "$CACHE" .inputs DISTLAB_WHEEL_CACHE
+refuse_foreign "$DEST" "$DEST_STAMP" DISTLAB_WHEEL_DEST
 
 # The kit's package set beyond torch (versions: those distlab is tested with).
 REQUIREMENTS=("snakemake==9.27.1" "datasets==5.2.0" "jsonschema==4.26.0" "platformdirs==4.14.9")
@@ -92,7 +112,7 @@ fi
 if [ "$DEST" = ".whl" ]; then
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 fi
-rm -rf "$DEST" && mkdir -p "$DEST"
+rm -rf "$DEST" && mkdir -p "$DEST" && touch "$DEST/$DEST_STAMP"
 for whl in "$CACHE"/*.whl; do
   name=$(normalize "$(basename "$whl" | cut -d- -f1)")
   if [ "$KEEP_BOX" != 1 ] && [[ " $(echo $BOX_HAS) " == *" $name "* ]]; then
@@ -100,4 +120,4 @@ for whl in "$CACHE"/*.whl; do
   fi
   cp "$whl" "$DEST/"
 done
-echo "gpu_wheels: $(ls "$DEST" | wc -l) wheels, $(du -sh "$DEST" | cut -f1), python $PYTHON_VERSION -> $DEST"
+echo "gpu_wheels: $(ls "$DEST"/*.whl | wc -l) wheels, $(du -sh "$DEST" | cut -f1), python $PYTHON_VERSION -> $DEST"

@@ -213,7 +213,10 @@ def load_tokenizer(path: str | os.PathLike, model_config: str | os.PathLike | No
         ids = {role: getattr(tokenizer, f"{role}_token_id") for role in ("eos", "bos", "pad")}
         compare_with_model(ids, max(tokenizer.get_vocab().values()), model_cfg, str(path), str(model_config))
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer {path} has no EOS token: documents could not be separated")
+        raise ValueError(f"tokenizer {path} names no EOS token (a bare tokenizer.json has none, and no model "
+                         "config.json gives an eos_token_id): documents could not be separated; give the "
+                         "tokenizer's folder (with tokenizer_config.json) or a model.path whose config.json names "
+                         "eos_token_id")
     return tokenizer
 
 

@@ -7,7 +7,8 @@ here, and each error names the config field and the file:
   integer and NaN as a number; `world_size: 2.0` and `lr: .nan` are refused here);
 - results_dir: not empty, not a system folder, writable; `machine` not a name the results
   folder already uses for something else;
-- model folders: config.json parses (file and line named), weights present;
+- model folders: config.json parses (file and line named), no custom code (auto_map), every
+  parameter of the architecture stored with its shape (distlab.model_files);
 - Ray addresses: $RAY_ADDRESS set and non-empty where asked for, every head reachable
   within a timeout. These, and results_dir being writable, look at the machine: only
   `distlab.config.load(..., probe=True)` runs them (the workflow does; unit tests do not).
@@ -110,9 +111,17 @@ def model_config(folder: str | os.PathLike, field: str = "model.path", weights: 
         raise ConfigError(f"config field '{field}': {path} is not UTF-8 text") from None
     if not isinstance(config, dict) or not config.get("model_type"):
         raise ConfigError(f"config field '{field}': {path} has no model_type (not a Hugging Face model config)")
+    if config.get("auto_map"):
+        raise ConfigError(f"config field '{field}': {path} names custom code (auto_map: "
+                          f"{sorted(config['auto_map'])}); distlab never runs code from a model folder "
+                          "(trust_remote_code): use a model whose architecture transformers has")
     if weights and not any(any(Path(folder).glob(pattern)) for pattern in WEIGHT_PATTERNS):
         raise ConfigError(f"config field '{field}': model folder '{folder}' has no weights "
                          f"({', '.join(WEIGHT_PATTERNS)})")
+    if weights:  # every parameter of the architecture stored, sizes plausible (no tensor loaded)
+        from distlab.model_files import check_model_weights
+
+        check_model_weights(folder, field)
     return config
 
 

@@ -6,6 +6,14 @@ for a job's entrypoint, and that profile points every `launcher: ray` experiment
 Head and workers mount one volume claim at the same path, so the prepared data, the base
 model and the run folders are where every rank looks for them.
 
+No open door: Ray token auth is on (`authOptions: {mode: token, secretName: <auth_secret>}`,
+the Secret's key auth_token; KubeRay >= 1.5.1 sets RAY_AUTH_MODE/RAY_AUTH_TOKEN on every Ray
+container and on the RayJob submitter, ray-operator/controllers/ray/common/pod.go and
+rayjob_controller.go at v1.7.0). The head's dashboard listens on 127.0.0.1 only, and the
+RayJob submits in SidecarMode: its submitter is a container of the head pod and calls
+http://127.0.0.1:<dashboard port> (common/job.go, BuildJobSubmitCommand), so nothing outside
+the pod needs the dashboard.
+
 Light on purpose (no Ray, no torch): it runs in a Snakemake rule and in the tests.
 """
 from __future__ import annotations
@@ -14,16 +22,21 @@ import copy
 import re
 import shlex
 
+from distlab.kuberay_crd import KUBERAY_VERSION, crd_errors
+
 API_VERSION = "ray.io/v1"
 # The pod templates (the bulk of a RayCluster) are checked against Kubernetes' own OpenAPI
 # schema for PodTemplateSpec, as packaged by kubernetes-validate, strict (unknown fields fail).
 KUBERNETES_VERSION = "1.33"
-# What check() proves, said wherever its verdict is shown. The KubeRay CRD's own schema is on
-# no package registry reachable here, so the RayCluster/RayJob fields around the pod templates
-# are checked by distlab's rules only: the operator may still reject one of those.
-CHECKED_AGAINST = (f"pod templates: the Kubernetes v{KUBERNETES_VERSION} PodTemplateSpec OpenAPI schema "
-                   "(kubernetes-validate, strict); RayCluster/RayJob fields: distlab's own rules "
-                   "(distlab.kuberay.check), not the KubeRay CRD schema, which is not available here")
+# What check() proves, said wherever its verdict is shown (the KubeRay goal's title).
+CHECKED_AGAINST = (f"KubeRay {KUBERAY_VERSION}'s own RayCluster/RayJob CRD schemas (vendored, strict: an unknown "
+                   f"field or a wrong type fails) and the Kubernetes v{KUBERNETES_VERSION} PodTemplateSpec schema "
+                   "(kubernetes-validate, strict), plus token auth, the submitter's route to the dashboard and "
+                   "the fit of every Ray experiment")
+SUBMISSION_MODE = "SidecarMode"
+# Submission modes whose submitter reaches the dashboard through the head's Service (another
+# pod, or the operator): they need a dashboard that listens beyond 127.0.0.1.
+REMOTE_SUBMITTERS = ("K8sJobMode", "HTTPMode")
 K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|Ki|Mi|Gi|Ti|k|M|G|T)?$")
 
@@ -66,6 +79,7 @@ def raycluster_spec(kube: dict, ray_version: str) -> dict:
         worker_params["num-gpus"] = str(workers["gpus"])
     return {
         "rayVersion": ray_version,
+        "authOptions": {"mode": "token", "secretName": kube["auth_secret"]},
         # The head schedules no training: ranks go to the worker group only.
         "headGroupSpec": {"rayStartParams": {"num-cpus": "0", "dashboard-host": "127.0.0.1"},
                           "template": _pod(kube, head_container)},
@@ -101,6 +115,7 @@ def rayjob(kube: dict, specs: dict[str, dict], ray_version: str, results_dir: st
             "metadata": {"name": f"{kube['name']}-train", "namespace": kube["namespace"],
                          "labels": {"app": "distlab"}},
             "spec": {"entrypoint": entrypoint(kube, specs, results_dir),
+                     "submissionMode": SUBMISSION_MODE,  # the submitter reaches the dashboard on 127.0.0.1
                      "shutdownAfterJobFinishes": True,
                      "ttlSecondsAfterFinished": 600,
                      "rayClusterSpec": copy.deepcopy(raycluster_spec(kube, ray_version))}}
@@ -109,6 +124,44 @@ def rayjob(kube: dict, specs: dict[str, dict], ray_version: str, results_dir: st
 def _worker_group(manifest: dict) -> dict:
     spec = manifest["spec"] if manifest["kind"] == "RayCluster" else manifest["spec"]["rayClusterSpec"]
     return spec["workerGroupSpecs"][0]
+
+
+def _ray_containers(cluster: dict) -> list[dict]:
+    templates = [cluster["headGroupSpec"].get("template", {})] + [g.get("template", {})
+                                                                  for g in cluster.get("workerGroupSpecs", [])]
+    return [t.get("spec", {}).get("containers", [{}])[0] for t in templates]
+
+
+def token_auth(cluster: dict) -> tuple[bool, str]:
+    """Ray token auth on: KubeRay's authOptions with a Secret, or every Ray container given
+    RAY_AUTH_MODE=token and RAY_AUTH_TOKEN from a Secret by hand."""
+    options = cluster.get("authOptions") or {}
+    if options.get("mode") == "token":
+        secret = options.get("secretName")
+        return True, (f"authOptions mode token, token from Secret {secret!r} (key auth_token)" if secret else
+                      "authOptions mode token, token in a Secret KubeRay generates")
+    unguarded = []
+    for container in _ray_containers(cluster):
+        env = {e.get("name"): e for e in container.get("env", [])}
+        by_secret = (env.get("RAY_AUTH_TOKEN") or {}).get("valueFrom", {}).get("secretKeyRef")
+        if (env.get("RAY_AUTH_MODE") or {}).get("value") != "token" or not by_secret:
+            unguarded.append(container.get("name", "?"))
+    if unguarded:
+        return False, (f"no Ray token auth for {unguarded}: anyone who reaches the cluster's ports runs code on it; "
+                       "set authOptions {mode: token, secretName: ...}")
+    return True, "every Ray container has RAY_AUTH_MODE=token and RAY_AUTH_TOKEN from a Secret"
+
+
+def submitter_route(job_spec: dict, cluster: dict) -> tuple[bool, str]:
+    """A RayJob's submitter can reach the dashboard it submits to."""
+    mode = job_spec.get("submissionMode", "K8sJobMode")  # the CRD's default
+    host = cluster["headGroupSpec"].get("rayStartParams", {}).get("dashboard-host", "localhost")
+    loopback = host in ("127.0.0.1", "localhost", "::1")
+    if mode in REMOTE_SUBMITTERS and loopback:
+        return False, (f"submissionMode {mode} submits from outside the head pod, but the dashboard listens on "
+                       f"{host} only; use SidecarMode (the submitter shares the head pod's network)")
+    return True, (f"submissionMode {mode}: the submitter shares the head pod's network and reaches the dashboard on "
+                  f"{host}" if mode == "SidecarMode" else f"submissionMode {mode}, dashboard-host {host}")
 
 
 def pod_template_errors(template: dict) -> str | None:
@@ -144,9 +197,15 @@ def check(manifest: dict, specs: dict[str, dict]) -> dict[str, dict]:
     record("required_fields", not missing, f"missing {missing}" if missing else f"{kind} has {required}")
     if missing:
         return checks
+    problems = crd_errors(manifest)
+    more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+    record("crd_schema", not problems, "; ".join(problems[:5]) + more if problems else
+           f"accepted by KubeRay {KUBERAY_VERSION}'s {kind} CRD schema (strict)")
+    record("token_auth", *token_auth(cluster))
     if kind == "RayJob":
         record("entrypoint", "profiles/ray-head" in manifest["spec"].get("entrypoint", ""),
                "the entrypoint runs snakemake with profiles/ray-head")
+        record("submitter_reaches_dashboard", *submitter_route(manifest["spec"], cluster))
     group = _worker_group(manifest)
     for role, template in (("head", cluster["headGroupSpec"].get("template", {})),
                            (group.get("groupName", "workers"), group.get("template", {}))):

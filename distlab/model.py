@@ -50,7 +50,12 @@ def load_model(path_or_id: str, dtype=None, device: str | None = None):
         return model
     if device is not None:
         raise ValueError(f"load_model: device {device!r}, expected None or 'meta'")
-    return AutoModelForCausalLM.from_pretrained(str(path_or_id), dtype=dtype)
+    model, info = AutoModelForCausalLM.from_pretrained(str(path_or_id), dtype=dtype, output_loading_info=True)
+    if info["missing_keys"]:  # from_pretrained would only warn and train those from random values
+        missing = sorted(info["missing_keys"])
+        raise ValueError(f"{path_or_id}: the weight files lack {len(missing)} parameter(s) of "
+                         f"{type(model).__name__}: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+    return model
 
 
 def import_model_code(path_or_id: str, lora: bool) -> None:

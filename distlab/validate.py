@@ -194,11 +194,11 @@ def phase_command(spec: dict, job_path: Path, folder: Path) -> tuple[list[str], 
 
         config = write_accelerate_config(spec, run_files_dir(folder), str(job_path))
         return accelerate_command(str(config), str(job_path), "distlab.validate_ranks"), launch_environment(spec)
-    from distlab.launchers.environment import rank_environment
+    from distlab.launchers.environment import single_node_environment
     from distlab.launchers.torchrun import torchrun_command
 
     return (torchrun_command(spec["world_size"], "distlab.validate_ranks", "--job", str(job_path)),
-            rank_environment(spec))
+            single_node_environment(spec))
 
 
 def _wait(cmd: list[str], env: dict, log, timeout) -> None:

@@ -272,7 +272,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     from distlab.launchers.process import die_with_parent
 
-    die_with_parent(parent_names=args.job)  # a rank never outlives its launcher
+    die_with_parent(same_launch=True)  # a rank never outlives its launcher
     job = json.loads(Path(args.job).read_text())
     import torch.distributed as dist
 

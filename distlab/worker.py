@@ -99,7 +99,7 @@ def main(argv=None) -> None:
     # exception", seen twice under load, cause unknown) leaves every thread's Python stack in its log.
     faulthandler.enable()
 
-    die_with_parent(parent_names=args.job)  # a rank never outlives its launcher
+    die_with_parent(same_launch=True)  # a rank never outlives its launcher
     job = json.loads(Path(args.job).read_text())
     try:
         summary = run_rank(job)

@@ -10,6 +10,7 @@ from distlab.config import ConfigError, built_model, load as load_config, valida
 from distlab.data_checks import datasets_of
 from distlab.tokenizer_checks import tokenizer_source
 from distlab.hardware import gpu_count, machine_tag
+from distlab.results_lock import ResultsFolderBusy, hold_for_workflow
 from distlab.run_layout import RUN_FILES
 from snakemake.exceptions import WorkflowError
 
@@ -19,6 +20,10 @@ except ConfigError as error:
     raise WorkflowError(str(error)) from None
 
 RESULTS = config["results_dir"]
+try:  # before Snakemake can delete any output: one workflow per results folder (distlab.results_lock)
+    hold_for_workflow(RESULTS, workflow)
+except ResultsFolderBusy as error:
+    raise WorkflowError(str(error)) from None
 MACHINE = machine_tag(config["machine"])
 GPUS = gpu_count()  # GPUs present (DISTLAB_GPU_COUNT when planning for another machine)
 PREP = f"{RESULTS}/prep"

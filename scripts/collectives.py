@@ -3,6 +3,7 @@ import os
 import subprocess
 
 from distlab.gpu_alloc import allocate, lock_dir_for
+from distlab.launchers import loopback
 from distlab.launchers.environment import BASE_ENV
 from distlab.launchers.torchrun import torchrun_command
 from distlab.rule_log import logged
@@ -16,7 +17,7 @@ with logged(snakemake):
                            "--factor", str(plan["factor"]), "--iters", str(plan["iters"]), "--warmup", str(plan["warmup"]))
     if plan["nccl_skipped"]:
         cmd += ["--nccl-skipped", plan["nccl_skipped"]]
-    env = dict(os.environ, **BASE_ENV, OMP_NUM_THREADS="1")
+    env = dict(os.environ, **BASE_ENV, **loopback.environment(), OMP_NUM_THREADS="1")
     print("$ " + " ".join(cmd), flush=True)
     if plan["device"] == "cuda":
         with allocate(plan["world_size"], lock_dir_for(os.path.dirname(os.path.dirname(os.path.abspath(out))))) as ids:

@@ -5,7 +5,7 @@ import json
 import sys
 
 from distlab.evaluation import eval_columns
-from distlab.report.collect import load_checked_runs, summary_frame
+from distlab.report.collect import load_checked_runs, spreadsheet_safe, summary_frame
 from distlab.rule_log import logged
 
 with logged(snakemake):
@@ -15,5 +15,5 @@ with logged(snakemake):
     with open(snakemake.output.rejected, "w") as fh:
         json.dump(rejected, fh, indent=1)
     frame = eval_columns(summary_frame(runs), runs)
-    frame.to_csv(snakemake.output.csv, index=False)
+    spreadsheet_safe(frame).to_csv(snakemake.output.csv, index=False)
     print(frame.to_string())

@@ -26,8 +26,8 @@ KIT = ["snakemake==9.27.1", "datasets==5.2.0", "jsonschema==4.26.0", "platformdi
 
 
 def build_wheels(dest: Path, keep_box: bool) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHON=sys.executable, PYTHON_VERSION=HERE, DEST=str(dest), CACHE=str(CACHE),
-               KEEP_BOX="1" if keep_box else "0")
+    env = dict(os.environ, PYTHON=sys.executable, PYTHON_VERSION=HERE, DISTLAB_WHEEL_DEST=str(dest),
+               DISTLAB_WHEEL_CACHE=str(CACHE), KEEP_BOX="1" if keep_box else "0")
     return subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_wheels.sh")], env=env, capture_output=True,
                           text=True, timeout=900)
 
@@ -54,7 +54,7 @@ def kit_wheels(tmp_path_factory):
 
 
 def test_kit_wheel_set_installs_with_no_index_into_a_clean_venv_and_imports(kit_wheels, tmp_path):
-    assert all(p.suffix == ".whl" for p in kit_wheels.iterdir())
+    assert all(p.suffix == ".whl" for p in kit_wheels.iterdir() if p.name != ".distlab-wheels")
     assert not list(kit_wheels.glob("torch-*.whl")), "the set must not carry a torch"
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
@@ -82,3 +82,20 @@ def test_box_set_keeps_what_the_box_lacks_and_drops_what_it_has(kit_wheels, tmp_
     names = {p.name.split("-")[0].lower() for p in (tmp_path / "box").glob("*.whl")}
     assert {"platformdirs", "snakemake", "datasets", "jsonschema", "deepspeed", "connection_pool", "pulp"} <= names
     assert not names & {"numpy", "torch", "pyyaml", "pandas", "pyarrow", "packaging"}
+
+
+@pytest.mark.parametrize("folder", ["DISTLAB_WHEEL_CACHE", "DISTLAB_WHEEL_DEST"])
+def test_the_script_refuses_a_folder_it_did_not_make_and_reads_no_generic_names(tmp_path, folder):
+    """CACHE and DEST, generic names CI systems export, once named folders this script emptied."""
+    mine, generic = tmp_path / "my-files", tmp_path / "generic"
+    for path in (mine, generic):
+        path.mkdir()
+        (path / "keep.txt").write_text("mine")
+    env = dict(os.environ, PYTHON=sys.executable, CACHE=str(generic), DEST=str(generic),
+               DISTLAB_WHEEL_CACHE=str(tmp_path / "new-cache"), DISTLAB_WHEEL_DEST=str(tmp_path / "new-dest"))
+    env[folder] = str(mine)
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_wheels.sh")], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and f"refusing {folder}={mine}" in proc.stderr, proc.stderr
+    assert (mine / "keep.txt").read_text() == "mine" and (generic / "keep.txt").read_text() == "mine"
+    assert not (tmp_path / "new-cache").exists()  # refused before anything ran

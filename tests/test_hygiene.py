@@ -20,18 +20,23 @@ def alive(pid: int) -> bool:
         return False
 
 
+def naming(marker: str) -> list[psutil.Process]:
+    """The test's own bookkeeping (never the product's): live processes whose command line
+    mentions marker (the test's temp folder)."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if proc.pid != os.getpid() and proc.status() != psutil.STATUS_ZOMBIE and \
+                    any(marker in part for part in proc.info["cmdline"] or []):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
 def survivors(marker: str) -> list[str]:
     """Live processes (not zombies) whose command line mentions marker."""
-    from distlab.launchers.process import processes_naming
-
-    found = []
-    for proc in processes_naming(marker):
-        try:
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(f"{proc.pid}: {' '.join(proc.cmdline())[:160]}")
-        except psutil.NoSuchProcess:
-            pass
-    return found
+    return [f"{p.pid}: {' '.join(p.info['cmdline'])[:160]}" for p in naming(marker)]
 
 
 @pytest.fixture
@@ -39,9 +44,8 @@ def reaper(tmp_path):
     """Whatever the test leaves behind under tmp_path is killed afterwards (a failing test
     must not leave ranks training on a shared machine)."""
     yield
-    from distlab.launchers.process import kill_tree
-
-    kill_tree(None, str(tmp_path))
+    for proc in naming(str(tmp_path)):
+        proc.kill()
 
 
 def test_a_timeout_kills_every_rank_of_the_launch(tmp_path, reaper):
@@ -107,11 +111,13 @@ def test_sigkill_of_snakemake_leaves_no_launcher_or_rank_running(prepared, tmp_p
 
 def test_a_second_launch_refuses_while_processes_of_the_first_still_run(tmp_path, reaper):
     from distlab.launch import job_file, launch
+    from distlab.launchers.process import LAUNCH_ENV, new_launch_identity
 
     spec = resolve({})
     job = {"spec": spec, "run_dir": str(tmp_path / "run")}
-    # An orphan of an earlier launch: its command line names the run's job file.
-    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", job_file(job)])
+    # An orphan of an earlier launch of this run: it carries that launch's identity.
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", str(tmp_path)],
+                              env=dict(os.environ, **{LAUNCH_ENV: new_launch_identity(job_file(job))}))
     try:
         time.sleep(0.2)
         with pytest.raises(RuntimeError, match=rf"still run .*kill {orphan.pid}"):
@@ -120,3 +126,21 @@ def test_a_second_launch_refuses_while_processes_of_the_first_still_run(tmp_path
     finally:
         orphan.kill()
         orphan.wait()
+
+
+def test_a_process_that_only_names_the_job_file_neither_blocks_a_launch_nor_dies_with_it(tmp_path, reaper):
+    """`tail -f .../job.json` is not a rank: processes are matched by the identity every process
+    of a launch inherits, not by a substring of their command line."""
+    from distlab.launch import job_file
+    from distlab.launchers.process import refuse_if_running, run_tree
+
+    job_path = job_file({"run_dir": str(tmp_path / "run")})
+    reader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", job_path])
+    try:
+        time.sleep(0.2)
+        refuse_if_running(job_path, "experiment x")  # not refused
+        assert run_tree([sys.executable, "-c", "pass"], dict(os.environ), None, 60, marker=job_path) == 0
+        assert alive(reader.pid)  # the launch's clean-up left it alone
+    finally:
+        reader.kill()
+        reader.wait()

@@ -99,7 +99,42 @@ def test_kuberay_rule_writes_the_manifests_and_their_checks(tmp_path):
     snakemake(tmp_path, "--cores", "1", "results/kuberay/checks.json", config=config)
     record = json.loads((tmp_path / "results/kuberay/checks.json").read_text())
     assert record["passed"] and set(record["checks"]) == {"RayCluster", "RayJob"}
+    assert "KubeRay v1.7.0's own RayCluster/RayJob CRD schemas (vendored, strict" in record["checked_against"]
     cluster = yaml.safe_load((tmp_path / "results/kuberay/raycluster.yaml").read_text())
     job = yaml.safe_load((tmp_path / "results/kuberay/rayjob.yaml").read_text())
     assert cluster["kind"] == "RayCluster" and job["kind"] == "RayJob"
     assert (REPO / "profiles/ray-head/config.yaml").is_file()
+
+
+def test_both_manifests_pass_kuberay_s_own_crd_schemas_and_strictly():
+    from distlab.kuberay_crd import CRD_DIR
+
+    assert (CRD_DIR / "LICENSE").is_file() and "59d663aeec13760646da3db9c1cf8cfe883e30b7" in (CRD_DIR / "SOURCE.md").read_text()
+    kube, specs = expanded()
+    for manifest in (kuberay.raycluster(kube, "2.60.0"), kuberay.rayjob(kube, specs, "2.60.0", "results")):
+        manifest = round_trip(manifest)
+        assert kuberay.check(manifest, specs)["crd_schema"]["status"] == "passed"
+        cluster = manifest["spec"] if manifest["kind"] == "RayCluster" else manifest["spec"]["rayClusterSpec"]
+        cluster["workerGroupSpecs"][0]["replica"] = 2  # a typo'd field name
+        cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0  # a number where the CRD says string
+        detail = kuberay.check(manifest, specs)["crd_schema"]["detail"]
+        assert "'replica' was unexpected" in detail and "num-cpus: 0 is not of type 'string'" in detail
+
+
+def test_a_manifest_without_ray_token_auth_fails_its_check():
+    kube, specs = expanded()
+    cluster = round_trip(kuberay.raycluster(kube, "2.60.0"))
+    assert cluster["spec"]["authOptions"] == {"mode": "token", "secretName": kube["auth_secret"]}
+    assert kuberay.check(cluster, specs)["token_auth"]["status"] == "passed"
+    del cluster["spec"]["authOptions"]
+    assert kuberay.check(cluster, specs)["token_auth"]["status"] == "failed"
+
+
+def test_the_rayjob_submitter_reaches_a_dashboard_that_listens_on_loopback_only():
+    kube, specs = expanded()
+    job = round_trip(kuberay.rayjob(kube, specs, "2.60.0", "results"))
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]
+    assert head["dashboard-host"] == "127.0.0.1" and job["spec"]["submissionMode"] == "SidecarMode"
+    assert kuberay.check(job, specs)["submitter_reaches_dashboard"]["status"] == "passed"
+    del job["spec"]["submissionMode"]  # the CRD's default, K8sJobMode: a submitter pod of its own
+    assert kuberay.check(job, specs)["submitter_reaches_dashboard"]["status"] == "failed"

@@ -92,9 +92,9 @@ def test_untrustworthy_results_from_other_machines_are_named_and_left_out(workco
     run = "ddp-full-w1-mb8-ga1"
     corruptions = {
         "stepsbox": ("steps.jsonl", lambda text: text[:-40] + "\n{broken", "steps.jsonl: line"),
-        "lossbox": ("metrics.json", lambda m: {k: v for k, v in m.items() if k != "loss"}, "needs 'loss.first'"),
+        "lossbox": ("metrics.json", lambda m: {k: v for k, v in m.items() if k != "loss"}, "field 'loss': missing"),
         "speedbox": ("metrics.json", lambda m: {k: v for k, v in m.items() if k != "throughput"},
-                     "needs 'throughput.tokens_per_s'"),
+                     "field 'throughput': missing"),
         "oldbox": ("metrics.json", lambda m: dict(m, schema_version=99), "schema_version 99"),
     }
     for tag, (name, corrupt, _) in corruptions.items():

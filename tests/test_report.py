@@ -86,7 +86,8 @@ def test_bandwidth_section_derives_the_break_even_batch_from_measurements(finish
                                                                                  "reduce_scatter"}
     assert all(r["status"] == "ok" and r["busbw_bytes_per_s"] > 0 for r in bench["results"])
     readme = (work / "results" / "report" / "README.md").read_text()
-    assert re.search(r"2 ranks beat 1 once the global batch exceeds B\* = a\*N/\(c\*\(N-1\)\) = [0-9.]+ samples",
+    # Markdown-escaped (distlab.report.render.md): `*` is written `\*`, so it stays a character.
+    assert re.search(r"2 ranks beat 1 once the global batch exceeds B\\\* = a\\\*N/\(c\\\*\(N-1\)\) = [0-9.]+ samples",
                      readme)
     assert "Measured at global batch 8" in readme
 
@@ -119,7 +120,7 @@ def test_validation_json_travels_with_its_run(finished_pipeline, tmp_path):
     import shutil
 
     work, _ = finished_pipeline
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / MACHINE / "ddp-full-w1-mb8-ga1"  # a run sits in folders named as it says
     shutil.copytree(work / "results" / MACHINE / "ddp-full-w1-mb8-ga1", run_dir)
     (run_dir / "validation.json").write_text(json.dumps(
         {"schema_version": 1, "experiment": "ddp-full-w1-mb8-ga1", "passed": False,

@@ -125,7 +125,7 @@ def test_the_kuberay_goal_says_its_checks_are_distlabs_own_not_the_crd_schema(tm
     run = fake_run(tmp_path / "testbox" / "ddp", {"world_size": 2, "micro_batch": 4})
     (tmp_path / "kuberay").mkdir()
     (tmp_path / "kuberay" / "checks.json").write_text(json.dumps({
-        "ray_version": "2.60", "experiments": ["x"], "files": {},
+        "schema_version": 1, "passed": True, "ray_version": "2.60", "experiments": ["x"], "files": {},
         "checks": {"RayCluster": {"api_version": {"status": "passed", "detail": ""}}}}))
     (goal,) = [g for g in stage5_ray.build([run]).goals if g.text.startswith("KubeRay")]
     assert goal.status == "passed" and "not the KubeRay CRD schema" in goal.text

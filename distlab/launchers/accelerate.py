@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from distlab.launchers.environment import rank_environment
+from distlab.launchers.environment import single_node_environment
 from distlab.launchers.process import run_ranks
 from distlab.run_layout import run_files_dir
 
@@ -60,7 +60,8 @@ def accelerate_config(spec: dict) -> dict:
         # 0: Accelerate asks the OS for a free port at launch, so concurrent jobs never
         # share a rendezvous port (a fixed port would clash, a random one could).
         "main_process_port": 0,
-        "rdzv_backend": "static",
+        "rdzv_backend": "static",  # no pickled rendezvous state; its store on loopback (launchers.loopback)
+        "main_process_ip": "127.0.0.1",
         "same_network": True,
         "debug": False,
         "downcast_bf16": "no",
@@ -84,7 +85,10 @@ def accelerate_config(spec: dict) -> dict:
 
 def accelerate_command(config_path: str, job_path: str, module: str = "distlab.worker") -> list[str]:
     """`accelerate launch --config_file ... -m <module> --job ...` (module form of the CLI)."""
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path),
+    # Through distlab.launchers.loopback: the torchrun agent inside accelerate launch binds its
+    # rendezvous store to 127.0.0.1 only.
+    return [sys.executable, "-m", "distlab.launchers.loopback", "accelerate.commands.launch", "--config_file",
+            str(config_path),
             "-m", module, "--job", str(job_path)]
 
 
@@ -104,7 +108,7 @@ def write_accelerate_config(spec: dict, folder: str | os.PathLike, job_path: str
 
 
 def launch_environment(spec: dict) -> dict:
-    env = rank_environment(spec)
+    env = single_node_environment(spec)
     for name in [n for n in env if n.startswith("ACCELERATE_")]:
         del env[name]  # the config file, not an inherited variable, decides
     return env

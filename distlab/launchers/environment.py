@@ -22,3 +22,11 @@ def rank_environment(spec: dict) -> dict:
         env["DS_ACCELERATOR"] = "cpu"
         env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU experiment must not touch a GPU by accident
     return env
+
+
+def single_node_environment(spec: dict) -> dict:
+    """A rank's environment for a launch on this machine alone (torchrun, accelerate launch):
+    its gloo/NCCL sockets on the loopback interface (distlab.launchers.loopback)."""
+    from distlab.launchers import loopback
+
+    return {**rank_environment(spec), **loopback.environment()}

@@ -8,34 +8,41 @@ the other cannot:
   although nobody is left to clean up. torchrun starts every rank in its own session, so
   killing torchrun's process group alone never reached the ranks.
 - On a timeout, an error or an interrupt in the waiting process, the launcher's whole
-  process tree (psutil, recursive) is killed, and afterwards any process whose command line
-  still names this launch's job file.
-Before a launch, `refuse_if_running` finds ranks of an earlier launch of the same
-experiment still alive (a SIGKILLed run on a machine without PR_SET_PDEATHSIG, a manual
-start) and refuses, naming their pids: two sets of ranks must never share a run folder.
+  process tree (psutil, recursive) is killed, and afterwards any process that carries this
+  launch's identity.
+Identity is exact, never a substring of a command line (an unrelated `tail -f .../job.json`
+must neither block a launch nor be killed with it): every process a launch starts inherits
+DISTLAB_LAUNCH=<run key>-<launch id>, the run key a hash of the job file's absolute path.
+Before a launch, `refuse_if_running` finds processes of an earlier launch of the same run
+still alive (a SIGKILLed run on a machine without PR_SET_PDEATHSIG, a manual start) and
+refuses, naming their pids: two sets of ranks must never share a run folder.
 """
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import psutil
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+LAUNCH_ENV = "DISTLAB_LAUNCH"
 
 
-def die_with_parent(parent: int | None = None, parent_names: str | None = None) -> None:
+def die_with_parent(parent: int | None = None, parent_names: str | None = None, same_launch: bool = False) -> None:
     """Ask the kernel to SIGKILL this process when its parent dies (Linux; elsewhere a no-op).
     Called first thing in every process distlab starts. The parent may already have died
-    (a rank spends seconds importing torch first): `parent` is the pid it must have, or
-    `parent_names` a string its command line must contain (a rank's launcher names the
-    rank's job file); otherwise this process exits at once."""
+    (a rank spends seconds importing torch first): `parent` is the pid it must have,
+    `same_launch` says it must carry this process's own launch identity (a rank's launcher),
+    `parent_names` a string its command line must contain (the Snakemake that runs a rule's
+    script); otherwise this process exits at once."""
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
@@ -43,32 +50,53 @@ def die_with_parent(parent: int | None = None, parent_names: str | None = None) 
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if parent is not None and os.getppid() != parent:
         os._exit(1)
-    if parent_names is not None:
+    if same_launch or parent_names is not None:
         try:
-            orphaned = not any(parent_names in part for part in psutil.Process(os.getppid()).cmdline())
-        except psutil.NoSuchProcess:
+            above = psutil.Process(os.getppid())
+            orphaned = (launch_of(above) != os.environ.get(LAUNCH_ENV) if same_launch else
+                        not any(parent_names in part for part in above.cmdline()))
+        except psutil.Error:
             orphaned = True
         if orphaned:
-            print(f"parent process is gone (no process naming {parent_names} above pid {os.getpid()}); "
-                  "exiting", file=sys.stderr, flush=True)
+            wanted = f"launch {os.environ.get(LAUNCH_ENV)}" if same_launch else f"naming {parent_names}"
+            print(f"parent process is gone (no process of {wanted} above pid {os.getpid()}); exiting",
+                  file=sys.stderr, flush=True)
             os._exit(1)
 
 
-def processes_naming(marker: str) -> list[psutil.Process]:
-    """Live processes (not this one) whose command line contains `marker`."""
+def run_key(job_path: str) -> str:
+    """What every launch of one run folder shares: a hash of its job file's absolute path."""
+    return hashlib.sha256(os.path.abspath(job_path).encode()).hexdigest()[:16]
+
+
+def new_launch_identity(job_path: str) -> str:
+    return f"{run_key(job_path)}-{uuid.uuid4().hex[:12]}"
+
+
+def launch_of(proc: psutil.Process) -> str | None:
+    """The DISTLAB_LAUNCH identity a process was started with (None: none, or not readable)."""
+    try:
+        return proc.environ().get(LAUNCH_ENV)
+    except (psutil.Error, OSError):
+        return None
+
+
+def processes_of(identity: str) -> list[psutil.Process]:
+    """Live processes (not this one) of a launch (identity `<key>-<id>`) or of any launch of a
+    run (identity `<key>`), matched exactly on DISTLAB_LAUNCH."""
     found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if proc.pid != os.getpid() and any(marker in part for part in proc.info["cmdline"] or []):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+    for proc in psutil.process_iter(["pid"]):
+        if proc.pid == os.getpid():
             continue
+        value = launch_of(proc)
+        if value is not None and (value == identity or value.split("-")[0] == identity):
+            found.append(proc)
     return found
 
 
 def refuse_if_running(job_path: str, what: str) -> None:
-    """Raise when processes of an earlier launch of this job file still run."""
-    alive = processes_naming(job_path)
+    """Raise when processes of an earlier launch of this run (its job file) still run."""
+    alive = processes_of(run_key(job_path))
     if alive:
         lines = []
         for proc in alive:
@@ -83,17 +111,17 @@ def refuse_if_running(job_path: str, what: str) -> None:
                                + "\n".join(lines))
 
 
-def kill_tree(proc: psutil.Process | None, marker: str | None = None) -> list[int]:
+def kill_tree(proc: psutil.Process | None, identity: str | None = None) -> list[int]:
     """SIGKILL a process and all its descendants (each rank sits in its own session, so a
-    process group does not reach them), then any process still naming `marker`."""
+    process group does not reach them), then any process still carrying launch `identity`."""
     victims = []
     if proc is not None:
         try:
             victims = [proc] + proc.children(recursive=True)
         except psutil.NoSuchProcess:
             victims = []
-    if marker:
-        victims += [p for p in processes_naming(marker) if p.pid not in {v.pid for v in victims}]
+    if identity:
+        victims += [p for p in processes_of(identity) if p.pid not in {v.pid for v in victims}]
     for victim in victims:
         try:
             victim.kill()
@@ -123,8 +151,12 @@ def _raise_terminated(signum, frame):
 
 def run_tree(cmd: list[str], env: dict, stdout, timeout: float | None, marker: str | None = None) -> int | None:
     """Run cmd to completion and return its exit status, or None when it was killed at the
-    timeout. However this returns or raises, no process of its tree is left running."""
+    timeout. However this returns or raises, no process of its tree is left running.
+    marker: the job file; the launch's processes carry an identity derived from it."""
     parent = os.getpid()
+    identity = new_launch_identity(marker) if marker else None
+    if identity:
+        env = dict(env, **{LAUNCH_ENV: identity})
     is_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if is_main else None
     # Own session (a terminal's Ctrl-C reaches this process, which then kills the tree);
@@ -138,7 +170,7 @@ def run_tree(cmd: list[str], env: dict, stdout, timeout: float | None, marker: s
         except subprocess.TimeoutExpired:
             return None
     finally:
-        kill_tree(handle if proc.poll() is None else None, marker)
+        kill_tree(handle if proc.poll() is None else None, identity)
         proc.wait()
         if is_main:
             signal.signal(signal.SIGTERM, previous)

@@ -11,8 +11,8 @@ from distlab import advisor as adv
 from distlab import collectives as coll
 from distlab.report.cards import COMPARED, FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Table, all_cards
 from distlab.report.cards.checkpoint_table import checkpoint_card
-from distlab.report.collect import (COLLECTIVES_SCHEMA_VERSION, HARDWARE_SCHEMA_VERSION, clear_winner, load_runs,
-                                    machine_files, read_json, summary_frame)
+from distlab.report.collect import (COLLECTIVES_SCHEMA_VERSION, HARDWARE_SCHEMA_VERSION, ResultsError, clear_winner,
+                                    load_runs, machine_files, read_json, summary_frame)
 from distlab.report.plots import bandwidth_curves, loss_panels, ranking
 from distlab.report.render import render_html, render_markdown
 
@@ -61,11 +61,15 @@ def card_noting_missing(number: int, title: str, source: dict, missing: str) -> 
     return card
 
 
-def advisor_card(advice: dict, runs: list[dict]) -> Card:
+def advisor_card(advice: dict, runs: list[dict], left_out: list[dict] | None = None) -> Card:
     card = card_noting_missing(90, "Advisor: what to run on this hardware", advice,
                                "No advice.json found (rule `advise`); run `snakemake advise`.")
     for machine, a in sorted(advice.items()):
-        advise_machine(card, machine, a, [r for r in runs if r["machine"] == machine])
+        try:
+            advise_machine(card, machine, a, [r for r in runs if r["machine"] == machine])
+        except ValueError as error:  # transformers refuses the model its config_json describes
+            if left_out is not None:
+                left_out.append({"path": f"{machine}/advice.json", "reason": f"{machine}/advice.json: {error}"})
     return card
 
 
@@ -264,21 +268,39 @@ def _versions(runs: list[dict]) -> str:
     return " ".join(f"Versions on {m}: {v}." for m, v in sorted(seen.items()))
 
 
-def build_report(metrics_paths, html_path, md_path, advice_paths=()) -> None:
+def left_out_card(left_out: list[dict]) -> Card | None:
+    """Every file the report did not trust, named with the reason (collect's schema checks)."""
+    if not left_out:
+        return None
+    card = Card(95, "Files left out of this report")
+    card.notes += [item["reason"] for item in left_out]
+    return card
+
+
+def build_report(metrics_paths, html_path, md_path, advice_paths=(), left_out=None) -> list[dict]:
+    """Write both pages; returns the files left out ({"path", "reason"}): `left_out` (the runs
+    the summary refused) and the machine files that failed their schema here."""
+    left_out = list(left_out or [])
     runs = load_runs(metrics_paths)
     for run in runs:
         run["_dir"] = os.path.abspath(run["_dir"])
     frame = summary_frame(runs)
-    hardware = machine_files(runs, "hardware.json", HARDWARE_SCHEMA_VERSION)
-    bench = machine_files(runs, "collectives.json", COLLECTIVES_SCHEMA_VERSION)
-    advice = machine_files(runs, "advice.json", 1)  # other machines' advice comes with their folders
+    hardware = machine_files(runs, "hardware.json", HARDWARE_SCHEMA_VERSION, left_out)
+    bench = machine_files(runs, "collectives.json", COLLECTIVES_SCHEMA_VERSION, left_out)
+    advice = machine_files(runs, "advice.json", 1, left_out)  # other machines' advice comes with their folders
     for path in advice_paths:
-        a = read_json(path, "advice", 1)
+        try:
+            a = read_json(path, "advice", 1, "advice")
+        except ResultsError as error:
+            left_out.append({"path": str(path), "reason": str(error)})
+            continue
         advice[os.path.basename(os.path.dirname(os.path.abspath(path)))] = a
     stage_cards = all_cards(runs)
-    sections = [overview_card(stage_cards, runs, advice), advisor_card(advice, runs), *stage_cards,
+    advisor = advisor_card(advice, runs, left_out)
+    sections = [overview_card(stage_cards, runs, advice), advisor, *stage_cards,
                 checkpoint_card(runs),
-                ranking_card(runs), machines_card(runs, hardware), collectives_card(bench, runs), loss_card(runs)]
+                ranking_card(runs), machines_card(runs, hardware), collectives_card(bench, runs), loss_card(runs),
+                left_out_card(left_out)]
     sections = [s for s in sections if s is not None]
     out_dir = os.path.dirname(os.path.abspath(html_path))
     os.makedirs(out_dir, exist_ok=True)
@@ -287,3 +309,4 @@ def build_report(metrics_paths, html_path, md_path, advice_paths=()) -> None:
         fh.write(render_html(sections, frame, out_dir, versions))
     with open(md_path, "w") as fh:
         fh.write(render_markdown(sections, frame, out_dir, versions))
+    return left_out

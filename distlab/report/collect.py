@@ -1,31 +1,87 @@
 """Read every run (this machine's and other machines' folders) into one table.
 
 A run is results/<machine>/<experiment>/: metrics.json, and when present steps.jsonl (per
-step times), validation.json (checkpoint checks) and devices.json (GPU ids it held).
-Machine-level files sit next to the runs: hardware.json, collectives.json. A run that is
-corrupt, from another schema version or lacks a figure its status promises is named and
-left out of the summary and the report (load_checked_runs), never a crash or a partial row.
+step times), validation.json (checkpoint checks), devices.json (GPU ids it held) and
+run_files/pipeline-rank<r>.json (pipeline records). Machine-level files sit next to the runs:
+hardware.json, collectives.json, advice.json. Every one of them is checked against the JSON
+Schema of the fields the summary and the report read (results_schema.yaml: types, finite and
+positive figures, name patterns), and `machine`/`experiment` must equal their folders' names
+(a copied-in folder cannot file runs under another machine). A run whose files do not pass
+is named and left out of the summary and the report (load_checked_runs), a machine file
+likewise (machine_files), never a crash or a partial row.
 """
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 from pathlib import Path
 
 from distlab.metrics import METRICS_SCHEMA_VERSION
+from distlab.run_layout import run_files_dir
 
 VALIDATION_SCHEMA_VERSION = 1
 COLLECTIVES_SCHEMA_VERSION = 1
 HARDWARE_SCHEMA_VERSION = 1
 
 
+# Larger than any results file distlab writes (a metrics.json of 100k steps is ~3 MB): such a
+# file is refused before it is read into memory.
+MAX_RESULTS_FILE_BYTES = 64 << 20
+# The JSON Schema kind of each machine-level file.
+MACHINE_FILE_KINDS = {"hardware.json": "hardware", "collectives.json": "collectives", "advice.json": "advice"}
+
+
 class ResultsError(ValueError):
-    """A results file that cannot be trusted (corrupt, or another schema version)."""
+    """A results file that cannot be trusted (corrupt, another schema version, a field of the
+    wrong type or out of range), with the file named."""
 
 
-def read_json(path: Path, what: str, version: int | None) -> dict:
+@functools.lru_cache(maxsize=1)
+def _schemas() -> dict:
+    import yaml
+
+    return yaml.safe_load((Path(__file__).with_name("results_schema.yaml")).read_text())
+
+
+def check_schema(data, kind: str, path) -> None:
+    """Raise ResultsError naming the file and the first bad field when `data` does not match
+    the schema of `kind` (results_schema.yaml)."""
+    from jsonschema.exceptions import best_match
+
+    from distlab.input_checks import StrictValidator
+
+    schemas = _schemas()
+    schema = {"$defs": schemas["$defs"], **schemas[kind]}
+    errors = list(StrictValidator(schema).iter_errors(data))
+    if errors:
+        error = best_match(errors)
+        where = [str(p) for p in error.absolute_path]
+        if error.validator == "required":  # name the missing field itself
+            missing = next((name for name in error.validator_value if name not in error.instance), None)
+            where, message = where + [str(missing)], "missing"
+        else:
+            message = error.message[:300]
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise ResultsError(f"{path}: field '{'.'.join(where) or '(top level)'}': {message}{more}; "
+                           "fix or remove the file")
+
+
+def _parse(text: str, path, what: str):
     try:
-        data = json.loads(Path(path).read_text())
+        return json.loads(text)
+    except RecursionError:
+        raise ResultsError(f"{path}: {what} is nested too deeply to be a distlab file; fix or remove it") from None
+
+
+def read_json(path: Path, what: str, version: int | None, kind: str | None = None) -> dict:
+    """A results file as a dict: readable, a JSON object, of this schema version and (kind)
+    matching its JSON Schema."""
+    try:
+        if Path(path).stat().st_size > MAX_RESULTS_FILE_BYTES:
+            raise ResultsError(f"{path}: {what} file is larger than {MAX_RESULTS_FILE_BYTES >> 20} MB, which no "
+                               "distlab file is; fix or remove it")
+        data = _parse(Path(path).read_text(), path, f"{what} file")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ResultsError(f"{path}: unreadable {what} file ({exc}); fix or remove it") from None
     if not isinstance(data, dict):
@@ -33,20 +89,24 @@ def read_json(path: Path, what: str, version: int | None) -> dict:
     if version is not None and data.get("schema_version") != version:
         raise ResultsError(f"{path}: {what} schema_version {data.get('schema_version')!r}, this distlab reads "
                            f"{version}; refusing to mix it into the report")
+    if kind is not None:
+        check_schema(data, kind, path)
     return data
 
 
 def read_steps(path: Path) -> list[dict]:
+    if path.stat().st_size > MAX_RESULTS_FILE_BYTES:
+        raise ResultsError(f"{path}: larger than {MAX_RESULTS_FILE_BYTES >> 20} MB, which no steps file is")
     rows = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-            float(row["step_time_s"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            row = _parse(line, path, f"line {number}")
+        except json.JSONDecodeError as exc:
             raise ResultsError(f"{path}: line {number} is not a step record ({exc}); fix or remove the file") \
                 from None
+        check_schema(row, "step", f"{path}: line {number}")
         rows.append(row)
     return rows
 
@@ -97,66 +157,45 @@ def clear_winner(a: dict, b: dict) -> bool:
 def load_run(path: str | Path) -> dict:
     path = Path(path)
     run = read_json(path, "metrics", METRICS_SCHEMA_VERSION)
-    for key in ("experiment", "machine", "stage", "spec", "status"):
-        if key not in run:
-            raise ResultsError(f"{path}: metrics file lacks '{key}'; fix or remove it")
     if "actual" in run and "as_built" not in run:  # the name results written before 'as_built' used
         run["as_built"] = run.pop("actual")
+    check_schema(run, "metrics", path)
+    for field, folder in (("machine", path.parent.parent.name), ("experiment", path.parent.name)):
+        if run[field] != folder:
+            raise ResultsError(f"{path}: field '{field}' is {run[field]!r} but the file sits in folder {folder!r}; "
+                               f"a run is filed under its own {field}: fix or remove it")
     run["_path"] = str(path)
     run["_dir"] = str(path.parent)
-    check_run(run)
     steps = path.parent / "steps.jsonl"
     run["_steps"] = read_steps(steps) if steps.is_file() else []
     validation = path.parent / "validation.json"
-    run["_validation"] = read_json(validation, "validation", VALIDATION_SCHEMA_VERSION) \
+    run["_validation"] = read_json(validation, "validation", VALIDATION_SCHEMA_VERSION, "validation") \
         if validation.is_file() else None
     devices = path.parent / "devices.json"
-    run["_devices"] = read_json(devices, "devices", None) if devices.is_file() else None
+    run["_devices"] = read_json(devices, "devices", None, "devices") if devices.is_file() else None
+    for record in sorted(run_files_dir(path.parent).glob("pipeline-rank*.json")):  # the parallel card reads them
+        read_json(record, "pipeline record", None, "pipeline_record")
     run["_throughput"] = throughput_stats(run) if run["status"] == "ok" else None
     return run
 
 
-# What a run of each status must hold before it enters the summary or the report: a result
-# copied in from another machine (or truncated) is input like any other.
-REQUIRED_FIELDS = {
-    "ok": [("loss", "first"), ("loss", "last"), ("loss", "per_step"), ("throughput", "tokens_per_s"),
-           ("throughput", "tokens_per_step"), ("timing", "step_time_s", "median")],
-    "oom": [("oom",)],
-}
-
-
-def check_run(run: dict) -> None:
-    """Refuse a run that lacks a figure its status promises (named, with the file)."""
-    if run["status"] not in REQUIRED_FIELDS:
-        raise ResultsError(f"{run['_path']}: status {run['status']!r} is none of {sorted(REQUIRED_FIELDS)}")
-    for keys in REQUIRED_FIELDS[run["status"]]:
-        value = _get(run, *keys)
-        if value is None or (keys[-1] != "per_step" and keys[0] != "oom" and not _finite(value)):
-            raise ResultsError(f"{run['_path']}: a run with status {run['status']!r} needs "
-                               f"'{'.'.join(keys)}' (a number); it is {'missing' if value is None else repr(value)}")
-
-
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value \
-        and abs(value) != float("inf")
-
-
 def load_checked_runs(paths) -> tuple[list[dict], list[dict]]:
-    """(runs, rejected): every metrics.json that reads, has this schema version and the figures
-    its status promises; each one that does not is left out as {"path", "reason"}."""
-    runs, rejected = [], []
+    """(runs, rejected): every metrics.json that reads, has this schema version, matches the
+    schema (so holds the figures its status promises) and is the only one of its machine and
+    experiment; each one that does not is left out as {"path", "reason"}."""
+    runs, rejected, seen = [], [], {}
     for path in paths:
         try:
             run = load_run(path)
+            key = (run["machine"], run["experiment"])
+            if key in seen:
+                raise ResultsError(f"{path}: the same experiment of machine '{run['machine']}' as {seen[key]}; "
+                                   "give one machine another tag (config `machine`)")
         except ResultsError as error:
             rejected.append({"path": str(path), "reason": str(error)})
             continue
-        except (KeyError, TypeError, ValueError, AttributeError) as error:  # a field of the wrong shape
-            rejected.append({"path": str(path), "reason": f"{path}: malformed metrics ({type(error).__name__}: "
-                                                          f"{error})"})
-            continue
+        seen[key] = str(path)
         runs.append(run)
-    check_unique(runs)
     return runs, rejected
 
 
@@ -177,13 +216,26 @@ def check_unique(runs: list[dict]) -> None:
         seen[key] = run["_path"]
 
 
-def machine_files(runs: list[dict], name: str, version: int) -> dict[str, dict]:
-    """{machine: parsed <machine folder>/<name>} for every machine that has one."""
-    out = {}
+def machine_files(runs: list[dict], name: str, version: int, rejected: list | None = None) -> dict[str, dict]:
+    """{machine: parsed <machine folder>/<name>} for every machine that has one that passes
+    its schema (with the machine it names equal to its folder's); the others are named in
+    `rejected` ({"path", "reason"}) and left out."""
+    out, tried = {}, set()
     for run in runs:
         path = Path(run["_dir"]).parent / name
-        if run["machine"] not in out and path.is_file():
-            out[run["machine"]] = read_json(path, name, version)
+        if run["machine"] in tried or not path.is_file():
+            continue
+        tried.add(run["machine"])
+        try:
+            data = read_json(path, name, version, MACHINE_FILE_KINDS.get(name))
+            if "machine" in data and data["machine"] != run["machine"]:
+                raise ResultsError(f"{path}: field 'machine' is {data['machine']!r} but the file sits in folder "
+                                   f"{run['machine']!r}; fix or remove it")
+        except ResultsError as error:
+            if rejected is not None:
+                rejected.append({"path": str(path), "reason": str(error)})
+            continue
+        out[run["machine"]] = data
     return out
 
 
@@ -260,3 +312,16 @@ def summary_frame(runs: list[dict]):
     frame["_stage_order"] = frame["stage"].map({s: i for i, s in enumerate(STAGE_ORDER)})
     frame = frame.sort_values(["_stage_order", "machine", "experiment"]).drop(columns="_stage_order")
     return frame.reset_index(drop=True)
+
+
+# A spreadsheet runs a cell that starts with one of these as a formula (=HYPERLINK(...), DDE):
+# such a text cell of summary.csv gets a leading apostrophe, as OWASP's CSV-injection advice says.
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def spreadsheet_safe(frame):
+    """The frame with every text cell that a spreadsheet would run as a formula neutralised."""
+    def safe(value):
+        return "'" + value if isinstance(value, str) and value.startswith(FORMULA_STARTS) else value
+
+    return frame.map(safe)

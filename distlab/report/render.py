@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import html
 import os
+import re
+from urllib.parse import quote
 
 from distlab.report.cards import COMPARED, FAILED, NOT_RUN, PASSED, Card
 
@@ -61,27 +63,48 @@ def render_html(sections: list[Card], frame, out_dir: str, versions: str) -> str
     return "\n".join(parts)
 
 
+# Markdown escaping, as html.escape is for the HTML page: every text a card carries may come
+# from a results folder copied in from elsewhere. One line (no new list item, heading or forged
+# verdict can start), and a backslash before every character that opens Markdown or HTML
+# structure (emphasis, code, links and images, raw HTML and entities, table cells).
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]<>|~&!{}$])")
+_MD_LINE_START = re.compile(r"^([#>+=-]|\d+(?=[.)]))")
+
+
+def md(text) -> str:
+    """Any text as inert Markdown: shown as written, never as structure."""
+    one_line = " ".join(str(text).split())
+    escaped = _MD_SPECIAL.sub(r"\\\1", one_line)
+    return _MD_LINE_START.sub(lambda m: m.group(1) + "\\" if m.group(1)[0].isdigit() else "\\" + m.group(1), escaped)
+
+
+def md_link(path: str, out_dir: str) -> str:
+    """An evidence link whose target is a percent-encoded relative path (never a scheme)."""
+    return f"[evidence]({quote(_rel(path, out_dir))})"
+
+
 def _table_markdown(frame) -> str:
+    frame = frame.rename(columns=md).map(lambda v: md(v) if isinstance(v, str) else v)
     try:
         return frame.to_markdown(index=False)
-    except ImportError:  # tabulate missing: still readable
-        return "```\n" + frame.to_string(index=False) + "\n```"
+    except ImportError:  # tabulate missing: still readable, each cell escaped
+        return frame.to_string(index=False)
 
 
 def render_markdown(sections: list[Card], frame, out_dir: str, versions: str) -> str:
     lines = ["# distlab milestone report", "",
              f"{len(frame)} run(s); open index.html for the plots. Every figure is measured by the pipeline. "
-             f"{versions}", ""]
+             f"{md(versions)}", ""]
     for card in sections:
-        lines += [f"## {card.title}", ""]
+        lines += [f"## {md(card.title)}", ""]
         for goal in card.goals:
-            links = " ".join(f"[evidence]({_rel(l, out_dir)})" for l in goal.links)
-            lines.append(f"- **{goal.status}** ({goal.kind}) {goal.text}: {goal.evidence} {links}".rstrip())
+            links = " ".join(md_link(l, out_dir) for l in goal.links)
+            lines.append(f"- **{goal.status}** ({goal.kind}) {md(goal.text)}: {md(goal.evidence)} {links}".rstrip())
         lines.append("")
         for note in card.notes:
-            lines += [note, ""]
+            lines += [md(note), ""]
         for table in card.tables:
-            lines += [f"### {table.title}", "", _table_markdown(table.frame), "", f"_{table.how}_", ""]
+            lines += [f"### {md(table.title)}", "", _table_markdown(table.frame), "", f"_{md(table.how)}_", ""]
         for fig in card.figures:
-            lines += [f"- Figure in index.html: {fig.title} ({fig.how})", ""]
+            lines += [f"- Figure in index.html: {md(fig.title)} ({md(fig.how)})", ""]
     return "\n".join(lines)

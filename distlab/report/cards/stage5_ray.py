@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
 from distlab.evaluation import eval_sentence
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, metrics_link
-from distlab.report.collect import clear_winner
+from distlab.report.collect import ResultsError, clear_winner, read_json
 from distlab.report.plots import figure, loss_curves, to_png_b64
 
 # Spec fields that may differ between a Ray run and its torchrun twin.
@@ -30,9 +31,13 @@ def benchmark_seconds(run) -> float | None:
     path = Path(run["_dir"], "benchmark.tsv")
     if not path.is_file():
         return None
-    with open(path) as fh:
-        rows = list(csv.DictReader(fh, delimiter="\t"))
-    return float(rows[0]["s"]) if rows else None
+    try:
+        with open(path) as fh:
+            rows = list(csv.DictReader(fh, delimiter="\t"))
+        seconds = float(rows[0]["s"]) if rows else None
+    except (OSError, ValueError, KeyError, TypeError, csv.Error):  # a copied-in file of another shape
+        return None
+    return seconds if seconds is not None and math.isfinite(seconds) and seconds > 0 else None
 
 
 def overhead_rows(runs):
@@ -69,7 +74,10 @@ def kuberay_record(runs):
     for run in runs:
         path = Path(run["_dir"]).parent.parent / "kuberay" / "checks.json"
         if path.is_file():
-            return path, json.loads(path.read_text())
+            try:
+                return path, read_json(path, "kuberay checks", 1, "kuberay_checks")
+            except ResultsError:
+                continue
     return None, None
 
 
