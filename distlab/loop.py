@@ -95,6 +95,7 @@ def train(ctx: RunContext, strategy: Strategy, train_blocks: torch.Tensor, start
     cuda = ctx.device.type == "cuda"
     records = [] if records is None else records
     state_bytes = None
+    train_mode = strategy.train_mode()  # dropout on: from_pretrained hands over eval mode
     strategy.take_comm_seconds()
     for step in range(start_step, spec["steps"]):
         if cuda:
@@ -124,7 +125,7 @@ def train(ctx: RunContext, strategy: Strategy, train_blocks: torch.Tensor, start
                         "comm_inflight_s": strategy.take_comm_seconds(), "samples": consumed})
         if on_step_end is not None:
             on_step_end(step)
-    return {"records": records, "stream": stream, "state_bytes": state_bytes}
+    return {"records": records, "stream": stream, "state_bytes": state_bytes, "train_mode": train_mode}
 
 
 def gather(obj) -> list:

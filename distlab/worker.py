@@ -69,7 +69,7 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     result = train(ctx, strategy, train_blocks, start_step=start_step, stream=checkpoints.stream,
                    on_step_end=checkpoints.on_step_end, records=checkpoints.records,
                    train_labels=load_labels(job["data_dir"], "train"))
-    prepared.described.update(strategy.facts_after_training() or {})
+    prepared.described.update(strategy.facts_after_training() or {}, train_mode=result["train_mode"])
     memory = memory_record(ctx, load_phase)
     memory["budget"] = budget_verdict(budget, memory, result["state_bytes"])
 
