@@ -232,6 +232,9 @@ def summary_row(run: dict) -> dict:
         "samples_per_s": _get(run, "throughput", "samples_per_s"),
         "mfu": _get(run, "flops", "mfu"),
         "comm_inflight_median_s": _get(run, "timing", "comm_inflight_s_per_step", "median"),
+        # distlab.noise: other processes' CPU while the steps were timed; busy = figures inflated.
+        "machine_busy": _get(run, "noise", "busy"), "others_cores": _get(run, "noise", "others_cores"),
+        "load_avg_1min_max": max(_get(run, "noise", "load_avg_1min", default=None) or [None], key=lambda v: v or 0),
         "loss_first": _get(run, "loss", "first"), "loss_last": _get(run, "loss", "last"),
         "peak_rss_max_bytes": max(rss) if rss else None,
         # distlab.memory: process start -> first step, then the steps alone (largest rank).
