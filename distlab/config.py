@@ -42,6 +42,7 @@ EXPERIMENT_DEFAULTS: dict = {
     "device": "auto",
     "cpu_threads_per_rank": 1,
     "repeats": 1,
+    "launches": 1,
     "checkpoint_every": 0,
     "memory_budget_gib": None,
     "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": None},

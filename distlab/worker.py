@@ -84,7 +84,8 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
 
     ranks = gather_ranks(result, memory)
     timeline.mark("gather records")
-    evaluation = evaluate_run(strategy, job)  # collective: the trained model on the held-out tokens
+    # Collective: the trained model on the held-out tokens (a timing-only launch, spec launches, skips it).
+    evaluation = None if job.get("timing_only") else evaluate_run(strategy, job)
     timeline.mark("held-out eval")
     out = summarize_run(job, ctx, strategy, prepared, ranks, len(train_blocks), started) if ctx.is_main else None
     saved = checkpoints.save_final()

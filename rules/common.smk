@@ -219,7 +219,7 @@ def validation_mem_mb(wildcards):
 def experiment_runtime(wildcards):
     """Minutes: process start and data loading, plus a generous second per step per repeat."""
     spec = SPECS[wildcards.experiment]
-    return 10 + (spec["steps"] * spec.get("repeats", 1)) // 60
+    return (10 + (spec["steps"] * spec.get("repeats", 1)) // 60) * spec.get("launches", 1)
 
 
 def collectives_plan():

@@ -9,8 +9,8 @@ import os
 
 from distlab import advisor as adv
 from distlab import collectives as coll
-from distlab.report.cards import (COMPARED, DOUBTFUL, FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Table,
-                                  all_cards, is_busy)
+from distlab.report.cards import (COMPARED, DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figure, Table, all_cards,
+                                  is_busy, spread_caveat)
 from distlab.report.cards.checkpoint_table import checkpoint_card
 from distlab.report.collect import (COLLECTIVES_SCHEMA_VERSION, HARDWARE_SCHEMA_VERSION, clear_winner, load_runs,
                                     machine_files, read_json, summary_frame)
@@ -202,7 +202,7 @@ def ranking_card(runs: list[dict]) -> Card:
                                                  "the min-max of its windows where spec 'repeats' asks")
         how = (f"{timing}; tokens = every rank's tokens per optimizer step; device "
                f"{mine[0]['spec']['device']}; torch {mine[0]['versions'].get('torch')}. Runs of different "
-               f"global batch or method are not like-for-like: read the ranking with the stage cards. The {SPREAD_CAVEAT}.")
+               f"global batch or method are not like-for-like: read the ranking with the stage cards. The {spread_caveat(mine)}.")
         card.tables.append(Table(f"{machine}: fastest first", pd.DataFrame(rows), how))
         card.figures.append(Figure(f"{machine}: tokens/s by run", ranking(
             [{"label": r["experiment"], **r["_throughput"]} for r in mine], f"{machine}: tokens/s"), how))
@@ -230,7 +230,7 @@ def machines_card(runs: list[dict], hardware: dict) -> Card | None:
     card.tables.append(Table("tokens/s per experiment and machine (median, spread)",
                              pd.DataFrame(list(rows.values())),
                              f"each cell measured on that machine; 'no clear winner' when the spreads overlap; "
-                             f"{SPREAD_CAVEAT}"))
+                             f"{spread_caveat(runs)}"))
     hw = [{"machine": m, "cpu": h.get("cpu", {}).get("model"), "cores": h.get("cpu", {}).get("usable_cores"),
            "gpus": ", ".join(g["name"] for g in h.get("gpus", [])) or "none"} for m, h in sorted(hardware.items())]
     if hw:

@@ -60,16 +60,25 @@ def tokens_per_s(run) -> tuple[float, float, float]:
     return tokens / st["median"], tokens / st["p75"], tokens / st["p25"]
 
 
-# Every spread the report compares comes from one process: step-time windows (spec `repeats`,
-# which are windows of one launch, not independent runs) or the step-time interquartile range.
+# A spread from one process: step-time windows (spec `repeats`, windows of one launch, not
+# independent runs) or the step-time interquartile range. Spec `launches` gives separate launches.
 SPREAD_CAVEAT = ("spreads are within one process (its timed steps split into windows, spec 'repeats', or their "
-                 "interquartile range); run-to-run variance across separate launches was not measured, so a "
-                 "'faster' here may not survive a rerun")
+                 "interquartile range); run-to-run variance across separate launches was not measured (set "
+                 "'launches' to 2 or more for that), so a 'faster' here may not survive a rerun")
 
 
 def is_busy(run) -> bool:
-    """Timed while other processes needed cores the run had not left free (distlab.noise)."""
-    return bool((run.get("noise") or {}).get("busy"))
+    """Timed while other processes needed cores the run had not left free (distlab.noise), in
+    its launch or any of its further launches (spec launches)."""
+    return any((n or {}).get("busy") for n in [run.get("noise"), *(x.get("noise") for x in run.get("launches") or [])])
+
+
+def spread_caveat(runs: list[dict]) -> str:
+    """Where the compared spreads come from: separate launches only when every run had 2+."""
+    if runs and all(len(r.get("launches") or []) >= 2 for r in runs):
+        return ("spreads are the min-max over separate launches (spec 'launches'): run-to-run variance "
+                "measured")
+    return SPREAD_CAVEAT
 
 
 def load_cell(run) -> str:

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from distlab.evaluation import eval_sentence
-from distlab.report.cards import (DOUBTFUL, FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Goal, Table,
-                                  comm_ms, load_cell, metrics_link, noise_cause, ok_runs)
+from distlab.report.cards import (DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, comm_ms,
+                                  load_cell, metrics_link, noise_cause, ok_runs, spread_caveat)
 from distlab.report.collect import clear_winner
 from distlab.report.plots import figure, label_axes, loss_curves, to_png_b64
 
@@ -90,7 +90,7 @@ def build(runs: list[dict]) -> Card:
         label_axes(ax, "ranks", "throughput / 1-rank throughput", "DDP speedup, same global batch")
         how = ("tokens/s = global tokens per step / median step time (max over ranks) after warm-up; "
                "same model, data, seed and global batch at each rank count; 'no clear winner' when the "
-               f"throughput spreads overlap; {SPREAD_CAVEAT}")
+               f"throughput spreads overlap; {spread_caveat([r for g in groups.values() for r in g.values()])}")
         card.figures.append(Figure("Speedup 1 vs N ranks", to_png_b64(fig), how))
         import pandas as pd
 
