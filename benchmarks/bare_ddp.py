@@ -4,7 +4,6 @@ torchrun --nproc-per-node 2 bare_ddp.py --model DIR --data DIR --micro-batch 4 -
 Times each optimizer step exactly like distlab's loop (perf_counter around the step, max
 over ranks), so the two can be compared side by side.
 """
-import argparse
 import json
 import statistics
 import time
@@ -16,17 +15,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DistributedSampler
 from transformers import AutoModelForCausalLM
 
+from bench_common import loop_parser
+
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True)
-    p.add_argument("--data", required=True)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", required=True)
-    a = p.parse_args()
+    a = loop_parser(__doc__).parse_args()
     torch.set_num_threads(a.threads)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -31,14 +31,12 @@ RUNS = {
     "zero0 w1": ({"strategy": "deepspeed", "world_size": 1, "micro_batch": 2, "deepspeed": {"zero_stage": 0}},
                  "deepspeed"),
     "fsdp w2": ({"strategy": "fsdp", "world_size": 2, "micro_batch": 1}, "fsdp"),
-    "zero3 w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 1, "deepspeed": {"zero_stage": 3}},
-                 "deepspeed"),
-    # ZeRO-3 with DeepSpeed's own live-parameter defaults instead of distlab's layer-sized
-    # limits (strategies/deepspeed_config.zero3_live_limits): what those limits save.
-    "zero3 ds-live w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 1, "deepspeed": {
-        "zero_stage": 3, "zero_config": {"stage3_max_live_parameters": 1_000_000_000,
-                                         "stage3_max_reuse_distance": 1_000_000_000,
-                                         "stage3_prefetch_bucket_size": 50_000_000}}}, "deepspeed"),
+    "zero3 w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 1,
+                  "deepspeed": {"zero_stage": 3, "zero3_profile": "lean"}}, "deepspeed"),
+    # The auto profile (Hugging Face's auto sizes, DeepSpeed's 1e9 live limits) instead of the
+    # lean one (strategies/deepspeed_config.zero3_limits): what the lean limits save.
+    "zero3 auto w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 1, "deepspeed": {"zero_stage": 3}},
+                      "deepspeed"),
     "zero3+offload w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 1,
                           "deepspeed": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}},
                          "deepspeed"),

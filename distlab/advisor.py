@@ -18,7 +18,8 @@ Memory = model state + activations, per device:
     in fp32 runs (ZeRO 1-3: 12*T/N); ZeRO-0 fp32 keeps no master (8*T), ZeRO-0 bf16/fp16
     keeps the masters (12*T). ZeRO-1 shards the optimizer (whole gradients are held
     between accumulated micro-batches, else reduce-scattered), ZeRO-2 + gradients, ZeRO-3
-    + weights (each parameter's partition padded to a multiple of N). Optimizer offload
+    + weights (each parameter's partition padded to a multiple of N; a parameter up to the
+    zero3_profile's persistence threshold is also held whole). Optimizer offload
     moves the optimizer state to CPU RAM and adds an fp32 gradient partition there
     (4*T/N); parameter offload moves the weight partitions too.
   - FSDP2 (fp32 shards; on CUDA a MixedPrecisionPolicy casts only the gathered copy):
@@ -27,7 +28,8 @@ Memory = model state + activations, per device:
   - Pipeline parallel, rank 0: the embedding and the first stage's layers, 16 bytes/param.
   - Tensor parallel (full fine-tuning): 16 bytes per parameter a rank holds: the linears the
     model's tp plan splits over N (rank 0's piece of an uneven split), the rest whole.
-  - Gathered: the largest unit (layer or embedding) ZeRO-3/FSDP all-gathers, transient.
+  - Gathered: the largest unit (layer or embedding) ZeRO-3/FSDP all-gathers, transient;
+    ZeRO-3's auto profile keeps a model under its live limit (1e9) gathered whole.
 - Activations per decoder layer: s*b*h*(34 + 5*a*s/h) bytes at 16 bits (Korthikanti et
   al. 2022, "Reducing Activation Recomputation", no recomputation; doubled for fp32), plus
   the logits and their gradient (2*s*b*V fp32). Llama's SwiGLU MLP and SDPA attention make
@@ -79,6 +81,18 @@ ROW_SPEC = {"ddp": ("ddp", {}), "zero1": ("deepspeed", {"zero_stage": 1}), "zero
                                                     "offload_param": "cpu"})}
 
 
+def zero3_settings(settings: dict, counts: dict) -> dict:
+    """The persistence threshold and live limit a ZeRO-3 run of these settings gets: its
+    zero3_profile sized from the model (strategies.deepspeed_config.zero3_limits), zero_config
+    over it, DeepSpeed's defaults for what neither sets."""
+    from distlab.strategies.deepspeed_config import zero3_limits
+
+    out = {"stage3_param_persistence_threshold": 100_000, "stage3_max_live_parameters": 1_000_000_000}
+    out.update(zero3_limits(settings.get("zero3_profile", "auto"), counts.get("per_layer"), counts.get("hidden_size")))
+    out.update({k: v for k, v in (settings.get("zero_config") or {}).items() if k in out})
+    return out
+
+
 def strategy_state(strategy: str, counts: dict, n: int, precision: str, lora: bool, settings: dict | None = None,
                    ) -> dict | None:
     """Bytes one rank holds for weights, gradients (DDP's buckets included) and optimizer,
@@ -106,8 +120,14 @@ def strategy_state(strategy: str, counts: dict, n: int, precision: str, lora: bo
             held = {"params": w * psi, "grads": w * t / (1 if whole else n), "optimizer": 12 * t / n}
         else:
             p_local, t_local = sharded_counts(counts, n, "zero3")
-            held = {"params": w * p_local, "grads": w * t_local, "optimizer": 12 * t / n}
-            gathered = w * counts["largest_unit"]
+            # Parameters up to the persistence threshold stay whole on every rank beside their
+            # partition; the auto profile keeps a model under its live limit gathered whole.
+            limits = zero3_settings(settings, counts)
+            persistent = sum(math.prod(shape) for shape, _ in counts.get("_shapes", [])
+                             if math.prod(shape) <= limits["stage3_param_persistence_threshold"])
+            held = {"params": w * (p_local + persistent), "grads": w * t_local, "optimizer": 12 * t / n}
+            whole = psi <= limits["stage3_max_live_parameters"]
+            gathered = w * (psi - persistent if whole else counts["largest_unit"])
             if settings.get("offload_optimizer", "none") != "none":
                 cpu["optimizer"] = held.pop("optimizer")
                 cpu["grads"] = 4 * t / n  # the fp32 gradient partition the CPU optimizer steps on

@@ -42,11 +42,12 @@ EXPERIMENT_DEFAULTS: dict = {
     "device": "auto",
     "cpu_threads_per_rank": 1,
     "repeats": 1,
+    "launches": 1,
     "checkpoint_every": 0,
     "memory_budget_gib": None,
     "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": None},
     "deepspeed": {"zero_stage": 2, "offload_optimizer": "none", "offload_param": "none", "nvme_path": None,
-                  "optimizer_impl": "torch"},
+                  "optimizer_impl": "torch", "zero3_profile": "auto"},
     "fsdp": {"reshard_after_forward": True, "cpu_offload": False, "via": "native"},
     "pp": {"schedule": "gpipe", "microbatches": 4},
     "ray": {"address": None, "min_workers": None, "max_failures": 0, "storage_path": None, "resize_interval_s": 60.0},
@@ -109,6 +110,8 @@ def variant(spec: dict) -> str:
             parts.append(f"offparam{'' if ds['offload_param'] == 'cpu' else '.nvme'}")
         if ds["optimizer_impl"] == "deepspeed":
             parts.append("dsadam")
+        if ds["zero3_profile"] == "lean":
+            parts.append("lean")
         return "-".join(parts)
     if strategy == "fsdp":
         fs = spec["fsdp"]
@@ -215,6 +218,8 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
             fail("deepspeed.offload_param", "parameter offload needs zero_stage 3")
         if ds["offload_optimizer"] != "none" and ds["zero_stage"] == 0:
             fail("deepspeed.offload_optimizer", "optimizer offload needs zero_stage 1, 2 or 3")
+        if ds["zero3_profile"] != "auto" and ds["zero_stage"] != 3:
+            fail("deepspeed.zero3_profile", f"{ds['zero3_profile']} sets ZeRO-3's gathered parameters: needs zero_stage 3")
         if "nvme" in (ds["offload_optimizer"], ds["offload_param"]) and not ds["nvme_path"]:
             fail("deepspeed.nvme_path", "NVMe offload needs a nvme_path folder")
     if model == "default":  # model.extra entries are built Llamas (checked in check_config)

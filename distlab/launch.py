@@ -93,6 +93,10 @@ def launch(job: dict, log_path: str | None = None, timeout: float | None = None)
                     {"cuda_visible_devices": [], "how": "no GPU of this machine held: a CPU run, or Ray "
                      "assigned the devices on its cluster (metrics.json ray block)"}))
             run_launcher(job, job_path, log_path, timeout)
+            if job["spec"].get("launches", 1) > 1 and (Path(job["run_dir"]) / "metrics.json").is_file():
+                from distlab.launches import repeat_launches
+
+                repeat_launches(job, run_launcher, log_path, timeout)  # the GPUs held for these too
     except RuntimeError:
         if write_oom_metrics(job):
             return "oom"

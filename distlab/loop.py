@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
 
+from distlab.noise import NoiseProbe
 from distlab.strategies.base import RunContext, Strategy
 
 
@@ -95,10 +96,14 @@ def train(ctx: RunContext, strategy: Strategy, train_blocks: torch.Tensor, start
     cuda = ctx.device.type == "cuda"
     records = [] if records is None else records
     state_bytes = None
+    train_mode = strategy.train_mode()  # dropout on: from_pretrained hands over eval mode
     strategy.take_comm_seconds()
+    noise = NoiseProbe()  # what else the machine did while the timed steps ran (distlab.noise)
     for step in range(start_step, spec["steps"]):
         if cuda:
             torch.cuda.synchronize(ctx.device)
+        if step == max(start_step, spec["warmup_steps"]):
+            noise.start()
         start = time.perf_counter()
         losses, consumed = [], []
         for micro in range(n_micro):
@@ -124,7 +129,8 @@ def train(ctx: RunContext, strategy: Strategy, train_blocks: torch.Tensor, start
                         "comm_inflight_s": strategy.take_comm_seconds(), "samples": consumed})
         if on_step_end is not None:
             on_step_end(step)
-    return {"records": records, "stream": stream, "state_bytes": state_bytes}
+    return {"records": records, "stream": stream, "state_bytes": state_bytes, "train_mode": train_mode,
+            "noise": noise.stop()}
 
 
 def gather(obj) -> list:

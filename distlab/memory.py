@@ -188,13 +188,18 @@ def return_freed_host_memory() -> bool:
     RSS after they are freed: a sharded rank then shows the whole model resident although it
     holds it only one layer at a time. A fixed 1 MiB threshold (mallopt M_MMAP_THRESHOLD)
     gives every allocation of 1 MiB or more its own mapping, returned to the OS on free, so RSS
-    shows what the rank holds. Set on every CPU rank alike; False where libc refuses."""
+    shows what the rank holds. Set on every CPU rank alike; False where libc refuses.
+    DISTLAB_MMAP_THRESHOLD (bytes; 0 = leave glibc's dynamic threshold) overrides it for
+    benchmarks/trainer_parity.py, which measures what the fixed threshold costs per step."""
     import ctypes
     import ctypes.util
 
+    threshold = int(os.environ.get("DISTLAB_MMAP_THRESHOLD", HOST_MMAP_THRESHOLD))
+    if threshold == 0:
+        return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-3, HOST_MMAP_THRESHOLD))  # -3: M_MMAP_THRESHOLD
+        return bool(libc.mallopt(-3, threshold))  # -3: M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         return False
 

@@ -6,10 +6,13 @@ import json
 import time
 from pathlib import Path
 
+import torch
+
 from distlab import metrics as M
 from distlab.data import run_data_facts
 from distlab.hardware import peak_flops_per_rank
 from distlab.loop import gather
+from distlab.noise import summarize_noise
 
 
 def gather_ranks(result: dict, memory: dict) -> dict:
@@ -18,7 +21,7 @@ def gather_ranks(result: dict, memory: dict) -> dict:
     records = result["records"]
     return {"records": gather(records), "plans": gather(result["stream"].epoch_plan()),
             "state_bytes": gather(result["state_bytes"]), "memory": gather(memory),
-            "comm": gather([r["comm_inflight_s"] for r in records])}
+            "comm": gather([r["comm_inflight_s"] for r in records]), "noise": gather(result.get("noise"))}
 
 
 def coverage(records_by_rank: list[list[dict]], plans: list[list[int]], n_samples: int) -> dict:
@@ -95,6 +98,8 @@ def summarize_run(job: dict, ctx, strategy, prepared, ranks: dict, n_samples: in
         "flops": {**flops, "peak_flops_per_rank": peak, "peak_how": peak_how,
                   "mfu": M.mfu(flops["flops_per_token"], per_rank_tps, peak)},
         "memory": {"per_rank": all_memory, "model_state_bytes_per_rank": ranks["state_bytes"]},
+        # Cores the run occupies: its ranks x the threads each computes with (torch's own setting).
+        "noise": summarize_noise(ranks["noise"], ctx.world_size * torch.get_num_threads()),
         "data": coverage(all_records, ranks["plans"], n_samples),
         "data_prep": run_data_facts(job["data_dir"], all_records, ctx.world_size // dp),  # tokenizer identity, tokens trained/masked
         "versions": M.library_versions(),

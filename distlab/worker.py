@@ -30,7 +30,11 @@ from distlab.run_outputs import write_outputs
 from distlab.run_summary import gather_ranks, summarize_run
 from distlab.strategies import strategy_for
 from distlab.strategies.base import RunContext, local_device
+from distlab.timeline import Timeline
 from distlab.training_checkpoints import TrainingCheckpoints
+
+TIMELINE = Timeline()
+TIMELINE.mark("interpreter and imports")  # python start + torch, transformers, distlab
 
 
 def make_context(job: dict) -> RunContext:
@@ -45,6 +49,7 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
 
     checkpoints_class: a TrainingCheckpoints subclass (the Ray launcher's reports to Ray)."""
     started = time.time()
+    timeline = TIMELINE.after_imports()
     spec = job["spec"]
     if spec["device"] == "cpu":
         # On CPU a "device" is cpu_threads_per_rank cores, the same for every world size.
@@ -54,10 +59,12 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     strategy = strategy_for(spec)(ctx)
     strategy.init_distributed()
     ctx.rank, ctx.world_size = dist.get_rank(), dist.get_world_size()
+    timeline.mark("process group")
 
     import_model_code(job["model_source"], spec["method"] == "lora")
     rss_before_model = rss_now()  # interpreter + libraries + process group: what a rank costs before its model
     prepared = prepare_model(strategy, job["model_source"], spec)
+    timeline.mark("model load, wrap, verify")
     train_blocks = load_blocks(job["data_dir"], "train")
     if train_blocks.shape[1] != spec["seq_len"]:
         raise ValueError(f"data blocks are {train_blocks.shape[1]} tokens, spec seq_len is {spec['seq_len']}")
@@ -66,21 +73,28 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
                                                              len(train_blocks))
     start_step = checkpoints.resume()
     load_phase = load_phase_record(ctx.device, rss_before_model)  # process start -> first step
+    timeline.mark("data, resume")
     result = train(ctx, strategy, train_blocks, start_step=start_step, stream=checkpoints.stream,
                    on_step_end=checkpoints.on_step_end, records=checkpoints.records,
                    train_labels=load_labels(job["data_dir"], "train"))
-    prepared.described.update(strategy.facts_after_training() or {})
+    timeline.mark("steps")
+    prepared.described.update(strategy.facts_after_training() or {}, train_mode=result["train_mode"])
     memory = memory_record(ctx, load_phase)
     memory["budget"] = budget_verdict(budget, memory, result["state_bytes"])
 
     ranks = gather_ranks(result, memory)
-    evaluation = evaluate_run(strategy, job)  # collective: the trained model on the held-out tokens
+    timeline.mark("gather records")
+    # Collective: the trained model on the held-out tokens (a timing-only launch, spec launches, skips it).
+    evaluation = None if job.get("timing_only") else evaluate_run(strategy, job)
+    timeline.mark("held-out eval")
     out = summarize_run(job, ctx, strategy, prepared, ranks, len(train_blocks), started) if ctx.is_main else None
     saved = checkpoints.save_final()
+    timeline.mark("final save and export")
     peaks_through_save = gather_peaks_through_save(ctx.device)  # collective: eval, save and export included
     if out is not None:
         out[0]["checkpoint"] = saved
         out[0]["eval"] = evaluation
+        out[0]["timeline"] = timeline.record()
         add_peaks_through_save(out[0]["memory"], peaks_through_save)
     return out
 

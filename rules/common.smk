@@ -237,7 +237,7 @@ def experiment_runtime(wildcards, rule="train"):
     if planned is not None:
         return planned
     spec = SPECS[wildcards.experiment]
-    return 10 + (spec["steps"] * spec.get("repeats", 1)) // 60
+    return (10 + (spec["steps"] * spec.get("repeats", 1)) // 60) * spec.get("launches", 1)
 
 
 def validation_runtime(wildcards):

@@ -12,7 +12,8 @@ _TIMING = {"n": 4, "median": 0.1, "min": 0.09, "max": 0.12, "p25": 0.095, "p75":
 
 def fake_run(run_dir, overrides: dict, stage: str = "ddp", *, as_built: dict | None = None,
              comm_median_s: float | None = 0.01, losses=(3.0, 2.5, 2.0), step_median_s: float = 0.1,
-             state_bytes: dict | None = None, budget: dict | None = None, status: str = "ok") -> dict:
+             state_bytes: dict | None = None, budget: dict | None = None, status: str = "ok",
+             others_cores: float | None = 0.0) -> dict:
     spec = resolve(overrides, stage)
     world = spec["world_size"]
     timing = dict(_TIMING, median=step_median_s, p25=step_median_s * 0.95, p75=step_median_s * 1.1)
@@ -35,5 +36,9 @@ def fake_run(run_dir, overrides: dict, stage: str = "ddp", *, as_built: dict | N
         "data": {"epoch_size": 100, "reads": 8, "duplicate_reads": 0, "duplicate_fraction": 0.0,
                  "samples_read_by_every_rank": 0, "epoch_plan_disjoint": True, "epoch_plan_covered": 100,
                  "epoch_plan_dropped": 0, "per_rank_reads": [8] * world},
+        # distlab.noise: others_cores None = not recorded; busy past the cores the run left free.
+        "noise": None if others_cores is None else {
+            "busy": others_cores > max(0, 2 - world) + 0.2, "others_cores": others_cores, "machine_cores": 2,
+            "free_cores": max(0, 2 - world), "load_avg_1min": [1.0, 1.0]},
         "_dir": str(run_dir), "_steps": [], "_validation": None, "_throughput": None,
     }

@@ -223,3 +223,22 @@ def test_card2_goals_are_computed_from_the_runs(runs):
     # A run whose counters disagree with its spec fails the goal instead of passing silently.
     loaded[2]["as_built"]["accelerate"]["counts"]["optimizer_steps_taken"] = 5
     assert build(loaded).goals[2].status == "failed"
+
+
+@pytest.mark.slow
+def test_the_saved_config_runs_accelerates_own_test_as_one_group_of_two(runs):
+    """`accelerate test --config_file <saved file>` with the environment the file's rerun line
+    sets: both ranks in one MULTI_CPU group (alone, each would report DistributedType.NO, 1 process)."""
+    path = Path(runs["w2"]["_dir"]) / "run_files" / "accelerate_config.yaml"
+    rerun = next(line for line in path.read_text().splitlines() if "accelerate launch --config_file" in line)
+    words = rerun.lstrip("# ").split()
+    assigned = dict(w.split("=", 1) for w in words[:words.index("accelerate")])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(assigned, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "test", "--config_file",
+                           str(path)], env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert out.count("Num processes: 2") == 2 and "Num processes: 1" not in out, out[-3000:]
+    assert out.count("DistributedType.MULTI_CPU") == 2
+    assert "Process index: 0" in out and "Process index: 1" in out

@@ -71,8 +71,13 @@ def test_state_formulas_are_what_distlab_allocates():
 def test_sharded_state_counts_padding():
     # Two parameters of 3 and 5 elements over 2 ranks: ZeRO-3 pads each to a multiple of 2.
     counts = {"total": 8, "trainable": 8, "largest_unit": 5, "_shapes": [((3,), True), ((5,), True)]}
-    z3 = advisor.strategy_state("deepspeed", counts, 2, "fp32", lora=False, settings={"zero_stage": 3})
+    lean = {"zero_stage": 3, "zero3_profile": "lean"}  # nothing persistent: every parameter partitioned
+    z3 = advisor.strategy_state("deepspeed", counts, 2, "fp32", lora=False, settings=lean)
     assert z3["params"] == 4 * (2 + 3)
+    # The auto profile keeps parameters up to 10 x hidden size whole on every rank, beside their partition.
+    auto = advisor.strategy_state("deepspeed", {**counts, "hidden_size": 0.4}, 2, "fp32", lora=False,
+                                  settings={"zero_stage": 3})
+    assert auto["params"] == 4 * (2 + 3 + 3)
     fsdp = advisor.strategy_state("fsdp", {**counts, "_shapes": [((3, 4), True)], "total": 12, "trainable": 12},
                                   2, "fp32", lora=False)
     assert fsdp["params"] == 4 * 2 * 4  # dim 0 of 3 padded to 4, split over 2

@@ -40,9 +40,24 @@ window.addEventListener('load', () => {
     } catch (e) { ok = false; }
     images.push({alt: img.alt, ok: ok, width: img.naturalWidth});
   }
+  // A card wider than its box overflows the page: wide tables must scroll inside their frame.
+  const overflowing = [];
+  for (const card of document.querySelectorAll('section.card')) {
+    if (card.scrollWidth > card.clientWidth + 1) overflowing.push(card.id + ' ' + card.scrollWidth + '>' + card.clientWidth);
+  }
+  // A table wider than the card scrolls inside its frame and keeps its first (key) column in view.
+  const unframed = [];
+  for (const table of document.querySelectorAll('section.card table')) {
+    const box = table.closest('.frame') || table;
+    const first = table.querySelector('th, td');
+    if (box.scrollWidth > box.clientWidth + 1 && !(box !== table && first && getComputedStyle(first).position === 'sticky')) {
+      unframed.push((table.closest('section') || {}).id + ': ' + (first ? first.textContent : ''));
+    }
+  }
   const out = document.createElement('pre');
   out.id = 'distlab-probe';
-  out.textContent = JSON.stringify({errors: window.__errors, images: images});
+  out.textContent = JSON.stringify({errors: window.__errors, images: images, overflowing: overflowing, unframed: unframed,
+                                    page: [document.documentElement.scrollWidth, window.innerWidth]});
   document.body.appendChild(out);
 });
 </script>"""
@@ -70,13 +85,17 @@ def test_report_loads_in_chromium_without_errors_and_every_plot_decodes(finished
     probed = page.with_name("probed-copy.html")  # same folder: relative evidence links resolve alike
     probed.write_text(html.replace("<head>", "<head>" + PROBE, 1))
     try:
-        proc = chromium("--virtual-time-budget=10000", "--dump-dom", probed.as_uri())
+        proc = chromium("--virtual-time-budget=10000", "--window-size=1400,1000", "--dump-dom", probed.as_uri())
     finally:
         probed.unlink()
     found = re.search(r'<pre id="distlab-probe">(.*?)</pre>', proc.stdout, re.S)
     assert found, f"the page never finished loading in Chromium:\n{proc.stderr[-2000:]}"
     probe = json.loads(html_lib.unescape(found.group(1)))
     assert probe["errors"] == []
+    # At 1400 px no card is wider than its box, and the page does not scroll sideways.
+    assert probe["overflowing"] == [], probe["overflowing"]
+    assert probe["page"][0] <= probe["page"][1], probe["page"]
+    assert probe["unframed"] == [], probe["unframed"]
     assert len(probe["images"]) == html.count("<img ") >= 4
     assert all(img["ok"] for img in probe["images"]), [img for img in probe["images"] if not img["ok"]]
     console = [line for line in proc.stderr.splitlines() if ":CONSOLE" in line]

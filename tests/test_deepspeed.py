@@ -7,16 +7,24 @@ import pytest
 from conftest import assert_advisor_estimate_holds, resolve, run_experiment
 
 STEPS = 20
-# Max |loss difference| per step vs DDP over 20 fp32 steps. Seen here: ~1e-6 (float
-# summation order of the sharded reduce-scatter/all-gather vs DDP's bucketed all-reduce).
-LOSS_TOLERANCE = 1e-4
+# Max |loss difference| per step vs DDP over 20 fp32 steps: float summation order only (the
+# sharded reduce-scatter/all-gather vs DDP's bucketed all-reduce); seen here up to ~1e-6.
+# Anything that changes the arithmetic (clipping, eps, betas, a scheduler, a load that
+# misplaces a weight) moves it by 1e-4 or more.
+LOSS_TOLERANCE = 1e-6
 ZERO_VARIANTS = {
     "z0": {"zero_stage": 0},
     "z1": {"zero_stage": 1},
     "z2": {"zero_stage": 2},
     "z3": {"zero_stage": 3},
+    "z3-lean": {"zero_stage": 3, "zero3_profile": "lean"},
     "z3-offload": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
 }
+# Median-free guard on speed: each variant's fastest timed step within this many times DDP's
+# fastest (the least load-sensitive figure of a run). On the tests' model a step is mostly
+# per-module overhead: ZeRO-3 ran 4.4-5.9x DDP here (lean 7.1-7.8x, FSDP 2.3-3.3x); the
+# regression this guards against took 16x.
+STEP_FACTOR = 10
 
 
 def deepspeed_spec(**ds):
@@ -47,6 +55,17 @@ def test_zero_stage_matches_ddp_loss_over_20_steps(runs, variant):
     assert ddp[-1] < ddp[0] - 0.05  # both trajectories moved: parity is not between constants
 
 
+def fastest_step(run) -> float:
+    return run["timing"]["step_time_s"]["min"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(ZERO_VARIANTS))
+def test_a_zero_stages_step_time_stays_within_a_factor_of_ddps(runs, variant):
+    ratio = fastest_step(runs[variant]) / fastest_step(runs["ddp"])
+    assert ratio < STEP_FACTOR, (variant, ratio, runs[variant]["noise"], runs["ddp"]["noise"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp", *ZERO_VARIANTS])
 def test_the_advisor_estimates_each_zero_runs_measured_state(prepared, runs, name):
@@ -73,8 +92,15 @@ def test_the_deepspeed_config_on_disk_is_the_one_the_engine_used(prepared, runs)
         zero = written["zero_optimization"]
         if ds["zero_stage"] >= 1:  # not DeepSpeed's 5e8 elements, allocated up front on a GPU
             assert zero["reduce_bucket_size"] == bucket, (name, zero)
-        if ds["zero_stage"] == 3:  # one decoder layer gathered, the next prefetched (zero3_live_limits)
+        hidden = model.config.hidden_size
+        if ds.get("zero3_profile") == "lean":  # one decoder layer gathered, the next prefetched, nothing persistent
             assert zero["stage3_max_live_parameters"] == zero["stage3_prefetch_bucket_size"] == layer, zero
+            assert zero["stage3_param_persistence_threshold"] == 0
+        elif ds["zero_stage"] == 3:  # Hugging Face's "auto" values from the hidden size, DeepSpeed's live limits
+            assert zero["stage3_param_persistence_threshold"] == 10 * hidden, zero
+            assert zero["stage3_prefetch_bucket_size"] == int(0.9 * hidden * hidden), zero
+            assert zero["stage3_max_live_parameters"] == zero["stage3_max_reuse_distance"] == 10**9, zero
+        if ds["zero_stage"] == 3:
             # The reduce bucket ZeRO-3 allocates at engine start is counted in the rank's state.
             (state, *_) = run["memory"]["model_state_bytes_per_rank"]
             assert state["other"] >= 4 * bucket, (name, state)
@@ -124,7 +150,7 @@ def test_zero3_checkpoint_is_native_and_exports_the_whole_model(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["z3", "z3-offload"])
+@pytest.mark.parametrize("name", ["z3", "z3-lean", "z3-offload"])
 def test_zero3_ranks_read_only_their_own_partitions_of_the_weights(runs, name):
     from distlab.strategies.deepspeed_load import ROUTE_RANK_SLICES
 
@@ -136,7 +162,7 @@ def test_zero3_ranks_read_only_their_own_partitions_of_the_weights(runs, name):
 
 @pytest.mark.slow
 def test_card_3_compares_measured_state_with_formula_and_estimator(runs):
-    from distlab.report.cards import PASSED
+    from distlab.report.cards import DOUBTFUL, PASSED
     from distlab.report.cards.stage3_deepspeed import GOAL_OFFLOAD, GOAL_TABLE, build
 
     listed = []
@@ -144,15 +170,18 @@ def test_card_3_compares_measured_state_with_formula_and_estimator(runs):
         listed.append(dict(run, _dir=str(run.get("_dir", name)), _path=name))
     card = build(listed)
     goals = {g.text: g for g in card.goals}
-    assert goals[GOAL_TABLE].status == PASSED and goals[GOAL_OFFLOAD].status == PASSED
+    assert goals[GOAL_TABLE].status == PASSED
+    # Offload on CPU ranks adds copies: passed when slower, doubtful (with its cause) when noise made it faster.
+    offload = goals[GOAL_OFFLOAD]
+    assert offload.status == PASSED or (offload.status == DOUBTFUL and "likely cause" in offload.evidence), offload
     peaks = next(t.frame for t in card.tables if t.title.startswith("Per-rank peak memory"))
-    assert sum(v.startswith("its partitions: ") for v in peaks["weights read by rank 0"]) == 2
+    assert sum(v.startswith("its partitions: ") for v in peaks["weights read by rank 0"]) == 3
     memory = next(t.frame for t in card.tables if t.title.startswith("Per-rank model state"))
-    assert sorted(memory["ZeRO stage"]) == [0, 1, 2, 3, 3]
+    assert sorted(memory["ZeRO stage"]) == [0, 1, 2, 3, 3, 3]
     # Stages 2 and 3 have DeepSpeed estimators; offload on CPU has no separate device to compare.
-    assert (memory["DeepSpeed estimator, device (MiB)"] != "n/a").sum() == 2
+    assert (memory["DeepSpeed estimator, device (MiB)"] != "n/a").sum() == 3
     parity = next(t.frame for t in card.tables if t.title.startswith("Loss vs DDP"))
-    assert len(parity) == 5 and all(float(v) < LOSS_TOLERANCE for v in parity["max |loss diff|"])
+    assert len(parity) == len(ZERO_VARIANTS) and all(float(v) < LOSS_TOLERANCE for v in parity["max |loss diff|"])
 
 
 @pytest.mark.parametrize("ds, field", [
@@ -160,6 +189,7 @@ def test_card_3_compares_measured_state_with_formula_and_estimator(runs):
     ({"zero_stage": 0, "offload_optimizer": "cpu"}, "deepspeed.offload_optimizer"),
     ({"zero_stage": 3, "offload_optimizer": "nvme"}, "deepspeed.nvme_path"),
     ({"zero_stage": 3, "optimizer_impl": "adam"}, "deepspeed.optimizer_impl"),
+    ({"zero_stage": 2, "zero3_profile": "lean"}, "deepspeed.zero3_profile"),
 ])
 def test_impossible_deepspeed_settings_are_rejected_naming_the_field(ds, field):
     from distlab.config import ConfigError

@@ -138,3 +138,64 @@ def test_the_overview_shows_a_compared_goal_as_compared_not_as_not_run():
     card = Card(3, "Stage 3", goals=[Goal("minimal", "a", "passed"), Goal("bonus", "budget", COMPARED)])
     (table,) = overview_card([card], [], {}).tables
     assert list(table.frame["bonus"]) == [COMPARED]
+
+
+def test_a_speedup_above_linear_is_flagged_with_its_likely_cause_not_passed(tmp_path):
+    from distlab.report.cards import DOUBTFUL, PASSED
+    from distlab.report.cards.stage1_ddp import build
+
+    # 2 ranks at 2.5x one rank's tokens/s, the 1-rank run timed while others took a core.
+    one = fake_run(tmp_path / "1", {"world_size": 1, "micro_batch": 8}, step_median_s=0.25, others_cores=1.3)
+    two = fake_run(tmp_path / "2", {"world_size": 2, "micro_batch": 4}, step_median_s=0.1)
+    goal = next(g for g in build([one, two]).goals if g.text.startswith("Speedup"))
+    assert goal.status == DOUBTFUL and "ABOVE LINEAR" in goal.evidence
+    assert f"{one['experiment']} was timed" in goal.evidence and "1.3 cores" in goal.evidence
+    plain = fake_run(tmp_path / "3", {"world_size": 2, "micro_batch": 4}, step_median_s=0.15)
+    assert next(g for g in build([one, plain]).goals if g.text.startswith("Speedup")).status == PASSED
+
+
+def test_offload_faster_than_none_is_flagged_not_passed(tmp_path):
+    from distlab.report.cards import DOUBTFUL, PASSED
+    from distlab.report.cards.stage3_deepspeed import offload_goal
+
+    ds = {"strategy": "deepspeed", "world_size": 2, "micro_batch": 2}
+    plain = fake_run(tmp_path / "p", {**ds, "deepspeed": {"zero_stage": 3}}, "deepspeed", step_median_s=0.2,
+                     others_cores=0.9)
+    off = fake_run(tmp_path / "o", {**ds, "deepspeed": {"zero_stage": 3, "offload_optimizer": "cpu"}}, "deepspeed",
+                   step_median_s=0.15)
+    faster = offload_goal(plain, off)
+    assert faster.status == DOUBTFUL and "0.75x" in faster.evidence and "busy" in faster.evidence
+    assert offload_goal(off, plain).status == PASSED  # 1.33x slower: what offload costs
+
+
+def test_zero3_vs_fsdp_passes_only_at_parity_and_says_why_when_not(tmp_path):
+    from distlab.report.cards import DOUBTFUL, FAILED, PASSED
+    from distlab.report.cards.stage4_fsdp import parity_goal
+    from distlab.report.collect import throughput_stats
+
+    def pair(zero_step, others):
+        f = fake_run(tmp_path / "f", {"strategy": "fsdp", "world_size": 2, "micro_batch": 2}, "fsdp", step_median_s=0.1)
+        z = fake_run(tmp_path / f"z{zero_step}", {"strategy": "deepspeed", "world_size": 2, "micro_batch": 2,
+                                                  "deepspeed": {"zero_stage": 3}}, "deepspeed",
+                     step_median_s=zero_step, others_cores=others)
+        for run in (f, z):
+            run["_steps"] = [{"step_time_s": run["timing"]["step_time_s"]["median"], "warmup": False}] * 4
+            run["_throughput"] = throughput_stats(run)
+        return parity_goal(f, z)
+
+    assert pair(0.11, 0.0).status == PASSED
+    busy = pair(0.9, 1.5)
+    assert busy.status == DOUBTFUL and "9.00x" in busy.evidence and "busy" in busy.evidence
+    quiet = pair(0.9, 0.0)
+    assert quiet.status == FAILED and "quiet machine" in quiet.evidence
+
+
+def test_the_overview_names_runs_timed_on_a_busy_machine(tmp_path):
+    from distlab.report.build import busy_note
+
+    quiet = fake_run(tmp_path / "q", {"world_size": 2, "micro_batch": 4})
+    busy = fake_run(tmp_path / "b", {"world_size": 1, "micro_batch": 8}, others_cores=1.5)
+    assert busy_note([quiet]).startswith("All 1 timed run(s) ran on a quiet machine")
+    note = busy_note([quiet, busy])
+    assert note.startswith("BUSY MACHINE: 1 of 2") and busy["experiment"] in note
+    assert "not recorded" in busy_note([fake_run(tmp_path / "n", {"world_size": 1}, others_cores=None)])

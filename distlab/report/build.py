@@ -9,7 +9,8 @@ import os
 
 from distlab import advisor as adv
 from distlab import collectives as coll
-from distlab.report.cards import COMPARED, FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Table, all_cards
+from distlab.report.cards import (COMPARED, DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figure, Table, all_cards,
+                                  is_busy, spread_caveat)
 from distlab.report.cards.checkpoint_table import checkpoint_card
 from distlab.report.collect import (COLLECTIVES_SCHEMA_VERSION, HARDWARE_SCHEMA_VERSION, ResultsError, clear_winner,
                                     load_runs, machine_files, read_json, summary_frame)
@@ -34,23 +35,81 @@ def overview_card(cards: list[Card], runs: list[dict], advice: dict) -> Card:
             passed = sum(g.status == PASSED for g in goals)
             # Several goals of one kind, some not run: say how many passed, not "not run".
             row[kind] = (FAILED if any(g.status == FAILED for g in goals) else
+                         DOUBTFUL if any(g.status == DOUBTFUL for g in goals) else
                          PASSED if goals and passed == len(goals) else
                          f"{passed} of {len(goals)} passed" if passed else
                          COMPARED if any(g.status == COMPARED for g in goals) else NOT_RUN)
         rows.append(row)
     frame = pd.DataFrame(rows, columns=["stage", "minimal", "bonus"])
-    card = Card(0, "Where you stand")
+    card = Card(0, "What to run here, and where you stand")
+    card.notes.extend(headline(runs, advice))
+    card.notes.append(busy_note(runs))
     if len(frame):
         done = int((frame[["minimal", "bonus"]] == PASSED).sum().sum())
         card.notes.append(f"{done} of {2 * len(frame)} stage goals passed from {len(runs)} measured run(s) "
                           f"({sum(r.get('status') == 'ok' for r in runs)} ok, "
                           f"{sum(r.get('status') == 'oom' for r in runs)} out of memory).")
-    for machine, a in sorted(advice.items()):
-        card.notes.append(f"Advisor for {machine}: {a['recommendation_label']} - {a['reasons'][0]}.")
     card.tables.append(Table("Roadmap goals", frame, f"{PASSED} / {FAILED} / {NOT_RUN} / {COMPARED} (a limit the "
-                                                     "runs were compared with, not held to), computed from the runs "
-                                                     "below"))
+                                                     f"runs were compared with, not held to) / {DOUBTFUL} (a figure "
+                                                     "the setup cannot produce, shown with its likely cause), "
+                                                     "computed from the runs below"))
     return card
+
+
+def headline(runs: list[dict], advice: dict) -> list[str]:
+    """What to run on each machine (the advisor's pick and why) and the measured evidence: the
+    tokens/s of every strategy on the most common same-work comparison of that machine."""
+    lines = []
+    for machine in sorted(set(advice) | {r["machine"] for r in runs}):
+        a = advice.get(machine)
+        text = (f"Run {a['recommendation_label']} on {machine}: {a['reasons'][0]}." if a else
+                f"{machine}: no advice (rule `advise` did not run for it).")
+        timed = [r for r in runs if r["machine"] == machine and r.get("_throughput")
+                 and r["spec"]["sampler"] == "distributed" and r["spec"].get("model", "default") == "default"]
+        groups = {}
+        for run in timed:
+            s = run["spec"]
+            groups.setdefault((run["throughput"]["samples_per_step"], s["seq_len"], s["method"], s["precision"]),
+                              []).append(run)
+        if groups:
+            (batch, seq, method, precision), same = max(groups.items(), key=lambda kv: len(kv[1]))
+            same.sort(key=lambda r: -r["_throughput"]["median"])
+            text += (f" Measured here on the same work ({method} fine-tuning, global batch {batch} x {seq} tokens, "
+                     f"{precision}), tokens/s: " + ", ".join(
+                         f"{r['experiment']} {r['_throughput']['median']:.0f}" + (" (BUSY)" if is_busy(r) else "")
+                         for r in same[:6]) + (f" and {len(same) - 6} more" if len(same) > 6 else "") + ".")
+            picked = [r for r in same if a and adv.estimate_key(r["spec"]) == a["recommendation"]]
+            if picked and same[0] is not picked[0]:
+                text += (f" The fastest here, {same[0]['experiment']}, ran {same[0]['_throughput']['median'] / picked[0]['_throughput']['median']:.2f}x "
+                         f"the best run of the recommended kind ({picked[0]['experiment']}): the "
+                         "advice picks by memory fit and the roadmap's rules, not by this machine's speed"
+                         + ("; the spreads overlap, so this machine does not tell them apart."
+                            if not clear_winner(same[0], picked[0]) else "."))
+        if a:
+            checked = adv.check_against_runs(a, [r for r in runs if r["machine"] == machine])
+            if checked:
+                right = sum(c["verdict"] == "right" for c in checked)
+                text += (f" The advisor's memory estimate was right (within {adv.TOLERANCE:.0%}) for {right} of "
+                         f"{len(checked)} run(s) measured here.")
+        lines.append(text)
+    return lines
+
+
+def busy_note(runs: list[dict]) -> str:
+    """How many runs were timed on a busy machine (distlab.noise), named: their speed figures
+    include waiting for a core and say nothing about the strategy."""
+    timed = [r for r in runs if r.get("status") == "ok"]
+    recorded = [r for r in timed if (r.get("noise") or {}).get("busy") is not None]
+    busy = [r for r in recorded if is_busy(r)]
+    if not recorded:
+        return "Machine load during the timed steps was not recorded for these runs: speed figures are unqualified."
+    if not busy:
+        return (f"All {len(recorded)} timed run(s) ran on a quiet machine (no other process needed the cores they "
+                "left free): their speed figures are the strategies' own.")
+    return (f"BUSY MACHINE: {len(busy)} of {len(recorded)} run(s) were timed while other processes needed the cores "
+            f"they had left free ({', '.join(r['experiment'] for r in busy)}): their step times include waiting for "
+            "a core, so their speed figures (marked BUSY in the tables) are inflated by an unknown amount; rerun them "
+            "on a quiet machine before comparing speeds.")
 
 
 def card_noting_missing(number: int, title: str, source: dict, missing: str) -> Card:
@@ -96,7 +155,10 @@ def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
     checked = adv.check_against_runs(a, runs)
     if checked:
         wrong = [c for c in checked if c["verdict"] != "right"]
-        card.tables.append(Table(f"Estimate vs measured on {machine}", pd.DataFrame(checked),
+        key = ["experiment", "verdict", "measured/estimated", "where"]
+        frame = pd.DataFrame(checked)
+        frame = frame[key + [c for c in frame.columns if c not in key]]
+        card.tables.append(Table(f"Estimate vs measured on {machine}", frame,
                                  "model state = params + grads (DDP's buckets included) + optimizer bytes "
                                  "the rank held at the last step, offloaded ones too, counted from its "
                                  f"tensors; right = the total and each of params, grads and optimizer within "
@@ -144,7 +206,7 @@ def ranking_card(runs: list[dict]) -> Card:
                                                  "the min-max of its windows where spec 'repeats' asks")
         how = (f"{timing}; tokens = every rank's tokens per optimizer step; device "
                f"{mine[0]['spec']['device']}; torch {mine[0]['versions'].get('torch')}. Runs of different "
-               f"global batch or method are not like-for-like: read the ranking with the stage cards. The {SPREAD_CAVEAT}.")
+               f"global batch or method are not like-for-like: read the ranking with the stage cards. The {spread_caveat(mine)}.")
         card.tables.append(Table(f"{machine}: fastest first", pd.DataFrame(rows), how))
         card.figures.append(Figure(f"{machine}: tokens/s by run", ranking(
             [{"label": r["experiment"], **r["_throughput"]} for r in mine], f"{machine}: tokens/s"), how))
@@ -172,7 +234,7 @@ def machines_card(runs: list[dict], hardware: dict) -> Card | None:
     card.tables.append(Table("tokens/s per experiment and machine (median, spread)",
                              pd.DataFrame(list(rows.values())),
                              f"each cell measured on that machine; 'no clear winner' when the spreads overlap; "
-                             f"{SPREAD_CAVEAT}"))
+                             f"{spread_caveat(runs)}"))
     hw = [{"machine": m, "cpu": h.get("cpu", {}).get("model"), "cores": h.get("cpu", {}).get("usable_cores"),
            "gpus": ", ".join(g["name"] for g in h.get("gpus", [])) or "none"} for m, h in sorted(hardware.items())]
     if hw:

@@ -114,7 +114,8 @@ def read_steps(path: Path) -> list[dict]:
 def throughput_stats(run: dict) -> dict | None:
     """Tokens/s with a spread, as the report compares runs.
 
-    repeats = R >= 2: the timed steps (after warm-up) are split into R consecutive windows;
+    launches = L >= 2 (separate launches, distlab.launches): median and min-max over them.
+    Else repeats = R >= 2: the timed steps (after warm-up) are split into R consecutive windows;
     each window's tokens/s = tokens per step / its median step time; median over windows,
     spread = [min, max] over windows. R = 1: one window; spread = tokens per step over the
     75th and 25th percentile step time. Two runs whose spreads overlap have no clear winner.
@@ -122,6 +123,12 @@ def throughput_stats(run: dict) -> dict | None:
     tokens = (run.get("throughput") or {}).get("tokens_per_step")
     if not tokens:
         return None
+    launches = [x["tokens_per_s"] for x in run.get("launches") or []]
+    if len(launches) >= 2:  # spec launches: independent launches, the run-to-run spread
+        return {"median": statistics.median(launches), "low": min(launches), "high": max(launches),
+                "windows": launches, "repeats": 1, "launches": len(launches),
+                "timed_steps": run["timing"]["step_time_s"]["n"],
+                "how": f"{len(launches)} independent launches; median and min-max of their tokens/s"}
     repeats = max(1, int(run["spec"].get("repeats", 1)))
     timed = [r["step_time_s"] for r in run.get("_steps", []) if not r.get("warmup")]
     if not timed:
@@ -284,6 +291,9 @@ def summary_row(run: dict) -> dict:
         "samples_per_s": _get(run, "throughput", "samples_per_s"),
         "mfu": _get(run, "flops", "mfu"),
         "comm_inflight_median_s": _get(run, "timing", "comm_inflight_s_per_step", "median"),
+        # distlab.noise: other processes' CPU while the steps were timed; busy = figures inflated.
+        "machine_busy": _get(run, "noise", "busy"), "others_cores": _get(run, "noise", "others_cores"),
+        "load_avg_1min_max": max(_get(run, "noise", "load_avg_1min", default=None) or [None], key=lambda v: v or 0),
         "loss_first": _get(run, "loss", "first"), "loss_last": _get(run, "loss", "last"),
         "peak_rss_max_bytes": max(rss) if rss else None,
         # distlab.memory: process start -> first step, then the steps alone (largest rank).

@@ -8,27 +8,56 @@ import os
 import re
 from urllib.parse import quote
 
-from distlab.report.cards import COMPARED, FAILED, NOT_RUN, PASSED, Card
+from distlab.report.cards import COMPARED, DOUBTFUL, FAILED, NOT_RUN, PASSED, Card
 
-BADGE = {PASSED: "#1a7f37", FAILED: "#cf222e", NOT_RUN: "#6e7781", COMPARED: "#9a6700"}
+BADGE = {PASSED: "#1a7f37", FAILED: "#cf222e", NOT_RUN: "#6e7781", COMPARED: "#9a6700", DOUBTFUL: "#bc4c00"}
 
 CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:980px;margin:auto;padding:.75rem;
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:1400px;margin:auto;padding:.75rem;
 color:#1f2328;line-height:1.45}
-p,li{overflow-wrap:anywhere}
-.card{border:1px solid #d0d7de;border-radius:8px;padding:.8rem 1rem;margin:1rem 0;break-inside:avoid}
+p,li,summary{overflow-wrap:anywhere}
+.card{border:1px solid #d0d7de;border-radius:8px;padding:.8rem 1rem;margin:1rem 0;break-inside:avoid;min-width:0}
+.headline{border-width:2px;border-color:#0969da}
 .badge{color:#fff;border-radius:4px;padding:0 .4rem;font-size:.85em;white-space:nowrap}
-table{border-collapse:collapse;font-size:.8em;display:block;overflow-x:auto;max-width:100%}
+.frame{overflow-x:auto;max-width:100%}
+table{border-collapse:collapse;font-size:.8em}
 td,th{border:1px solid #d0d7de;padding:.2rem .4rem;text-align:right;white-space:nowrap}
+td:first-child,th:first-child{position:sticky;left:0;background:#f6f8fa;text-align:left}
 img{max-width:100%;height:auto}
 .how{color:#57606a;font-size:.85em}
+details.how summary{cursor:pointer}
 nav{display:flex;flex-wrap:wrap;gap:.2rem .8rem}
-@media print{.card{page-break-inside:avoid} nav{display:none} a{color:inherit}}
+@media print{.card{page-break-inside:avoid} nav{display:none} a{color:inherit} details{display:block}}
 """
+# Text longer than this is folded under its first sentence: formula explanations, long notes.
+FOLD_CHARS = 280
 
 
 def _rel(path, out_dir):
     return os.path.relpath(path, out_dir)
+
+
+def key_columns_first(frame):
+    """A machine column that holds one machine says nothing per row: it goes last, so the column
+    that names the row (run, experiment, strategy) is the one kept in view."""
+    columns = list(frame.columns)
+    if len(columns) > 1 and columns[0] == "machine" and frame["machine"].nunique() <= 1:
+        return frame[columns[1:] + columns[:1]]
+    return frame
+
+
+def first_sentence(text: str) -> str:
+    head = text.split(". ", 1)[0]
+    return head if len(head) < FOLD_CHARS else head[:FOLD_CHARS].rsplit(" ", 1)[0] + " ..."
+
+
+def folded(text: str, tag: str = "p", css: str = "") -> str:
+    """A paragraph, or one folded under its first sentence (<details>) when it is long."""
+    klass = f" class='{css}'" if css else ""
+    if len(text) <= FOLD_CHARS:
+        return f"<{tag}{klass}>{html.escape(text)}</{tag}>"
+    return (f"<details{klass}><summary>{html.escape(first_sentence(text))}</summary>"
+            f"<p>{html.escape(text)}</p></details>")
 
 
 def render_html(sections: list[Card], frame, out_dir: str, versions: str) -> str:
@@ -42,7 +71,8 @@ def render_html(sections: list[Card], frame, out_dir: str, versions: str) -> str
              f"on machine(s): {html.escape(machines)}. Every figure is measured by the pipeline; each says how. "
              f"{html.escape(versions)}</p><nav>{nav}</nav>"]
     for card in sections:
-        parts.append(f"<section class='card' id='s{card.number}'><h2>{html.escape(card.title)}</h2>")
+        klass = "card headline" if card.number == 0 else "card"
+        parts.append(f"<section class='{klass}' id='s{card.number}'><h2>{html.escape(card.title)}</h2>")
         if card.goals:
             parts.append("<ul>")
             for goal in card.goals:
@@ -51,13 +81,16 @@ def render_html(sections: list[Card], frame, out_dir: str, versions: str) -> str
                              f"<b>{goal.kind}</b>: {html.escape(goal.text)}<br><span class='how'>"
                              f"{html.escape(goal.evidence)}</span> {links}</li>")
             parts.append("</ul>")
-        parts += [f"<p>{html.escape(note)}</p>" for note in card.notes]
+        # The headline card is read whole; elsewhere long notes fold under their first sentence.
+        parts += [f"<p>{html.escape(note)}</p>" if card.number == 0 else folded(note) for note in card.notes]
         for table in card.tables:
-            parts.append(f"<h3>{html.escape(table.title)}</h3>{table.frame.to_html(index=False, border=0)}"
-                         f"<p class='how'>{html.escape(table.how)}</p>")
+            # The frame scrolls a wide table inside the card; its first (key) column stays in view.
+            parts.append(f"<h3>{html.escape(table.title)}</h3><div class='frame'>"
+                         f"{key_columns_first(table.frame).to_html(index=False, border=0)}</div>"
+                         f"{folded(table.how, css='how')}")
         for fig in card.figures:
             parts.append(f"<h3>{html.escape(fig.title)}</h3><img alt='{html.escape(fig.title)}' "
-                         f"src='data:image/png;base64,{fig.png_b64}'><p class='how'>{html.escape(fig.how)}</p>")
+                         f"src='data:image/png;base64,{fig.png_b64}'>{folded(fig.how, css='how')}")
         parts.append("</section>")
     parts.append("</body></html>")
     return "\n".join(parts)

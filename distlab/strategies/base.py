@@ -106,6 +106,24 @@ class Strategy:
         """Set self.model and self.optimizer."""
         raise NotImplementedError
 
+    def train_mode(self) -> dict:
+        """Training mode (dropout on) on every module this rank steps, before the first step:
+        from_pretrained returns a model in eval mode, so without this a model with dropout (a
+        user's model, LoRA with lora_dropout > 0) would train with dropout silently off. Fails the
+        run when a module stays in eval mode; returns the count for the run's record."""
+        modules = list(self.training_modules())
+        for module in modules:
+            module.train()
+        counted = [m for root in modules for m in root.modules()]
+        idle = sorted({type(m).__name__ for m in counted if not m.training})
+        if idle:
+            raise FidelityError(f"modules still in eval mode after train(): {idle}")
+        return {"modules_in_train_mode": len(counted), "how": "nn.Module.train() before the first step"}
+
+    def training_modules(self):
+        """The modules whose forward the steps run (their children included)."""
+        return [self.model]
+
     def sync_context(self, is_last_micro: bool):
         """Context for one micro-batch's backward; data-parallel wrappers skip sync until the last."""
         return contextlib.nullcontext()

@@ -27,6 +27,13 @@ def full_numel(param) -> int:
     return getattr(param, "ds_numel", None) or param.numel()
 
 
+def hidden_size(model_source: str) -> int | None:
+    """The model's hidden size from its config.json (ZeRO-3's "auto" sizes, before the model exists)."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(str(model_source)), "hidden_size", None)
+
+
 def skip_inference_shm_op() -> None:
     """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op on its first
     init_distributed (about 3 minutes on a busy 2-core machine). Only its
@@ -87,11 +94,11 @@ class DeepSpeedStrategy(Strategy):
         if self.ctx.device.type == "cpu":
             skip_inference_shm_op()
         forget_deepspeed_groups()
-        # zero.Init reads the partitioning and offload keys only; the live-parameter limits
-        # sized from the built model are the engine's (wrap).
+        # zero.Init reads the partitioning, persistence and offload keys only; the live-parameter
+        # limits sized from the built model are the engine's (wrap).
         model, self.load_report = deepspeed_load.load_partitioned(
-            model_source, deepspeed_config(self.spec, dist.get_world_size()), dtype,
-            nvme_params=self.spec["deepspeed"]["offload_param"] == "nvme")
+            model_source, deepspeed_config(self.spec, dist.get_world_size(), hidden_size=hidden_size(model_source)),
+            dtype, nvme_params=self.spec["deepspeed"]["offload_param"] == "nvme")
         self.partitioned_at_load = all(hasattr(p, "ds_id") for p in model.parameters())
         return model
 
@@ -102,7 +109,8 @@ class DeepSpeedStrategy(Strategy):
         layer_params = sum(full_numel(p) for p in decoder_layers(model)[0].parameters())
         trainable = [full_numel(p) for p in self.trainable(model)]
         config = deepspeed_config(self.spec, world, layer_params if self.spec["deepspeed"]["zero_stage"] == 3 else None,
-                                  gradient_bucket_size(layer_params, max(trainable), sum(trainable)))
+                                  gradient_bucket_size(layer_params, max(trainable), sum(trainable)),
+                                  hidden_size=getattr(model.config, "hidden_size", None))
         # Checkpoint validation reloads at another world size in the same run folder: its
         # config (another train_batch_size) goes beside the experiment's, never over it.
         name = CONFIG_NAME if world == self.spec["world_size"] else f"deepspeed_config-world{world}.json"
@@ -186,7 +194,7 @@ class DeepSpeedStrategy(Strategy):
             "load": getattr(self, "load_report", None),
             "comm_time": "not measured: DeepSpeed's comms logger blocks on every collective to time it",
             "estimator": estimator_bytes(self.spec["deepspeed"], self.total_params, self.largest_layer_params,
-                                         dist.get_world_size()),
+                                         dist.get_world_size(), zero_init=getattr(self, "partitioned_at_load", False)),
         }
         return out
 

@@ -17,19 +17,43 @@ def uses_torch_adam(spec: dict) -> bool:
     return spec["deepspeed"]["optimizer_impl"] == "torch"
 
 
-def zero3_live_limits(layer_params: int) -> dict:
-    """ZeRO-3's gathered-parameter limits sized by the run's model: one decoder layer's
-    parameters live, the next layer prefetched (FSDP2's full shard does the same: one layer
-    gathered, the next one's all-gather issued ahead). DeepSpeed's defaults (1e9 elements
-    live and reuse distance, 5e7 prefetched) keep every gathered parameter of a model under
-    ~1e9 parameters resident from forward to backward, a whole copy beside the partitions.
-    Measured on a 155M-parameter LoRA run at 2 ranks (benchmarks/memory_peaks.py), training
-    peak vs one DDP rank: DeepSpeed's defaults 1.7-1.8x; two layers live + one prefetched
-    0.89x; these 0.83x; one live, none prefetched 0.78x; all at 0 0.75x (these 0.79-0.80x once
-    the RSS before the model was read after the modeling imports, README). Step time on the
-    tests' tiny model: these 0.046-0.047 s, none prefetched 0.082 s."""
-    return {"stage3_max_live_parameters": layer_params, "stage3_max_reuse_distance": layer_params,
-            "stage3_prefetch_bucket_size": layer_params}
+# DeepSpeed's own defaults for the live-parameter limits (elements), written out so the file
+# says what runs.
+DEEPSPEED_LIVE = 1_000_000_000
+
+
+def zero3_limits(profile: str, layer_params: int | None, hidden_size: int | None) -> dict:
+    """ZeRO-3's gathered-parameter settings for a zero3_profile (config/schema.yaml).
+
+    auto: what DeepSpeed users get through Hugging Face's "auto" values
+    (transformers.integrations.deepspeed: prefetch 0.9*h^2, persistence threshold 10*h, with h
+    the model's hidden size) and the 1e9 live parameters / reuse distance of DeepSpeed's and
+    Hugging Face's example configs. Parameters up to 10*h elements (norms, LoRA adapters) stay
+    whole on every rank, so they are never all-gathered; a model under 1e9 parameters stays
+    gathered from its forward to its backward, so backward re-gathers nothing. Fewest
+    collectives, at up to a whole model's gathered copy per rank.
+
+    lean: nothing persistent, one decoder layer live and the next prefetched, as FSDP2's full
+    shard holds them: least memory (0.8x a DDP rank's training peak against 1.6-1.9x at the 1e9
+    limits on a 155M LoRA model, README), every parameter re-gathered for backward and each
+    small one in a collective of its own: on a busy 2-core machine the collectives' waits
+    dominate (benchmarks/strategy_parity.py sets the two beside FSDP and DDP).
+
+    layer_params: one decoder layer's parameters (wrap() counts them; None at zero.Init, where
+    only the persistence threshold is read)."""
+    if profile == "lean":
+        out = {"stage3_param_persistence_threshold": 0}
+        if layer_params:
+            out.update(stage3_max_live_parameters=layer_params, stage3_max_reuse_distance=layer_params,
+                       stage3_prefetch_bucket_size=layer_params)
+        return out
+    if profile != "auto":
+        raise ValueError(f"deepspeed.zero3_profile {profile!r}: expected auto or lean")
+    out = {"stage3_max_live_parameters": DEEPSPEED_LIVE, "stage3_max_reuse_distance": DEEPSPEED_LIVE}
+    if hidden_size:
+        out.update(stage3_param_persistence_threshold=10 * hidden_size,
+                   stage3_prefetch_bucket_size=int(0.9 * hidden_size * hidden_size))
+    return out
 
 
 # DeepSpeed's default gradient bucket, and the floor below which small models pay in latency.
@@ -52,10 +76,11 @@ def gradient_bucket_size(layer_params: int, largest_trainable: int, trainable: i
 
 
 def deepspeed_config(spec: dict, world_size: int, layer_params: int | None = None,
-                     bucket_elements: int | None = None) -> dict:
+                     bucket_elements: int | None = None, hidden_size: int | None = None) -> dict:
     """The DeepSpeed JSON config of one experiment (every value from the spec; at ZeRO-3
-    the live-parameter limits also from the model's decoder-layer size, `layer_params`; at
-    ZeRO 1-3 the gradient buckets from `bucket_elements`, gradient_bucket_size)."""
+    the gathered-parameter settings of its zero3_profile also from the model's decoder-layer
+    size `layer_params` and `hidden_size`, zero3_limits; at ZeRO 1-3 the gradient buckets from
+    `bucket_elements`, gradient_bucket_size)."""
     ds = spec["deepspeed"]
     cuda = spec["device"] == "cuda"
     zero: dict = {"stage": ds["zero_stage"]}
@@ -64,11 +89,7 @@ def deepspeed_config(spec: dict, world_size: int, layer_params: int | None = Non
         if ds["zero_stage"] < 3:
             zero["allgather_bucket_size"] = bucket_elements  # stage 1-2's all-gather of updated params
     if ds["zero_stage"] == 3:
-        # Partition every parameter: DeepSpeed's default keeps those under 1e5 elements whole
-        # on every rank (fewer all-gathers on GPUs), which a small model is made of.
-        zero["stage3_param_persistence_threshold"] = 0
-        if layer_params:
-            zero.update(zero3_live_limits(layer_params))
+        zero.update(zero3_limits(ds.get("zero3_profile", "auto"), layer_params, hidden_size))
     # deepspeed.zero_config: the experiment's own zero_optimization keys (bucket sizes, ZeRO-3's
     # live-parameter limits) over the ones above; set only where an experiment asks.
     zero.update(ds.get("zero_config") or {})

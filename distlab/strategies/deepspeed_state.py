@@ -5,9 +5,12 @@ from __future__ import annotations
 import torch
 
 
-def estimator_bytes(ds: dict, total_params: int, largest_layer_params: int, world_size: int) -> dict:
+def estimator_bytes(ds: dict, total_params: int, largest_layer_params: int, world_size: int,
+                    zero_init: bool = False) -> dict:
     """DeepSpeed's own per-device model-state estimate (it assumes 16-bit params and grads
-    with fp32 master weights and Adam state); stages 0 and 1 have no DeepSpeed estimator."""
+    with fp32 master weights and Adam state); stages 0 and 1 have no DeepSpeed estimator.
+    zero_init: ZeRO-3 built the model under deepspeed.zero.Init (the route distlab's loader
+    takes, as_built.deepspeed.partitioned_at_load), so no rank held the whole model in CPU RAM."""
     stage = ds["zero_stage"]
     offload_opt = ds["offload_optimizer"] != "none"
     if stage == 2:
@@ -18,16 +21,16 @@ def estimator_bytes(ds: dict, total_params: int, largest_layer_params: int, worl
     elif stage == 3:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
-        # zero_init=False: every rank loads the whole model before deepspeed.initialize.
         cpu, device, _ = estimate_zero3_model_states_mem_needs(
             total_params, largest_layer_params, world_size, 1, cpu_offload=offload_opt,
-            cpu_offload_params=ds["offload_param"] != "none", zero_init=False)
+            cpu_offload_params=ds["offload_param"] != "none", zero_init=zero_init)
         name = "estimate_zero3_model_states_mem_needs"
     else:
         return {"function": None, "device_bytes": None, "cpu_bytes": None,
                 "why": f"DeepSpeed ships no estimator for ZeRO stage {stage}"}
     return {"function": name, "device_bytes": int(device), "cpu_bytes": int(cpu), "total_params": total_params,
-            "largest_layer_params": largest_layer_params, "world_size": world_size}
+            "largest_layer_params": largest_layer_params, "world_size": world_size,
+            **({"zero_init": zero_init} if stage == 3 else {})}
 
 
 def _tensors(obj, depth=0):

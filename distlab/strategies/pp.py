@@ -82,6 +82,9 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
     name = "pp"
     expected_wrappers = ("PipelineStage",)
 
+    def training_modules(self):
+        return [self.model, self.stage_module]  # the stage wrapper the schedule calls, and the model
+
     def load_model(self, model_source: str):
         """A meta-device skeleton: wrap() keeps this stage's part and loads only its weights."""
         return empty_model(model_source)

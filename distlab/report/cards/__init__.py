@@ -1,8 +1,8 @@
 """One module per roadmap stage (`stage<N>_<name>.py`), each with build(runs) -> Card.
 
 Goals are computed from measured runs only: passed, failed (ran but missed the goal), not
-run, or compared, not enforced (a limit the runs were only compared with after the fact, so
-they cannot pass it). Modules are discovered, so adding a stage touches no registry.
+run, compared, not enforced (a limit the runs were only compared with after the fact, so
+they cannot pass it), or doubtful (a figure the setup cannot produce, with its likely cause). Modules are discovered, so adding a stage touches no registry.
 """
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ import pkgutil
 from dataclasses import dataclass, field
 
 PASSED, FAILED, NOT_RUN, COMPARED = "passed", "failed", "not run", "compared, not enforced"
+# Measured, but the figure contradicts what the setup allows (a speedup above linear, offload
+# faster than none): shown with its likely cause, never passed.
+DOUBTFUL = "doubtful"
 
 
 @dataclass
@@ -57,11 +60,46 @@ def tokens_per_s(run) -> tuple[float, float, float]:
     return tokens / st["median"], tokens / st["p75"], tokens / st["p25"]
 
 
-# Every spread the report compares comes from one process: step-time windows (spec `repeats`,
-# which are windows of one launch, not independent runs) or the step-time interquartile range.
+# A spread from one process: step-time windows (spec `repeats`, windows of one launch, not
+# independent runs) or the step-time interquartile range. Spec `launches` gives separate launches.
 SPREAD_CAVEAT = ("spreads are within one process (its timed steps split into windows, spec 'repeats', or their "
-                 "interquartile range); run-to-run variance across separate launches was not measured, so a "
-                 "'faster' here may not survive a rerun")
+                 "interquartile range); run-to-run variance across separate launches was not measured (set "
+                 "'launches' to 2 or more for that), so a 'faster' here may not survive a rerun")
+
+
+def is_busy(run) -> bool:
+    """Timed while other processes needed cores the run had not left free (distlab.noise), in
+    its launch or any of its further launches (spec launches)."""
+    return any((n or {}).get("busy") for n in [run.get("noise"), *(x.get("noise") for x in run.get("launches") or [])])
+
+
+def spread_caveat(runs: list[dict]) -> str:
+    """Where the compared spreads come from: separate launches only when every run had 2+."""
+    if runs and all(len(r.get("launches") or []) >= 2 for r in runs):
+        return ("spreads are the min-max over separate launches (spec 'launches'): run-to-run variance "
+                "measured")
+    return SPREAD_CAVEAT
+
+
+def load_cell(run) -> str:
+    """A table cell saying how quiet the machine was while the run's steps were timed."""
+    noise = run.get("noise") or {}
+    if noise.get("busy") is None:
+        return "not recorded"
+    return f"{'BUSY' if noise['busy'] else 'quiet'} (others {noise['others_cores']:.1f} cores)"
+
+
+def noise_cause(runs: list[dict]) -> str:
+    """The likely cause of an implausible ratio between these runs, from their noise records."""
+    busy = [r for r in runs if is_busy(r)]
+    if busy:
+        return ("likely cause: the machine was busy while " + ", ".join(
+            f"{r['experiment']} was timed (other processes used {r['noise']['others_cores']:.1f} cores, "
+            f"{r['noise']['free_cores']} left free)" for r in busy) + "; its step times include waiting for a core")
+    return ("likely cause: noise between single launches (one launch each, no independent repeats); nothing else "
+            "on the machine was recorded during the timed steps" if all((r.get("noise") or {}).get("busy") is False
+                                                                         for r in runs) else
+            "likely cause: noise (the machine's load was not recorded for these runs)")
 
 
 def comm_ms(run) -> float | str:

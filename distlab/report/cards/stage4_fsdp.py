@@ -11,14 +11,17 @@ import os
 from pathlib import Path
 
 from distlab.evaluation import eval_sentence
-from distlab.report.cards import (FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, metrics_link, ok_runs,
-                                  tokens_per_s)
+from distlab.report.cards import (DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, is_busy, load_cell,
+                                  metrics_link, noise_cause, ok_runs, tokens_per_s)
 from distlab.report.collect import clear_winner
 from distlab.report.plots import loss_curves, to_png_b64
 
 GOAL_RUN = "FSDP fine-tune ran, checkpoint saved"
 GOAL_VS = "ZeRO-3 vs FSDP throughput"
 MIB = 2**20
+# Single launches on a 2-core CPU machine move +-15% (issue 28's repeats): within this band, or
+# with overlapping spreads, ZeRO-3 and FSDP full shard count as at parity.
+PARITY_BAND = 1.15
 
 
 def fsdp_runs(runs: list[dict]) -> list[dict]:
@@ -68,6 +71,27 @@ def is_plain_zero3(run: dict) -> bool:
             and ds["offload_param"] == "none")
 
 
+def zero3_label(run: dict) -> str:
+    profile = run["spec"]["deepspeed"].get("zero3_profile", "auto")
+    return "DeepSpeed ZeRO-3" + (" (memory-lean)" if profile == "lean" else "")
+
+
+def parity_goal(f: dict, z: dict) -> Goal:
+    """FSDP full shard vs ZeRO-3 as DeepSpeed users configure it (profile auto): passed at parity
+    (overlapping spreads, or within PARITY_BAND); beyond it doubtful when either run was timed on a
+    busy machine, else failed: a measured gap the card's table and the ZeRO-3 config must explain."""
+    ratio = tokens_per_s(f)[0] / tokens_per_s(z)[0]
+    head = (f"{f['experiment']} vs {z['experiment']} ({f['machine']}, {f['as_built']['world_size']} ranks, global "
+            f"batch {global_batch(f)}): FSDP at {ratio:.2f}x ZeRO-3's median tokens/s")
+    links = [metrics_link(f), metrics_link(z)]
+    if not clear_winner(f, z) or 1 / PARITY_BAND <= ratio <= PARITY_BAND:
+        return Goal("bonus", GOAL_VS, PASSED, f"{head}: at parity (spreads overlap or within {PARITY_BAND}x)", links)
+    if is_busy(f) or is_busy(z) or not all((r.get("noise") or {}).get("busy") is False for r in (f, z)):
+        return Goal("bonus", GOAL_VS, DOUBTFUL, f"{head}: not at parity, {noise_cause([f, z])}", links)
+    return Goal("bonus", GOAL_VS, FAILED, f"{head}: not at parity on a quiet machine, with ZeRO-3's config as "
+                f"{z['experiment']}'s run_files/deepspeed_config.json says", links)
+
+
 def state_mib(run: dict) -> float | None:
     """Largest per-rank model state (params + grads + optimizer) the run counted."""
     per_rank = (run.get("memory") or {}).get("model_state_bytes_per_rank") or []
@@ -105,7 +129,21 @@ def row(run: dict, label: str) -> dict:
             "step p25-p75 (ms)": f"{st['p25'] * 1000:.1f}-{st['p75'] * 1000:.1f}",
             "model state / rank (MiB)": round(state, 2) if state is not None else None,
             "peak memory / rank (MiB)": round(peak, 1) if peak is not None else None,
-            "peak measured as": peak_what, **phase_columns(run), "last loss": round(run["loss"]["last"], 4)}
+            "peak measured as": peak_what, **phase_columns(run), "last loss": round(run["loss"]["last"], 4),
+            "machine during timing": load_cell(run)}
+
+
+def trade_note(auto: dict, lean: dict) -> str:
+    """What the memory-lean ZeRO-3 profile bought and cost, from the two runs' own figures."""
+    (fast, *_), (slow, *_) = tokens_per_s(auto), tokens_per_s(lean)
+    peaks = [phase_columns(r)["training peak / rank (MiB)"] for r in (auto, lean)]
+    memory = (f"training-phase peak {peaks[0]:.0f} -> {peaks[1]:.0f} MiB per rank" if None not in peaks
+              else "training-phase peak not recorded")
+    return (f"ZeRO-3's trade, measured: the memory-lean profile ({lean['experiment']}: nothing persistent, one layer "
+            f"live, every parameter re-gathered for backward) ran {fast / slow:.2f}x slower than the auto profile "
+            f"({auto['experiment']}: Hugging Face's auto sizes from the hidden size, DeepSpeed's 1e9 live limit) for "
+            f"{memory}." + (" One of the two was timed on a busy machine: the speed ratio is not trustworthy."
+                            if is_busy(auto) or is_busy(lean) else ""))
 
 
 def run_goal(runs: list[dict], fsdp: list[dict]) -> Goal:
@@ -141,17 +179,19 @@ def build(runs: list[dict]) -> Card:
     card.goals.append(run_goal(runs, fsdp))
 
     zero3 = [r for r in runs if r.get("status") == "ok" and is_plain_zero3(r)]
+    # Each FSDP full-shard run with the ZeRO-3 runs of the same work: the auto profile first (the
+    # parity goal's), the memory-lean one beside it (the memory vs tokens/s trade).
     pairs = []
     for f in (r for r in fsdp if is_full_shard(r)):
-        match = [z for z in zero3 if comparable_key(z) == comparable_key(f)]
+        match = sorted((z for z in zero3 if comparable_key(z) == comparable_key(f)), key=zero3_label)
         if match:
-            pairs.append((f, match[0]))
+            pairs.append((f, match))
     if pairs:
         import pandas as pd
 
         rows = []
-        for f, z in pairs:
-            rows += [row(f, "FSDP full shard"), row(z, "DeepSpeed ZeRO-3")]
+        for f, matched in pairs:
+            rows += [row(f, "FSDP full shard")] + [row(z, zero3_label(z)) for z in matched]
         frame = pd.DataFrame(rows)
         how = ("tokens/s = global tokens per step / median step time (max over ranks) after warm-up, range from "
                "the step-time spread; model state = params + grads + optimizer tensors a rank holds (local "
@@ -168,14 +208,11 @@ def build(runs: list[dict]) -> Card:
         for ax in (left, right):
             ax.set_xticks(range(len(rows)), labels, fontsize=6, rotation=20)
         card.figures.append(Figure("ZeRO-3 vs FSDP: throughput and per-rank model state", to_png_b64(fig), how))
-        f, z = pairs[0]
-        ratio = tokens_per_s(f)[0] / tokens_per_s(z)[0]
-        verdict = ("the spreads do not overlap" if clear_winner(f, z)
-                   else "the spreads overlap, so this machine does not tell them apart")
-        card.goals.append(Goal("bonus", GOAL_VS, PASSED,
-                               f"{f['experiment']} vs {z['experiment']} ({f['machine']}, {f['as_built']['world_size']} "
-                               f"ranks, global batch {global_batch(f)}): FSDP at {ratio:.2f}x ZeRO-3's median tokens/s; "
-                               f"{verdict}", [metrics_link(f), metrics_link(z)]))
+        f, matched = pairs[0]
+        card.goals.append(parity_goal(f, matched[0]))
+        lean = [z for z in matched if z["spec"]["deepspeed"].get("zero3_profile") == "lean"]
+        if lean and matched[0] is not lean[0]:
+            card.notes.append(trade_note(matched[0], lean[0]))
     else:
         missing = ("no FSDP full-shard run" if not any(is_full_shard(r) for r in fsdp) else
                    "no DeepSpeed ZeRO-3 run (no offload) with the same machine, world size, micro-batch, "

@@ -1,0 +1,55 @@
+"""Independent launches of one experiment (spec `launches`): run-to-run variance measured.
+
+The first launch is the experiment (it trains, evaluates, saves). Each further launch runs
+the same job again in fresh processes with a fresh process group, timing its steps only (no
+checkpoint, no held-out eval), in a folder of its own that is removed afterwards. What each
+launch measured (tokens/s, median step, last loss, machine noise) is folded into the first
+launch's metrics.json under `launches`; the report's tokens/s is then their median and its
+spread their min-max (distlab.report.collect.throughput_stats). A launch that reached other
+losses did not do the same work: the run fails.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from distlab.run_layout import run_files_dir
+
+# Float summation order only (the same seed, data and world size): identical here to ~1e-6.
+LOSS_TOLERANCE = 1e-5
+
+
+def summary_of(metrics: dict) -> dict:
+    return {"tokens_per_s": metrics["throughput"]["tokens_per_s"],
+            "median_step_s": metrics["timing"]["step_time_s"]["median"],
+            "loss_last": metrics["loss"]["last"], "noise": metrics.get("noise")}
+
+
+def repeat_launches(job: dict, run_launcher, log_path: str | None, timeout: float | None) -> list[dict]:
+    run_dir = Path(job["run_dir"])
+    path = run_dir / "metrics.json"
+    first = json.loads(path.read_text())
+    launches = [summary_of(first)]
+    for k in range(2, job["spec"]["launches"] + 1):
+        folder = run_dir / f"launch-{k}"
+        shutil.rmtree(folder, ignore_errors=True)
+        again = dict(job, run_dir=str(folder), checkpoint_dir=None, timing_only=True)
+        again.pop("base_eval_json", None)
+        run_files_dir(folder).mkdir(parents=True)
+        job_path = folder / "job.json"
+        job_path.write_text(json.dumps(again, indent=1))
+        run_launcher(again, str(job_path.resolve()), log_path, timeout)
+        metrics = json.loads((folder / "metrics.json").read_text())
+        gap = max(abs(a - b) for a, b in zip(first["loss"]["per_step"], metrics["loss"]["per_step"]))
+        if gap > LOSS_TOLERANCE:
+            raise RuntimeError(f"launch {k} of {job['spec']['id']} reached other losses (max gap {gap:.2e} > "
+                               f"{LOSS_TOLERANCE}): not the same work as launch 1")
+        launches.append(summary_of(metrics))
+        shutil.rmtree(folder)
+    first["launches"] = launches
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(first, indent=1))
+    os.replace(tmp, path)
+    return launches
