@@ -32,15 +32,22 @@ def eval_tokens(data_dir, n_blocks: int | None = None):
     return ids, (ids if labels is None else labels[:n])
 
 
-def loss_sum(logits, labels) -> tuple[float, int]:
-    """(summed cross-entropy, label positions) of one batch's logits, on the logits' device."""
+def loss_terms(logits, labels):
+    """(summed cross-entropy, label positions) of one batch's logits, as tensors on the logits'
+    device (the CPU labels moved there)."""
     import torch.nn.functional as F
 
-    target = labels.to(logits.device)[:, 1:]
-    shifted = logits[:, :-1].float()
+    length = logits.shape[1] - 1  # narrow, not [:, 1:]: plain ATen ops (tests/test_cuda_contracts.py)
+    target = labels.narrow(1, 1, length).to(logits.device)
+    shifted = logits.narrow(1, 0, length).float()
     total = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), target.reshape(-1), ignore_index=-100,
-                            reduction="sum").item()
-    return total, int((target != -100).sum())
+                            reduction="sum")
+    return total, (target != -100).sum()
+
+
+def loss_sum(logits, labels) -> tuple[float, int]:
+    total, count = loss_terms(logits, labels)
+    return total.item(), int(count)
 
 
 def summarize_loss(total: float, count: int, blocks: int, where: str) -> dict:

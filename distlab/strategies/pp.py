@@ -247,18 +247,24 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
             return logits
         return None
 
+    def held_groups(self, select=None) -> list[list[tuple]]:
+        """This stage's groups as (name, shape, dtype) lists: what the others must receive."""
+        from distlab.streamed import parameter_groups
+
+        params = dict(self.model.named_parameters())
+        return [[(n, tuple(params[n].shape), str(params[n].dtype).removeprefix("torch.")) for n in group]
+                for group in parameter_groups(self.model, select)]
+
     def state_groups(self, select=None):
         """Strategy.state_groups for stages: the ranks first tell each other which groups they
         hold (names, shapes, dtypes), then, in the model's order, rank 0 yields its own and
         receives every other stage's group by point-to-point transfer, one group at a time."""
-        from distlab.streamed import host, parameter_groups
+        from distlab.streamed import host
 
         rank = dist.get_rank()
         params = dict(self.model.named_parameters())
-        mine = [[(n, tuple(params[n].shape), str(params[n].dtype).removeprefix("torch.")) for n in group]
-                for group in parameter_groups(self.model, select)]
         held = [None] * dist.get_world_size()
-        dist.all_gather_object(held, mine)
+        dist.all_gather_object(held, self.held_groups(select))
         for owner, groups in enumerate(held):
             for group in groups:
                 out = {}
