@@ -26,7 +26,8 @@ EVAL_BATCH = 2  # sequences of the eval split the recorded logits are computed o
 EVAL_TOKENS = 32  # their first tokens
 MERGED = "merged"
 DEFAULTS = {"merge": False, "max_shard_size": "5GB"}
-# Fault-injection hook for tests: "<experiment id>" makes rank 0's export raise (a failed save).
+# Fault-injection hook for tests: "<experiment id>" makes rank 0's export raise (a failed save);
+# "<experiment id>:oom" ends rank 0 there as the memory watchdog would (distlab.memory).
 SAVE_FAULT_ENV = "DISTLAB_FAULT_SAVE"
 
 
@@ -124,8 +125,14 @@ def write_export(skeleton, groups, job: dict, spec: dict, folder: Path, batch, t
 
     from distlab.streamed import streamed_logits
 
-    if os.environ.get(SAVE_FAULT_ENV) == spec["id"]:
+    fault = os.environ.get(SAVE_FAULT_ENV, "")
+    if fault == spec["id"]:
         raise RuntimeError(f"{SAVE_FAULT_ENV}: injected failure of the final save's export")
+    if fault == f"{spec['id']}:oom":
+        from distlab.memory import OOM_EXIT_CODE, record_oom
+
+        record_oom(job, MemoryError(f"{SAVE_FAULT_ENV}: injected out-of-memory in the final save's export"))
+        os._exit(OOM_EXIT_CODE)
     opts, source = settings(spec), job["model_source"]
     export = folder / "export"
     info = {"layout": [], "max_shard_size": opts["max_shard_size"], "base_weights_dtype": None}

@@ -277,3 +277,15 @@ def test_trainer_state_stores_the_data_position_not_every_index_and_replays_them
     steps, restored = ckpt._restore_trainer_state(tmp_path, 1, torch.device("cpu"), resumed)
     assert steps == 7 and restored == records  # every step's indices, re-drawn from the seeded sampler
     assert resumed.next() == trained.next()  # and the stream reads on where training stopped
+
+
+def test_checkpoint_keep_keeps_the_newest_periodic_saves_and_the_one_validation_resumes_from(tmp_path):
+    from distlab.training_checkpoints import prune_periodic
+
+    for step in (2, 4, 6, 8, 10):
+        (tmp_path / f"step-{step:06d}").mkdir()
+    (tmp_path / "step-000012.tmp").mkdir()  # a save in progress is never a candidate
+    assert prune_periodic(tmp_path, keep=2, parity_step=4) == ["step-000002", "step-000006"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000004", "step-000008", "step-000010",
+                                                          "step-000012.tmp"]
+    assert prune_periodic(tmp_path, keep=1, parity_step=None) == ["step-000004", "step-000008"]
