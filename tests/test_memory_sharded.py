@@ -58,20 +58,23 @@ def mid(prepared, tmp_path_factory):
     return root
 
 
+def at_two_ranks(method: dict, fsdp: dict | None = None) -> dict:
+    """DDP, FSDP and ZeRO-3 specs at 2 ranks, micro-batch 1 (`fsdp`: more keys for the FSDP run)."""
+    two = {"world_size": 2, "micro_batch": 1, **method}
+    return {"ddp-w2": resolve({"strategy": "ddp", **two}),
+            "fsdp": resolve({"strategy": "fsdp", **two, **(fsdp or {})}, stage="fsdp"),
+            "zero3": resolve({"strategy": "deepspeed", "deepspeed": {"zero_stage": 3}, **two}, stage="deepspeed")}
+
+
 @pytest.fixture(scope="module")
 def runs(big, tmp_path_factory):
+    """LoRA at 309M: DDP at 1 rank, and DDP, FSDP (under BUDGET_GIB) and ZeRO-3 at 2 ranks;
+    every run saves its final checkpoint and export (the save phase is measured on all)."""
     out = tmp_path_factory.mktemp("big-runs")
-    specs = {
-        "ddp": resolve({"strategy": "ddp", "world_size": 1, "micro_batch": 2, **LORA}),
-        "fsdp-budget": resolve({"strategy": "fsdp", "world_size": 2, "micro_batch": 1, "memory_budget_gib": BUDGET_GIB,
-                                **LORA}, stage="fsdp"),
-        "zero3": resolve({"strategy": "deepspeed", "world_size": 2, "micro_batch": 1, "deepspeed": {"zero_stage": 3},
-                          **LORA}, stage="deepspeed"),
-    }
-    # Every run saves its final checkpoint and export: the save phase is measured on all of them.
+    specs = at_two_ranks(LORA, fsdp={"memory_budget_gib": BUDGET_GIB})
+    specs["ddp"] = resolve({"strategy": "ddp", "world_size": 1, "micro_batch": 2, **LORA})
     result = {name: run_experiment(big, out / name, spec) for name, spec in specs.items()}
-    result["ddp-w2"] = run_experiment(big, out / "ddp-w2", resolve({"strategy": "ddp", "world_size": 2,
-                                                                    "micro_batch": 1, **LORA}))
+    result["fsdp-budget"] = result.pop("fsdp")
     result.update(oom_run(big, out))
     return result
 
@@ -79,13 +82,7 @@ def runs(big, tmp_path_factory):
 @pytest.fixture(scope="module")
 def full_runs(mid, tmp_path_factory):
     out = tmp_path_factory.mktemp("mid-runs")
-    specs = {
-        "ddp": resolve({"strategy": "ddp", "world_size": 2, "micro_batch": 1, **FULL}),
-        "fsdp": resolve({"strategy": "fsdp", "world_size": 2, "micro_batch": 1, **FULL}, stage="fsdp"),
-        "zero3": resolve({"strategy": "deepspeed", "world_size": 2, "micro_batch": 1, "deepspeed": {"zero_stage": 3},
-                          **FULL}, stage="deepspeed"),
-    }
-    return {name: run_experiment(mid, out / name, spec) for name, spec in specs.items()}
+    return {name: run_experiment(mid, out / name, spec) for name, spec in at_two_ranks(FULL).items()}
 
 
 def oom_run(big, out) -> dict:
@@ -161,7 +158,7 @@ def saved_runs(runs, full_runs) -> dict:
     """Every checkpointed run: LoRA at 309M (DDP at 1 and 2 ranks, FSDP and ZeRO-3 at 2), full
     fine-tuning at 39M (DDP, FSDP, ZeRO-3 at 2 ranks)."""
     out = {f"lora {name}": runs[name] for name in ("ddp", "ddp-w2", "fsdp-budget", "zero3")}
-    out.update({f"full {name}": run for name, run in full_runs.items()})
+    out.update({f"full {name}": run for name, run in full_runs.items()})  # ddp-w2, fsdp, zero3
     return out
 
 
