@@ -67,6 +67,10 @@ class CheckpointMismatch(CheckpointError):
     """Made for another model, config or world size."""
 
 
+class BaseMismatch(CheckpointMismatch):
+    """LoRA adapters saved for another base model than this run's."""
+
+
 class SaveFailed(RuntimeError):
     """A save that did not complete; every rank raises it alike (agree), naming each rank's error."""
 
@@ -191,7 +195,7 @@ def check_base(meta: dict, base: dict | None, where) -> None:
         digests = ", ".join(f"{name} {digest[:12]}" for name, digest in sorted(identity["weights_sha256"].items()))
         return f"{identity['source']} ({digests or 'no weight files'})"
 
-    raise CheckpointMismatch(f"checkpoint {where} holds LoRA adapters trained on the base model {named(saved)}; "
+    raise BaseMismatch(f"checkpoint {where} holds LoRA adapters trained on the base model {named(saved)}; "
                              f"this run's base is {named(base)}: refusing to load them onto another base")
 
 

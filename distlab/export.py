@@ -70,7 +70,7 @@ class FullWeights:
             if target is not None and self.writer.wants(target):
                 self.writer.write(target, value.float() if value.is_floating_point() else value)
 
-    def close(self) -> None:
+    def close(self, skeleton=None) -> None:
         self.writer.close()
 
 
@@ -154,7 +154,7 @@ def write_export(skeleton, groups, job: dict, spec: dict, folder: Path, batch, t
 
     logits = streamed_logits(skeleton, groups, batch, on_group=on_group)
     for sink in sinks:
-        sink.close(skeleton) if isinstance(sink, AdapterWeights) else sink.close()
+        sink.close(skeleton)
     info["tokenizer"] = save_tokenizer(source, export)
     if spec["method"] == "lora" and opts["merge"]:
         save_tokenizer(source, export / MERGED)

@@ -187,14 +187,6 @@ def streamed_logits(skeleton: Skeleton, groups, input_ids, on_group=None):
     return logits
 
 
-def drain_groups(skeleton: Skeleton, groups, on_group) -> None:
-    """Place, hand over and release every group (no forward): an export without logits."""
-    for group in groups:
-        skeleton.place(group)
-        on_group(skeleton, group)
-        skeleton.release(list(group))
-
-
 @contextlib.contextmanager
 def open_weights(folder, names_to_keys: dict[str, str] | None = None):
     """A reader of tensors from a Hugging Face weights folder (index or single file): read(name)

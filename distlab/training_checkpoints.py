@@ -51,6 +51,11 @@ class TrainingCheckpoints:
             try:
                 info = ckpt.load_checkpoint(path, self.strategy, self.ctx, self.signature, stream=self.stream,
                                             base=self.base)
+            except ckpt.BaseMismatch as exc:
+                # Hours of adapters are not thrown away for a base that changed under them: the
+                # run stops, naming both bases; the user restores the base or removes resume/.
+                self._log(f"refusing to resume from {path}: {exc}")
+                raise
             except ckpt.CheckpointError as exc:
                 self._log(f"not resuming from {path}: {exc}")
                 self.report["skipped"].append(str(exc))

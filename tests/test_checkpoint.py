@@ -215,68 +215,33 @@ def test_lora_export_is_a_peft_adapter_folder_that_plain_peft_loads_on_the_base(
 
 
 @pytest.mark.slow
-def test_lora_checkpoint_is_refused_against_a_changed_base_naming_both(lora, prepared, tmp_path):
-    import types
+def test_a_lora_resume_against_a_changed_base_is_refused_naming_both_and_keeps_the_adapters(lora, prepared,
+                                                                                          tmp_path):
+    """The run's mid-run checkpoint put in resume/ of a new run whose base folder differs by one
+    bit: the run stops naming both bases, and the adapters it refused are still there."""
+    from distlab.launch import launch
 
     run, spec, _ = lora
-    final = run / "checkpoint" / "final"
     changed = tmp_path / "changed-base"
     shutil.copytree(prepared / "model", changed)
     weights = changed / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0x01  # one bit of the last weight: the same shapes, another base
     weights.write_bytes(bytes(data))
-    meta = ckpt.read_meta(final)
-    with pytest.raises(ckpt.CheckpointMismatch, match=rf"base model {prepared / 'model'} .*this run's base is {changed} "):
-        ckpt.load_checkpoint(final, None, types.SimpleNamespace(spec=spec), meta["model"],
-                             base=ckpt.base_identity(str(changed)))
-    ckpt.check_base(meta, ckpt.base_identity(str(prepared / "model")), final)  # the unchanged base loads
-
-
-def test_run_that_ran_out_of_memory_has_nothing_to_validate(tmp_path):
-    spec = resolve({"world_size": 1})
-    (tmp_path / "metrics.json").write_text(json.dumps({"status": "oom", "spec": spec}))
-    result = validate_run(tmp_path, "unused", "unused", tmp_path / "validation.json")
-    assert result["status"] == "nothing to validate" and result["passed"] is False and result["checks"] == {}
-    assert "oom" in result["reason"]
-
-
-def test_strategy_without_checkpoint_support_is_recorded_unsupported_not_passed(tmp_path):
-    spec = resolve({"world_size": 1})
-    (tmp_path / "metrics.json").write_text(json.dumps({"status": "ok", "spec": spec}))
-    (tmp_path / "checkpoint").mkdir()
-    (tmp_path / "checkpoint" / "UNSUPPORTED.json").write_text(json.dumps({"reason": "ddp has no checkpoint save"}))
-    result = validate_run(tmp_path, "unused", "unused", tmp_path / "validation.json")
-    assert result["passed"] is False and result["status"] == "failed"
-    assert {c["status"] for c in result["checks"].values()} == {"unsupported"}
-    assert "ddp has no checkpoint save" in result["checks"]["reload"]["reason"]
-
-
-@pytest.mark.slow
-def test_report_checkpoint_table_shows_measured_validation_per_experiment(trained):
-    from distlab.report.cards import PASSED
-    from distlab.report.cards.checkpoint_table import checkpoint_card
-    from distlab.report.collect import load_run
-
-    card = checkpoint_card([load_run(trained[0] / "metrics.json")])
-    assert card.goals[0].status == PASSED
-    (row,) = card.tables[0].frame.to_dict("records")
-    assert row["validated"] == "passed" and row["reshard"].startswith("2->1 ranks")
-    assert row["size (MB)"] > 0 and row["load (s)"] > 0
-
-
-@pytest.mark.parametrize("sampler", ["distributed", "none"])
-def test_trainer_state_stores_the_data_position_not_every_index_and_replays_them(sampler, tmp_path):
-    spec = {"sampler": sampler, "seed": 3, "micro_batch": 4, "grad_accum": 2}
-    trained = IndexStream(40, spec, dp_rank=1, dp_size=2)
-    records = [{"step": s, "loss": 1.0, "samples": trained.next() + trained.next()} for s in range(7)]
-    ckpt._save_trainer_state(tmp_path, 1, torch.device("cpu"), 7, trained, records)
-    saved = json.loads((tmp_path / "trainer" / "rank1.json").read_text())
-    assert saved["stream"] == trained.state() and all("samples" not in r for r in saved["records"])
-    resumed = IndexStream(40, spec, dp_rank=1, dp_size=2)
-    steps, restored = ckpt._restore_trainer_state(tmp_path, 1, torch.device("cpu"), resumed)
-    assert steps == 7 and restored == records  # every step's indices, re-drawn from the seeded sampler
-    assert resumed.next() == trained.next()  # and the stream reads on where training stopped
+    again = tmp_path / "again"
+    (again / "resume").mkdir(parents=True)
+    shutil.copytree(run / "checkpoint" / "step-000002", again / "resume" / "step-000002")
+    job = {"spec": spec, "run_dir": str(again), "data_dir": str(prepared / "data32"), "model_source": str(changed),
+           "hardware_json": str(prepared / "hardware.json"), "env_allowlist": [],
+           "checkpoint_dir": str(again / "checkpoint")}
+    with pytest.raises(RuntimeError):
+        launch(job, log_path=str(again / "train.log"), timeout=300)
+    log = (again / "train.log").read_text()
+    assert f"trained on the base model {prepared / 'model'} (model.safetensors " in log
+    assert f"this run's base is {changed} (model.safetensors " in log
+    assert (again / "resume" / "step-000002" / MANIFEST).is_file()
+    meta = ckpt.read_meta(run / "checkpoint" / "final")
+    ckpt.check_base(meta, ckpt.base_identity(str(prepared / "model")), run)  # the unchanged base loads
 
 
 def test_checkpoint_keep_keeps_the_newest_periodic_saves_and_the_one_validation_resumes_from(tmp_path):

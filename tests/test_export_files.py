@@ -40,7 +40,7 @@ def test_the_streamed_export_is_byte_for_byte_what_save_pretrained_writes(tmp_pa
     groups = list(live_groups(model))
     for group in reversed(groups):  # any arrival order: each tensor goes to its offset
         sink.add(skeleton, group)
-    sink.close()
+    sink.close(skeleton)
     files = sorted(os.listdir(tmp_path / "reference"))
     assert files == sorted(os.listdir(tmp_path / "streamed"))
     assert "model.safetensors.index.json" in files and len([f for f in files if f.startswith("model-")]) > 2
@@ -104,7 +104,7 @@ def test_the_streamed_merged_lora_export_equals_peft_merge_and_unload(tmp_path):
         adapters.add(sk, group)
 
     logits = streamed_logits(skeleton, live_groups(peft_model), batch, on_group=both)
-    merged.close()
+    merged.close(skeleton)
     adapters.close(skeleton)
     with torch.no_grad():
         assert torch.equal(logits, peft_model(input_ids=batch).logits)

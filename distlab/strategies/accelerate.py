@@ -237,6 +237,14 @@ class AccelerateStrategy(Strategy):
     def collective_forward(self) -> bool:
         return self.fsdp  # FSDP's layers are gathered in forward: every rank joins
 
+    def forward_logits(self, input_ids):
+        if not self.fsdp:
+            return super().forward_logits(input_ids)
+        from distlab.strategies.fsdp import resharding_after_forward
+
+        with resharding_after_forward(self.model, bool(self.spec["fsdp"]["reshard_after_forward"])):
+            return super().forward_logits(input_ids)
+
     def save_checkpoint(self, path: str) -> None:
         """accelerator.save_state (model safetensors, optimizer, RNG per rank) into `path`, the
         model's frozen parameters left out (LoRA's base: named by identity in the checkpoint's

@@ -134,11 +134,27 @@ class FSDPStrategy(Strategy):
         # A MixedPrecisionPolicy already casts the gathered parameters (as in forward_backward).
         return contextlib.nullcontext() if self.mixed_precision else super().eval_context()
 
+    def forward_logits(self, input_ids):
+        with resharding_after_forward(self.model, self.spec["fsdp"]["reshard_after_forward"]):
+            return super().forward_logits(input_ids)
+
     def save_checkpoint(self, path: str) -> None:
         dcp_save(self, path)
 
     def load_checkpoint(self, path: str) -> None:
         dcp_load(self, path)
+
+
+@contextlib.contextmanager
+def resharding_after_forward(model, setting: bool):
+    """Evaluation forwards free each gathered layer after it ran, whatever the training
+    setting: with reshard_after_forward False FSDP2 keeps a layer unsharded until its backward,
+    and a forward without backward would leave the whole model gathered on every rank."""
+    model.set_reshard_after_forward(True)
+    try:
+        yield
+    finally:
+        model.set_reshard_after_forward(setting)
 
 
 def sharding_facts(model, layers) -> dict:
