@@ -1,17 +1,23 @@
-"""Per-rank load-phase and training-phase memory peaks per strategy, on a Llama built here
-(hidden 1024, 24 layers: 305M parameters, the model of tests/test_memory_sharded.py; LoRA,
-seq 32, 2 steps): what sharded loading and training save against one DDP rank.
+"""Per-rank load-, training- and save-phase memory peaks per strategy, and the bytes each
+final checkpoint writes, on a Llama built here (hidden 1024, 24 layers: 309M parameters, the
+model of tests/test_memory_sharded.py; LoRA, seq 32, 2 steps): what sharded loading, training
+and saving hold against one DDP rank.
 
-    nice -n 10 python benchmarks/memory_peaks.py [--layers 24] [--out results/benchmarks/memory_peaks.json]
+    nice -n 10 python benchmarks/memory_peaks.py [--layers 24] [--full] [--out results/benchmarks/memory_peaks.json]
 
 --layers 12 gives the 155M model of earlier figures: with fewer, larger layers the gathered
-layers are a larger share of a sharded rank's training peak.
+layers are a larger share of a sharded rank's training peak. --full adds full fine-tuning:
+DDP at 1 rank (16 bytes per parameter: ~7 GB of RAM at 309M; at 2 ranks twice that), FSDP and
+ZeRO-3 at 2 ranks.
 
-Each run goes through the real launcher (distlab.launch, torchrun ranks over gloo). Figures
-per rank, from metrics.json (distlab.memory): the RSS before the model (interpreter,
-libraries, process group), the load-phase peak (VmHWM from process start to step 0) and
-the training-phase peak (VmHWM of the steps alone), each also minus the RSS before the
-model ("model part"). One round: peaks are high-water marks, not timings.
+Each run goes through the real launcher (distlab.launch, torchrun ranks over gloo) and saves
+its final checkpoint and export. Figures per rank, from metrics.json (distlab.memory): the
+RSS before the model (interpreter, libraries, process group), the load-phase peak (VmHWM from
+process start to step 0), the training-phase peak (VmHWM of the steps alone), the save-phase
+peak (VmHWM of the final evaluation, save and export alone), the lifetime peak (the largest),
+"save - train" against one decoder layer's fp32 bytes (what the streamed export may add), and
+the final checkpoint's bytes on disk (state, trainer state, export, recorded logits). One
+round: peaks are high-water marks, not timings.
 """
 import argparse
 import json
@@ -26,6 +32,13 @@ sys.path.insert(0, str(REPO / "tests"))
 
 MIB = 2**20
 LORA = {"method": "lora", "steps": 2, "warmup_steps": 1}
+FULL = {"method": "full", "steps": 2, "warmup_steps": 1}
+FULL_RUNS = {
+    "full ddp w1": ({"strategy": "ddp", "world_size": 1, "micro_batch": 2}, "ddp"),
+    "full fsdp w2": ({"strategy": "fsdp", "world_size": 2, "micro_batch": 1}, "fsdp"),
+    "full zero3 w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 1, "deepspeed": {"zero_stage": 3}},
+                      "deepspeed"),
+}
 RUNS = {
     "ddp w1": ({"strategy": "ddp", "world_size": 1, "micro_batch": 2}, "ddp"),
     "zero0 w1": ({"strategy": "deepspeed", "world_size": 1, "micro_batch": 2, "deepspeed": {"zero_stage": 0}},
@@ -73,6 +86,7 @@ def prepare(root: Path, layers: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=24, help="decoder layers of the model (hidden 1024)")
+    parser.add_argument("--full", action="store_true", help="also full fine-tuning (DDP w1, FSDP w2, ZeRO-3 w2)")
     parser.add_argument("--out", default=str(REPO / "results" / "benchmarks" / "memory_peaks.json"))
     args = parser.parse_args()
     from conftest import resolve, run_experiment
@@ -81,28 +95,42 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         n_params = prepare(root, args.layers)
+        layer = layer_fp32_bytes(root / "model")
+        runs = {**{k: ({**o, **LORA}, st) for k, (o, st) in RUNS.items()},
+                **({k: ({**o, **FULL}, st) for k, (o, st) in FULL_RUNS.items()} if args.full else {})}
         rows = []
-        for label, (overrides, stage) in RUNS.items():
-            metrics = run_experiment(root, root / "runs" / label.replace(" ", "-"),
-                                     resolve({**overrides, **LORA}, stage=stage), checkpoint=False)
+        for label, (overrides, stage) in runs.items():
+            metrics = run_experiment(root, root / "runs" / label.replace(" ", "-"), resolve(overrides, stage=stage))
             for index, rank in enumerate(metrics["memory"]["per_rank"]):
                 before = rank["load_phase"]["rss_before_model_bytes"]
                 load, train = rank["load_phase"]["rss_peak_bytes"], rank["training_phase"]["rss_peak_bytes"]
+                save = rank["save_phase"]["rss_peak_bytes"]
                 rows.append({"run": label, "rank": index, "before_model_mib": before / MIB,
                              "load_peak_mib": load / MIB, "training_peak_mib": train / MIB,
+                             "save_peak_mib": save / MIB, "lifetime_peak_mib": rank["peak_through_save_bytes"] / MIB,
+                             "save_minus_training_mib": (save - train) / MIB,
                              "load_model_part_mib": (load - before) / MIB,
                              "training_model_part_mib": (train - before) / MIB,
+                             "checkpoint_mb": metrics["checkpoint"]["bytes"] / 1e6,
                              "first_loss": metrics["loss"]["first"]})
     ddp = next(r for r in rows if r["run"] == "ddp w1")
-    print(f"model: {n_params / 1e6:.1f}M parameters, {args.layers} layers, LoRA, seq 32; MiB per rank")
-    print(f"{'run':18} rank  before  load  train  load-part  train-part  vs DDP (load/train part)")
+    print(f"model: {n_params / 1e6:.1f}M parameters, {args.layers} layers, seq 32; one decoder layer in fp32 "
+          f"{layer / MIB:.0f} MiB; MiB per rank")
+    print(f"{'run':18} rank  before  load  train  save  life  save-train  load/train part vs DDP  checkpoint MB")
     for r in rows:
         print(f"{r['run']:18} {r['rank']:4} {r['before_model_mib']:7.0f} {r['load_peak_mib']:5.0f} "
-              f"{r['training_peak_mib']:6.0f} {r['load_model_part_mib']:10.0f} {r['training_model_part_mib']:11.0f}  "
-              f"{r['load_model_part_mib'] / ddp['load_model_part_mib']:.2f} / "
-              f"{r['training_model_part_mib'] / ddp['training_model_part_mib']:.2f}")
+              f"{r['training_peak_mib']:6.0f} {r['save_peak_mib']:5.0f} {r['lifetime_peak_mib']:5.0f} "
+              f"{r['save_minus_training_mib']:11.0f}  {r['load_model_part_mib'] / ddp['load_model_part_mib']:.2f} / "
+              f"{r['training_model_part_mib'] / ddp['training_model_part_mib']:.2f}  {r['checkpoint_mb']:14.1f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"parameters": n_params, "layers": args.layers, "rows": rows}, indent=1))
+    Path(args.out).write_text(json.dumps({"parameters": n_params, "layers": args.layers,
+                                          "layer_fp32_bytes": layer, "rows": rows}, indent=1))
+
+
+def layer_fp32_bytes(model_dir: Path) -> int:
+    from distlab.parameter_counts import model_shape, parameter_counts
+
+    return 4 * parameter_counts(model_shape(json.loads((model_dir / "config.json").read_text())))["per_layer"]
 
 
 if __name__ == "__main__":

@@ -235,7 +235,7 @@ def workload_from_config(config: dict) -> dict:
 
     spec = _deep_merge(EXPERIMENT_DEFAULTS, config.get("defaults", {}))
     return {k: copy.deepcopy(spec[k]) for k in ("method", "micro_batch", "grad_accum", "seq_len", "precision",
-                                                   "lora")}
+                                                   "lora", "export")}
 
 
 def advise(model_config: dict, hardware: dict, config: dict, cpu_ranks: int = 1) -> dict:
@@ -278,8 +278,11 @@ def advise(model_config: dict, hardware: dict, config: dict, cpu_ranks: int = 1)
         reasons.append(f"{plan['nodes']} machines: launch through Ray Train (stage 5) with the strategy above "
                        "inside each worker; keep sharding within a node where links are fast")
     counts = parameter_counts(shape, workload["lora"] if workload["method"] == "lora" else None)
+    from distlab.save_estimate import save_estimate
+
     return {"schema_version": 1, "model": {"shape": shape, "parameters": {
                 k: v for k, v in counts.items() if not k.startswith("_")}},
+            "save": save_estimate(counts, shape["vocab_size"], workload["method"] == "lora", workload.get("export")),
             "workload": workload, "devices": plan, "usable_bytes_per_device": budget,
             "recommendation": pick, "recommendation_label": ROW_LABEL.get(pick, "none fits"),
             "reasons": reasons, "estimates": list(many.values()), "single_device": one["ddp"],
@@ -385,5 +388,9 @@ def render_markdown(advice: dict) -> str:
         cells = [row[k] / scale for k in ("params", "grads", "optimizer", "gathered", "activation_bytes",
                                           "total_bytes", "cpu_offloaded")]
         lines.append(f"| {row['strategy']} | " + " | ".join(f"{c:.2f}" for c in cells) + f" | {fits} |")
+    if advice.get("save"):
+        from distlab.save_estimate import save_markdown
+
+        lines += save_markdown(advice["save"], human)
     lines += ["", "How estimated: " + " ".join(advice["how"].split()), ""]
     return "\n".join(lines)

@@ -1,14 +1,18 @@
 """Checkpoints users can trust: the strategy's native state, the trainer state and a
-consolidated Hugging Face export, written atomically with a manifest (distlab.checkpoint_files).
+Hugging Face export, written atomically with a manifest (distlab.checkpoint_files).
 
 One checkpoint folder:
-    state/                          the strategy's native format (strategy.save_checkpoint)
+    state/                          the strategy's native format (strategy.save_checkpoint): each
+                                    rank's part of the trainable parameters and optimizer state
+                                    (LoRA: the adapters only)
     trainer/rank<R>.json            steps done, data position, Python/NumPy RNG, records so far
     trainer/rng-rank<R>.safetensors torch CPU (and CUDA) RNG state
-    distlab_checkpoint.json         what made it: experiment, strategy, world size, spec, model signature
-    eval_logits.safetensors         (final only) logits of the consolidated model on a fixed eval batch
-    export/                         (final only) save_pretrained folder + tokenizer; LoRA: merged model,
-                                    and the adapters in export/adapter/
+    distlab_checkpoint.json         what made it: experiment, strategy, world size, spec, model signature;
+                                    LoRA: the frozen base by identity (folder, sha256 of its weight files)
+    eval_logits.safetensors         (final only) streamed CPU logits of the trained state on a fixed
+                                    eval batch, and the training model's own (distlab.export)
+    export/                         (final only) save_pretrained shards + index + tokenizer; LoRA: the
+                                    PEFT adapter folder (export/merged/ with export.merge)
     MANIFEST.json                   every other file with its size and sha256, written last
 
 Where checkpoints live, under results/<machine>/<experiment>/:
@@ -43,9 +47,9 @@ from distlab.trainer_state import save_trainer_state as _save_trainer_state
 
 META = "distlab_checkpoint.json"
 PARITY_STEPS = 2  # steps validation re-runs from the mid-run checkpoint
-EVAL_BATCH = 2  # sequences of the eval split the recorded logits are computed on
 # Spec fields that leave the training trajectory unchanged: a checkpoint stays valid across them.
-NON_TRAJECTORY_FIELDS = ("id", "stage", "checkpoint_every", "memory_budget_gib", "warmup_steps", "repeats")
+NON_TRAJECTORY_FIELDS = ("id", "stage", "checkpoint_every", "checkpoint_keep", "export", "memory_budget_gib",
+                         "warmup_steps", "repeats")
 # Fault-injection hook for tests: "<experiment id>:<rank>:<steps done>" SIGKILLs that rank
 # right after that step (and after any checkpoint saved at it).
 FAULT_ENV = "DISTLAB_FAULT_KILL"
@@ -63,6 +67,39 @@ class CheckpointMismatch(CheckpointError):
     """Made for another model, config or world size."""
 
 
+class BaseMismatch(CheckpointMismatch):
+    """LoRA adapters saved for another base model than this run's."""
+
+
+class SaveFailed(RuntimeError):
+    """A save that did not complete; every rank raises it alike (agree), naming each rank's error."""
+
+
+def agree(error: str | None, what: str) -> None:
+    """Collective: raise SaveFailed on every rank when any rank reports an error."""
+    import torch.distributed as dist
+
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [f"rank {rank}: {text}" for rank, text in enumerate(errors) if text]
+    if failed:
+        raise SaveFailed(f"{what} failed: " + "; ".join(failed))
+
+
+def rank_error(work) -> str | None:
+    """Run this rank's part of a save; its error as text (an allocation failure is re-raised:
+    distlab.memory records it as the run's oom)."""
+    from distlab.memory import is_out_of_memory
+
+    try:
+        work()
+    except Exception as exc:  # noqa: BLE001 - agreed on by every rank (agree)
+        if is_out_of_memory(exc):
+            raise
+        return f"{type(exc).__name__}: {exc}"[:1000]
+    return None
+
+
 # -- files --------------------------------------------------------------------------------
 def check_manifest(root) -> None:
     problems = verify_manifest(root)
@@ -72,29 +109,49 @@ def check_manifest(root) -> None:
 
 # -- the plain format (strategies whose every rank holds the whole model) -------------------
 def save_plain(strategy, path: str) -> None:
-    """Rank 0 writes the model (safetensors) and the optimizer state; others wait."""
+    """Rank 0 writes the trainable parameters (safetensors, straight from the live tensors: no
+    copy of the model) and the optimizer state; others wait."""
     import torch
     import torch.distributed as dist
-    from safetensors.torch import save_model
+
+    from distlab.export_files import SafetensorsFile
+    from distlab.strategies.base import trainable_names
 
     if dist.get_rank() == 0:
         tmp, commit = atomic_dir(path)
-        save_model(strategy.unwrapped(), str(tmp / "model.safetensors"))
+        module = strategy.unwrapped()
+        trained = trainable_names(module)
+        params = {n: p.detach() for n, p in module.named_parameters() if n in trained}
+        out = SafetensorsFile(tmp / "model.safetensors", {n: (tuple(p.shape), p.dtype) for n, p in params.items()},
+                              {"format": "pt"})
+        for name, value in params.items():
+            out.write(name, value)
+        out.close()
         torch.save(strategy.optimizer.state_dict(), tmp / "optimizer.pt")
-        (tmp / "format.json").write_text(json.dumps({"format": "plain", "strategy": strategy.name}))
+        (tmp / "format.json").write_text(json.dumps({"format": "plain", "strategy": strategy.name,
+                                                     "frozen_parameters_saved": False}))
         commit()
     dist.barrier()
 
 
 def load_plain(strategy, path: str) -> None:
-    """Every rank reads the same files; the format does not depend on the world size."""
+    """Every rank reads the same files; the format does not depend on the world size. The file
+    must hold exactly the trainable parameters (the frozen ones keep the base's values)."""
     import torch
-    from safetensors.torch import load_model
+    from safetensors.torch import load_file
+
+    from distlab.strategies.base import trainable_names
 
     path = Path(path)
-    load_model(strategy.unwrapped(), str(path / "model.safetensors"))
-    state = torch.load(path / "optimizer.pt", weights_only=True)
-    strategy.optimizer.load_state_dict(state)
+    module = strategy.unwrapped()
+    state = load_file(str(path / "model.safetensors"))
+    expected = trainable_names(module)
+    if set(state) != expected:
+        raise CheckpointMismatch(f"{path / 'model.safetensors'} holds {len(state)} tensors, this model trains "
+                                 f"{len(expected)}: e.g. {sorted(set(state) ^ expected)[:3]}")
+    module.load_state_dict(state, strict=False)
+    optimizer = torch.load(path / "optimizer.pt", weights_only=True)
+    strategy.optimizer.load_state_dict(optimizer)
 
 
 # -- identity: refuse a checkpoint of another model or config -------------------------------
@@ -106,6 +163,40 @@ def model_signature(model) -> dict:
     return {"config": json.loads(json.dumps(config, default=str)),
             # ds_shape: a ZeRO-3 parameter partitioned at load (deepspeed.zero.Init) has shape [0].
             "parameters": {n: list(getattr(p, "ds_shape", None) or p.shape) for n, p in model.named_parameters()}}
+
+
+def base_identity(model_source: str) -> dict:
+    """The frozen base a LoRA checkpoint's adapters belong to: its folder (or hub id) and the
+    sha256 of every weight file in it (a LoRA checkpoint does not hold the base's weights).
+    Collective where a process group exists: rank 0 reads the files, the others receive it."""
+    import torch.distributed as dist
+
+    from distlab.checkpoint_files import sha256_file
+    from distlab.partial_load import model_folder
+
+    out = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        folder = model_folder(model_source)
+        files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin"))
+        out[0] = {"source": str(model_source), "weights_sha256": {p.name: sha256_file(p) for p in files},
+                  "how": "sha256 of every *.safetensors / *.bin file of the folder"}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
+def check_base(meta: dict, base: dict | None, where) -> None:
+    """Refuse LoRA adapters saved for another base model, naming both."""
+    saved = meta.get("base_model")
+    if saved is None or base is None or saved["weights_sha256"] == base["weights_sha256"]:
+        return
+
+    def named(identity):
+        digests = ", ".join(f"{name} {digest[:12]}" for name, digest in sorted(identity["weights_sha256"].items()))
+        return f"{identity['source']} ({digests or 'no weight files'})"
+
+    raise BaseMismatch(f"checkpoint {where} holds LoRA adapters trained on the base model {named(saved)}; "
+                             f"this run's base is {named(base)}: refusing to load them onto another base")
 
 
 def spec_fingerprint(spec: dict) -> dict:
@@ -151,65 +242,16 @@ def read_meta(root) -> dict:
         raise CheckpointCorrupt(f"{path}: missing or unreadable ({exc})") from None
 
 
-# -- the consolidated export ----------------------------------------------------------------------
-def eval_batch(data_dir) -> torch.Tensor:
-    from distlab.data import load_blocks
-
-    return load_blocks(data_dir, "eval")[:EVAL_BATCH]
-
-
-def consolidated_model(full_state: dict, model_source: str, spec: dict):
-    """A plain Hugging Face model (PeftModel for LoRA) holding the strategy's full state."""
-    from distlab.lora import apply_lora
-    from distlab.model import load_model
-
-    if spec["method"] == "full":
-        # Full fine-tuning: the architecture on meta, the gathered tensors assigned as its
-        # parameters (fp32, as the copying path keeps them), so rank 0 holds one whole-model
-        # copy, not two (a per-rank memory budget counts it).
-        model = load_model(model_source, device="meta")
-        model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in full_state.items()},
-                              strict=True, assign=True)
-        if model.config.tie_word_embeddings:
-            model.tie_weights()
-        return model.eval()
-    model = load_model(model_source)
-    if spec["method"] == "lora":
-        model, _ = apply_lora(model, spec["lora"], spec["seed"])
-    model.load_state_dict(full_state, strict=True)
-    return model.eval()
-
-
-def logits_of(model, batch: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    with torch.no_grad():
-        return model(input_ids=batch).logits.float()
-
-
-def write_export(model, model_source: str, spec: dict, folder: Path) -> dict:
-    """save_pretrained (safetensors) + tokenizer; LoRA: adapters in adapter/, merged model at top."""
-    if spec["method"] == "lora":
-        model.save_pretrained(str(folder / "adapter"))
-        model = model.merge_and_unload()
-    model.save_pretrained(str(folder), safe_serialization=True)
-    try:
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(model_source).save_pretrained(str(folder))
-        tokenizer = "saved"
-    except Exception as exc:  # recorded: the export then needs the user's own tokenizer
-        tokenizer = f"not saved: no tokenizer loadable from {model_source} ({exc})"
-    return {"tokenizer": tokenizer, "lora_adapter": spec["method"] == "lora"}
-
-
 # -- the collective save and load ----------------------------------------------------------------
 def save_checkpoint(dest, strategy, ctx, job: dict, signature: dict, steps_done: int, stream, records,
-                    export: bool = False) -> dict:
-    """Collective. Native state + trainer state (+ eval logits and export), then manifest and
-    an atomic rename. Returns timings (meaningful on rank 0)."""
+                    export: bool = False, base: dict | None = None) -> dict:
+    """Collective. Native state + trainer state (+ the export and recorded logits: distlab.export),
+    then manifest and an atomic rename. A part that fails on any rank fails it on all of them
+    (SaveFailed, nothing left at `dest`). `base`: a LoRA run's base_identity. Returns timings
+    (meaningful on rank 0)."""
     import torch.distributed as dist
-    from safetensors.torch import save_file
+
+    from distlab.export import export_pass
 
     dest = Path(dest)
     tmp = dest.with_name(dest.name + ".tmp")
@@ -219,44 +261,45 @@ def save_checkpoint(dest, strategy, ctx, job: dict, signature: dict, steps_done:
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    t0 = time.perf_counter()
-    strategy.save_checkpoint(str(tmp / "state"))
-    dist.barrier()
-    info = {"steps_done": steps_done, "save_seconds": time.perf_counter() - t0,
-            "how": "strategy.save_checkpoint wall time on rank 0, up to the barrier after it"}
-    _save_trainer_state(tmp, rank, ctx.device, steps_done, stream, records)
-    if export:
+    try:
         t0 = time.perf_counter()
-        try:
-            full = strategy.full_state_dict()
-        except NotImplementedError as exc:  # every rank raises alike: the native state still counts
-            full, info["export"] = None, {"status": "unsupported", "reason": str(exc)}
-        if rank == 0 and full is not None:
-            model = consolidated_model(full, job["model_source"], ctx.spec)
-            save_file({"logits": logits_of(model, eval_batch(job["data_dir"])).contiguous()},
-                      str(tmp / "eval_logits.safetensors"))
-            info["export"] = write_export(model, job["model_source"], ctx.spec, tmp / "export")
+        agree(rank_error(lambda: strategy.save_checkpoint(str(tmp / "state"))), "the native state's save")
+        dist.barrier()
+        info = {"steps_done": steps_done, "save_seconds": time.perf_counter() - t0,
+                "how": "strategy.save_checkpoint wall time on rank 0, up to the barrier after it"}
+        agree(rank_error(lambda: _save_trainer_state(tmp, rank, ctx.device, steps_done, stream, records)),
+              "the trainer state's save")
+        if export:
+            t0 = time.perf_counter()
+            info["export"], error = export_pass(strategy, job, ctx.spec, tmp)
+            agree(error, "the export")
             info["export_seconds"] = time.perf_counter() - t0
-        del full
-    dist.barrier()
-    if rank == 0:
-        meta = {"format_version": FORMAT_VERSION, "experiment": ctx.spec["id"], "strategy": strategy.name,
-                "world_size": dist.get_world_size(), "steps_done": steps_done,
-                "spec": spec_fingerprint(ctx.spec), "model": signature, "save": info}
-        (tmp / META).write_text(json.dumps(meta, indent=1, default=str))
-        write_manifest(tmp)
-        fsync_tree(tmp)
-        replace_dir(tmp, dest)
-        info["bytes"] = dir_bytes(dest)
-    dist.barrier()
+
+        def finish():
+            meta = {"format_version": FORMAT_VERSION, "experiment": ctx.spec["id"], "strategy": strategy.name,
+                    "world_size": dist.get_world_size(), "steps_done": steps_done,
+                    "spec": spec_fingerprint(ctx.spec), "model": signature, "save": info}
+            if base is not None:
+                meta["base_model"] = base
+            (tmp / META).write_text(json.dumps(meta, indent=1, default=str))
+            write_manifest(tmp)
+            fsync_tree(tmp)
+            replace_dir(tmp, dest)
+            info["bytes"] = dir_bytes(dest)
+
+        agree(rank_error(finish) if rank == 0 else None, "the manifest and rename")
+    except SaveFailed:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return info
 
 
 def load_checkpoint(src, strategy, ctx, signature: dict, stream=None, verify: bool = True,
-                    allow_world_size: bool = False) -> dict:
-    """Collective. Check manifest and identity, load the native state, then (when `stream` is
-    given and the world size is the saved one) the trainer state. Returns steps_done, records
-    and load seconds."""
+                    allow_world_size: bool = False, base: dict | None = None) -> dict:
+    """Collective. Check manifest and identity (LoRA: `base`, this run's base_identity, against the
+    one saved), load the native state, then (when `stream` is given and the world size is the
+    saved one) the trainer state. Returns steps_done, records and load seconds."""
     import torch.distributed as dist
 
     src = Path(src)
@@ -264,6 +307,7 @@ def load_checkpoint(src, strategy, ctx, signature: dict, stream=None, verify: bo
         check_manifest(src)
     meta = read_meta(src)
     check_compatible(meta, ctx.spec, signature, src, allow_world_size=allow_world_size)
+    check_base(meta, base, src)
     if stream is not None and meta["world_size"] != dist.get_world_size():
         raise CheckpointMismatch(f"checkpoint {src}: trainer state is per rank of a world of "
                                  f"{meta['world_size']}; this run has {dist.get_world_size()}")

@@ -8,7 +8,8 @@ import os
 import shutil
 from pathlib import Path
 
-FORMAT_VERSION = 1  # of the checkpoint folder: its manifest and distlab_checkpoint.json
+FORMAT_VERSION = 2  # of the checkpoint folder: its manifest and distlab_checkpoint.json (2: trainable
+# parameters only, the base named by identity; sharded streamed export)
 MANIFEST = "MANIFEST.json"
 
 

@@ -44,6 +44,8 @@ EXPERIMENT_DEFAULTS: dict = {
     "repeats": 1,
     "launches": 1,
     "checkpoint_every": 0,
+    "checkpoint_keep": 1,
+    "export": {"merge": False, "max_shard_size": "5GB"},
     "memory_budget_gib": None,
     "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": None},
     "deepspeed": {"zero_stage": 2, "offload_optimizer": "none", "offload_param": "none", "nvme_path": None,
@@ -247,6 +249,8 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
     if spec["fsdp"]["via"] == "accelerate" and spec["strategy"] == "fsdp" and spec["device"] != "cuda":
         fail("fsdp.via", "FSDP through Accelerate is a CUDA path (on CPU Accelerate wraps DDP instead); "
              "use via: native")
+    if spec["export"]["merge"] and spec["method"] != "lora":
+        fail("export.merge", "merging applies to LoRA adapters; a full fine-tune's export is the whole model already")
     if spec["precision"] == "fp16" and spec["device"] == "cpu":
         fail("precision", "fp16 autocast is not supported on CPU; use fp32 or bf16")
     if spec["launcher"] == "ray" and spec["strategy"] not in ("ddp", "fsdp", "deepspeed"):

@@ -4,10 +4,11 @@ split's first data.eval_blocks blocks.
 
 loss = cross-entropy summed over every label position after the causal shift (labels -100,
 the masked prompt tokens of chat/instruction data, left out) / the number of those
-positions; perplexity = exp(loss). The run's model is evaluated whole, on rank 0: the
-strategy's full_state_dict() (a collective every strategy implements for its export) loaded
-into a plain Hugging Face model, so sharded, pipelined and tensor-parallel runs are measured
-exactly like DDP.
+positions; perplexity = exp(loss). The run's model is evaluated as it trains: still
+sharded or split, on its own devices, through the strategy's collective forward
+(Strategy.forward_logits: FSDP and ZeRO-3 gather a layer at a time, tensor-parallel ranks
+compute their slices, pipeline stages pass activations on), so no rank ever holds the whole
+model to evaluate it and a run under a memory budget is evaluated too.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 EVAL_BATCH = 8
 HOW = ("mean cross-entropy over the label positions (after the causal shift, -100 excluded) of the eval "
-       "split's first {n} blocks; perplexity = exp(loss); fp32, model.eval(), no grad")
+       "split's first {n} blocks; perplexity = exp(loss); model.eval(), no grad, {where}")
 
 
 def eval_tokens(data_dir, n_blocks: int | None = None):
@@ -31,23 +32,42 @@ def eval_tokens(data_dir, n_blocks: int | None = None):
     return ids, (ids if labels is None else labels[:n])
 
 
-def evaluate_model(model, ids, labels, device=None) -> dict:
-    import torch
+def loss_terms(logits, labels):
+    """(summed cross-entropy, label positions) of one batch's logits, as tensors on the logits'
+    device (the CPU labels moved there)."""
     import torch.nn.functional as F
+
+    length = logits.shape[1] - 1  # narrow, not [:, 1:]: plain ATen ops (tests/test_cuda_contracts.py)
+    target = labels.narrow(1, 1, length).to(logits.device)
+    shifted = logits.narrow(1, 0, length).float()
+    total = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), target.reshape(-1), ignore_index=-100,
+                            reduction="sum")
+    return total, (target != -100).sum()
+
+
+def loss_sum(logits, labels) -> tuple[float, int]:
+    total, count = loss_terms(logits, labels)
+    return total.item(), int(count)
+
+
+def summarize_loss(total: float, count: int, blocks: int, where: str) -> dict:
+    loss = total / count if count else math.nan
+    return {"loss": loss, "perplexity": math.exp(loss) if count else math.nan, "tokens": count, "blocks": blocks,
+            "how": HOW.format(n=blocks, where=where)}
+
+
+def evaluate_model(model, ids, labels, device=None) -> dict:
+    """A plain model (one process holds it) on the eval tokens, fp32."""
+    import torch
 
     model.eval()
     total, count = 0.0, 0
     with torch.no_grad():
         for start in range(0, len(ids), EVAL_BATCH):
             batch = ids[start:start + EVAL_BATCH].to(device or "cpu")
-            target = labels[start:start + EVAL_BATCH].to(batch.device)[:, 1:]
-            logits = model(input_ids=batch).logits[:, :-1].float()
-            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100,
-                                     reduction="sum").item()
-            count += int((target != -100).sum())
-    loss = total / count if count else math.nan
-    return {"loss": loss, "perplexity": math.exp(loss) if count else math.nan, "tokens": count,
-            "blocks": len(ids), "how": HOW.format(n=len(ids))}
+            part = loss_sum(model(input_ids=batch).logits, labels[start:start + EVAL_BATCH])
+            total, count = total + part[0], count + part[1]
+    return summarize_loss(total, count, len(ids), "fp32, the whole model in one process")
 
 
 def evaluate_base(model_source: str, data_dir, out_path, threads: int | None = None) -> dict:
@@ -68,35 +88,30 @@ def evaluate_base(model_source: str, data_dir, out_path, threads: int | None = N
 
 
 def evaluate_run(strategy, job: dict) -> dict | None:
-    """Collective (every rank calls it): the trained model on the eval tokens, on rank 0.
-    Returns {"trained", "base"} on rank 0 (base from the base-model rule's file, when the job
-    names one), None on the other ranks."""
+    """Collective (every rank calls it): the trained model on the eval tokens through
+    strategy.forward_logits, micro_batch sequences at a time (the batch a rank already trains
+    on, so the evaluation fits wherever training fits). Returns {"trained", "base"} on rank 0
+    (base from the base-model rule's file, when the job names one), None on the other ranks."""
     import torch.distributed as dist
 
-    from distlab.checkpoint import consolidated_model
-
-    if job["spec"].get("memory_budget_gib") is not None:
-        # Rank 0 rebuilds the whole model to evaluate it: under a per-rank budget that copy
-        # alone would end a sharded run as oom. Recorded as not evaluated, with the reason.
-        if dist.get_rank() != 0:
-            return None
-        out = {"trained": {"status": "not evaluated",
-                           "reason": "memory_budget_gib is set: the whole-model evaluation on rank 0 would count "
-                                     "against the per-rank budget this run measures"}}
-    else:
-        try:
-            full = strategy.full_state_dict()
-        except NotImplementedError as exc:  # every rank raises alike
-            return {"trained": {"status": "not evaluated", "reason": str(exc)}} if dist.get_rank() == 0 else None
-        if dist.get_rank() != 0:
-            return None
-        try:
-            model = consolidated_model(full, job["model_source"], job["spec"])
-            del full
-            ids, labels = eval_tokens(job["data_dir"])
-            out = {"trained": evaluate_model(model, ids, labels)}
-        except Exception as exc:  # rank 0 only, after the collective: recorded, the run's training stands
-            out = {"trained": {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:500]}}
+    spec = job["spec"]
+    ids, labels = eval_tokens(job["data_dir"])
+    total, count, error = 0.0, 0, None
+    for start in range(0, len(ids), spec["micro_batch"]):
+        logits = strategy.forward_logits(ids[start:start + spec["micro_batch"]])
+        if logits is not None and error is None:
+            try:
+                part = loss_sum(logits, labels[start:start + spec["micro_batch"]])
+                total, count = total + part[0], count + part[1]
+            except Exception as exc:  # rank 0 only: recorded, the run's training stands
+                error = f"{type(exc).__name__}: {exc}"[:500]
+        del logits
+    if dist.get_rank() != 0:
+        return None
+    where = (f"the training model itself ({spec['strategy']}, on {strategy.ctx.device.type}, "
+             f"{spec['precision']}; Strategy.forward_logits)")
+    out = {"trained": {"status": "failed", "reason": error} if error else
+           summarize_loss(total, count, len(ids), where)}
     base = job.get("base_eval_json")
     if base:
         out["base"] = json.loads(Path(base).read_text())

@@ -29,7 +29,9 @@ def write_job(job: dict) -> str:
 
 def write_oom_metrics(job: dict) -> bool:
     """Fold the ranks' oom-rank<N>.json into a metrics.json with status 'oom' (then removed:
-    metrics.json, a declared output, holds them)."""
+    metrics.json, a declared output, holds them). A run that ran out of memory in its final
+    save had already written its figures (distlab.worker): they are kept, its checkpoint
+    recorded as failed."""
     from distlab.metrics import METRICS_SCHEMA_VERSION, library_versions
 
     run_dir = Path(job["run_dir"])
@@ -41,8 +43,15 @@ def write_oom_metrics(job: dict) -> bool:
     metrics = {"schema_version": METRICS_SCHEMA_VERSION, "experiment": spec["id"], "stage": spec["stage"],
                "machine": hardware["machine"], "status": "oom", "spec": spec, "oom": records,
                "memory_budget_gib": spec["memory_budget_gib"], "versions": library_versions()}
-    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    (run_dir / "steps.jsonl").write_text("")
+    written = run_dir / "metrics.json"
+    if written.is_file():  # this launch's figures, written before its final save (launch removed older ones)
+        trained = json.loads(written.read_text())
+        metrics = {**trained, **metrics, "oom_phase": "final save",
+                   "checkpoint": {"status": "failed", "error": "out of memory during the final save: "
+                                  + "; ".join(f"rank {r['rank']}: {r['error']}" for r in records)}}
+    else:
+        (run_dir / "steps.jsonl").write_text("")
+    written.write_text(json.dumps(metrics, indent=1))
     for path in run_dir.glob("oom-rank*.json"):
         path.unlink()
     return True
@@ -81,8 +90,8 @@ def launch(job: dict, log_path: str | None = None, timeout: float | None = None)
     run_launcher = get_launcher(job["spec"]["launcher"])
     refuse_if_running(job_file(job), f"experiment {job['spec']['id']}")
     job_path = write_job(job)
-    for stale in Path(job["run_dir"]).glob("oom-rank*.json"):
-        stale.unlink()
+    for stale in [*Path(job["run_dir"]).glob("oom-rank*.json"), Path(job["run_dir"]) / "metrics.json"]:
+        stale.unlink(missing_ok=True)  # only this launch's records may be read back below
     files = run_files_dir(job["run_dir"])  # a declared output: present, and only this run's files
     shutil.rmtree(files, ignore_errors=True)
     files.mkdir()

@@ -67,26 +67,6 @@ def base_name(peft_key: str) -> str | None:
     return peft_key.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
-def frozen_base_report(peft_state: dict, base_state: dict) -> dict:
-    """Compare a LoRA model's full state with the base model's: every base weight must be
-    bit-identical (torch.equal), none missing, none unknown."""
-    compared, changed, unknown, adapters = set(), [], [], 0
-    for key, tensor in peft_state.items():
-        name = base_name(key)
-        if name is None:
-            adapters += 1
-        elif name not in base_state:
-            unknown.append(key)
-        else:
-            compared.add(name)
-            if not torch.equal(tensor.detach().cpu(), base_state[name].detach().cpu()):
-                changed.append(name)
-    return {"base_weights_compared": len(compared), "base_weights_changed": changed,
-            "base_weights_missing": sorted(set(base_state) - compared), "unknown_keys": unknown,
-            "adapter_tensors": adapters,
-            "identical": not changed and not unknown and compared == set(base_state)}
-
-
 def parameter_counts(model) -> dict:
     # ds_numel: a ZeRO-3 parameter partitioned at load (deepspeed.zero.Init) has numel() 0.
     total = sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters())

@@ -28,8 +28,10 @@ interpreter, torch/transformers/deepspeed and their libraries included.
 Peaks: the load-phase peak is the process's high-water mark from start to the first
 step (CPU: VmHWM of /proc/self/status; CUDA: torch.cuda.max_memory_allocated/reserved and
 NVML); then the marks are reset (/proc/self/clear_refs "5", torch.cuda.reset_peak_memory_stats)
-so the training-phase peak covers the steps alone; after the final save and export each
-rank's lifetime peak (ru_maxrss; CUDA: the reserved peak) joins the record and the budget verdict.
+so the training-phase peak covers the steps alone; they are reset again after the last step,
+so the save-phase peak covers the final evaluation, save and export alone; each rank's
+lifetime peak (the largest of the three) joins the record and the budget verdict. (getrusage's
+ru_maxrss is no lifetime peak here: clear_refs resets the kernel's high-water mark it reads.)
 
 Over ~300 lines on purpose: the budget, the phase peaks and the OOM record read the same
 high-water marks, and must agree on what "the rank's memory" is.
@@ -243,36 +245,44 @@ def budget_verdict(budget: dict | None, memory: dict, state_bytes: dict | None) 
     return verdict
 
 
-def peak_through_save(device) -> int | None:
-    """This rank's peak once the final save and export are done: on CPU the process's RSS
-    high-water mark over its whole life (ru_maxrss, which clear_refs does not reset); on CUDA
-    the allocator's reserved peak since the first step (training, eval, save)."""
+def start_save_phase(device) -> bool:
+    """Right after training: reset the peaks so the save phase (final evaluation, save and
+    export) is measured alone. False where the kernel refused the reset."""
+    check_budget()  # before the reset forgets the training-phase high-water mark
     if device.type == "cuda":
-        return torch.cuda.max_memory_reserved(device)
-    from distlab import metrics as M
-
-    return M.peak_rss_bytes()
+        torch.cuda.reset_peak_memory_stats(device)
+    return reset_rss_peak()
 
 
-def gather_peaks_through_save(device) -> list:
-    """Collective: every rank's peak_through_save, on every rank."""
+def gather_peaks_through_save(device, reset_for_save: bool | None = None) -> list:
+    """Collective: every rank's save-phase peak, on every rank."""
     import torch.distributed as dist
 
+    check_budget()
+    save_phase = phase_peak(device)
+    save_phase["how"] = ("VmHWM since the reset after the last step: final evaluation, save and export"
+                         if reset_for_save else "VmHWM since process start (clear_refs refused)")
+    if device.type == "cuda":
+        save_phase["how"] += "; torch.cuda.max_memory_allocated/reserved since the same point"
     peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak_through_save(device))
+    dist.all_gather_object(peaks, save_phase)
     return peaks
 
 
 def add_peaks_through_save(memory: dict, peaks: list) -> None:
-    """The run summary's per-rank memory records gain the peak through the final save; a
-    budget's verdict then covers the save and export too (they run after the training peak
-    was recorded, under the same enforced budget)."""
-    for record, peak in zip(memory["per_rank"], peaks):
-        record["peak_through_save_bytes"] = peak
+    """The run summary's per-rank memory records gain the save-phase peak and the lifetime
+    peak (the largest phase peak: load, training, save); a budget's verdict then covers the
+    save and export too (they run after the training peak was recorded, under the same
+    enforced budget)."""
+    for record, save_phase in zip(memory["per_rank"], peaks):
+        record["save_phase"] = save_phase
+        phases = [v for v in rank_phase_peaks(record).values() if v is not None]
+        lifetime = max(phases) if phases else None
+        record["peak_through_save_bytes"] = lifetime
         verdict = record.get("budget")
-        if verdict is None or peak is None:
+        if verdict is None or lifetime is None:
             continue
-        verdict["measured_bytes"] = max(verdict["measured_bytes"], peak)
+        verdict["measured_bytes"] = max(verdict["measured_bytes"], lifetime)
         verdict["measured_what"] += ", through the final save and export"
         verdict["fits"] = verdict["measured_bytes"] <= verdict["bytes"]
 
@@ -324,12 +334,25 @@ def record_oom(job: dict, error: BaseException) -> None:
     Path(job["run_dir"], f"oom-rank{rank}.json").write_text(json.dumps(record))
 
 
+PHASES = ("load_phase", "training_phase", "save_phase")
+
+
+def rank_phase_peaks(rank: dict) -> dict:
+    """One rank's peak per phase (bytes, None where not recorded): CUDA reserved, else RSS."""
+    out = {}
+    for phase in PHASES:
+        record = rank.get(phase) or {}
+        value = record.get("cuda_max_reserved_bytes")
+        out[phase] = value if value is not None else record.get("rss_peak_bytes")
+    return out
+
+
 def phase_peaks(run: dict) -> dict:
-    """Largest rank's load-phase and training-phase peaks of a run's metrics (bytes; None for
+    """Largest rank's load-, training- and save-phase peaks of a run's metrics (bytes; None for
     runs recorded before the phases were measured): CUDA allocator reserved bytes, else RSS."""
     per_rank = ((run.get("memory") or {}).get("per_rank")) or []
     out = {}
-    for phase in ("load_phase", "training_phase"):
+    for phase in PHASES:
         records = [m.get(phase) or {} for m in per_rank]
         cuda = [r["cuda_max_reserved_bytes"] for r in records if r.get("cuda_max_reserved_bytes") is not None]
         rss = [r["rss_peak_bytes"] for r in records if r.get("rss_peak_bytes") is not None]

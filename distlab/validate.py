@@ -17,7 +17,8 @@ from pathlib import Path
 
 VALIDATION_SCHEMA_VERSION = 1
 PASSED, FAILED, UNSUPPORTED = "passed", "failed", "unsupported"
-# The eval forward runs in fp32 on a consolidated model, whatever the training precision.
+# Every compared forward runs streamed on the CPU in fp32 (distlab.streamed), whatever the
+# training device and precision: the same code on the same weights agrees to float rounding.
 RELOAD_TOLERANCE = 1e-5
 # Merging LoRA into the base weights changes float rounding, not the function.
 MERGE_TOLERANCE = 1e-4
@@ -74,6 +75,11 @@ def validate_run(run_dir, model_source: str, data_dir: str, out_path, log_path=N
     if metrics.get("status") != "ok":
         result.update(status="nothing to validate",
                       reason=f"the run ended with status {metrics.get('status')!r}; it saved no checkpoint")
+        return _write(out_path, result)
+    failed_save = root / "FAILED.json"  # distlab.training_checkpoints.FAILED
+    if failed_save.is_file():
+        why = json.loads(failed_save.read_text())["error"]
+        result.update(status="nothing to validate", reason=f"the run trained but its final save failed: {why}")
         return _write(out_path, result)
     if (root / "UNSUPPORTED.json").is_file():
         why = json.loads((root / "UNSUPPORTED.json").read_text())["reason"]

@@ -5,6 +5,10 @@ does, load checkpoints through the Strategy interface and record each check.
 A launch runs its plan's phases in order: "same" (saved world size: compatibility, reload,
 LoRA base weights, resume parity) and "reshard" (other world size). The export check runs
 first, on rank 0, before this process loads anything else.
+
+Every logit compared here is computed the way the recorded ones were (distlab.streamed: on
+rank 0's CPU in fp32, the weights arriving one decoder layer at a time): from a reloaded
+strategy's gathered state, or from the export's files. No process holds a whole model.
 """
 from __future__ import annotations
 
@@ -91,79 +95,157 @@ class ValidationRank:
         strategy.init_distributed()  # joins the existing group; some strategies set up their state here
         return strategy, prepare_model(strategy, self.job["model_source"], spec).signature
 
-    def consolidated_logits(self, strategy):
-        """Collective: the strategy's full state in a plain HF model, its logits on rank 0."""
-        from distlab import checkpoint as ckpt
+    def streamed_logits(self, strategy):
+        """Collective: the strategy's state gathered one layer at a time (Strategy.state_groups),
+        run on rank 0's CPU in fp32; logits on rank 0, None elsewhere."""
+        from distlab.export import eval_batch
+        from distlab.streamed import Skeleton, streamed_logits
 
-        full = strategy.full_state_dict()
+        groups = strategy.state_groups()
         if self.rank != 0:
-            return None, None
-        model = ckpt.consolidated_model(full, self.job["model_source"], self.spec)
-        return model, ckpt.logits_of(model, ckpt.eval_batch(self.job["data_dir"]))
+            for _ in groups:
+                pass
+            return None
+        return streamed_logits(Skeleton.for_run(self.job["model_source"], self.spec), groups,
+                               eval_batch(self.job["data_dir"]))
 
-    def saved_logits(self):
+    def saved_logits(self, name: str = "logits"):
         from safetensors.torch import load_file
 
-        return load_file(str(Path(self.job["final"]) / "eval_logits.safetensors"))["logits"]
+        return load_file(str(Path(self.job["final"]) / "eval_logits.safetensors"))[name]
+
+
+def export_logits(folder: Path, batch, skeleton=None, base_folder=None, cast=None):
+    """Streamed CPU logits of a Hugging Face folder as a user would load it: its own config.json
+    and weight files, one layer at a time. LoRA: `skeleton` is the PeftModel peft built on a
+    meta base from the adapter folder, the base weights read from `base_folder`."""
+    from distlab.model import load_model
+    from distlab.partial_load import checkpoint_names
+    from distlab.streamed import Skeleton, file_groups, open_weights, streamed_logits
+
+    if skeleton is None:
+        skeleton = Skeleton(load_model(str(folder), device="meta"))
+        with open_weights(folder) as reader:
+            return streamed_logits(skeleton, file_groups(skeleton, reader, cast=cast), batch)
+    from distlab.export_files import weight_index
+    from distlab.lora import base_name
+
+    base = skeleton.model.get_base_model()
+    stored = checkpoint_names(base, weight_index(base_folder))
+    keys = {name: stored[base_name(name)] for name in skeleton.shapes if "lora_" not in name}
+    with open_weights(base_folder, keys) as reader:
+        return streamed_logits(skeleton, file_groups(skeleton, reader, cast=cast,
+                                                     select=lambda n: "lora_" not in n), batch)
+
+
+def adapter_skeleton(folder: Path, source: str):
+    """The base on the meta device with the adapter folder applied by peft (its config reader and
+    weight loader): the adapters real and in place, the base weights to be streamed. Every
+    adapter of the model must be in the file and every tensor of the file an adapter."""
+    import torch
+    from peft import PeftConfig, get_peft_model
+    from peft.utils import load_peft_weights
+
+    from distlab.model import load_model
+    from distlab.streamed import Skeleton
+
+    config = PeftConfig.from_pretrained(str(folder))
+    with torch.random.fork_rng(devices=[]):
+        skeleton = Skeleton(get_peft_model(load_model(source, device="meta"), config))
+    stored = load_peft_weights(str(folder))
+    # peft stores each adapter without its adapter name ("lora_A.default.weight" -> "lora_A.weight").
+    wanted = {name: name.replace(".default.", ".", 1) for name in skeleton.shapes if "lora_" in name}
+    missing = sorted(k for k in wanted.values() if k not in stored)
+    unexpected = sorted(set(stored) - set(wanted.values()))
+    if missing or unexpected:
+        raise ValueError(f"{folder}: adapter file and model disagree: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    skeleton.place({name: stored[key].float() for name, key in wanted.items()})
+    skeleton.fixed |= set(wanted)
+    skeleton.resident -= set(wanted)  # never released by the streamed forward
+    return skeleton
+
+
+def export_layout(folder: Path) -> dict:
+    """The export's weight files against what save_pretrained writes for its own config."""
+    from distlab.export_files import shard_plan, weight_index
+    from distlab.model import load_model
+
+    plan = shard_plan(load_model(str(folder), device="meta"))
+    wanted = {name: file for file, entries in plan["files"].items() for name in entries}
+    found = weight_index(folder)
+    return {"files_as_save_pretrained": found == wanted,
+            "missing": sorted(set(wanted) - set(found))[:5], "unexpected": sorted(set(found) - set(wanted))[:5],
+            "files": sorted(set(found.values()))}
 
 
 def check_export(validator: ValidationRank) -> dict:
-    """Rank 0, before loading anything else: the export as a user would open it."""
+    """Rank 0, before loading anything else: the export as a user would open it (its config,
+    its files; LoRA: peft's PeftModel.from_pretrained on the base), run streamed, vs the
+    logits recorded at save time."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from distlab import checkpoint as ckpt
+    from distlab.export import MERGED, eval_batch
+    from distlab.partial_load import model_folder
 
-    folder = Path(validator.job["final"]) / "export"
+    final = Path(validator.job["final"])
+    folder = final / "export"
+    meta = ckpt.read_meta(final)
     if not folder.is_dir():
-        meta = ckpt.read_meta(validator.job["final"])
         raise NotImplementedError((meta["save"].get("export") or {}).get("reason", "no export was written"))
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    batch = ckpt.eval_batch(validator.job["data_dir"])
-    saved = validator.saved_logits()
-    diff = (ckpt.logits_of(model, batch) - saved).abs().max().item()
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    prompt = batch[:1, :8]
-    with torch.no_grad():
-        generated = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    new_tokens = generated.shape[1] - prompt.shape[1]
-    tolerance = MERGE_TOLERANCE if validator.spec["method"] == "lora" else RELOAD_TOLERANCE
-    out = {"path": str(folder), "max_abs_logit_diff": diff, "tolerance": tolerance, "generated_tokens": new_tokens,
-           "generated_text": tokenizer.decode(generated[0]),
-           "how": "AutoModelForCausalLM.from_pretrained(export) in a validation process; logits on the fixed eval "
-                  "batch vs those recorded at save time; greedy generate of 8 tokens"}
-    ok = diff <= tolerance and new_tokens > 0
-    if validator.spec["method"] == "lora":
-        from peft import PeftModel
-
-        from distlab.model import load_model
-
-        adapted = PeftModel.from_pretrained(load_model(validator.job["model_source"]), str(folder / "adapter")).eval()
-        out["adapter_max_abs_logit_diff"] = (ckpt.logits_of(adapted, batch) - saved).abs().max().item()
-        out["adapter_tolerance"] = RELOAD_TOLERANCE
-        out["how"] += "; LoRA: PeftModel.from_pretrained(base, export/adapter) compared too, the top folder is merged"
-        ok = ok and out["adapter_max_abs_logit_diff"] <= RELOAD_TOLERANCE
+    saved_export = meta["save"].get("export") or {}
+    batch, saved = eval_batch(validator.job["data_dir"]), validator.saved_logits()
+    spec, source = validator.spec, validator.job["model_source"]
+    out = {"path": str(folder), "tolerance": RELOAD_TOLERANCE,
+           "how": "the export's own files read one decoder layer at a time and run on the CPU in fp32 (no process "
+                  "holds the whole model); logits on the fixed eval batch vs those recorded at save time"}
+    if spec["method"] == "lora":
+        skeleton = adapter_skeleton(folder, source)
+        base_dtype = saved_export.get("base_weights_dtype")
+        cast = getattr(torch, base_dtype) if isinstance(base_dtype, str) else None
+        logits = export_logits(folder, batch, skeleton, model_folder(source), cast=cast)
+        out["how"] += ("; LoRA: peft's own readers of the adapter folder (PeftConfig.from_pretrained, "
+                       f"load_peft_weights), base weights from {source}"
+                       + (f" held as {base_dtype} as in training" if cast else ""))
+        if (folder / MERGED).is_dir():
+            merged = export_logits(folder / MERGED, batch)
+            out.update(merged_max_abs_logit_diff=(merged - saved).abs().max().item(),
+                       merged_tolerance=MERGE_TOLERANCE, merged_layout=export_layout(folder / MERGED))
+    else:
+        logits = export_logits(folder, batch)
+        out["layout"] = export_layout(folder)
+    out["max_abs_logit_diff"] = (logits - saved).abs().max().item()
+    ok = out["max_abs_logit_diff"] <= RELOAD_TOLERANCE and out.get("layout", {}).get("files_as_save_pretrained", True)
+    if "merged_max_abs_logit_diff" in out:
+        ok = ok and out["merged_max_abs_logit_diff"] <= MERGE_TOLERANCE \
+            and out["merged_layout"]["files_as_save_pretrained"]
+    training = saved_export.get("training_vs_streamed_max_abs_logit_diff")
+    if training is not None:
+        # The gathered weights are the model that trained: its own forward (sharded, on its
+        # device, training precision) against the streamed one. Checked where both are CPU fp32.
+        out["training_model_max_abs_logit_diff"] = training
+        if spec["device"] == "cpu" and spec["precision"] == "fp32":
+            out["training_model_tolerance"] = RELOAD_TOLERANCE
+            ok = ok and training <= RELOAD_TOLERANCE
+        else:
+            out["training_model_note"] = (f"recorded, not checked: the training model ran on {spec['device']} in "
+                                          f"{spec['precision']}, the streamed forward on the CPU in fp32")
     return {"status": PASSED if ok else FAILED, **out}
 
 
-def lora_base_frozen(model, model_source: str) -> dict:
-    """Frozen base weights after reload vs a freshly loaded base model: bit for bit."""
-    import torch
-
-    from distlab.model import load_model
-
-    base = load_model(model_source).state_dict()
-    compared, changed = 0, []
-    for name, tensor in model.get_base_model().state_dict().items():
-        if "lora_" in name:
-            continue
-        compared += 1
-        key = name.replace(".base_layer", "")
-        # The base as the strategy keeps it (LoRA bf16: bf16, strategies.base.frozen_base_dtype).
-        if key not in base or not torch.equal(tensor, base[key].to(tensor.dtype)):
-            changed.append(name)
-    return {"status": PASSED if compared and not changed else FAILED, "tensors_compared": compared,
-            "changed": changed[:20], "tolerance": "bit-identical (torch.equal)"}
+def lora_base_frozen(meta: dict, now: dict, reload_diff: float) -> dict:
+    """A LoRA checkpoint holds no base weight: the base it names (sha256 of its files) must be
+    the folder's (`now`, checkpoint.base_identity), and base + reloaded adapters must give the
+    logits of the trained state."""
+    saved = meta.get("base_model") or {}
+    source = now["source"]
+    same = bool(saved) and saved.get("weights_sha256") == now["weights_sha256"]
+    ok = same and reload_diff <= RELOAD_TOLERANCE
+    return {"status": PASSED if ok else FAILED, "base_identity_matches": same, "base_files": sorted(now["weights_sha256"]),
+            "reload_max_abs_logit_diff": reload_diff, "tolerance": RELOAD_TOLERANCE,
+            "how": "the checkpoint holds adapters only; the base it names by the sha256 of its weight files equals "
+                   f"{source}'s, and that base + the reloaded adapters reproduce the trained model's logits "
+                   "(the reload check): the base stayed frozen"}
 
 
 def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> None:
@@ -178,27 +260,30 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
     spec = validator.spec = dict(job["spec"], world_size=world_size)
     strategy, signature = validator.build(spec)
     meta = ckpt.read_meta(job["final"])
+    base = ckpt.base_identity(job["model_source"]) if spec["method"] == "lora" else None  # collective
 
     def compatibility():
         ckpt.check_compatible(meta, spec, signature, job["final"])
-        return {"status": PASSED, "how": "model config, parameter shapes and experiment spec vs the checkpoint's"}
+        ckpt.check_base(meta, base, job["final"])
+        return {"status": PASSED, "how": "model config, parameter shapes and experiment spec vs the checkpoint's"
+                + ("; LoRA: the base model's weight files (sha256) vs those it names" if base else "")}
 
     if not validator.guarded("compatibility", compatibility):
         return
 
     def reload():
-        info = ckpt.load_checkpoint(job["final"], strategy, validator.ctx, signature, verify=False)
-        model, logits = validator.consolidated_logits(strategy)
+        info = ckpt.load_checkpoint(job["final"], strategy, validator.ctx, signature, verify=False, base=base)
+        logits = validator.streamed_logits(strategy)
         if validator.rank != 0:
             return {}
         diff = (logits - validator.saved_logits()).abs().max().item()
         if spec["method"] == "lora":
-            validator.record("lora_base_frozen", lora_base_frozen(model, job["model_source"]))
+            validator.record("lora_base_frozen", lora_base_frozen(meta, base, diff))
         return {"status": PASSED if diff <= RELOAD_TOLERANCE else FAILED, "max_abs_logit_diff": diff,
                 "tolerance": RELOAD_TOLERANCE, "world_size": dist.get_world_size(),
                 "load_seconds": info["load_seconds"],
-                "how": "fresh model + strategy, strategy.load_checkpoint, full_state_dict into a plain HF model; "
-                       "fp32 logits on the fixed eval batch vs those recorded at save time"}
+                "how": "fresh model + strategy, strategy.load_checkpoint, its state gathered one layer at a time and "
+                       "run on the CPU in fp32; logits on the fixed eval batch vs those recorded at save time"}
 
     validator.guarded("reload", reload)
     strategy = None  # the parity check builds its own; free this one first
@@ -212,11 +297,12 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
         strategy, signature = validator.build(spec)
         blocks = load_blocks(job["data_dir"], "train")
         stream = IndexStream(len(blocks), spec, strategy.data_parallel_rank, strategy.data_parallel_size)
-        info = ckpt.load_checkpoint(job["parity"], strategy, validator.ctx, signature, stream=stream, verify=False)
+        info = ckpt.load_checkpoint(job["parity"], strategy, validator.ctx, signature, stream=stream, verify=False,
+                                    base=base)
         start = info["steps_done"]
         records = gather(train(validator.ctx, strategy, blocks, start_step=start, stream=stream,
                                train_labels=load_labels(job["data_dir"], "train"))["records"])
-        model, logits = validator.consolidated_logits(strategy)
+        logits = validator.streamed_logits(strategy)
         if validator.rank != 0:
             return {}
         losses = []
@@ -251,15 +337,15 @@ def check_at_other_world_size(validator: ValidationRank, world_size: int) -> Non
         strategy, signature = validator.build(validator.spec)
         info = ckpt.load_checkpoint(validator.job["final"], strategy, validator.ctx, signature, verify=False,
                                     allow_world_size=True)
-        _, logits = validator.consolidated_logits(strategy)
+        logits = validator.streamed_logits(strategy)
         if validator.rank != 0:
             return {}
         diff = (logits - validator.saved_logits()).abs().max().item()
         return {"status": PASSED if diff <= RELOAD_TOLERANCE else FAILED, "from_world_size": meta["world_size"],
                 "to_world_size": dist.get_world_size(), "max_abs_logit_diff": diff, "tolerance": RELOAD_TOLERANCE,
                 "load_seconds": info["load_seconds"],
-                "how": "the final checkpoint loaded by the same strategy at another world size; consolidated "
-                       "logits vs those recorded at save time"}
+                "how": "the final checkpoint loaded by the same strategy at another world size; its state gathered "
+                       "one layer at a time, CPU fp32 logits vs those recorded at save time"}
 
     if not validator.guarded("reshard", reshard):
         validator.checks["reshard"].update(from_world_size=meta["world_size"], to_world_size=dist.get_world_size())

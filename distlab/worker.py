@@ -23,7 +23,7 @@ from distlab.evaluation import evaluate_run
 from distlab.loop import train
 from distlab.memory import (OOM_EXIT_CODE, add_peaks_through_save, apply_memory_budget, budget_verdict,
                             gather_peaks_through_save, is_out_of_memory, load_phase_record, memory_record,
-                            record_oom, rss_now)
+                            record_oom, rss_now, start_save_phase)
 from distlab.model import import_model_code
 from distlab.model_setup import prepare_model
 from distlab.run_outputs import write_outputs
@@ -84,16 +84,24 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
 
     ranks = gather_ranks(result, memory)
     timeline.mark("gather records")
+    reset_for_save = start_save_phase(ctx.device)  # the final evaluation, save and export measured alone
     # Collective: the trained model on the held-out tokens (a timing-only launch, spec launches, skips it).
     evaluation = None if job.get("timing_only") else evaluate_run(strategy, job)
     timeline.mark("held-out eval")
     out = summarize_run(job, ctx, strategy, prepared, ranks, len(train_blocks), started) if ctx.is_main else None
+    if out is not None:
+        out[0]["eval"] = evaluation
+        # The run's figures are on disk before the final save: a save that fails (or runs out of
+        # memory, distlab.launch.write_oom_metrics) cannot take them with it.
+        out[0]["checkpoint"] = {"status": "saving" if checkpoints.enabled else "off",
+                                "note": "metrics.json was written before the final save; this record replaces it"}
+        out[0]["timeline"] = timeline.record()
+        write_outputs(job["run_dir"], out)
     saved = checkpoints.save_final()
     timeline.mark("final save and export")
-    peaks_through_save = gather_peaks_through_save(ctx.device)  # collective: eval, save and export included
+    peaks_through_save = gather_peaks_through_save(ctx.device, reset_for_save)  # collective
     if out is not None:
-        out[0]["checkpoint"] = saved
-        out[0]["eval"] = evaluation
+        out[0]["checkpoint"] = saved or {"status": "off", "reason": "the job names no checkpoint folder"}
         out[0]["timeline"] = timeline.record()
         add_peaks_through_save(out[0]["memory"], peaks_through_save)
     return out

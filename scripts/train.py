@@ -22,5 +22,10 @@ with logged(snakemake):
     print(f"experiment {job['spec']['id']}: {status}")
     if status == "oom":
         # Recorded as a result (the model did not fit), not a pipeline failure.
-        Path(snakemake.output.checkpoint).mkdir(parents=True, exist_ok=True)
-        Path(snakemake.output.checkpoint, "NO_CHECKPOINT").write_text("run ended out of memory; see metrics.json\n")
+        import shutil
+
+        folder = Path(snakemake.output.checkpoint)
+        folder.mkdir(parents=True, exist_ok=True)
+        for partial in folder.glob("*.tmp"):  # a save the out-of-memory exit cut short
+            shutil.rmtree(partial, ignore_errors=True)
+        Path(folder, "NO_CHECKPOINT").write_text("run ended out of memory; see metrics.json\n")

@@ -1,6 +1,6 @@
 """Checkpoint promises: what a run saves reloads to the same logits, resumes to the same
-losses, loads at another world size, exports to plain Hugging Face, and refuses to load when
-it was altered or made for another model or config."""
+losses, loads at another world size, exports to plain Hugging Face (LoRA: a PEFT adapter
+folder), and refuses to load when it was altered or made for another model, base or config."""
 import copy
 import json
 import shutil
@@ -59,7 +59,11 @@ def test_ddp_checkpoint_validates_reload_reshard_resume_and_export(trained):
     assert parity["max_abs_loss_diff"] <= parity["tolerance"]
     # The resumed trajectory is a real one: the loss moved between the two resumed steps.
     assert parity["resumed_losses"][0] != parity["resumed_losses"][1]
-    assert checks["export"]["generated_tokens"] > 0
+    export = checks["export"]
+    assert export["max_abs_logit_diff"] <= export["tolerance"] == 1e-5
+    assert export["layout"]["files_as_save_pretrained"], export["layout"]
+    # The gathered state is the model that trained: its own forward gave the same logits.
+    assert export["training_model_max_abs_logit_diff"] <= export["training_model_tolerance"] == 1e-5
     sizes = checks["size_and_time"]
     assert sizes["state_bytes"] > 0 and sizes["save_seconds"] > 0 and sizes["load_seconds"] > 0
     assert json.loads((run / "validation.json").read_text())["schema_version"] == 1
@@ -132,80 +136,121 @@ def test_checkpoint_from_a_different_model_is_refused_naming_the_difference(trai
         ckpt.check_compatible(meta, spec, other, "final")
 
 
+def logits_of(model, batch):
+    with torch.no_grad():
+        return model(input_ids=batch).logits.float()
+
+
 @pytest.mark.slow
 def test_export_opens_with_plain_transformers_and_matches_the_saved_logits(trained, prepared):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from distlab.export import eval_batch
+
     final = trained[0] / "checkpoint" / "final"
     model = AutoModelForCausalLM.from_pretrained(str(final / "export")).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(final / "export"))
-    batch = ckpt.eval_batch(prepared / "data32")
+    batch = eval_batch(prepared / "data32")
     saved = load_file(str(final / "eval_logits.safetensors"))["logits"]
-    assert torch.equal(ckpt.logits_of(model, batch), saved)
+    # The logits recorded from the streamed forward are those of the model transformers loads.
+    assert torch.equal(logits_of(model, batch), saved)
     prompt = tokenizer("The class", return_tensors="pt").input_ids
     out = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert out.shape[1] == prompt.shape[1] + 5
     # Trained weights, not the base model's: the export is the run's result.
     base = AutoModelForCausalLM.from_pretrained(str(prepared / "model")).eval()
-    assert not torch.equal(ckpt.logits_of(base, batch), saved)
+    assert not torch.equal(logits_of(base, batch), saved)
+
+
+@pytest.fixture(scope="module")
+def lora(prepared, tmp_path_factory):
+    """A 1-rank LoRA run with the merged export opted in, and its validation."""
+    run = tmp_path_factory.mktemp("lora") / "lora"
+    spec = resolve({"world_size": 1, "micro_batch": 4, "method": "lora", "export": {"merge": True}}, steps=4)
+    run_experiment(prepared, run, spec)
+    result = validate_run(run, str(prepared / "model"), str(prepared / "data32"), run / "validation.json",
+                          log_path=str(run / "validate.log"))
+    return run, spec, result
 
 
 @pytest.mark.slow
-def test_lora_checkpoint_keeps_frozen_base_weights_bit_identical_and_exports_adapters(prepared, tmp_path):
-    run = tmp_path / "lora"
-    run_experiment(prepared, run, resolve({"world_size": 1, "micro_batch": 4, "method": "lora"}, steps=4))
-    result = validate_run(run, str(prepared / "model"), str(prepared / "data32"), run / "validation.json",
-                          log_path=str(run / "validate.log"))
+def test_lora_checkpoint_holds_the_adapters_only_and_names_its_base(lora, prepared):
+    from safetensors.torch import load_file
+
+    run, _, result = lora
     checks = result["checks"]
     assert result["passed"] is True, json.dumps(result, indent=1)
-    assert checks["lora_base_frozen"]["tensors_compared"] > 0 and checks["lora_base_frozen"]["changed"] == []
-    assert (run / "checkpoint" / "final" / "export" / "adapter" / "adapter_model.safetensors").is_file()
-    assert checks["export"]["adapter_max_abs_logit_diff"] <= checks["export"]["adapter_tolerance"]
+    final = run / "checkpoint" / "final"
+    state = load_file(str(final / "state" / "model.safetensors"))
+    assert state and all("lora_" in name for name in state), sorted(state)[:3]
+    base = ckpt.read_meta(final)["base_model"]
+    assert base["weights_sha256"] == {"model.safetensors": sha256_file(prepared / "model" / "model.safetensors")}
+    frozen = checks["lora_base_frozen"]
+    assert frozen["base_identity_matches"] and frozen["reload_max_abs_logit_diff"] <= 1e-5
     assert checks["reshard"]["to_world_size"] == 2 and checks["reshard"]["status"] == "passed"
 
 
-def test_run_that_ran_out_of_memory_has_nothing_to_validate(tmp_path):
-    spec = resolve({"world_size": 1})
-    (tmp_path / "metrics.json").write_text(json.dumps({"status": "oom", "spec": spec}))
-    result = validate_run(tmp_path, "unused", "unused", tmp_path / "validation.json")
-    assert result["status"] == "nothing to validate" and result["passed"] is False and result["checks"] == {}
-    assert "oom" in result["reason"]
+@pytest.mark.slow
+def test_lora_export_is_a_peft_adapter_folder_that_plain_peft_loads_on_the_base(lora, prepared):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
+    from distlab.export import eval_batch
+    from distlab.model import load_model
 
-def test_strategy_without_checkpoint_support_is_recorded_unsupported_not_passed(tmp_path):
-    spec = resolve({"world_size": 1})
-    (tmp_path / "metrics.json").write_text(json.dumps({"status": "ok", "spec": spec}))
-    (tmp_path / "checkpoint").mkdir()
-    (tmp_path / "checkpoint" / "UNSUPPORTED.json").write_text(json.dumps({"reason": "ddp has no checkpoint save"}))
-    result = validate_run(tmp_path, "unused", "unused", tmp_path / "validation.json")
-    assert result["passed"] is False and result["status"] == "failed"
-    assert {c["status"] for c in result["checks"].values()} == {"unsupported"}
-    assert "ddp has no checkpoint save" in result["checks"]["reload"]["reason"]
+    run, _, result = lora
+    final = run / "checkpoint" / "final"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (final / "export").iterdir()}
+    adapted = PeftModel.from_pretrained(load_model(prepared / "model"), str(final / "export")).eval()
+    batch, saved = eval_batch(prepared / "data32"), load_file(str(final / "eval_logits.safetensors"))["logits"]
+    assert (logits_of(adapted, batch) - saved).abs().max().item() <= 1e-5
+    # The merged model is opt-in (export.merge) and opens with plain transformers.
+    merged = AutoModelForCausalLM.from_pretrained(str(final / "export" / "merged")).eval()
+    assert (logits_of(merged, batch) - saved).abs().max().item() <= 1e-4
+    export = result["checks"]["export"]
+    assert export["max_abs_logit_diff"] <= 1e-5 and export["merged_max_abs_logit_diff"] <= 1e-4
+    assert export["merged_layout"]["files_as_save_pretrained"]
 
 
 @pytest.mark.slow
-def test_report_checkpoint_table_shows_measured_validation_per_experiment(trained):
-    from distlab.report.cards import PASSED
-    from distlab.report.cards.checkpoint_table import checkpoint_card
-    from distlab.report.collect import load_run
+def test_a_lora_resume_against_a_changed_base_is_refused_naming_both_and_keeps_the_adapters(lora, prepared,
+                                                                                          tmp_path):
+    """The run's mid-run checkpoint put in resume/ of a new run whose base folder differs by one
+    bit: the run stops naming both bases, and the adapters it refused are still there."""
+    from distlab.launch import launch
 
-    card = checkpoint_card([load_run(trained[0] / "metrics.json")])
-    assert card.goals[0].status == PASSED
-    (row,) = card.tables[0].frame.to_dict("records")
-    assert row["validated"] == "passed" and row["reshard"].startswith("2->1 ranks")
-    assert row["size (MB)"] > 0 and row["load (s)"] > 0
+    run, spec, _ = lora
+    changed = tmp_path / "changed-base"
+    shutil.copytree(prepared / "model", changed)
+    weights = changed / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01  # one bit of the last weight: the same shapes, another base
+    weights.write_bytes(bytes(data))
+    again = tmp_path / "again"
+    (again / "resume").mkdir(parents=True)
+    shutil.copytree(run / "checkpoint" / "step-000002", again / "resume" / "step-000002")
+    job = {"spec": spec, "run_dir": str(again), "data_dir": str(prepared / "data32"), "model_source": str(changed),
+           "hardware_json": str(prepared / "hardware.json"), "env_allowlist": [],
+           "checkpoint_dir": str(again / "checkpoint")}
+    with pytest.raises(RuntimeError):
+        launch(job, log_path=str(again / "train.log"), timeout=300)
+    log = (again / "train.log").read_text()
+    assert f"trained on the base model {prepared / 'model'} (model.safetensors " in log
+    assert f"this run's base is {changed} (model.safetensors " in log
+    assert (again / "resume" / "step-000002" / MANIFEST).is_file()
+    meta = ckpt.read_meta(run / "checkpoint" / "final")
+    ckpt.check_base(meta, ckpt.base_identity(str(prepared / "model")), run)  # the unchanged base loads
 
 
-@pytest.mark.parametrize("sampler", ["distributed", "none"])
-def test_trainer_state_stores_the_data_position_not_every_index_and_replays_them(sampler, tmp_path):
-    spec = {"sampler": sampler, "seed": 3, "micro_batch": 4, "grad_accum": 2}
-    trained = IndexStream(40, spec, dp_rank=1, dp_size=2)
-    records = [{"step": s, "loss": 1.0, "samples": trained.next() + trained.next()} for s in range(7)]
-    ckpt._save_trainer_state(tmp_path, 1, torch.device("cpu"), 7, trained, records)
-    saved = json.loads((tmp_path / "trainer" / "rank1.json").read_text())
-    assert saved["stream"] == trained.state() and all("samples" not in r for r in saved["records"])
-    resumed = IndexStream(40, spec, dp_rank=1, dp_size=2)
-    steps, restored = ckpt._restore_trainer_state(tmp_path, 1, torch.device("cpu"), resumed)
-    assert steps == 7 and restored == records  # every step's indices, re-drawn from the seeded sampler
-    assert resumed.next() == trained.next()  # and the stream reads on where training stopped
+def test_checkpoint_keep_keeps_the_newest_periodic_saves_and_the_one_validation_resumes_from(tmp_path):
+    from distlab.training_checkpoints import prune_periodic
+
+    for step in (2, 4, 6, 8, 10):
+        (tmp_path / f"step-{step:06d}").mkdir()
+    (tmp_path / "step-000012.tmp").mkdir()  # a save in progress is never a candidate
+    assert prune_periodic(tmp_path, keep=2, parity_step=4) == ["step-000002", "step-000006"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000004", "step-000008", "step-000010",
+                                                          "step-000012.tmp"]
+    assert prune_periodic(tmp_path, keep=1, parity_step=None) == ["step-000004", "step-000008"]

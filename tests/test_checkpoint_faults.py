@@ -51,3 +51,59 @@ def test_killed_rank_fails_the_job_and_the_rerun_resumes_to_the_same_losses(prep
     assert [s["samples_by_rank"] for s in steps] == [s["samples_by_rank"] for s in ref_steps]
     assert (results / KILLED / "checkpoint" / "final" / "MANIFEST.json").is_file()
     assert not (results / KILLED / "resume").exists()
+
+
+@pytest.mark.slow
+def test_a_failed_final_save_keeps_the_runs_figures_and_counts_it_trained_but_unsaved(prepared, tmp_path,
+                                                                                   monkeypatch):
+    """Rank 0's export raises at the final save of a 2-rank run: the other rank is not left in a
+    collective, the job ends ok with every output rule train declares, and metrics.json keeps
+    the figures (written before the save) with checkpoint.status failed and the error."""
+    from conftest import resolve, run_experiment
+    from distlab.export import SAVE_FAULT_ENV
+    from distlab.report.cards.checkpoint_table import checkpoint_card
+    from distlab.report.collect import load_run, summary_row
+    from distlab.validate import validate_run
+
+    spec = resolve({"world_size": 2, "micro_batch": 4}, steps=4, warmup_steps=1)
+    monkeypatch.setenv(SAVE_FAULT_ENV, spec["id"])
+    run = tmp_path / "run"
+    metrics = run_experiment(prepared, run, spec)
+    assert metrics["status"] == "ok"
+    for figure in ("timing", "throughput", "memory", "eval", "loss"):
+        assert metrics[figure], figure
+    assert metrics["eval"]["trained"]["loss"] > 0
+    saved = metrics["checkpoint"]
+    assert saved["status"] == "failed" and f"rank 0: RuntimeError: {SAVE_FAULT_ENV}" in saved["error"]
+    # What rule train declares is there (so Snakemake keeps it); no half-written checkpoint is.
+    for name in ("metrics.json", "steps.jsonl", "devices.json", "job.json", "run_files", "checkpoint/FAILED.json"):
+        assert (run / name).exists(), name
+    assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["FAILED.json"]
+    result = validate_run(run, str(prepared / "model"), str(prepared / "data32"), run / "validation.json")
+    assert result["status"] == "nothing to validate" and not result["passed"]
+    assert "final save failed" in result["reason"] and SAVE_FAULT_ENV in result["reason"]
+    loaded = load_run(run / "metrics.json")
+    assert summary_row(loaded)["status"] == "ok" and summary_row(loaded)["checkpoint"] == "failed"
+    (goal,) = [g for g in checkpoint_card([loaded]).goals if "saved its checkpoint" in g.text]
+    assert goal.status == "failed" and spec["id"] in goal.evidence
+
+
+@pytest.mark.slow
+def test_a_run_that_dies_out_of_memory_in_its_final_save_had_written_its_figures(prepared, tmp_path, monkeypatch):
+    """Rank 0 ends in the save as the memory watchdog ends it: metrics.json, written before the
+    save, keeps the trained run's figures under status oom."""
+    from conftest import resolve
+    from distlab.export import SAVE_FAULT_ENV
+    from distlab.launch import launch
+
+    spec = resolve({"world_size": 1, "micro_batch": 4}, steps=3, warmup_steps=1)
+    monkeypatch.setenv(SAVE_FAULT_ENV, f"{spec['id']}:oom")
+    run = tmp_path / "run"
+    job = {"spec": spec, "run_dir": str(run), "data_dir": str(prepared / "data32"),
+           "model_source": str(prepared / "model"), "hardware_json": str(prepared / "hardware.json"),
+           "env_allowlist": [], "checkpoint_dir": str(run / "checkpoint")}
+    assert launch(job, log_path=str(run / "train.log"), timeout=300) == "oom"
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["status"] == "oom" and metrics["oom_phase"] == "final save"
+    assert metrics["throughput"]["tokens_per_s"] > 0 and metrics["eval"]["trained"]["loss"] > 0
+    assert metrics["checkpoint"]["status"] == "failed" and "injected out-of-memory" in metrics["checkpoint"]["error"]

@@ -74,31 +74,36 @@ def ddp_lora(prepared, tmp_path_factory):
     return {"w1": one, "w2": two, "w2_dir": root / "w2"}
 
 
-def assert_only_adapters_changed(state: dict, prepared: Path, spec: dict) -> None:
-    """Base weights bit-identical to the base model; every adapter moved from its init."""
+def assert_only_adapters_changed(final: Path, prepared: Path, spec: dict) -> None:
+    """The checkpoint holds the adapters and nothing else, every one moved from its init, and
+    the base model folder + those adapters give the logits recorded from the trained state:
+    the base weights did not move."""
+    from peft import PeftModel
     from safetensors.torch import load_file
 
-    from distlab.lora import apply_lora, frozen_base_report
+    from distlab.export import eval_batch
+    from distlab.lora import apply_lora
     from distlab.model import load_model
 
-    report = frozen_base_report(state, load_file(prepared / "model" / "model.safetensors"))
-    assert report["identical"], report
+    state = load_file(final / "state" / "model.safetensors")
     torch.manual_seed(spec["seed"])
     initial, _ = apply_lora(load_model(prepared / "model"), spec["lora"], spec["seed"])
     adapters = {k: v for k, v in initial.state_dict().items() if "lora_" in k}
-    assert adapters and set(adapters) <= set(state)
+    assert adapters and set(state) == set(adapters)
     unchanged = [k for k, v in adapters.items() if torch.equal(v, state[k])]
     assert not unchanged, unchanged
+    adapted = PeftModel.from_pretrained(load_model(prepared / "model"), str(final / "export")).eval()
+    with torch.no_grad():
+        logits = adapted(input_ids=eval_batch(prepared / "data32")).logits
+    saved = load_file(final / "eval_logits.safetensors")["logits"]
+    assert (logits - saved).abs().max().item() <= 1e-5
 
 
 @pytest.mark.slow
 def test_lora_under_ddp_freezes_the_base_weights(prepared, ddp_lora):
-    from safetensors.torch import load_file
-
     run = ddp_lora["w2"]
     assert run["parameters"]["trainable"] < run["parameters"]["total"]
-    state = load_file(ddp_lora["w2_dir"] / "checkpoint" / "final" / "state" / "model.safetensors")
-    assert_only_adapters_changed(state, prepared, run["spec"])
+    assert_only_adapters_changed(ddp_lora["w2_dir"] / "checkpoint" / "final", prepared, run["spec"])
 
 
 @pytest.mark.slow

@@ -38,8 +38,9 @@ def test_the_budget_verdict_covers_the_final_save_and_export():
     from distlab.memory import add_peaks_through_save
 
     verdict = {"bytes": 100, "enforced": False, "measured_bytes": 90, "measured_what": "peak RSS", "fits": True}
-    memory = {"per_rank": [{"budget": dict(verdict)}, {"budget": dict(verdict)}]}
-    add_peaks_through_save(memory, [95, 120])
+    memory = {"per_rank": [{"budget": dict(verdict), "training_phase": {"rss_peak_bytes": 90}},
+                           {"budget": dict(verdict), "training_phase": {"rss_peak_bytes": 90}}]}
+    add_peaks_through_save(memory, [{"rss_peak_bytes": 95}, {"rss_peak_bytes": 120}])
     first, second = (record["budget"] for record in memory["per_rank"])
     assert first["fits"] and first["measured_bytes"] == 95
     assert not second["fits"] and second["measured_bytes"] == 120

@@ -1,6 +1,12 @@
-"""A model of 305M parameters (built here, 24 layers, LoRA, seq 32): sharded strategies load
+"""A model of 309M parameters (built here, 24 layers, LoRA, seq 32): sharded strategies load
 holding about half of a DDP rank and train holding well under it, and the same per-rank CPU
-budget stops the 1-rank run (oom) while FSDP at 2 ranks finishes under it."""
+budget stops the 1-rank run (oom) while FSDP at 2 ranks finishes under it, final save included.
+
+The final save scales like training: at 2 ranks, for DDP, ZeRO-3 and FSDP, LoRA (the 309M
+model) and full fine-tuning (a 39M model of the same family: full fine-tuning's 16 bytes per
+parameter at 309M is ~10 GB of RAM and minutes per run on this 2-core machine; the benchmark,
+benchmarks/memory_peaks.py, runs those at 309M), every rank's peak through the final save stays
+within its training peak plus one decoder layer, and LoRA checkpoints hold adapters only."""
 import json
 import os
 import shutil
@@ -15,44 +21,77 @@ MIB = 2**20
 # rank near 1.4 GiB (training).
 BUDGET_GIB = 1.7
 LORA = {"method": "lora", "steps": 2, "warmup_steps": 1}
+FULL = {"method": "full", "steps": 2, "warmup_steps": 1}
+
+
+def build_model(prepared, root, hidden: int, layers: int, inter: int, heads: int) -> int:
+    """prepared's data and hardware.json beside a Llama saved as a user's folder."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for name in ("data32", "hardware.json"):
+        os.symlink(prepared / name, root / name)
+    config = AutoConfig.from_pretrained(prepared / "model")
+    config.update({"hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+                   "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": 64})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(root / "model")
+    for path in (prepared / "model").glob("*token*"):
+        shutil.copy(path, root / "model")
+    return sum(p.numel() for p in model.parameters())
 
 
 @pytest.fixture(scope="module")
 def big(prepared, tmp_path_factory):
-    """prepared's data and hardware.json beside a 305M-parameter Llama saved as a user's folder."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    """A 309M-parameter Llama (hidden 1024, 24 layers) as a user's folder."""
     root = tmp_path_factory.mktemp("big")
-    for name in ("data32", "hardware.json"):
-        os.symlink(prepared / name, root / name)
-    config = AutoConfig.from_pretrained(prepared / "model")
-    config.update({"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 24,
-                   "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 64})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    assert 300e6 < sum(p.numel() for p in model.parameters()) < 310e6
-    model.save_pretrained(root / "model")
-    del model
-    for path in (prepared / "model").glob("*token*"):
-        shutil.copy(path, root / "model")
+    assert 300e6 < build_model(prepared, root, 1024, 24, 2816, 16) < 310e6
     return root
 
 
 @pytest.fixture(scope="module")
+def mid(prepared, tmp_path_factory):
+    """A 39M-parameter Llama of the same family (hidden 512, 12 layers) for full fine-tuning."""
+    root = tmp_path_factory.mktemp("mid")
+    assert 35e6 < build_model(prepared, root, 512, 12, 1408, 8) < 45e6
+    return root
+
+
+def at_two_ranks(method: dict, fsdp: dict | None = None) -> dict:
+    """DDP, FSDP and ZeRO-3 specs at 2 ranks, micro-batch 1 (`fsdp`: more keys for the FSDP run)."""
+    two = {"world_size": 2, "micro_batch": 1, **method}
+    return {"ddp-w2": resolve({"strategy": "ddp", **two}),
+            "fsdp": resolve({"strategy": "fsdp", **two, **(fsdp or {})}, stage="fsdp"),
+            # The memory-lean profile: one layer live (the auto profile keeps the whole model gathered).
+            "zero3": resolve({"strategy": "deepspeed", "deepspeed": {"zero_stage": 3, "zero3_profile": "lean"}, **two},
+                             stage="deepspeed")}
+
+
+@pytest.fixture(scope="module")
 def runs(big, tmp_path_factory):
+    """LoRA at 309M: DDP at 1 rank, and DDP, FSDP (under BUDGET_GIB) and ZeRO-3 at 2 ranks;
+    every run saves its final checkpoint and export (the save phase is measured on all)."""
     out = tmp_path_factory.mktemp("big-runs")
-    specs = {
-        "ddp": resolve({"strategy": "ddp", "world_size": 1, "micro_batch": 2, **LORA}),
-        "fsdp-budget": resolve({"strategy": "fsdp", "world_size": 2, "micro_batch": 1, "memory_budget_gib": BUDGET_GIB,
-                                **LORA}, stage="fsdp"),
-        # The memory-lean profile: one layer live (the auto profile keeps the whole model gathered).
-        "zero3": resolve({"strategy": "deepspeed", "world_size": 2, "micro_batch": 1,
-                          "deepspeed": {"zero_stage": 3, "zero3_profile": "lean"}, **LORA}, stage="deepspeed"),
-    }
-    result = {name: run_experiment(big, out / name, spec, checkpoint=False) for name, spec in specs.items()}
+    specs = at_two_ranks(LORA, fsdp={"memory_budget_gib": BUDGET_GIB})
+    specs["ddp"] = resolve({"strategy": "ddp", "world_size": 1, "micro_batch": 2, **LORA})
+    result = {name: run_experiment(big, out / name, spec) for name, spec in specs.items()}
+    result["fsdp-budget"] = result.pop("fsdp")
+    result.update(oom_run(big, out))
+    return result
+
+
+@pytest.fixture(scope="module")
+def full_runs(mid, tmp_path_factory):
+    out = tmp_path_factory.mktemp("mid-runs")
+    return {name: run_experiment(mid, out / name, spec) for name, spec in at_two_ranks(FULL).items()}
+
+
+def oom_run(big, out) -> dict:
+    """The 1-rank DDP run under the budget FSDP's 2 ranks fit: it ends oom (no checkpoint)."""
     from distlab.launch import launch
 
+    result = {}
     over = resolve({"strategy": "ddp", "world_size": 1, "micro_batch": 2, "memory_budget_gib": BUDGET_GIB, **LORA})
     job = {"spec": over, "run_dir": str(out / "ddp-budget"), "data_dir": str(big / "data32"),
            "model_source": str(big / "model"), "hardware_json": str(big / "hardware.json"), "env_allowlist": [],
@@ -93,12 +132,81 @@ def test_sharded_ranks_load_and_train_holding_less_than_one_ddp_rank(big, runs):
 
 
 @pytest.mark.slow
-def test_the_same_cpu_budget_stops_one_ddp_rank_and_lets_fsdp_at_two_ranks_finish(runs):
+def test_the_same_cpu_budget_stops_one_ddp_rank_and_lets_fsdp_at_two_ranks_finish_through_its_save(runs):
     assert runs["ddp-budget-status"] == "oom" and runs["ddp-budget"]["status"] == "oom"
     (record,) = runs["ddp-budget"]["oom"]
     assert f"passed the memory budget {BUDGET_GIB:.3f} GiB" in record["error"]
     fitted = runs["fsdp-budget"]
-    assert fitted["status"] == "ok"
+    assert fitted["status"] == "ok" and fitted["checkpoint"]["status"] == "saved"
+    whole_model = 4 * fitted["parameters"]["total"]
     for rank in fitted["memory"]["per_rank"]:
         verdict = rank["budget"]
         assert verdict["enforced"] and verdict["fits"] and verdict["measured_bytes"] <= BUDGET_GIB * 2**30
+        assert verdict["measured_what"].endswith("through the final save and export")
+        # The budget sits above the training peak and below what a final save gathering the
+        # whole model on rank 0 (the export before it streamed) would add to it.
+        assert rank["training_phase"]["rss_peak_bytes"] < BUDGET_GIB * 2**30 < \
+            rank["training_phase"]["rss_peak_bytes"] + whole_model
+
+
+def layer_fp32_bytes(model_dir) -> int:
+    """One decoder layer's parameters in fp32, from the model's config."""
+    from distlab.parameter_counts import model_shape, parameter_counts
+
+    return 4 * parameter_counts(model_shape(json.loads((model_dir / "config.json").read_text())))["per_layer"]
+
+
+def saved_runs(runs, full_runs) -> dict:
+    """Every checkpointed run: LoRA at 309M (DDP at 1 and 2 ranks, FSDP and ZeRO-3 at 2), full
+    fine-tuning at 39M (DDP, FSDP, ZeRO-3 at 2 ranks)."""
+    out = {f"lora {name}": runs[name] for name in ("ddp", "ddp-w2", "fsdp-budget", "zero3")}
+    out.update({f"full {name}": run for name, run in full_runs.items()})  # ddp-w2, fsdp, zero3
+    return out
+
+
+@pytest.mark.slow
+def test_every_ranks_peak_through_the_final_save_is_its_training_peak_plus_one_decoder_layer(big, mid, runs,
+                                                                                           full_runs):
+    """The save phase (final evaluation, save, export) is measured alone (distlab.memory): it
+    gathers one decoder layer at a time, so it adds at most one layer's fp32 bytes (+5%)."""
+    for name, run in saved_runs(runs, full_runs).items():
+        assert run["checkpoint"]["status"] == "saved", (name, run["checkpoint"])
+        layer = layer_fp32_bytes((big if name.startswith("lora") else mid) / "model")
+        for index, rank in enumerate(run["memory"]["per_rank"]):
+            train, save = rank["training_phase"]["rss_peak_bytes"], rank["save_phase"]["rss_peak_bytes"]
+            assert save <= 1.05 * (train + layer), (name, index, train / MIB, save / MIB, layer / MIB)
+            assert rank["peak_through_save_bytes"] == max(rank["load_phase"]["rss_peak_bytes"], train, save)
+
+
+@pytest.mark.slow
+def test_a_sharded_rank_0_holds_less_through_its_whole_life_than_one_ddp_rank(runs):
+    """Load, training and the final save: FSDP and ZeRO-3 at 2 ranks peak below DDP at 1, on
+    rank 0 too, which used to gather the whole model for the export."""
+    (ddp,) = runs["ddp"]["memory"]["per_rank"]
+    for name in ("fsdp-budget", "zero3"):
+        rank0 = runs[name]["memory"]["per_rank"][0]
+        assert rank0["peak_through_save_bytes"] < ddp["peak_through_save_bytes"], (name, rank0, ddp)
+
+
+@pytest.mark.slow
+def test_a_lora_checkpoint_is_at_most_twice_its_adapters_and_their_optimizer_state(runs):
+    for name in ("ddp", "ddp-w2", "fsdp-budget", "zero3"):
+        run = runs[name]
+        adapters_and_adam = 12 * run["parameters"]["trainable"]  # fp32 weights 4 + AdamW 8 bytes each
+        assert run["checkpoint"]["bytes"] <= 2 * adapters_and_adam, (name, run["checkpoint"]["bytes"] / MIB)
+
+
+@pytest.mark.slow
+def test_the_advisor_estimates_each_runs_checkpoint_bytes(big, mid, runs, full_runs):
+    from distlab.parameter_counts import model_shape, parameter_counts
+    from distlab.save_estimate import TOLERANCE, save_estimate
+
+    for name, run in saved_runs(runs, full_runs).items():
+        spec = run["spec"]
+        shape = model_shape(json.loads(((big if name.startswith("lora") else mid) / "model" / "config.json")
+                                       .read_text()))
+        lora = spec["method"] == "lora"
+        estimate = save_estimate(parameter_counts(shape, spec["lora"] if lora else None), shape["vocab_size"], lora,
+                                 spec["export"], spec["strategy"], spec["world_size"])
+        ratio = run["checkpoint"]["bytes"] / estimate["checkpoint_bytes"]
+        assert abs(ratio - 1) <= TOLERANCE, (name, ratio)

@@ -299,11 +299,15 @@ def summary_row(run: dict) -> dict:
         # distlab.memory: process start -> first step, then the steps alone (largest rank).
         "load_phase_peak_max_bytes": phase_peaks(run)["load_phase"],
         "training_phase_peak_max_bytes": phase_peaks(run)["training_phase"],
+        "save_phase_peak_max_bytes": phase_peaks(run)["save_phase"],
         "cuda_max_allocated_max_bytes": max(cuda_peak) if cuda_peak else None,
         "state_params_bytes_rank0": state0.get("params"), "state_grads_bytes_rank0": state0.get("grads"),
         "state_optimizer_bytes_rank0": state0.get("optimizer"),
         "trainable_params": _get(run, "parameters", "trainable"), "total_params": _get(run, "parameters", "total"),
         "duplicate_fraction": _get(run, "data", "duplicate_fraction"),
+        # saved, failed (trained, its figures stand, no checkpoint: error in metrics.json), unsupported, off
+        "checkpoint": _get(run, "checkpoint", "status"),
+        "checkpoint_bytes": _get(run, "checkpoint", "bytes"),
         "checkpoint_validation": validation_status(run),
         "gpu_ids": ",".join(_get(run, "_devices", "cuda_visible_devices", default=[]) or []) or None,
         "torch": _get(run, "versions", "torch"),

@@ -93,6 +93,7 @@ class AccelerateStrategy(Strategy):
         # One prepare call for both: FSDP2 swaps the optimizer's parameters for shards.
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.optimizer.optimizer.register_step_post_hook(self._count_step)
+        self.accelerator.register_save_state_pre_hook(self._drop_frozen)
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             from distlab.strategies.ddp import CommTimer, timed_allreduce_hook
 
@@ -231,14 +232,23 @@ class AccelerateStrategy(Strategy):
                                     f"accelerate launch gave the ranks {launched['rank_env_mixed_precision']}: "
                                     "the ranks were not started from that file")
 
-    # -- checkpoints --------------------------------------------------------------------
-    def full_state_dict(self) -> dict | None:
-        state = self.accelerator.get_state_dict(self.model)  # collective under FSDP
-        return state if dist.get_rank() == 0 else None
+    # -- the whole model and checkpoints -------------------------------------------------
+    @property
+    def collective_forward(self) -> bool:
+        return self.fsdp  # FSDP's layers are gathered in forward: every rank joins
+
+    def forward_logits(self, input_ids):
+        if not self.fsdp:
+            return super().forward_logits(input_ids)
+        from distlab.strategies.fsdp import resharding_after_forward
+
+        with resharding_after_forward(self.model, bool(self.spec["fsdp"]["reshard_after_forward"])):
+            return super().forward_logits(input_ids)
 
     def save_checkpoint(self, path: str) -> None:
-        """accelerator.save_state (model safetensors, optimizer, RNG per rank) into `path`;
-        distlab.checkpoint makes the save atomic around it."""
+        """accelerator.save_state (model safetensors, optimizer, RNG per rank) into `path`, the
+        model's frozen parameters left out (LoRA's base: named by identity in the checkpoint's
+        metadata); distlab.checkpoint makes the save atomic around it."""
         import json
 
         self.accelerator.save_state(str(path))
@@ -250,8 +260,17 @@ class AccelerateStrategy(Strategy):
                 "world_size": dist.get_world_size(), "method": self.spec["method"]}))
         dist.barrier()
 
+    def _drop_frozen(self, models, weights, _output_dir) -> None:
+        """save_state pre-hook: each model's state dict loses its frozen parameters."""
+        for model, state in zip(models, weights):
+            frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
+            for name in frozen & set(state):
+                del state[name]
+
     def load_checkpoint(self, path: str) -> None:
-        self.accelerator.load_state(str(path))
+        frozen = any(not p.requires_grad for p in self.model.parameters())
+        # Not strict where frozen parameters were left out: they keep the base's values.
+        self.accelerator.load_state(str(path), strict=not frozen)
 
 
 # The class distlab.strategies finds for the strategy name "accelerate" (its module name).

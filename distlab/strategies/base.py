@@ -200,17 +200,58 @@ class Strategy:
             raise FidelityError(f"strategy {spec['strategy']} should hold its parameters as {layout}, but the model "
                                 f"holds {described['parameter_layout']} (outer wrapper {described['outer_wrapper']})")
 
-    # -- checkpoints --------------------------------------------------------------------
-    # All three are collective: every rank calls them. distlab/checkpoint.py wraps them
-    # (atomic folder, manifest, trainer state, export); distlab/validate.py checks them.
-    def full_state_dict(self) -> dict | None:
-        """The whole unsharded model state on rank 0, None elsewhere, keyed exactly like
-        unwrapped().state_dict() (peft names for LoRA): the Hugging Face export, the reload
-        logits and the LoRA base-weight check are computed from it."""
-        return self.unwrapped().state_dict() if dist.get_rank() == 0 else None
+    # -- the trained model, whole: evaluation, export, recorded logits -----------------
+    #: True where every rank must take part in a forward (sharded or split parameters)
+    collective_forward = False
 
+    def eval_context(self):
+        """The precision context of an evaluation forward: training's autocast by default."""
+        return autocast(self.spec, self.ctx.device)
+
+    def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Collective: logits of the model as it trains (still sharded, on this rank's device,
+        training precision, eval mode, no grad) on rank 0; None elsewhere. Strategies whose
+        ranks each hold the whole model run it on rank 0 alone."""
+        if not self.collective_forward and dist.get_rank() != 0:
+            return None
+        module = self.model if self.collective_forward else self.unwrapped()
+        was_training = module.training
+        module.train(False)
+        try:
+            with torch.no_grad(), self.eval_context():
+                logits = module(input_ids=input_ids.to(self.ctx.device)).logits
+        finally:
+            module.train(was_training)
+        return logits if dist.get_rank() == 0 else None
+
+    def state_groups(self, select=None):
+        """Collective generator over the trained parameters, one group at a time (a decoder
+        layer, or one other parameter: distlab.streamed.parameter_groups): {name: host (CPU)
+        tensor} on rank 0, {} on the others, names as in unwrapped().named_parameters() (peft
+        names for LoRA); select(name) keeps some. A DTensor (FSDP2, tensor parallel) is gathered
+        whole on every rank one parameter at a time (full_tensor), its shard first moved to the
+        collective's device when it was offloaded to the CPU. Every rank iterates to the end."""
+        from distlab.streamed import host, parameter_groups
+
+        module = self.unwrapped()
+        params = dict(module.named_parameters())
+        main = dist.get_rank() == 0
+        for names in parameter_groups(module, select):
+            group = {}
+            for name in names:
+                value = gathered(params[name], self.ctx.device)
+                if main:
+                    group[name] = host(value)
+                del value
+            yield group
+
+    # -- checkpoints --------------------------------------------------------------------
+    # Both are collective: every rank calls them. distlab/checkpoint.py wraps them (atomic
+    # folder, manifest, trainer state, export); distlab/validate.py checks them.
     def save_checkpoint(self, path: str) -> None:
-        """Write the native format (model, optimizer and any scheduler state) under `path`.
+        """Write the native format under `path`: the trainable parameters (LoRA: the adapters
+        only; the frozen base is named by identity in distlab_checkpoint.json), the optimizer
+        and any scheduler state.
         Only safetensors, JSON or tensors torch.load(weights_only=True) can read. RNG, step and
         data position are saved by distlab.checkpoint, not here."""
         raise NotImplementedError(f"{self.name} has no checkpoint save yet")
@@ -221,6 +262,27 @@ class Strategy:
         raise NotImplementedError saying why (recorded 'unsupported'); any other exception is
         recorded as a failed check."""
         raise NotImplementedError(f"{self.name} has no checkpoint load yet")
+
+
+def gathered(param, device: torch.device):
+    """The whole value of a parameter: a DTensor's full_tensor() (collective on its mesh), its
+    local shard first moved to `device` when it lives elsewhere (FSDP's CPUOffloadPolicy keeps
+    shards in host memory; NCCL gathers device tensors only); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param
+    local = param.to_local()
+    if local.device != device:
+        param = DTensor.from_local(local.to(device), param.device_mesh, param.placements, run_check=False,
+                                   shape=param.shape, stride=param.stride())
+    return param.full_tensor()
+
+
+def trainable_names(module) -> set[str]:
+    """Names of the parameters the optimizer steps (LoRA: the adapters): what a native
+    checkpoint holds."""
+    return {name for name, param in module.named_parameters() if param.requires_grad}
 
 
 def _storage(param):

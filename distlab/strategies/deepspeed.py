@@ -8,6 +8,7 @@ backward and step; the loop's optimizer_step is the boundary's step.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -234,36 +235,49 @@ class DeepSpeedStrategy(Strategy):
                          "(gradients exist in full only within an accumulated step)")
         return state
 
-    # -- checkpoints --------------------------------------------------------------------
-    def full_state_dict(self) -> dict | None:
-        """The module's state_dict with Hugging Face names on rank 0, ZeRO-3 partitions
-        gathered one parameter at a time (never the whole model at once on every rank).
-        With bf16 these are the module's bf16 weights, not DeepSpeed's fp32 master copy."""
+    # -- the whole model and checkpoints -------------------------------------------------
+    collective_forward = True  # ZeRO-3 gathers each layer's partitions in forward: every rank joins
+
+    def eval_context(self):
+        return contextlib.nullcontext()  # bf16/fp16 are DeepSpeed's module dtype, not autocast
+
+    def forward_logits(self, input_ids):
+        logits = super().forward_logits(input_ids)
+        if self.model.zero_optimization_stage() == 3:
+            # A forward without its backward leaves ZeRO-3's prefetched partitions in flight;
+            # gathering them again (state_groups, the next forward) asserts on them.
+            self.model.empty_partition_cache()
+        return logits
+
+    def state_groups(self, select=None):
+        """Strategy.state_groups, ZeRO-3 partitions gathered one decoder layer at a time
+        (deepspeed.zero.GatheredParameters) and copied to host memory on rank 0 before they are
+        released. With bf16 these are the module's bf16 weights, not DeepSpeed's fp32 masters."""
         import deepspeed
 
+        from distlab.streamed import host, parameter_groups
+
         module = self.unwrapped()
+        params = dict(module.named_parameters())
         main = dist.get_rank() == 0
-        structure = module.state_dict()
-        params = dict(module.named_parameters(remove_duplicate=False))
-        out = {} if main else None
-        for key, value in structure.items():
-            param = params.get(key)
-            if param is not None and hasattr(param, "ds_id"):  # a ZeRO-3 partitioned parameter
-                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                    if main:
-                        out[key] = param.detach().cpu().clone()
-            elif main:
-                out[key] = value.detach().cpu().clone()
-        return out
+        for names in parameter_groups(module, select):
+            partitioned = [params[n] for n in names if hasattr(params[n], "ds_id")]
+            with (deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None) if partitioned
+                  else contextlib.nullcontext()):
+                # A copy: the gathered storage is freed when the context exits.
+                group = {n: host(params[n], copy=bool(partitioned)) for n in names} if main else {}
+            yield group
 
     def save_checkpoint(self, path: str) -> None:
         # DeepSpeed's native layout (per-rank ZeRO partitions + `latest`); every rank writes.
-        self.model.save_checkpoint(path, tag="final")
+        # Frozen parameters (LoRA's base) are left out: the checkpoint names the base by identity.
+        self.model.save_checkpoint(path, tag="final", exclude_frozen_parameters=True)
         dist.barrier()
         if dist.get_rank() == 0:
             (Path(path) / "format.json").write_text(json.dumps(
                 {"format": "deepspeed", "strategy": self.name, "tag": "final",
-                 "zero_stage": int(self.model.zero_optimization_stage()), "world_size": dist.get_world_size()}))
+                 "zero_stage": int(self.model.zero_optimization_stage()), "world_size": dist.get_world_size(),
+                 "frozen_parameters_saved": False}))
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
@@ -274,8 +288,10 @@ class DeepSpeedStrategy(Strategy):
                 f"a native ZeRO-{saved['zero_stage']} checkpoint holds optimizer partitions of "
                 f"{saved['world_size']} ranks; DeepSpeed loads it only at that world size (resharding needs "
                 "its universal-checkpoint conversion, not wired up here)")
+        # LoRA: the checkpoint holds no frozen weight (they keep the base's values): not strict.
+        frozen = any(not p.requires_grad for p in self.unwrapped().parameters())
         load_path, _ = self.model.load_checkpoint(path, tag="final", load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True)
+                                                  load_lr_scheduler_states=True, load_module_strict=not frozen)
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint (tag 'final') under {path}")
 

@@ -9,11 +9,14 @@ root is fully_shard-ed, `to_empty` gives each rank memory for its shards only, a
 base weights are read from the Hugging Face safetensors by torch.distributed.checkpoint's
 HuggingFaceStorageReader, each rank reading only its slices (distlab.strategies.fsdp_load).
 
-Checkpoints are sharded DCP folders (each rank writes its own shard), shared with the
-tensor- and pipeline-parallel strategies through dcp_save/dcp_load below.
+Checkpoints are sharded DCP folders (each rank writes its own shard of the trainable
+parameters and the optimizer), shared with the tensor- and pipeline-parallel strategies
+through dcp_save/dcp_load below. The export gathers one parameter at a time (full_tensor,
+Strategy.state_groups).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -24,7 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard
 
 from distlab.model import decoder_layers
-from distlab.strategies.base import FidelityError, Strategy
+from distlab.strategies.base import FidelityError, Strategy, trainable_names
 
 DCP_FORMAT = "dcp"
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -133,18 +136,34 @@ class FSDPStrategy(Strategy):
             raise FidelityError(f"FSDP layers reshard after forward: {resharded}; spec asks for "
                                 f"{self.spec['fsdp']['reshard_after_forward']}")
 
-    # -- checkpoints --------------------------------------------------------------------
-    def full_state_dict(self) -> dict | None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    # -- the whole model and checkpoints -------------------------------------------------
+    collective_forward = True  # every rank joins the all-gathers of each layer's forward
 
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return state if dist.get_rank() == 0 else None
+    def eval_context(self):
+        # A MixedPrecisionPolicy already casts the gathered parameters (as in forward_backward).
+        return contextlib.nullcontext() if self.mixed_precision else super().eval_context()
+
+    def forward_logits(self, input_ids):
+        with resharding_after_forward(self.model, self.spec["fsdp"]["reshard_after_forward"]):
+            return super().forward_logits(input_ids)
 
     def save_checkpoint(self, path: str) -> None:
         dcp_save(self, path)
 
     def load_checkpoint(self, path: str) -> None:
         dcp_load(self, path)
+
+
+@contextlib.contextmanager
+def resharding_after_forward(model, setting: bool):
+    """Evaluation forwards free each gathered layer after it ran, whatever the training
+    setting: with reshard_after_forward False FSDP2 keeps a layer unsharded until its backward,
+    and a forward without backward would leave the whole model gathered on every rank."""
+    model.set_reshard_after_forward(True)
+    try:
+        yield
+    finally:
+        model.set_reshard_after_forward(setting)
 
 
 def sharding_facts(model, layers) -> dict:
@@ -200,24 +219,36 @@ def check_sharded(described: dict, world_size: int) -> None:
 
 
 # -- sharded checkpoints (DCP), shared by every strategy whose ranks hold different pieces --
-def _dcp_options():
+def _dcp_options(strict: bool = True):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     # Flattened optimizer state: keys per parameter name ("param_groups.<fqn>.lr"). Nested
     # param_groups lists would collide across pipeline stages, whose groups hold different
     # parameters, and DCP keeps only one rank's copy of a duplicated key.
-    return StateDictOptions(flatten_optimizer_state_dict=True)
+    return StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
+
+
+def _trainable_state(strategy: Strategy):
+    """(model state, optimizer state, whether frozen weights were left out): the model part
+    holds the trainable parameters only (LoRA: the adapters; the frozen base is named by
+    identity in the checkpoint's metadata, distlab.checkpoint)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(strategy.model, strategy.optimizer, options=_dcp_options())
+    trained = trainable_names(strategy.model)
+    kept = {k: v for k, v in model_state.items() if k in trained}
+    return kept, optim_state, len(kept) < len(model_state)
 
 
 def dcp_save(strategy: Strategy, path: str) -> None:
-    """Each rank writes its own shards of model and optimizer (torch.distributed.checkpoint);
-    written to a temporary folder and renamed by rank 0, so a killed save leaves no checkpoint."""
+    """Each rank writes its own shards of the trainable parameters and the optimizer
+    (torch.distributed.checkpoint); written to a temporary folder and renamed by rank 0, so a
+    killed save leaves no checkpoint."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from distlab.checkpoint_files import atomic_dir
 
-    model_state, optim_state = get_state_dict(strategy.model, strategy.optimizer, options=_dcp_options())
+    model_state, optim_state, _ = _trainable_state(strategy)
     tmp, commit = atomic_dir(path) if dist.get_rank() == 0 else (Path(str(path) + ".tmp"), None)
     dist.barrier()  # the temporary folder exists before anyone writes into it
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
@@ -231,16 +262,17 @@ def dcp_save(strategy: Strategy, path: str) -> None:
 def dcp_load(strategy: Strategy, path: str) -> None:
     """Load a dcp_save folder into the already wrapped model and optimizer (same layout)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     fmt = json.loads((Path(path) / "format.json").read_text())
     if fmt.get("format") != DCP_FORMAT:
         raise ValueError(f"{path}: checkpoint format {fmt.get('format')!r}, expected {DCP_FORMAT!r}")
-    model_state, optim_state = get_state_dict(strategy.model, strategy.optimizer, options=_dcp_options())
+    model_state, optim_state, partial = _trainable_state(strategy)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path))
+    # LoRA: the frozen base keeps the weights it was loaded with (its identity was checked).
     set_state_dict(strategy.model, strategy.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"], options=_dcp_options())
+                   optim_state_dict=state["optim"], options=_dcp_options(strict=not partial))
 
 
 # The class distlab.strategies finds for the strategy name "fsdp" (its module name).

@@ -215,17 +215,73 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
             raise FidelityError(f"pipeline stages hold layers {[s['layers'] for s in described['stages']]}, "
                                 f"not each of the {total} layers exactly once")
 
-    # -- checkpoints --------------------------------------------------------------------
-    def full_state_dict(self) -> dict | None:
-        mine = {name: value.detach().cpu() for name, value in self.model.state_dict().items()}
-        parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, parts, dst=0)
-        if dist.get_rank() != 0:
+    # -- the whole model and checkpoints -------------------------------------------------
+    collective_forward = True
+
+    def forward_logits(self, input_ids):
+        """The stages run one after another on the whole batch (no schedule: nothing to
+        overlap without a backward): each sends its activations on, the last sends the logits
+        to rank 0. Transfers are fp32 on the rank's device (NCCL moves device tensors only)."""
+        rank, world, device = dist.get_rank(), dist.get_world_size(), self.ctx.device
+        ids = input_ids.to(device)
+        was_training = self.model.training
+        self.model.train(False)
+        try:
+            with torch.no_grad(), self.eval_context():
+                if self.first:
+                    out = self.stage_module(ids)
+                else:
+                    hidden = torch.empty(*ids.shape, self.model.config.hidden_size, device=device)
+                    dist.recv(hidden, src=rank - 1)
+                    out = self.stage_module(hidden)
+        finally:
+            self.model.train(was_training)
+        if not self.last:
+            dist.send(out.float().contiguous(), dst=rank + 1)
+            out = None
+        if world == 1:
+            return out
+        if self.last:
+            dist.send(out.float().contiguous(), dst=0)
             return None
-        merged = {}
-        for part in parts:
-            merged.update(part)
-        return merged
+        if rank == 0:
+            logits = torch.empty(*ids.shape, self.model.config.vocab_size, device=device)
+            dist.recv(logits, src=world - 1)
+            return logits
+        return None
+
+    def held_groups(self, select=None) -> list[list[tuple]]:
+        """This stage's groups as (name, shape, dtype) lists: what the others must receive."""
+        from distlab.streamed import parameter_groups
+
+        params = dict(self.model.named_parameters())
+        return [[(n, tuple(params[n].shape), str(params[n].dtype).removeprefix("torch.")) for n in group]
+                for group in parameter_groups(self.model, select)]
+
+    def state_groups(self, select=None):
+        """Strategy.state_groups for stages: the ranks first tell each other which groups they
+        hold (names, shapes, dtypes), then, in the model's order, rank 0 yields its own and
+        receives every other stage's group by point-to-point transfer, one group at a time."""
+        from distlab.streamed import host
+
+        rank = dist.get_rank()
+        params = dict(self.model.named_parameters())
+        held = [None] * dist.get_world_size()
+        dist.all_gather_object(held, self.held_groups(select))
+        for owner, groups in enumerate(held):
+            for group in groups:
+                out = {}
+                if owner == rank == 0:
+                    out = {n: host(params[n]) for n, _, _ in group}
+                elif rank == owner:
+                    for n, _, _ in group:
+                        dist.send(params[n].detach().contiguous(), dst=0)
+                elif rank == 0:
+                    for n, shape, dtype in group:
+                        value = torch.empty(shape, dtype=getattr(torch, dtype), device=self.ctx.device)
+                        dist.recv(value, src=owner)
+                        out[n] = host(value)
+                yield out
 
     def save_checkpoint(self, path: str) -> None:
         from distlab.strategies.fsdp import dcp_save

@@ -125,11 +125,9 @@ class TensorParallelStrategy(ModelParallel, Strategy):
             raise FidelityError(f"tensor parallel degree {described['tp_degree']} but spec world_size "
                                 f"{self.spec['world_size']}")
 
-    def full_state_dict(self) -> dict | None:
-        # Every rank joins the gathers (full_tensor is collective); rank 0 keeps the result.
-        state = {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
-                 for name, value in self.model.state_dict().items()}
-        return state if dist.get_rank() == 0 else None
+    # Every rank computes every layer on its slices (forward_logits) and joins each split
+    # weight's gather (full_tensor, Strategy.state_groups).
+    collective_forward = True
 
     def save_checkpoint(self, path: str) -> None:
         from distlab.strategies.fsdp import dcp_save

@@ -117,6 +117,29 @@ def ok_runs(runs: list[dict], stage: str) -> list[dict]:
     return [r for r in runs if r["stage"] == stage and r.get("status") == "ok"]
 
 
+PHASES_HOW = ("load: process start (interpreter, libraries) to the first step, model load and sharding included; "
+              "training: the steps alone (peak reset before step 0); save: the final evaluation, checkpoint save "
+              "and export alone (peak reset after the last step; the export gathers one decoder layer at a time). "
+              "CPU: VmHWM (peak RSS) of the rank process; CUDA: torch.cuda.max_memory_reserved. distlab.memory")
+
+
+def phase_peak_table(runs: list[dict], title: str, extra=None) -> Table:
+    """Load, training and save peaks of every rank of `runs` (MiB); extra(run) adds columns."""
+    import pandas as pd
+
+    from distlab.memory import PHASES, rank_phase_peaks
+
+    rows = []
+    for run in runs:
+        for rank, record in enumerate((run.get("memory") or {}).get("per_rank") or []):
+            peaks = rank_phase_peaks(record)
+            rows.append({"run": run["experiment"], "rank": rank, "ranks": run["as_built"]["world_size"],
+                         **{f"{phase.split('_')[0]} peak (MiB)": round(peaks[phase] / 2**20, 1)
+                            if peaks[phase] is not None else None for phase in PHASES},
+                         **(extra(run) if extra else {})})
+    return Table(title, pd.DataFrame(rows), PHASES_HOW)
+
+
 def all_cards(runs: list[dict]) -> list[Card]:
     cards = []
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):

@@ -42,7 +42,9 @@ def row(run: dict, validation: dict) -> dict:
                                                           f"({c['max_abs_logit_diff']:.1e})"),
         "resume max |dloss|": _cell(checks.get("resume_parity"),
                                     lambda c: f"{c['max_abs_loss_diff']:.1e} ({c['steps_resumed']} steps)"),
-        "export": _cell(checks.get("export"), lambda c: "HF + adapter" if "adapter_max_abs_logit_diff" in c else "HF"),
+        "export": _cell(checks.get("export"), lambda c: f"{'PEFT adapter' if 'layout' not in c else 'HF'} "
+                                                        f"({c['max_abs_logit_diff']:.1e})"
+                                                        + (" + merged" if "merged_max_abs_logit_diff" in c else "")),
         "size (MB)": round(sizes["checkpoint_bytes"] / 1e6, 2) if sizes.get("checkpoint_bytes") else None,
         "save (s)": round(sizes["save_seconds"], 3) if sizes.get("save_seconds") is not None else None,
         "load (s)": round(sizes["load_seconds"], 3) if sizes.get("load_seconds") is not None else None,
@@ -68,15 +70,30 @@ def goal_title(pairs) -> tuple[str, str]:
     return title, (". Not passed by every checkpoint: " + "; ".join(caveats) if caveats else "")
 
 
+def unsaved(runs: list[dict]) -> list[dict]:
+    """Runs that trained (their figures stand) but whose final save failed."""
+    return [r for r in runs if (r.get("checkpoint") or {}).get("status") == "failed"]
+
+
 def checkpoint_card(runs: list[dict]) -> Card | None:
-    """The checkpoint table and its goal; None when no run has a validation.json."""
+    """The checkpoint table and its goal; None when no run has a validation.json or a failed save."""
     import pandas as pd
 
     pairs = [(r, validation_of(r)) for r in runs if r.get("status") == "ok"]
     pairs = [(r, v) for r, v in pairs if v is not None]
-    if not pairs:
+    failed_saves = unsaved(runs)
+    if not pairs and not failed_saves:
         return None
     card = Card(90, TITLE)
+    if failed_saves:
+        card.goals.append(Goal("minimal", "Every trained run saved its checkpoint", FAILED,
+                               "trained but not saved (their figures stand; metrics.json has the error): "
+                               + "; ".join(f"{r['experiment']} ({r.get('status')}): "
+                                           f"{r['checkpoint'].get('error', 'no error recorded')[:300]}"
+                                           for r in failed_saves),
+                               [os.path.join(r["_dir"], "metrics.json") for r in failed_saves]))
+    if not pairs:
+        return card
     failed = [r["experiment"] for r, v in pairs if not v.get("passed")]
     links = [os.path.join(r["_dir"], "validation.json") for r, _ in pairs]
     title, caveats = goal_title(pairs)
@@ -98,10 +115,11 @@ def checkpoint_card(runs: list[dict]) -> Card | None:
     tolerances = {"reload, reshard and export logits": RELOAD_TOLERANCE, "merged LoRA export": MERGE_TOLERANCE,
                   **{f"resume loss ({p})": t for p, t in PARITY_TOLERANCE.items()}}
     how = ("Each experiment's checkpoint validated in its own Snakemake job by processes that did not train: "
-           "reload = max |logit diff| of the consolidated model on a fixed eval batch vs the logits recorded at "
-           "save time; reshard = the final checkpoint loaded at another world size; resume = max |loss diff| of "
+           "reload = max |logit diff| of the reloaded state (gathered one layer at a time, run on the CPU in fp32) "
+           "on a fixed eval batch vs the logits recorded at save time; reshard = the final checkpoint loaded at another world size; resume = max |loss diff| of "
            "training resumed from the mid-run checkpoint vs the uninterrupted run's own steps; export = "
-           "AutoModelForCausalLM (and PeftModel for LoRA) loads it and generates; size = bytes on disk; save and "
+           "the export's own files (LoRA: the PEFT adapter folder on the base) run the same way, its files laid out "
+           "as save_pretrained writes them; size = bytes on disk; save and "
            "load = strategy.save_checkpoint / load_checkpoint wall seconds. Max abs tolerances: "
            + ", ".join(f"{k} {v:g}" for k, v in tolerances.items()) + " (each validation.json states the one it "
            "used). 'unsupported' = the format cannot do it, with the reason in validation.json.")

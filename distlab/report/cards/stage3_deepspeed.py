@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from distlab.evaluation import eval_sentence
-from distlab.memory import phase_peaks
 from distlab.report.cards import (COMPARED, DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, load_cell,
-                                  metrics_link, noise_cause, ok_runs)
+                                  metrics_link, noise_cause, ok_runs, phase_peak_table)
 from distlab.report.cards.zero_memory import GAP_LIMIT, MIB, gap_note, memory_figure, memory_rows
 from distlab.report.plots import loss_curves
 
@@ -238,16 +237,8 @@ def build(runs: list[dict]) -> Card:
             card.notes.append("Memory budgets: " + ("; ".join(f"enforced by {how}" for how in enforced) or "none enforced")
                               + (f"; {compared} rank(s) only compared after the run (not enforced)" if compared
                                  else "") + ". A run past an enforced budget ends with status oom.")
-        card.tables.append(Table("Per-rank peak memory: load phase vs training phase", pd.DataFrame([
-            {"run": r["experiment"], "ranks": r["as_built"]["world_size"], "ZeRO stage": r["as_built"]["deepspeed"]["zero_stage"],
-             **{f"{name} peak, largest rank (MiB)": round(v / MIB, 1) if (v := phase_peaks(r)[phase]) is not None
-                else None for name, phase in (("load", "load_phase"), ("training", "training_phase"))},
-             "weights read by rank 0": weights_read(r),
-             "measured as": phase_peaks(r)["load_phase_what"]} for r in ds_runs]),
-            "load: process start (interpreter, libraries) to the first step, model load and ZeRO partitioning "
-            "included; training: the steps alone (peak reset before step 0). distlab.memory. Weights read: "
-            "ZeRO-3 ranks copy their own partitions out of the safetensors (as_built.deepspeed.load); ZeRO 0-2 "
-            "ranks load the whole model"))
+        card.tables.append(phase_peak_table(ds_runs, "Per-rank peak memory: load, training and save phases", lambda r: {
+            "ZeRO stage": r["as_built"]["deepspeed"]["zero_stage"], "weights read by rank 0": weights_read(r)}))
         card.figures.append(Figure("Loss curves", loss_curves(ds_runs, "Stage 3 loss"),
                                    "mean training loss over data-parallel ranks per optimizer step"))
     card.notes.append(eval_sentence([r for r in runs if r["stage"] == "deepspeed"]))  # base vs tuned eval loss

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from distlab.evaluation import eval_sentence
 from distlab.report.cards import (DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, is_busy, load_cell,
-                                  metrics_link, noise_cause, ok_runs, tokens_per_s)
+                                  metrics_link, noise_cause, ok_runs, phase_peak_table, tokens_per_s)
 from distlab.report.collect import clear_winner
 from distlab.report.plots import loss_curves, to_png_b64
 
@@ -109,12 +109,13 @@ def peak_mib(run: dict) -> tuple[float | None, str]:
 
 
 def phase_columns(run: dict) -> dict:
-    """Load-phase (process start -> first step) and training-phase peaks of the largest rank."""
-    from distlab.memory import phase_peaks
+    """Load-phase (process start -> first step), training-phase and save-phase (final eval,
+    save, export) peaks of the largest rank."""
+    from distlab.memory import PHASES, phase_peaks
 
     peaks = phase_peaks(run)
-    return {f"{name} peak / rank (MiB)": round(peaks[phase] / MIB, 1) if peaks[phase] is not None else None
-            for name, phase in (("load", "load_phase"), ("training", "training_phase"))}
+    return {f"{phase.split('_')[0]} peak / rank (MiB)": round(peaks[phase] / MIB, 1) if peaks[phase] is not None
+            else None for phase in PHASES}
 
 
 def row(run: dict, label: str) -> dict:
@@ -234,6 +235,7 @@ def build(runs: list[dict]) -> Card:
                 card.notes.append(f"{run['experiment']}: {a['cpu_offload_note']}.")
         card.tables.append(Table("FSDP variants", pd.DataFrame(rows),
                                  "same measurements as above; all FSDP runs of this stage"))
+        card.tables.append(phase_peak_table(fsdp, "Per-rank peak memory: load, training and save phases"))
         card.figures.append(Figure("Loss curves", loss_curves(fsdp, "Stage 4 loss"),
                                    "mean training loss over data-parallel ranks per optimizer step"))
     unmeasured = [r for r in fsdp if r["timing"]["comm_inflight_s_per_step"]["median"] is None]
