@@ -6,9 +6,10 @@ One checkpoint folder:
     trainer/rank<R>.json            steps done, data position, Python/NumPy RNG, records so far
     trainer/rng-rank<R>.safetensors torch CPU (and CUDA) RNG state
     distlab_checkpoint.json         what made it: experiment, strategy, world size, spec, model signature
-    eval_logits.safetensors         (final only) logits of the consolidated model on a fixed eval batch
-    export/                         (final only) save_pretrained folder + tokenizer; LoRA: merged model,
-                                    and the adapters in export/adapter/
+    eval_logits.safetensors         (final only) the consolidated model's output on the task's fixed
+                                    batch (causal LM: logits of a fixed eval batch)
+    export/                         (final only) the task's export (causal LM: save_pretrained folder +
+                                    tokenizer; LoRA: merged model, and the adapters in export/adapter/)
     MANIFEST.json                   every other file with its size and sha256, written last
 
 Where checkpoints live, under results/<machine>/<experiment>/:
@@ -101,8 +102,10 @@ def load_plain(strategy, path: str) -> None:
 def model_signature(model) -> dict:
     """Config and parameter shapes of the (LoRA-applied) model, taken before any wrapper
     shards it."""
-    config = {k: v for k, v in model.config.to_dict().items()
-              if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")}
+    # A transformers config has to_dict(); a diffusers model's config is a (frozen) dict.
+    raw = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(model.config)
+    config = {k: v for k, v in raw.items()
+              if k not in ("_name_or_path", "transformers_version", "_diffusers_version", "dtype", "torch_dtype")}
     return {"config": json.loads(json.dumps(config, default=str)),
             # ds_shape: a ZeRO-3 parameter partitioned at load (deepspeed.zero.Init) has shape [0].
             "parameters": {n: list(getattr(p, "ds_shape", None) or p.shape) for n, p in model.named_parameters()}}
@@ -232,10 +235,11 @@ def save_checkpoint(dest, strategy, ctx, job: dict, signature: dict, steps_done:
         except NotImplementedError as exc:  # every rank raises alike: the native state still counts
             full, info["export"] = None, {"status": "unsupported", "reason": str(exc)}
         if rank == 0 and full is not None:
-            model = consolidated_model(full, job["model_source"], ctx.spec)
-            save_file({"logits": logits_of(model, eval_batch(job["data_dir"])).contiguous()},
-                      str(tmp / "eval_logits.safetensors"))
-            info["export"] = write_export(model, job["model_source"], ctx.spec, tmp / "export")
+            task = strategy.task
+            model = task.consolidated_model(full, job["model_source"], ctx.spec)
+            # "logits": the task's output on its fixed batch (causal LM: logits of the eval batch).
+            save_file({"logits": task.fixed_outputs(model, job).contiguous()}, str(tmp / "eval_logits.safetensors"))
+            info["export"] = task.write_export(model, job["model_source"], ctx.spec, tmp / "export")
             info["export_seconds"] = time.perf_counter() - t0
         del full
     dist.barrier()

@@ -63,13 +63,13 @@ def evaluate_base(model_source: str, data_dir, out_path) -> dict:
 
 
 def evaluate_run(strategy, job: dict) -> dict | None:
-    """Collective (every rank calls it): the trained model on the eval tokens, on rank 0.
+    """Collective (every rank calls it): the trained model on the task's held-out data (causal
+    LM: the eval tokens), on rank 0.
     Returns {"trained", "base"} on rank 0 (base from the base-model rule's file, when the job
     names one), None on the other ranks."""
     import torch.distributed as dist
 
-    from distlab.checkpoint import consolidated_model
-
+    task = strategy.task
     if job["spec"].get("memory_budget_gib") is not None:
         # Rank 0 rebuilds the whole model to evaluate it: under a per-rank budget that copy
         # alone would end a sharded run as oom. Recorded as not evaluated, with the reason.
@@ -86,10 +86,9 @@ def evaluate_run(strategy, job: dict) -> dict | None:
         if dist.get_rank() != 0:
             return None
         try:
-            model = consolidated_model(full, job["model_source"], job["spec"])
+            model = task.consolidated_model(full, job["model_source"], job["spec"])
             del full
-            ids, labels = eval_tokens(job["data_dir"])
-            out = {"trained": evaluate_model(model, ids, labels)}
+            out = {"trained": task.evaluate(model, job)}
         except Exception as exc:  # rank 0 only, after the collective: recorded, the run's training stands
             out = {"trained": {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:500]}}
     base = job.get("base_eval_json")

@@ -28,6 +28,7 @@ class ValidationRank:
         import torch.distributed as dist
 
         from distlab.strategies import strategy_for
+        from distlab.tasks import task_for
         from distlab.worker import make_context
 
         self.job, self.spec = job, dict(job["spec"], world_size=job["plan"][0][1])
@@ -36,6 +37,7 @@ class ValidationRank:
         self.ctx = make_context(job)
         self.ctx.spec = self.spec
         self.strategy_cls = strategy_for(self.spec)
+        self.task = task_for(self.spec)
         self.strategy_cls(self.ctx).init_distributed()
         self.ctx.rank, self.ctx.world_size = dist.get_rank(), dist.get_world_size()
         self.rank = dist.get_rank()
@@ -92,14 +94,13 @@ class ValidationRank:
         return strategy, prepare_model(strategy, self.job["model_source"], spec).signature
 
     def consolidated_logits(self, strategy):
-        """Collective: the strategy's full state in a plain HF model, its logits on rank 0."""
-        from distlab import checkpoint as ckpt
-
+        """Collective: the strategy's full state in a plain library model, its output on the
+        task's fixed batch (causal LM: logits of the eval batch) on rank 0."""
         full = strategy.full_state_dict()
         if self.rank != 0:
             return None, None
-        model = ckpt.consolidated_model(full, self.job["model_source"], self.spec)
-        return model, ckpt.logits_of(model, ckpt.eval_batch(self.job["data_dir"]))
+        model = self.task.consolidated_model(full, self.job["model_source"], self.spec)
+        return model, self.task.fixed_outputs(model, self.job)
 
     def saved_logits(self):
         from safetensors.torch import load_file
@@ -171,7 +172,6 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
     import torch.distributed as dist
 
     from distlab import checkpoint as ckpt
-    from distlab.data import load_blocks, load_labels
     from distlab.loop import IndexStream, gather, train
 
     job = validator.job
@@ -193,7 +193,7 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
             return {}
         diff = (logits - validator.saved_logits()).abs().max().item()
         if spec["method"] == "lora":
-            validator.record("lora_base_frozen", lora_base_frozen(model, job["model_source"]))
+            validator.record("lora_base_frozen", validator.task.lora_base_frozen(model, job["model_source"]))
         return {"status": PASSED if diff <= RELOAD_TOLERANCE else FAILED, "max_abs_logit_diff": diff,
                 "tolerance": RELOAD_TOLERANCE, "world_size": dist.get_world_size(),
                 "load_seconds": info["load_seconds"],
@@ -210,12 +210,11 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
 
     def resume_parity():
         strategy, signature = validator.build(spec)
-        blocks = load_blocks(job["data_dir"], "train")
-        stream = IndexStream(len(blocks), spec, strategy.data_parallel_rank, strategy.data_parallel_size)
+        data = validator.task.train_data(job, spec, validator.ctx.device)
+        stream = IndexStream(len(data), spec, strategy.data_parallel_rank, strategy.data_parallel_size)
         info = ckpt.load_checkpoint(job["parity"], strategy, validator.ctx, signature, stream=stream, verify=False)
         start = info["steps_done"]
-        records = gather(train(validator.ctx, strategy, blocks, start_step=start, stream=stream,
-                               train_labels=load_labels(job["data_dir"], "train"))["records"])
+        records = gather(train(validator.ctx, strategy, data, start_step=start, stream=stream)["records"])
         model, logits = validator.consolidated_logits(strategy)
         if validator.rank != 0:
             return {}
@@ -279,7 +278,7 @@ def main(argv=None) -> None:
     started = time.time()
     validator = ValidationRank(job)
     if validator.rank == 0 and any(name == "same" for name, _ in job["plan"]):
-        validator.guarded("export", lambda: check_export(validator))  # first: before this process loads anything else
+        validator.guarded("export", lambda: validator.task.check_export(validator))  # first: before this process loads anything else
     dist.barrier()
     for index, (name, world_size) in enumerate(job["plan"]):
         if index and not validator.shrink_to_one_rank():

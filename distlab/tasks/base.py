@@ -1,0 +1,126 @@
+"""The one interface every task implements (distlab/tasks/<name>.py); strategies, the training
+loop, the worker, checkpoints and validation call only these.
+
+Two halves:
+- config time (the Snakefile imports the task at parse time: no torch here): resolve a spec,
+  refuse what the task cannot run naming the field or file, and name the files a job reads;
+- rank time: load the trained module (whole, on meta for FSDP, partitioned for ZeRO-3), apply
+  LoRA, build batches, compute the loss, count FLOPs, evaluate, export and check the export.
+
+The trained module is what a strategy wraps (the causal LM; the Stable Diffusion UNet). Whatever
+else a task needs per rank (a frozen VAE and text encoder) lives in its data object, built by
+`train_data` and never handed to a strategy.
+"""
+from __future__ import annotations
+
+
+class TrainData:
+    """What the loop draws micro-batches from: `len()` samples, `batch(indices, device, step)`
+    returns the dict the task's `loss` takes, `describe()` says what was built (as_built.task)."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def batch(self, indices: list[int], device, step: int) -> dict:
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        return {}
+
+
+class Task:
+    name = "base"
+    #: what throughput counts ("token": tokens/s; "image": images/s) and MFU is per
+    unit = "sample"
+
+    # -- config time (no torch) ----------------------------------------------------------
+    def id_part(self) -> str | None:
+        """Appended to the experiment id (None: nothing, the default task)."""
+        return None
+
+    def resolve(self, spec: dict, config: dict) -> None:
+        """Copy the task's settings a run depends on into the spec (its Snakemake params), in place."""
+
+    def check_config(self, config: dict) -> None:
+        """Checks of the task's own config block and files, before any experiment is expanded."""
+
+    def check_experiment(self, spec: dict, config: dict, fail) -> None:
+        """fail(field, why) for an experiment this task cannot run."""
+
+    def data_dir(self, spec: dict, prep: str) -> str:
+        """The prepared data folder a job of this spec reads (a Snakemake input)."""
+        raise NotImplementedError
+
+    def model_file(self, spec: dict, config: dict, prep: str) -> str | None:
+        """The file that stands for the model folder (a Snakemake input); its folder is loaded."""
+        raise NotImplementedError
+
+    def base_eval_path(self, spec: dict, prep: str) -> str:
+        """The base model's held-out evaluation of this spec's data (a Snakemake input)."""
+        raise NotImplementedError
+
+    def units_per_sample(self, spec: dict) -> int:
+        """Units (tokens, images) in one sample of a micro-batch."""
+        return 1
+
+    # -- rank time -----------------------------------------------------------------------
+    def import_code(self, source: str, lora: bool) -> None:
+        """Import the modeling libraries before the RSS baseline is read (distlab.memory)."""
+
+    def load_model(self, source: str, dtype=None, device: str | None = None):
+        """The trained module, whole (device None) or on the meta device (device "meta")."""
+        raise NotImplementedError
+
+    def weights_folder(self, source: str) -> str:
+        """The folder whose *.safetensors hold the trained module's weights (FSDP's sharded load)."""
+        return str(source)
+
+    def load_partitioned(self, source: str, ds_config: dict, dtype, nvme_params: bool) -> tuple:
+        """(module, load report): the trained module built under deepspeed.zero.Init (ZeRO-3)."""
+        raise NotImplementedError
+
+    def apply_lora(self, model, spec: dict) -> tuple:
+        """(model, adapted module names); only adapter weights train."""
+        raise NotImplementedError
+
+    def flops(self, model, spec: dict, count: bool) -> dict:
+        """FLOPs per unit of the module as trained: `flops_per_<unit>` is what MFU uses."""
+        raise NotImplementedError
+
+    def train_data(self, job: dict, spec: dict, device, split: str = "train") -> TrainData:
+        raise NotImplementedError
+
+    def loss(self, model, batch: dict):
+        """The micro-batch's loss, from the (possibly wrapped) trained module; autograd on."""
+        raise NotImplementedError
+
+    def data_facts(self, job: dict, records_by_rank: list, ranks_per_replica: int) -> dict:
+        """metrics.json's data_prep block: what the prepared data is and what this run read."""
+        return {}
+
+    # -- held-out evaluation, export, checks ----------------------------------------------
+    def consolidated_model(self, full_state: dict, source: str, spec: dict):
+        """A plain library model holding a strategy's full_state_dict() (rank 0)."""
+        raise NotImplementedError
+
+    def evaluate(self, model, job: dict) -> dict:
+        """The held-out figure of a consolidated model, on the same data as the task's rule that
+        evaluates the base model (job["base_eval_json"])."""
+        raise NotImplementedError
+
+    def fixed_outputs(self, model, job: dict):
+        """The consolidated model's output tensor on a fixed batch: recorded at save time,
+        compared by reload, reshard, resume and export checks."""
+        raise NotImplementedError
+
+    def write_export(self, model, source: str, spec: dict, folder) -> dict:
+        """The export a user loads with the task's own library, into `folder`."""
+        raise NotImplementedError
+
+    def check_export(self, validator) -> dict:
+        """Rank 0 of checkpoint validation: load the export as a user would and compare."""
+        raise NotImplementedError
+
+    def lora_base_frozen(self, model, source: str) -> dict:
+        """A reloaded LoRA model's frozen weights vs a fresh base: bit for bit."""
+        raise NotImplementedError
