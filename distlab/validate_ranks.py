@@ -197,8 +197,10 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
         return {"status": PASSED if diff <= RELOAD_TOLERANCE else FAILED, "max_abs_logit_diff": diff,
                 "tolerance": RELOAD_TOLERANCE, "world_size": dist.get_world_size(),
                 "load_seconds": info["load_seconds"],
-                "how": "fresh model + strategy, strategy.load_checkpoint, full_state_dict into a plain HF model; "
-                       "fp32 logits on the fixed eval batch vs those recorded at save time"}
+                "how": "fresh model + strategy, strategy.load_checkpoint, full_state_dict into a plain library "
+                       "model; its fp32 output on the task's fixed batch (causal LM: logits of the eval batch; "
+                       "text-to-image: the UNet's prediction on fixed held-out inputs) vs the one recorded at save "
+                       "time"}
 
     validator.guarded("reload", reload)
     strategy = None  # the parity check builds its own; free this one first
@@ -257,8 +259,9 @@ def check_at_other_world_size(validator: ValidationRank, world_size: int) -> Non
         return {"status": PASSED if diff <= RELOAD_TOLERANCE else FAILED, "from_world_size": meta["world_size"],
                 "to_world_size": dist.get_world_size(), "max_abs_logit_diff": diff, "tolerance": RELOAD_TOLERANCE,
                 "load_seconds": info["load_seconds"],
-                "how": "the final checkpoint loaded by the same strategy at another world size; consolidated "
-                       "logits vs those recorded at save time"}
+                "how": "the final checkpoint loaded by the same strategy at another world size; the consolidated "
+                       "model's output on the task's fixed batch (logits for a causal LM) vs the one recorded at "
+                       "save time"}
 
     if not validator.guarded("reshard", reshard):
         validator.checks["reshard"].update(from_world_size=meta["world_size"], to_world_size=dist.get_world_size())

@@ -233,8 +233,11 @@ def collectives_outputs():
 
 
 def advice_outputs():
-    """The advisor needs the model's config.json on disk (not a hub id)."""
-    return [] if config["model"]["hub_id"] else [f"{RESULTS}/{MACHINE}/advice.json"]
+    """The advisor sizes the causal LM (model block) from its config.json on disk (not a hub id):
+    only when an experiment fine-tunes it (a text-to-image-only config builds no LM)."""
+    if config["model"]["hub_id"] or not any(spec["task"] == "causal-lm" for spec in SPECS.values()):
+        return []
+    return [f"{RESULTS}/{MACHINE}/advice.json"]
 
 
 def ray_experiment_specs():

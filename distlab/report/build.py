@@ -12,7 +12,7 @@ from distlab import collectives as coll
 from distlab.report.cards import COMPARED, FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Table, all_cards
 from distlab.report.cards.checkpoint_table import checkpoint_card
 from distlab.report.collect import (COLLECTIVES_SCHEMA_VERSION, HARDWARE_SCHEMA_VERSION, clear_winner, load_runs,
-                                    machine_files, read_json, summary_frame)
+                                    machine_files, read_json, summary_frame, unit_of)
 from distlab.report.plots import bandwidth_curves, loss_panels, ranking
 from distlab.report.render import render_html, render_markdown
 
@@ -112,7 +112,8 @@ def ranking_card(runs: list[dict]) -> Card:
     import pandas as pd
 
     card = Card(91, "Strategy ranking across all runs")
-    ok = [r for r in runs if r.get("_throughput") and r["spec"]["sampler"] == "distributed"]
+    # Tokens/s only: a text-to-image run's images/s is ranked on its own card.
+    ok = [r for r in runs if r.get("_throughput") and r["spec"]["sampler"] == "distributed" and unit_of(r) == "token"]
     if not ok:
         card.notes.append("No successful run yet.")
         return card
@@ -155,7 +156,7 @@ def machines_card(runs: list[dict], hardware: dict) -> Card | None:
         return None
     card = Card(92, "Machines side by side")
     rows = {}
-    for run in runs:
+    for run in (r for r in runs if unit_of(r) == "token"):  # tokens/s cells; images/s are on their card
         t = run.get("_throughput")
         cell = f"{t['median']:.1f} ({t['low']:.1f}-{t['high']:.1f})" if t else run.get("status")
         rows.setdefault(run["experiment"], {"experiment": run["experiment"]})[run["machine"]] = cell
@@ -216,7 +217,7 @@ def break_even_notes(machine: str, result: dict, runs: list[dict]) -> list[str]:
     """The global batch above which N data-parallel ranks beat one, from measured numbers."""
     n = result["world_size"]
     singles = [r for r in runs if r["machine"] == machine and r.get("status") == "ok" and r["stage"] == "ddp"
-               and r["as_built"]["world_size"] == 1]
+               and r["as_built"]["world_size"] == 1 and unit_of(r) == "token"]
     if not singles:
         return [f"{machine}: no 1-rank DDP run, so no break-even batch (needs its compute time per sample)."]
     one = singles[0]
@@ -233,7 +234,7 @@ def break_even_notes(machine: str, result: dict, runs: list[dict]) -> list[str]:
             f"beat 1 once the global batch exceeds B* = a*N/(c*(N-1)) = {b_star:.1f} samples (upper bound: DDP "
             "overlaps the all-reduce with backward).")
     peers = [r for r in runs if r["machine"] == machine and r.get("status") == "ok" and r["stage"] == "ddp"
-             and r["as_built"]["world_size"] == n and r["spec"]["sampler"] == "distributed"
+             and unit_of(r) == "token" and r["as_built"]["world_size"] == n and r["spec"]["sampler"] == "distributed"
              and r["throughput"]["samples_per_step"] == one["throughput"]["samples_per_step"]]
     if peers:
         speed = peers[0]["throughput"]["tokens_per_s"] / one["throughput"]["tokens_per_s"]
@@ -247,8 +248,9 @@ def loss_card(runs: list[dict]) -> Card:
     card = Card(94, "Loss curves per stage")
     by_stage = {}
     for run in runs:
-        if run.get("status") == "ok":
-            by_stage.setdefault(run["stage"], []).append(run)
+        if run.get("status") == "ok":  # a text-to-image run's loss (a denoising MSE) gets a panel of its own
+            task = run["spec"].get("task", "causal-lm")
+            by_stage.setdefault(run["stage"] if task == "causal-lm" else f"{run['stage']} ({task})", []).append(run)
     if by_stage:
         card.figures.append(Figure("Loss per optimizer step, one panel per stage", loss_panels(by_stage),
                                    "mean training loss over data-parallel ranks per optimizer step, warm-up included"))

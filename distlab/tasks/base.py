@@ -13,6 +13,20 @@ else a task needs per rank (a frozen VAE and text encoder) lives in its data obj
 """
 from __future__ import annotations
 
+import importlib
+
+
+def lazy(target: str):
+    """A Task method that hands its arguments to `module:function`, imported on first call (task
+    modules stay importable at Snakefile parse time: no torch)."""
+    module, name = target.split(":")
+
+    def call(self, *args, **kwargs):
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__doc__ = f"{target} (imported when first called)"
+    return call
+
 
 class TrainData:
     """What the loop draws micro-batches from: `len()` samples, `batch(indices, device, step)`

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from distlab.tasks.base import Task, TrainData
+from distlab.tasks.base import Task, TrainData, lazy
 
 
 def model_suffix(name: str) -> str:
@@ -73,15 +73,12 @@ class CausalLM(Task):
         return spec["seq_len"]
 
     # -- rank time ------------------------------------------------------------------------
-    def import_code(self, source, lora):
-        from distlab.model import import_model_code
-
-        import_model_code(source, lora)
-
-    def load_model(self, source, dtype=None, device=None):
-        from distlab.model import load_model
-
-        return load_model(source, dtype=dtype, device=device)
+    import_code = lazy("distlab.model:import_model_code")
+    load_model = lazy("distlab.model:load_model")
+    consolidated_model = lazy("distlab.checkpoint:consolidated_model")
+    write_export = lazy("distlab.checkpoint:write_export")
+    check_export = lazy("distlab.validate_ranks:check_export")
+    lora_base_frozen = lazy("distlab.validate_ranks:lora_base_frozen")
 
     def load_partitioned(self, source, ds_config, dtype, nvme_params):
         from distlab.strategies import deepspeed_load
@@ -109,12 +106,7 @@ class CausalLM(Task):
 
         return run_data_facts(job["data_dir"], records_by_rank, ranks_per_replica)
 
-    # -- held-out evaluation, export, checks ------------------------------------------------
-    def consolidated_model(self, full_state, source, spec):
-        from distlab.checkpoint import consolidated_model
-
-        return consolidated_model(full_state, source, spec)
-
+    # -- held-out evaluation, export checks -------------------------------------------------
     def evaluate(self, model, job):
         from distlab.evaluation import eval_tokens, evaluate_model
 
@@ -124,21 +116,5 @@ class CausalLM(Task):
         from distlab.checkpoint import eval_batch, logits_of
 
         return logits_of(model, eval_batch(job["data_dir"]))
-
-    def write_export(self, model, source, spec, folder):
-        from distlab.checkpoint import write_export
-
-        return write_export(model, source, spec, folder)
-
-    def check_export(self, validator):
-        from distlab.validate_ranks import check_export
-
-        return check_export(validator)
-
-    def lora_base_frozen(self, model, source):
-        from distlab.validate_ranks import lora_base_frozen
-
-        return lora_base_frozen(model, source)
-
 
 TASK = CausalLM()

@@ -24,7 +24,9 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from distlab.tasks.base import Task
+from distlab.tasks.base import Task, lazy
+
+MODEL, DATA, OUTPUTS = (f"distlab.tasks.text_to_image.{name}" for name in ("model", "data", "outputs"))
 
 #: LoRA targets of diffusers' example (attention projections of every transformer block)
 LORA_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
@@ -95,79 +97,34 @@ class TextToImage(Task):
 
     # -- rank time ------------------------------------------------------------------------
     def import_code(self, source, lora):
-        import diffusers  # noqa: F401
         import peft  # noqa: F401
         from diffusers import AutoencoderKL, UNet2DConditionModel  # noqa: F401
         from transformers import CLIPTextModel  # noqa: F401
 
-    def load_model(self, source, dtype=None, device=None):
-        from distlab.tasks.text_to_image.model import load_unet
-
-        return load_unet(source, dtype=dtype, device=device)
-
     def weights_folder(self, source):
         return str(Path(source) / "unet")
-
-    def load_partitioned(self, source, ds_config, dtype, nvme_params):
-        from distlab.tasks.text_to_image.model import load_unet_partitioned
-
-        return load_unet_partitioned(source, ds_config, dtype)
-
-    def apply_lora(self, model, spec):
-        from distlab.tasks.text_to_image.model import add_lora
-
-        return add_lora(model, spec)
-
-    def flops(self, model, spec, count):
-        from distlab.tasks.text_to_image.model import flops_per_image
-
-        return flops_per_image(model, spec, count)
 
     def train_data(self, job, spec, device, split="train"):
         from distlab.tasks.text_to_image.data import ImageCaptions
 
         return ImageCaptions(job["data_dir"], job["model_source"], spec, device, split)
 
-    def loss(self, model, batch):
-        from distlab.tasks.text_to_image.data import denoising_loss
-
-        return denoising_loss(model, batch)
-
     def data_facts(self, job, records_by_rank, ranks_per_replica):
         from distlab.tasks.text_to_image.data import data_facts
 
         return data_facts(job["data_dir"], records_by_rank)
 
-    # -- held-out evaluation, export, checks ------------------------------------------------
-    def consolidated_model(self, full_state, source, spec):
-        from distlab.tasks.text_to_image.outputs import consolidated_unet
-
-        return consolidated_unet(full_state, source, spec)
-
-    def evaluate(self, model, job):
-        from distlab.tasks.text_to_image.outputs import evaluate_run_unet
-
-        return evaluate_run_unet(model, job)
-
-    def fixed_outputs(self, model, job):
-        from distlab.tasks.text_to_image.outputs import fixed_outputs
-
-        return fixed_outputs(model, job)
-
-    def write_export(self, model, source, spec, folder):
-        from distlab.tasks.text_to_image.outputs import write_export
-
-        return write_export(model, source, spec, folder)
-
-    def check_export(self, validator):
-        from distlab.tasks.text_to_image.outputs import check_export
-
-        return check_export(validator)
-
-    def lora_base_frozen(self, model, source):
-        from distlab.tasks.text_to_image.outputs import lora_base_frozen
-
-        return lora_base_frozen(model, source)
+    load_model = lazy(f"{MODEL}:load_unet")
+    load_partitioned = lazy(f"{MODEL}:load_unet_partitioned")
+    apply_lora = lazy(f"{MODEL}:add_lora")
+    flops = lazy(f"{MODEL}:flops_per_image")
+    loss = lazy(f"{DATA}:denoising_loss")
+    consolidated_model = lazy(f"{OUTPUTS}:consolidated_unet")
+    evaluate = lazy(f"{OUTPUTS}:evaluate_run_unet")
+    fixed_outputs = lazy(f"{OUTPUTS}:fixed_outputs")
+    write_export = lazy(f"{OUTPUTS}:write_export")
+    check_export = lazy(f"{OUTPUTS}:check_export")
+    lora_base_frozen = lazy(f"{OUTPUTS}:lora_base_frozen")
 
 
 TASK = TextToImage()

@@ -77,12 +77,13 @@ def weight_files(folder: Path) -> dict[str, Path]:
         return {name: single for name in handle.keys()}
 
 
-def load_unet_partitioned(source: str, ds_config: dict, dtype) -> tuple:
+def load_unet_partitioned(source: str, ds_config: dict, dtype, nvme_params: bool = False) -> tuple:
     """The UNet built under deepspeed.zero.Init (each parameter a partition as its module is
     constructed), then each rank copies only its own flat slice of every weight from the
     safetensors (strategies.deepspeed_load's partition copy, the same as for causal LMs).
     Only the UNet is built here: the frozen VAE and text encoder load in the task's TrainData,
-    outside zero.Init (as diffusers' ZeRO-3 recipe keeps them out: they are never trained)."""
+    outside zero.Init (as diffusers' ZeRO-3 recipe keeps them out: they are never trained).
+    nvme_params: refused at config time (the copy needs the partitions in memory)."""
     import deepspeed
     from diffusers import UNet2DConditionModel
     from safetensors import safe_open
