@@ -240,6 +240,19 @@ def advice_outputs():
     return [f"{RESULTS}/{MACHINE}/advice.json"]
 
 
+def sd_model_inputs():
+    """model_index.json of the text-to-image task's model: text_to_image.model.path, or the built tiny SD."""
+    path = config["text_to_image"]["model"]["path"]
+    return [os.path.join(path, "model_index.json")] if path else [f"{PREP}/sd-model/model_index.json"]
+
+
+def sd_advice_outputs():
+    """advice-sd.json, written by advise_sd when an experiment runs the text-to-image task (its card reads it)."""
+    if not any(spec["task"] == "text-to-image" for spec in SPECS.values()):
+        return []
+    return [f"{RESULTS}/{MACHINE}/advice-sd.json"]
+
+
 def ray_experiment_specs():
     """Resolved specs of the experiments Ray Train runs (the KubeRay manifests run them)."""
     return {exp_id: spec for exp_id, spec in SPECS.items() if spec["launcher"] == "ray"}
@@ -256,8 +269,3 @@ if any(spec["ray"]["address"] == "env" for spec in ray_experiment_specs().values
     envvars:
         "RAY_ADDRESS",
 
-
-def sd_model_inputs():
-    """model_index.json of the text-to-image task's model: text_to_image.model.path, or the built tiny SD."""
-    path = config["text_to_image"]["model"]["path"]
-    return [os.path.join(path, "model_index.json")] if path else [f"{PREP}/sd-model/model_index.json"]

@@ -54,3 +54,27 @@ rule evaluate_base_sd:
         "../envs/train.yaml"
     script:
         "../scripts/evaluate_base_sd.py"
+
+
+# The advisor for text-to-image LoRA: SD 1.5, SDXL, FLUX.1 and the configured SD folder sized
+# from their configs (meta-device models, no weights) for this machine's devices.
+rule advise_sd:
+    input:
+        hardware=f"{RESULTS}/{MACHINE}/hardware.json",
+        model=sd_model_inputs(),
+    output:
+        f"{RESULTS}/{MACHINE}/advice-sd.json",
+    params:
+        advisor=config["advisor"],
+        resolution=config["text_to_image"]["resolution"],
+        cpu_ranks=max(spec["world_size"] for spec in SPECS.values()),
+    log:
+        f"{RESULTS}/{MACHINE}/logs/advise-sd.log",
+    resources:
+        # Meta-device models (no weights): the libraries' import and the Python objects only.
+        mem_mb=2000,
+        runtime=10,
+    conda:
+        "../envs/train.yaml"
+    script:
+        "../scripts/advise_sd.py"

@@ -9,6 +9,7 @@ read from the runs' metrics.json, run_files/samples.png and validation.json.
 from __future__ import annotations
 
 import base64
+import json
 from pathlib import Path
 
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Goal, Table, metrics_link
@@ -139,6 +140,29 @@ def export_goal(card: Card, ok: list[dict]) -> None:
                            [str(Path(r["_dir"]) / "validation.json") for r, _ in checked]))
 
 
+def advisor_tables(card: Card, runs: list[dict]) -> None:
+    """advice-sd.json (rule advise_sd) of each machine with text-to-image runs."""
+    import pandas as pd
+
+    from distlab.advisor import human
+
+    for machine_dir in sorted({Path(r["_dir"]).parent for r in runs}):
+        path = machine_dir / "advice-sd.json"
+        if not path.is_file():
+            continue
+        advice = json.loads(path.read_text())
+        plan = advice["devices"]
+        rows = [{"model": m["model"], "denoiser": m["denoiser"], "parameters": f"{m['denoiser_params'] / 1e6:,.1f}M",
+                 "frozen (text encoders, VAE)": f"{sum(m['frozen_params'].values()) / 1e6:,.1f}M",
+                 "LoRA r4": f"{m['lora_params'] / 1e6:.2f}M", "resolution": m["resolution"],
+                 "activations (mb 1)": human(m["activation_bytes"]) if m["activation_bytes"] else m["activations_how"],
+                 "DDP / device": human(m["ddp_bytes"]), f"sharded over {m['devices']} / device": human(m["sharded_bytes"]),
+                 "advice": m["recommendation"], "roadmap": m["roadmap"]} for m in advice["models"]]
+        card.tables.append(Table(f"Advisor for text-to-image LoRA on {machine_dir.name} ({plan['devices']} device(s), "
+                                 f"{human(advice['usable_bytes_per_device'])} usable each: {plan['source']})",
+                                 pd.DataFrame(rows), " ".join(advice["how"].split())))
+
+
 def build(runs: list[dict]) -> Card:
     import pandas as pd
 
@@ -167,5 +191,6 @@ def build(runs: list[dict]) -> Card:
                              f"to the first step; training: the steps). The {SPREAD_CAVEAT}."))
     card.figures.append(Figure("Training loss (denoising MSE) per step", loss_curves(ok, "text-to-image runs"),
                                "mean over data-parallel ranks per optimizer step, warm-up included"))
+    advisor_tables(card, runs)
     return card
 

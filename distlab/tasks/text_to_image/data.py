@@ -160,6 +160,7 @@ class ImageCaptions:
         return len(self.rows)
 
     def batch(self, indices, device, step):
+        # `device` is the rank's, where the frozen encoders already sit (they put the batch there).
         generators = [sample_generator(self.seed, step, index) for index in indices]
         rows = self.rows[list(indices)]
         pixels = torch.stack([transform(image, self.settings, g, train=True)
