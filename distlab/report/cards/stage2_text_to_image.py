@@ -14,9 +14,8 @@ from pathlib import Path
 
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Goal, Table, metrics_link
 from distlab.report.cards.checkpoint_table import validation_of
-from distlab.report.cards.stage2_accelerate import _accelerate_record, config_pairs
+from distlab.report.cards.stage2_accelerate import _accelerate_record, config_pairs, pair_links
 from distlab.report.plots import loss_curves
-from distlab.run_layout import run_files_dir
 
 TASK = "text-to-image"
 MIB = 2**20
@@ -81,8 +80,7 @@ def scaling_goal(card: Card, accel: list[dict]) -> None:
         f"{real[1]} (Accelerate {types[0]}, {types[1]}); {m1:.1f} ({lo1:.1f}-{hi1:.1f}) vs {m2:.1f} ({lo2:.1f}-"
         f"{hi2:.1f}) images/s, {m2 / m1:.2f}x at {multi['spec']['micro_batch']} images per rank per micro-batch"
         f"{'' if clear else ' (spreads overlap: no clear winner)'}",
-        [metrics_link(one), metrics_link(multi), str(run_files_dir(one["_dir"]) / "accelerate_config.yaml"),
-         str(run_files_dir(multi["_dir"]) / "accelerate_config.yaml")]))
+        pair_links(one, multi)))
 
 
 def heldout_goal(card: Card, ok: list[dict]) -> None:
