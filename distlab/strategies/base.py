@@ -148,12 +148,7 @@ class Strategy:
 
     def describe(self) -> dict:
         names = sorted({type(m).__name__ for m in self.model.modules()} | {type(self.model).__name__})
-        ddp = {}
-        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            # Read from the wrapper: on, DDP walks the autograd graph every step to find parameters
-            # that got no gradient (a cost, and a sign of a model part the loss skips).
-            ddp["find_unused_parameters"] = self.model.find_unused_parameters
-        return {**ddp,
+        out = {
             "strategy": self.name,
             "outer_wrapper": type(self.model).__name__,
             "wrappers_found": [n for n in names if n in self.expected_wrappers],
@@ -165,6 +160,11 @@ class Strategy:
             # and in what form (DTensor shard, DeepSpeed ZeRO-3 partition, plain tensor).
             **parameter_facts(self.model),
         }
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            # Read from the wrapper: on, DDP walks the autograd graph every step to find parameters
+            # that got no gradient (a cost, and a sign of a model part the loss skips).
+            out["find_unused_parameters"] = self.model.find_unused_parameters
+        return out
 
     def verify(self, described: dict) -> None:
         """Fail the run when what happened differs from the spec."""
