@@ -65,7 +65,8 @@ def advisor_card(advice: dict, runs: list[dict]) -> Card:
     card = card_noting_missing(90, "Advisor: what to run on this hardware", advice,
                                "No advice.json found (rule `advise`); run `snakemake advise`.")
     for machine, a in sorted(advice.items()):
-        advise_machine(card, machine, a, [r for r in runs if r["machine"] == machine])
+        # The advice sizes the causal LM: runs counted in tokens (a text-to-image run has its own advisor).
+        advise_machine(card, machine, a, [r for r in runs if r["machine"] == machine and unit_of(r) == "token"])
     return card
 
 

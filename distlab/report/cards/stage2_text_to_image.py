@@ -138,6 +138,10 @@ def export_goal(card: Card, ok: list[dict]) -> None:
                            [str(Path(r["_dir"]) / "validation.json") for r, _ in checked]))
 
 
+def count(n: int) -> str:
+    return f"{n / 1e6:,.1f}M" if n >= 1e6 else f"{n:,}"
+
+
 def advisor_tables(card: Card, runs: list[dict]) -> None:
     """advice-sd.json (rule advise_sd) of each machine with text-to-image runs."""
     import pandas as pd
@@ -150,9 +154,9 @@ def advisor_tables(card: Card, runs: list[dict]) -> None:
             continue
         advice = json.loads(path.read_text())
         plan = advice["devices"]
-        rows = [{"model": m["model"], "denoiser": m["denoiser"], "parameters": f"{m['denoiser_params'] / 1e6:,.1f}M",
-                 "frozen (text encoders, VAE)": f"{sum(m['frozen_params'].values()) / 1e6:,.1f}M",
-                 "LoRA r4": f"{m['lora_params'] / 1e6:.2f}M", "resolution": m["resolution"],
+        rows = [{"model": m["model"], "denoiser": m["denoiser"], "parameters": count(m["denoiser_params"]),
+                 "frozen (text encoders, VAE)": count(sum(m["frozen_params"].values())),
+                 "LoRA r4": count(m["lora_params"]), "resolution": m["resolution"],
                  "activations (mb 1)": human(m["activation_bytes"]) if m["activation_bytes"] else m["activations_how"],
                  "DDP / device": human(m["ddp_bytes"]), f"sharded over {m['devices']} / device": human(m["sharded_bytes"]),
                  "advice": m["recommendation"], "roadmap": m["roadmap"]} for m in advice["models"]]

@@ -5,6 +5,7 @@ as one PNG in the run's run_files/ (a declared output the report reads)."""
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 SAMPLES_PNG = "samples.png"
@@ -33,7 +34,7 @@ def grid_png(rows: dict[str, list], labels: list[str], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     columns = len(labels)
-    fig, axes = plt.subplots(len(rows), columns, figsize=(1.6 * columns, 1.9 * len(rows)), squeeze=False)
+    fig, axes = plt.subplots(len(rows), columns, figsize=(1.7 * columns, 2.1 * len(rows)), squeeze=False)
     for r, (title, images) in enumerate(rows.items()):
         for c, image in enumerate(images):
             axis = axes[r][c]
@@ -41,7 +42,7 @@ def grid_png(rows: dict[str, list], labels: list[str], path: Path) -> None:
             axis.set_xticks([])
             axis.set_yticks([])
             if r == 0:
-                axis.set_title(labels[c], fontsize=7)
+                axis.set_title(textwrap.fill(labels[c], 22), fontsize=7)
             if c == 0:
                 axis.set_ylabel(title, fontsize=8)
     fig.tight_layout()
