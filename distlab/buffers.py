@@ -29,10 +29,10 @@ HOW = ("each buffer of the model as built vs the plain model's (the architecture
 
 
 @functools.lru_cache(maxsize=4)
-def _plain(model_source: str) -> tuple[tuple[str, torch.Tensor, bool], ...]:
-    from distlab.model import load_model
+def _plain(model_source: str, task: str) -> tuple[tuple[str, torch.Tensor, bool], ...]:
+    from distlab.tasks import task_named
 
-    model = load_model(model_source, device="meta")
+    model = task_named(task).load_model(model_source, device="meta")  # the task's trained module
     out = []
     for name, buffer in model.named_buffers():
         if buffer.device.type == "meta":
@@ -43,9 +43,10 @@ def _plain(model_source: str) -> tuple[tuple[str, torch.Tensor, bool], ...]:
     return tuple(out)
 
 
-def plain_buffers(model_source: str) -> dict[str, tuple[torch.Tensor, bool]]:
-    """{name: (tensor, persistent)} of the plain model's real buffers (Hugging Face names)."""
-    return {name: (tensor, persistent) for name, tensor, persistent in _plain(str(model_source))}
+def plain_buffers(model_source: str, task: str = "causal-lm") -> dict[str, tuple[torch.Tensor, bool]]:
+    """{name: (tensor, persistent)} of the plain model's real buffers (Hugging Face names); the
+    model is the task's trained module (distlab.tasks)."""
+    return {name: (tensor, persistent) for name, tensor, persistent in _plain(str(model_source), task)}
 
 
 def _plain_name(name: str, plain: dict) -> str | None:

@@ -9,10 +9,12 @@ One checkpoint folder:
     trainer/rng-rank<R>.safetensors torch CPU (and CUDA) RNG state
     distlab_checkpoint.json         what made it: experiment, strategy, world size, spec, model signature;
                                     LoRA: the frozen base by identity (folder, sha256 of its weight files)
-    eval_logits.safetensors         (final only) streamed CPU logits of the trained state on a fixed
-                                    eval batch, and the training model's own (distlab.export)
-    export/                         (final only) save_pretrained shards + index + tokenizer; LoRA: the
-                                    PEFT adapter folder (export/merged/ with export.merge)
+    eval_logits.safetensors         (final only) the trained state's output on the task's fixed batch
+                                    (causal LM: streamed CPU logits of a fixed eval batch, and the
+                                    training model's own; distlab.export)
+    export/                         (final only) the task's export (causal LM: save_pretrained shards +
+                                    index + tokenizer; LoRA: the PEFT adapter folder, export/merged/
+                                    with export.merge; text-to-image: diffusers' LoRA file)
     MANIFEST.json                   every other file with its size and sha256, written last
 
 Where checkpoints live, under results/<machine>/<experiment>/:
@@ -158,16 +160,19 @@ def load_plain(strategy, path: str) -> None:
 def model_signature(model) -> dict:
     """Config and parameter shapes of the (LoRA-applied) model, taken before any wrapper
     shards it."""
-    config = {k: v for k, v in model.config.to_dict().items()
-              if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")}
+    # A transformers config has to_dict(); a diffusers model's config is a (frozen) dict.
+    raw = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(model.config)
+    config = {k: v for k, v in raw.items()
+              if k not in ("_name_or_path", "transformers_version", "_diffusers_version", "dtype", "torch_dtype")}
     return {"config": json.loads(json.dumps(config, default=str)),
             # ds_shape: a ZeRO-3 parameter partitioned at load (deepspeed.zero.Init) has shape [0].
             "parameters": {n: list(getattr(p, "ds_shape", None) or p.shape) for n, p in model.named_parameters()}}
 
 
-def base_identity(model_source: str) -> dict:
+def base_identity(model_source: str, weights_folder: str | None = None) -> dict:
     """The frozen base a LoRA checkpoint's adapters belong to: its folder (or hub id) and the
-    sha256 of every weight file in it (a LoRA checkpoint does not hold the base's weights).
+    sha256 of every weight file of the trained module (`weights_folder`, the task's; default
+    the model folder itself) (a LoRA checkpoint does not hold the base's weights).
     Collective where a process group exists: rank 0 reads the files, the others receive it."""
     import torch.distributed as dist
 
@@ -176,7 +181,7 @@ def base_identity(model_source: str) -> dict:
 
     out = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        folder = model_folder(model_source)
+        folder = model_folder(weights_folder or model_source)
         files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin"))
         out[0] = {"source": str(model_source), "weights_sha256": {p.name: sha256_file(p) for p in files},
                   "how": "sha256 of every *.safetensors / *.bin file of the folder"}
@@ -251,8 +256,6 @@ def save_checkpoint(dest, strategy, ctx, job: dict, signature: dict, steps_done:
     (meaningful on rank 0)."""
     import torch.distributed as dist
 
-    from distlab.export import export_pass
-
     dest = Path(dest)
     tmp = dest.with_name(dest.name + ".tmp")
     rank = dist.get_rank()
@@ -271,7 +274,7 @@ def save_checkpoint(dest, strategy, ctx, job: dict, signature: dict, steps_done:
               "the trainer state's save")
         if export:
             t0 = time.perf_counter()
-            info["export"], error = export_pass(strategy, job, ctx.spec, tmp)
+            info["export"], error = strategy.task.export_pass(strategy, job, ctx.spec, tmp)
             agree(error, "the export")
             info["export_seconds"] = time.perf_counter() - t0
 

@@ -18,6 +18,7 @@ import yaml
 from distlab import families
 from distlab import input_checks
 from distlab.input_checks import ConfigError
+from distlab.tasks import task_for, task_named, task_names
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"
 
@@ -25,6 +26,7 @@ SCHEMA_PATH = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"
 # and each experiment overrides that.
 EXPERIMENT_DEFAULTS: dict = {
     "tag": None,
+    "task": "causal-lm",
     "strategy": "ddp",
     "launcher": "auto",
     "method": "full",
@@ -137,6 +139,9 @@ def experiment_id(spec: dict) -> str:
     parts += [spec["method"], f"w{spec['world_size']}", f"mb{spec['micro_batch']}", f"ga{spec['grad_accum']}"]
     if spec["launcher"] == "ray":
         parts.append("ray")
+    task_part = task_for(spec).id_part()
+    if task_part:
+        parts.append(task_part)
     if spec.get("tag"):
         parts.append(spec["tag"])
     return "-".join(parts)
@@ -179,6 +184,7 @@ def expand_experiments(config: dict, gpu_count: int | None = None) -> dict[str, 
                         spec["ray"][key] = config.get("ray", {}).get(key)
             if spec["device"] == "auto":
                 spec["device"] = "cuda" if gpu_count > 0 else "cpu"
+            task_for(spec).resolve(spec, config)  # the task's settings this run depends on
             where = f"stages.{stage}.experiments[{index}]"
             exp_id = experiment_id(spec)
             spec["id"] = exp_id
@@ -198,6 +204,7 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
     def fail(field, message):
         raise ConfigError(f"config field '{where}.{field}': {message}")
 
+    task_for(spec).check_experiment(spec, config, fail)  # first: what the task cannot run at all
     if spec["warmup_steps"] >= spec["steps"]:
         fail("warmup_steps", f"warm-up steps ({spec['warmup_steps']}) must be fewer than steps ({spec['steps']}) "
              "or no step is left to time")
@@ -285,8 +292,8 @@ def validated_experiments(config: dict, specs: dict[str, dict]) -> list[str]:
     # A run held to memory_budget_gib may end as oom and save nothing (its validation would
     # have nothing to check), so a format is represented by an unbudgeted run where one exists.
     for exp_id, spec in sorted(specs.items(), key=lambda item: item[1].get("memory_budget_gib") is not None):
-        key = (spec["strategy"], spec["method"], spec["launcher"], spec["fsdp"]["via"] if spec["strategy"] == "fsdp"
-               else None)
+        key = (spec.get("task"), spec["strategy"], spec["method"], spec["launcher"],
+               spec["fsdp"]["via"] if spec["strategy"] == "fsdp" else None)
         if scope in ("per_format", "sharded"):
             key += (checkpoint_format(spec),)
         if key not in seen:
@@ -381,6 +388,8 @@ def check_config(config: dict) -> None:
     from distlab.data_checks import check_data  # data files readable with their fields; tokenizer fits the model
 
     check_data(config)
+    for name in task_names():  # a task's own config block: its model folder, its data files
+        task_named(name).check_config(config)
     for index, extra in enumerate(config["extra_results"]):
         if not os.path.isdir(extra):
             raise ConfigError(f"config field 'extra_results[{index}]': folder '{extra}' does not exist")

@@ -87,11 +87,10 @@ def evaluate_base(model_source: str, data_dir, out_path, threads: int | None = N
     return result
 
 
-def evaluate_run(strategy, job: dict) -> dict | None:
-    """Collective (every rank calls it): the trained model on the eval tokens through
+def evaluate_sharded(strategy, job: dict) -> dict | None:
+    """Collective: the causal LM's trained model on the eval tokens through
     strategy.forward_logits, micro_batch sequences at a time (the batch a rank already trains
-    on, so the evaluation fits wherever training fits). Returns {"trained", "base"} on rank 0
-    (base from the base-model rule's file, when the job names one), None on the other ranks."""
+    on, so the evaluation fits wherever training fits). The loss record on rank 0, None elsewhere."""
     import torch.distributed as dist
 
     spec = job["spec"]
@@ -110,8 +109,19 @@ def evaluate_run(strategy, job: dict) -> dict | None:
         return None
     where = (f"the training model itself ({spec['strategy']}, on {strategy.ctx.device.type}, "
              f"{spec['precision']}; Strategy.forward_logits)")
-    out = {"trained": {"status": "failed", "reason": error} if error else
-           summarize_loss(total, count, len(ids), where)}
+    return {"status": "failed", "reason": error} if error else summarize_loss(total, count, len(ids), where)
+
+
+def evaluate_run(strategy, job: dict) -> dict | None:
+    """Collective (every rank calls it): the trained model on the task's held-out data
+    (Task.evaluate_trained; causal LM: evaluate_sharded). Returns {"trained", "base"} on rank 0
+    (base from the base-model rule's file, when the job names one), None on the other ranks."""
+    import torch.distributed as dist
+
+    trained = strategy.task.evaluate_trained(strategy, job)
+    if dist.get_rank() != 0:
+        return None
+    out = {"trained": trained}
     base = job.get("base_eval_json")
     if base:
         out["base"] = json.loads(Path(base).read_text())

@@ -80,19 +80,19 @@ class IndexStream:
         return batch
 
 
-def train(ctx: RunContext, strategy: Strategy, train_blocks: torch.Tensor, start_step: int = 0,
-          stream: IndexStream | None = None, on_step_end=None, records: list | None = None,
-          train_labels: torch.Tensor | None = None) -> dict:
+def train(ctx: RunContext, strategy: Strategy, train_data, start_step: int = 0,
+          stream: IndexStream | None = None, on_step_end=None, records: list | None = None) -> dict:
     """Run optimizer steps start_step..steps-1; returns the per-step record of this rank.
 
+    train_data: the task's samples (distlab.tasks.base.TrainData): the loop draws indices,
+    the task turns them into the batch its loss takes.
     on_step_end(step) runs after each step (periodic checkpoints); it is outside the timer.
     records: the records of steps before start_step when resuming; new ones are appended to it.
-    train_labels: per-token labels (-100 = masked prompt tokens); None = every token is a label.
     """
     spec = ctx.spec
     n_micro = spec["grad_accum"]
     if stream is None:
-        stream = IndexStream(len(train_blocks), spec, strategy.data_parallel_rank, strategy.data_parallel_size)
+        stream = IndexStream(len(train_data), spec, strategy.data_parallel_rank, strategy.data_parallel_size)
     cuda = ctx.device.type == "cuda"
     records = [] if records is None else records
     state_bytes = None
@@ -109,11 +109,7 @@ def train(ctx: RunContext, strategy: Strategy, train_blocks: torch.Tensor, start
         for micro in range(n_micro):
             indices = stream.next()
             consumed.extend(indices)
-            input_ids = train_blocks[indices].to(ctx.device, non_blocking=True)
-            # Causal LM: packed text trains on every token; chat/instruction data only on the
-            # response tokens (the rest -100). HF shifts the labels inside the model.
-            labels = input_ids if train_labels is None else train_labels[indices].to(ctx.device, non_blocking=True)
-            loss = strategy.forward_backward({"input_ids": input_ids, "labels": labels}, micro, n_micro)
+            loss = strategy.forward_backward(train_data.batch(indices, ctx.device, step), micro, n_micro)
             if loss is not None:  # pipeline stages without the loss return None
                 losses.append(loss)
         if step == spec["steps"] - 1:

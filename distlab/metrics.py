@@ -110,8 +110,8 @@ def model_flops_per_token(model, seq_len: int, count: bool = True) -> dict:
     return out
 
 
-def mfu(flops_per_tok: float, tokens_per_s: float, peak_flops: float | None) -> float | None:
-    if not peak_flops:
+def mfu(flops_per_tok: float | None, tokens_per_s: float, peak_flops: float | None) -> float | None:
+    if not peak_flops or flops_per_tok is None:  # no peak known, or FLOPs not counted (the record says why)
         return None
     return flops_per_tok * tokens_per_s / peak_flops
 

@@ -16,7 +16,7 @@ class PreparedModel:
     signature: dict  # config + parameter shapes before any wrapper shards them (checkpoint identity)
     parameter_counts: dict  # total / trainable (LoRA applied)
     lora_targets: list | None  # module names LoRA adapted, None for full fine-tuning
-    flops: dict  # FLOPs per token of the model as built (distlab.metrics)
+    flops: dict  # FLOPs per token (per image, ...: the task's unit) of the model as built
     described: dict  # what wraps the model, really (Strategy.describe), already verified
 
 
@@ -26,24 +26,23 @@ def prepare_model(strategy, model_source: str, spec: dict) -> PreparedModel:
 
     from distlab import buffers
     from distlab import checkpoint as ckpt
-    from distlab import metrics as M
-    from distlab.lora import apply_lora, parameter_counts
+    from distlab.lora import parameter_counts
     from distlab.strategies.base import FidelityError
 
     torch.manual_seed(spec["seed"])
     model = strategy.load_model(model_source)
     # RoPE's inv_freq and other buffers as the plain model has them, whatever the loading path
     # or the transformers release did to them (distlab.buffers).
-    plain = buffers.plain_buffers(model_source)
+    plain = buffers.plain_buffers(model_source, strategy.task.name)
     restored = buffers.restore_plain_buffers(model, plain)
     lora_targets = None
     if spec["method"] == "lora":
         with strategy.lora_context():
-            model, lora_targets = apply_lora(model, spec["lora"], spec["seed"])
-    # Formula and an independent FlopCounterMode count, on the model as trained (LoRA applied),
-    # before any wrapper shards it; rank 0 counts (one micro-batch of 1, no collective).
+            model, lora_targets = strategy.task.apply_lora(model, spec)
+    # FLOPs on the model as trained (LoRA applied), before any wrapper shards it; rank 0 counts
+    # (one micro-batch of 1, no collective). Causal LM: formula and FlopCounterMode side by side.
     is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    flops = M.model_flops_per_token(model, spec["seq_len"], count=is_main)
+    flops = strategy.task.flops(model, spec, count=is_main)
     counts = parameter_counts(model)
     signature = ckpt.model_signature(model)  # before a wrapper shards the parameters
     strategy.wrap(model)

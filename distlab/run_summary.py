@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from distlab import metrics as M
-from distlab.data import run_data_facts
 from distlab.hardware import peak_flops_per_rank
 from distlab.loop import gather
 from distlab.noise import summarize_noise
@@ -62,11 +61,13 @@ def summarize_run(job: dict, ctx, strategy, prepared, ranks: dict, n_samples: in
         losses.append(sum(values) / len(values) if values else None)
     timed = M.summarize(step_times[warm:])
     dp = strategy.data_parallel_size
+    task = strategy.task
+    unit = task.unit  # what throughput and MFU count: tokens (causal LM), images (text-to-image)
     samples_per_step = spec["micro_batch"] * spec["grad_accum"] * dp
-    tokens_per_step = samples_per_step * spec["seq_len"]
-    tps = tokens_per_step / timed["median"]
+    units_per_step = samples_per_step * task.units_per_sample(spec)
+    units_per_s = units_per_step / timed["median"]
     peak, peak_how = peak_flops_per_rank(ctx.device, spec, hardware)
-    per_rank_tps = tps / ctx.world_size
+    units_per_s_per_rank = units_per_s / ctx.world_size
     measured = all(v is not None for c in comm for v in c)
     comm_per_step = [max(c[i] for c in comm) if measured else None for i in range(len(step_times))]
     return {
@@ -91,17 +92,17 @@ def summarize_run(job: dict, ctx, strategy, prepared, ranks: dict, n_samples: in
                             strategy, "comm_unmeasured_reason", "its collectives are not timed without changing them"),
         },
         "throughput": {
-            "tokens_per_s": tps, "samples_per_s": samples_per_step / timed["median"],
-            "tokens_per_s_per_rank": per_rank_tps, "samples_per_step": samples_per_step,
-            "tokens_per_step": tokens_per_step,
+            f"{unit}s_per_s": units_per_s, "samples_per_s": samples_per_step / timed["median"],
+            f"{unit}s_per_s_per_rank": units_per_s_per_rank, "samples_per_step": samples_per_step,
+            f"{unit}s_per_step": units_per_step, "unit": unit,
         },
         "flops": {**flops, "peak_flops_per_rank": peak, "peak_how": peak_how,
-                  "mfu": M.mfu(flops["flops_per_token"], per_rank_tps, peak)},
+                  "mfu": M.mfu(flops[f"flops_per_{unit}"], units_per_s_per_rank, peak)},
         "memory": {"per_rank": all_memory, "model_state_bytes_per_rank": ranks["state_bytes"]},
         # Cores the run occupies: its ranks x the threads each computes with (torch's own setting).
         "noise": summarize_noise(ranks["noise"], ctx.world_size * torch.get_num_threads()),
         "data": coverage(all_records, ranks["plans"], n_samples),
-        "data_prep": run_data_facts(job["data_dir"], all_records, ctx.world_size // dp),  # tokenizer identity, tokens trained/masked
+        "data_prep": task.data_facts(job, all_records, ctx.world_size // dp),  # causal LM: tokenizer identity, tokens trained/masked
         "versions": M.library_versions(),
         "environment": M.allowed_environment(job.get("env_allowlist", [])),
         "wall_seconds_rank0": time.time() - started,

@@ -35,7 +35,8 @@ class TrainingCheckpoints:
         """A LoRA run's frozen base by identity (checkpoint.base_identity), read once, on first
         use (collective: resume and every save run on all ranks)."""
         if self.spec["method"] == "lora" and self._base is None:
-            self._base = ckpt.base_identity(self.job["model_source"])
+            source = self.job["model_source"]
+            self._base = ckpt.base_identity(source, self.strategy.task.weights_folder(source))
         return self._base
 
     def _log(self, message: str) -> None:

@@ -32,6 +32,7 @@ class ValidationRank:
         import torch.distributed as dist
 
         from distlab.strategies import strategy_for
+        from distlab.tasks import task_for
         from distlab.worker import make_context
 
         self.job, self.spec = job, dict(job["spec"], world_size=job["plan"][0][1])
@@ -40,6 +41,7 @@ class ValidationRank:
         self.ctx = make_context(job)
         self.ctx.spec = self.spec
         self.strategy_cls = strategy_for(self.spec)
+        self.task = task_for(self.spec)
         self.strategy_cls(self.ctx).init_distributed()
         self.ctx.rank, self.ctx.world_size = dist.get_rank(), dist.get_world_size()
         self.rank = dist.get_rank()
@@ -95,19 +97,11 @@ class ValidationRank:
         strategy.init_distributed()  # joins the existing group; some strategies set up their state here
         return strategy, prepare_model(strategy, self.job["model_source"], spec).signature
 
-    def streamed_logits(self, strategy):
-        """Collective: the strategy's state gathered one layer at a time (Strategy.state_groups),
-        run on rank 0's CPU in fp32; logits on rank 0, None elsewhere."""
-        from distlab.export import eval_batch
-        from distlab.streamed import Skeleton, streamed_logits
-
-        groups = strategy.state_groups()
-        if self.rank != 0:
-            for _ in groups:
-                pass
-            return None
-        return streamed_logits(Skeleton.for_run(self.job["model_source"], self.spec), groups,
-                               eval_batch(self.job["data_dir"]))
+    def trained_outputs(self, strategy):
+        """Collective: (a plain model or None, the trained state's output on the task's fixed
+        batch) on rank 0, (None, None) elsewhere (Task.trained_outputs; causal LM:
+        streamed_outputs)."""
+        return self.task.trained_outputs(self, strategy)
 
     def saved_logits(self, name: str = "logits"):
         from safetensors.torch import load_file
@@ -233,7 +227,23 @@ def check_export(validator: ValidationRank) -> dict:
     return {"status": PASSED if ok else FAILED, **out}
 
 
-def lora_base_frozen(meta: dict, now: dict, reload_diff: float) -> dict:
+def streamed_outputs(validator: ValidationRank, strategy):
+    """Collective: the strategy's state gathered one layer at a time (Strategy.state_groups),
+    run on rank 0's CPU in fp32: (None, logits of the fixed eval batch) on rank 0, (None, None)
+    elsewhere (no process holds the whole model)."""
+    from distlab.export import eval_batch
+    from distlab.streamed import Skeleton, streamed_logits
+
+    groups = strategy.state_groups()
+    if validator.rank != 0:
+        for _ in groups:
+            pass
+        return None, None
+    return None, streamed_logits(Skeleton.for_run(validator.job["model_source"], validator.spec), groups,
+                                 eval_batch(validator.job["data_dir"]))
+
+
+def lora_base_frozen(model, source: str, meta: dict, now: dict, reload_diff: float) -> dict:
     """A LoRA checkpoint holds no base weight: the base it names (sha256 of its files) must be
     the folder's (`now`, checkpoint.base_identity), and base + reloaded adapters must give the
     logits of the trained state."""
@@ -253,7 +263,6 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
     import torch.distributed as dist
 
     from distlab import checkpoint as ckpt
-    from distlab.data import load_blocks, load_labels
     from distlab.loop import IndexStream, gather, train
 
     job = validator.job
@@ -273,17 +282,20 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
 
     def reload():
         info = ckpt.load_checkpoint(job["final"], strategy, validator.ctx, signature, verify=False, base=base)
-        logits = validator.streamed_logits(strategy)
+        model, logits = validator.trained_outputs(strategy)
         if validator.rank != 0:
             return {}
         diff = (logits - validator.saved_logits()).abs().max().item()
         if spec["method"] == "lora":
-            validator.record("lora_base_frozen", lora_base_frozen(meta, base, diff))
+            validator.record("lora_base_frozen",
+                             validator.task.lora_base_frozen(model, job["model_source"], meta, base, diff))
         return {"status": PASSED if diff <= RELOAD_TOLERANCE else FAILED, "max_abs_logit_diff": diff,
                 "tolerance": RELOAD_TOLERANCE, "world_size": dist.get_world_size(),
                 "load_seconds": info["load_seconds"],
-                "how": "fresh model + strategy, strategy.load_checkpoint, its state gathered one layer at a time and "
-                       "run on the CPU in fp32; logits on the fixed eval batch vs those recorded at save time"}
+                "how": "fresh model + strategy, strategy.load_checkpoint; its output on the task's fixed batch "
+                       "(causal LM: its state gathered one layer at a time and run on the CPU in fp32, logits of "
+                       "the eval batch; text-to-image: the consolidated UNet's prediction on fixed held-out "
+                       "inputs) vs the one recorded at save time"}
 
     validator.guarded("reload", reload)
     strategy = None  # the parity check builds its own; free this one first
@@ -295,14 +307,13 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
 
     def resume_parity():
         strategy, signature = validator.build(spec)
-        blocks = load_blocks(job["data_dir"], "train")
-        stream = IndexStream(len(blocks), spec, strategy.data_parallel_rank, strategy.data_parallel_size)
+        data = validator.task.train_data(job, spec, validator.ctx.device)
+        stream = IndexStream(len(data), spec, strategy.data_parallel_rank, strategy.data_parallel_size)
         info = ckpt.load_checkpoint(job["parity"], strategy, validator.ctx, signature, stream=stream, verify=False,
                                     base=base)
         start = info["steps_done"]
-        records = gather(train(validator.ctx, strategy, blocks, start_step=start, stream=stream,
-                               train_labels=load_labels(job["data_dir"], "train"))["records"])
-        logits = validator.streamed_logits(strategy)
+        records = gather(train(validator.ctx, strategy, data, start_step=start, stream=stream)["records"])
+        _, logits = validator.trained_outputs(strategy)
         if validator.rank != 0:
             return {}
         losses = []
@@ -337,15 +348,16 @@ def check_at_other_world_size(validator: ValidationRank, world_size: int) -> Non
         strategy, signature = validator.build(validator.spec)
         info = ckpt.load_checkpoint(validator.job["final"], strategy, validator.ctx, signature, verify=False,
                                     allow_world_size=True)
-        logits = validator.streamed_logits(strategy)
+        _, logits = validator.trained_outputs(strategy)
         if validator.rank != 0:
             return {}
         diff = (logits - validator.saved_logits()).abs().max().item()
         return {"status": PASSED if diff <= RELOAD_TOLERANCE else FAILED, "from_world_size": meta["world_size"],
                 "to_world_size": dist.get_world_size(), "max_abs_logit_diff": diff, "tolerance": RELOAD_TOLERANCE,
                 "load_seconds": info["load_seconds"],
-                "how": "the final checkpoint loaded by the same strategy at another world size; its state gathered "
-                       "one layer at a time, CPU fp32 logits vs those recorded at save time"}
+                "how": "the final checkpoint loaded by the same strategy at another world size; its output on "
+                       "the task's fixed batch (causal LM: state gathered one layer at a time, CPU fp32 logits) vs "
+                       "the one recorded at save time"}
 
     if not validator.guarded("reshard", reshard):
         validator.checks["reshard"].update(from_world_size=meta["world_size"], to_world_size=dist.get_world_size())
@@ -365,7 +377,7 @@ def main(argv=None) -> None:
     started = time.time()
     validator = ValidationRank(job)
     if validator.rank == 0 and any(name == "same" for name, _ in job["plan"]):
-        validator.guarded("export", lambda: check_export(validator))  # first: before this process loads anything else
+        validator.guarded("export", lambda: validator.task.check_export(validator))  # first: before this process loads anything else
     dist.barrier()
     for index, (name, world_size) in enumerate(job["plan"]):
         if index and not validator.shrink_to_one_rank():

@@ -18,13 +18,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distlab.data import load_blocks, load_labels
 from distlab.evaluation import evaluate_run
 from distlab.loop import train
 from distlab.memory import (OOM_EXIT_CODE, add_peaks_through_save, apply_memory_budget, budget_verdict,
                             gather_peaks_through_save, is_out_of_memory, load_phase_record, memory_record,
                             record_oom, rss_now, start_save_phase)
-from distlab.model import import_model_code
 from distlab.model_setup import prepare_model
 from distlab.run_outputs import write_outputs
 from distlab.run_summary import gather_ranks, summarize_run
@@ -61,22 +59,20 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     ctx.rank, ctx.world_size = dist.get_rank(), dist.get_world_size()
     timeline.mark("process group")
 
-    import_model_code(job["model_source"], spec["method"] == "lora")
+    strategy.task.import_code(job["model_source"], spec["method"] == "lora")
     rss_before_model = rss_now()  # interpreter + libraries + process group: what a rank costs before its model
     prepared = prepare_model(strategy, job["model_source"], spec)
     timeline.mark("model load, wrap, verify")
-    train_blocks = load_blocks(job["data_dir"], "train")
-    if train_blocks.shape[1] != spec["seq_len"]:
-        raise ValueError(f"data blocks are {train_blocks.shape[1]} tokens, spec seq_len is {spec['seq_len']}")
+    train_data = strategy.task.train_data(job, spec, ctx.device)  # the task's samples (and what turns them into batches)
+    prepared.described["task"] = train_data.describe()
 
     checkpoints = (checkpoints_class or TrainingCheckpoints)(job, ctx, strategy, prepared.signature,
-                                                             len(train_blocks))
+                                                             len(train_data))
     start_step = checkpoints.resume()
     load_phase = load_phase_record(ctx.device, rss_before_model)  # process start -> first step
     timeline.mark("data, resume")
-    result = train(ctx, strategy, train_blocks, start_step=start_step, stream=checkpoints.stream,
-                   on_step_end=checkpoints.on_step_end, records=checkpoints.records,
-                   train_labels=load_labels(job["data_dir"], "train"))
+    result = train(ctx, strategy, train_data, start_step=start_step, stream=checkpoints.stream,
+                   on_step_end=checkpoints.on_step_end, records=checkpoints.records)
     timeline.mark("steps")
     prepared.described.update(strategy.facts_after_training() or {}, train_mode=result["train_mode"])
     memory = memory_record(ctx, load_phase)
@@ -85,10 +81,10 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     ranks = gather_ranks(result, memory)
     timeline.mark("gather records")
     reset_for_save = start_save_phase(ctx.device)  # the final evaluation, save and export measured alone
-    # Collective: the trained model on the held-out tokens (a timing-only launch, spec launches, skips it).
+    # Collective: the trained model on the held-out data (a timing-only launch, spec launches, skips it).
     evaluation = None if job.get("timing_only") else evaluate_run(strategy, job)
     timeline.mark("held-out eval")
-    out = summarize_run(job, ctx, strategy, prepared, ranks, len(train_blocks), started) if ctx.is_main else None
+    out = summarize_run(job, ctx, strategy, prepared, ranks, len(train_data), started) if ctx.is_main else None
     if out is not None:
         out[0]["eval"] = evaluation
         # The run's figures are on disk before the final save: a save that fails (or runs out of

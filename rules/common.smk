@@ -12,6 +12,8 @@ from distlab.tokenizer_checks import tokenizer_source
 from distlab.hardware import gpu_count, machine_tag
 from distlab.results_lock import ResultsFolderBusy, hold_for_workflow
 from distlab.run_layout import RUN_FILES
+from distlab.tasks import task_for
+from distlab.tasks.causal_lm import CausalLM
 from snakemake.exceptions import WorkflowError
 
 try:
@@ -60,16 +62,9 @@ def dataset_config(name):
     return datasets_of(config["data"])[name]
 
 
-def model_suffix(name):
-    """Path suffix of a model's files: "" for the base model, "_<name>" for model.extra.<name>."""
-    return "" if name == "default" else f"_{name}"
-
-
 def model_config_path(name="default"):
-    """config.json of a model: the user's local folder, or the one the pipeline builds."""
-    if config["model"]["path"] and name == "default":
-        return os.path.join(config["model"]["path"], "config.json")
-    return f"{PREP}/model{model_suffix(name)}/config.json"
+    """config.json of a causal LM: the user's local folder, or the one the pipeline builds."""
+    return CausalLM.model_config_path(config, name, PREP)
 
 
 def model_build(name):
@@ -78,14 +73,17 @@ def model_build(name):
 
 
 def wildcards_model(wildcards):
-    """The model a job uses: its experiment's `model`, else the job's model_suffix wildcard."""
-    if hasattr(wildcards, "experiment"):
-        return SPECS[wildcards.experiment].get("model", "default")
+    """The model of a base-model eval job: its model_suffix wildcard."""
     return wildcards.model_suffix[1:] or "default"
 
 
 def model_inputs(wildcards):
-    """The job's model config.json as an input, unless it is the base model from the hub by id."""
+    """The job's model file as an input (its task's: config.json, model_index.json), unless it is
+    the base model from the hub by id."""
+    if hasattr(wildcards, "experiment"):
+        spec = SPECS[wildcards.experiment]
+        found = task_for(spec).model_file(spec, config, PREP)
+        return [found] if found else []
     name = wildcards_model(wildcards)
     return [] if config["model"]["hub_id"] and name == "default" else [model_config_path(name)]
 
@@ -96,15 +94,15 @@ def model_source(wildcards, input):
 
 
 def data_dir(wildcards):
+    """The prepared data the experiment's task reads (causal LM: <dataset>-seq<N>)."""
     spec = SPECS[wildcards.experiment]
-    return f"{PREP}/data/{spec.get('dataset', 'default')}-seq{spec['seq_len']}"
+    return task_for(spec).data_dir(spec, PREP)
 
 
 def base_eval_path(wildcards):
-    """The base model's held-out eval on this experiment's data (rule evaluate_base_model)."""
+    """The base model's held-out eval on this experiment's data (rule evaluate_base_model, or its task's)."""
     spec = SPECS[wildcards.experiment]
-    return (f"{PREP}/eval/base-{spec.get('dataset', 'default')}-seq{spec['seq_len']}"
-            f"{model_suffix(spec.get('model', 'default'))}.json")
+    return task_for(spec).base_eval_path(spec, PREP)
 
 
 def experiment_spec(wildcards):
@@ -257,8 +255,24 @@ def collectives_outputs():
 
 
 def advice_outputs():
-    """The advisor needs the model's config.json on disk (not a hub id)."""
-    return [] if config["model"]["hub_id"] else [f"{RESULTS}/{MACHINE}/advice.json"]
+    """The advisor sizes the causal LM (model block) from its config.json on disk (not a hub id):
+    only when an experiment fine-tunes it (a text-to-image-only config builds no LM)."""
+    if config["model"]["hub_id"] or not any(spec["task"] == "causal-lm" for spec in SPECS.values()):
+        return []
+    return [f"{RESULTS}/{MACHINE}/advice.json"]
+
+
+def sd_model_inputs():
+    """model_index.json of the text-to-image task's model: text_to_image.model.path, or the built tiny SD."""
+    path = config["text_to_image"]["model"]["path"]
+    return [os.path.join(path, "model_index.json")] if path else [f"{PREP}/sd-model/model_index.json"]
+
+
+def sd_advice_outputs():
+    """advice-sd.json, written by advise_sd when an experiment runs the text-to-image task (its card reads it)."""
+    if not any(spec["task"] == "text-to-image" for spec in SPECS.values()):
+        return []
+    return [f"{RESULTS}/{MACHINE}/advice-sd.json"]
 
 
 def ray_experiment_specs():
@@ -276,3 +290,4 @@ if any(spec["ray"]["address"] == "env" for spec in ray_experiment_specs().values
 
     envvars:
         "RAY_ADDRESS",
+

@@ -35,6 +35,7 @@ rule report:
         validations=this_machine_validations(),
         collectives=collectives_outputs(),
         advice=advice_outputs(),
+        sd_advice=sd_advice_outputs(),  # read by the text-to-image card, beside its runs
         kuberay=kuberay_outputs(),
     output:
         html=report(

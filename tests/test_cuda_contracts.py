@@ -199,8 +199,8 @@ def assert_whole_model_paths_stay_on_the_host(strategy, prepared, tmp_path, writ
     assert error is None, error
     assert info["layout"] and written, info
     validator = ValidationRank.__new__(ValidationRank)
-    validator.rank, validator.job, validator.spec = 0, job, strategy.spec
-    logits = validator.streamed_logits(strategy)
+    validator.rank, validator.job, validator.spec, validator.task = 0, job, strategy.spec, strategy.task
+    _, logits = validator.trained_outputs(strategy)
     assert logits.device.type == "cpu"
 
 

@@ -38,7 +38,8 @@ def test_every_env_pin_satisfies_pyproject():
 
 def test_training_env_pins_every_library_the_training_rules_import():
     pins = env_pins(REPO / "envs" / "train.yaml")
-    for name in ("torch", "transformers", "peft", "accelerate", "deepspeed", "ray", "datasets", "tokenizers"):
+    for name in ("torch", "transformers", "peft", "accelerate", "deepspeed", "ray", "datasets", "tokenizers",
+                 "diffusers", "scikit-learn"):
         assert name in pins, name
 
 

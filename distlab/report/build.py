@@ -13,7 +13,7 @@ from distlab.report.cards import (COMPARED, DOUBTFUL, FAILED, NOT_RUN, PASSED, C
                                   is_busy, spread_caveat)
 from distlab.report.cards.checkpoint_table import checkpoint_card
 from distlab.report.collect import (COLLECTIVES_SCHEMA_VERSION, HARDWARE_SCHEMA_VERSION, ResultsError, clear_winner,
-                                    load_runs, machine_files, read_json, summary_frame)
+                                    load_runs, machine_files, read_json, summary_frame, unit_of)
 from distlab.report.plots import bandwidth_curves, loss_panels, ranking
 from distlab.report.render import render_html, render_markdown
 
@@ -125,7 +125,8 @@ def advisor_card(advice: dict, runs: list[dict], left_out: list[dict] | None = N
                                "No advice.json found (rule `advise`); run `snakemake advise`.")
     for machine, a in sorted(advice.items()):
         try:
-            advise_machine(card, machine, a, [r for r in runs if r["machine"] == machine])
+            # The advice sizes the causal LM: runs counted in tokens (a text-to-image run has its own advisor).
+            advise_machine(card, machine, a, [r for r in runs if r["machine"] == machine and unit_of(r) == "token"])
         except ValueError as error:  # transformers refuses the model its config_json describes
             if left_out is not None:
                 left_out.append({"path": f"{machine}/advice.json", "reason": f"{machine}/advice.json: {error}"})
@@ -178,7 +179,8 @@ def ranking_card(runs: list[dict]) -> Card:
     import pandas as pd
 
     card = Card(91, "Strategy ranking across all runs")
-    ok = [r for r in runs if r.get("_throughput") and r["spec"]["sampler"] == "distributed"]
+    # Tokens/s only: a text-to-image run's images/s is ranked on its own card.
+    ok = [r for r in runs if r.get("_throughput") and r["spec"]["sampler"] == "distributed" and unit_of(r) == "token"]
     if not ok:
         card.notes.append("No successful run yet.")
         return card
@@ -221,7 +223,7 @@ def machines_card(runs: list[dict], hardware: dict) -> Card | None:
         return None
     card = Card(92, "Machines side by side")
     rows = {}
-    for run in runs:
+    for run in (r for r in runs if unit_of(r) == "token"):  # tokens/s cells; images/s are on their card
         t = run.get("_throughput")
         cell = f"{t['median']:.1f} ({t['low']:.1f}-{t['high']:.1f})" if t else run.get("status")
         rows.setdefault(run["experiment"], {"experiment": run["experiment"]})[run["machine"]] = cell
@@ -282,7 +284,7 @@ def break_even_notes(machine: str, result: dict, runs: list[dict]) -> list[str]:
     """The global batch above which N data-parallel ranks beat one, from measured numbers."""
     n = result["world_size"]
     singles = [r for r in runs if r["machine"] == machine and r.get("status") == "ok" and r["stage"] == "ddp"
-               and r["as_built"]["world_size"] == 1]
+               and r["as_built"]["world_size"] == 1 and unit_of(r) == "token"]
     if not singles:
         return [f"{machine}: no 1-rank DDP run, so no break-even batch (needs its compute time per sample)."]
     one = singles[0]
@@ -299,7 +301,7 @@ def break_even_notes(machine: str, result: dict, runs: list[dict]) -> list[str]:
             f"beat 1 once the global batch exceeds B* = a*N/(c*(N-1)) = {b_star:.1f} samples (upper bound: DDP "
             "overlaps the all-reduce with backward).")
     peers = [r for r in runs if r["machine"] == machine and r.get("status") == "ok" and r["stage"] == "ddp"
-             and r["as_built"]["world_size"] == n and r["spec"]["sampler"] == "distributed"
+             and unit_of(r) == "token" and r["as_built"]["world_size"] == n and r["spec"]["sampler"] == "distributed"
              and r["throughput"]["samples_per_step"] == one["throughput"]["samples_per_step"]]
     if peers:
         speed = peers[0]["throughput"]["tokens_per_s"] / one["throughput"]["tokens_per_s"]
@@ -313,8 +315,9 @@ def loss_card(runs: list[dict]) -> Card:
     card = Card(94, "Loss curves per stage")
     by_stage = {}
     for run in runs:
-        if run.get("status") == "ok":
-            by_stage.setdefault(run["stage"], []).append(run)
+        if run.get("status") == "ok":  # a text-to-image run's loss (a denoising MSE) gets a panel of its own
+            task = run["spec"].get("task", "causal-lm")
+            by_stage.setdefault(run["stage"] if task == "causal-lm" else f"{run['stage']} ({task})", []).append(run)
     if by_stage:
         card.figures.append(Figure("Loss per optimizer step, one panel per stage", loss_panels(by_stage),
                                    "mean training loss over data-parallel ranks per optimizer step, warm-up included"))

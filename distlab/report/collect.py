@@ -111,8 +111,14 @@ def read_steps(path: Path) -> list[dict]:
     return rows
 
 
+def unit_of(run: dict) -> str:
+    """What a run's throughput counts: tokens (causal LM, and runs written before tasks existed)
+    or images (text-to-image): throughput.<unit>s_per_s, <unit>s_per_step."""
+    return (run.get("throughput") or {}).get("unit", "token")
+
+
 def throughput_stats(run: dict) -> dict | None:
-    """Tokens/s with a spread, as the report compares runs.
+    """Tokens/s (images/s for a text-to-image run) with a spread, as the report compares runs.
 
     launches = L >= 2 (separate launches, distlab.launches): median and min-max over them.
     Else repeats = R >= 2: the timed steps (after warm-up) are split into R consecutive windows;
@@ -120,7 +126,8 @@ def throughput_stats(run: dict) -> dict | None:
     spread = [min, max] over windows. R = 1: one window; spread = tokens per step over the
     75th and 25th percentile step time. Two runs whose spreads overlap have no clear winner.
     """
-    tokens = (run.get("throughput") or {}).get("tokens_per_step")
+    unit = unit_of(run)
+    tokens = (run.get("throughput") or {}).get(f"{unit}s_per_step")
     if not tokens:
         return None
     launches = [x["tokens_per_s"] for x in run.get("launches") or []]
@@ -135,13 +142,13 @@ def throughput_stats(run: dict) -> dict | None:
         st = run["timing"]["step_time_s"]
         return {"median": tokens / st["median"], "low": tokens / st["p75"], "high": tokens / st["p25"],
                 "windows": [], "repeats": 1,
-                "how": "no steps.jsonl: spread = tokens/step over p75 and p25 step time from metrics.json"}
+                "how": f"no steps.jsonl: spread = {unit}s/step over p75 and p25 step time from metrics.json"}
     if repeats == 1 or len(timed) < 2 * repeats:
         ordered = sorted(timed)
         q = statistics.quantiles(ordered, n=4, method="inclusive") if len(ordered) > 1 else [ordered[0]] * 3
         return {"median": tokens / statistics.median(ordered), "low": tokens / q[2], "high": tokens / q[0],
                 "windows": [], "repeats": 1, "timed_steps": len(timed),
-                "how": f"{len(timed)} timed steps; median tokens/s, spread from the step-time interquartile range"}
+                "how": f"{len(timed)} timed steps; median {unit}s/s, spread from the step-time interquartile range"}
     size, extra = divmod(len(timed), repeats)
     windows, start = [], 0
     for k in range(repeats):
@@ -150,7 +157,7 @@ def throughput_stats(run: dict) -> dict | None:
         start = end
     return {"median": statistics.median(windows), "low": min(windows), "high": max(windows), "windows": windows,
             "repeats": repeats, "timed_steps": len(timed),
-            "how": f"{len(timed)} timed steps in {repeats} windows; median and min-max of the windows' tokens/s"}
+            "how": f"{len(timed)} timed steps in {repeats} windows; median and min-max of the windows' {unit}s/s"}
 
 
 def clear_winner(a: dict, b: dict) -> bool:
@@ -273,7 +280,8 @@ def summary_row(run: dict) -> dict:
     cuda_peak = [v for v in cuda_peak if v is not None]
     spread = run.get("_throughput") or {}
     return {
-        "machine": run["machine"], "stage": run["stage"], "experiment": run["experiment"],
+        "machine": run["machine"], "stage": run["stage"], "task": spec.get("task", "causal-lm"),
+        "experiment": run["experiment"],
         "status": run.get("status"), "strategy": spec["strategy"], "launcher": spec["launcher"],
         "method": spec["method"], "model": spec.get("model", "default"), "memory_budget_gib": spec.get("memory_budget_gib"),
         "device": spec["device"], "world_size": spec["world_size"],
@@ -289,6 +297,7 @@ def summary_row(run: dict) -> dict:
         "tokens_per_s_low": spread.get("low"), "tokens_per_s_high": spread.get("high"),
         "tokens_per_s_per_rank": _get(run, "throughput", "tokens_per_s_per_rank"),
         "samples_per_s": _get(run, "throughput", "samples_per_s"),
+        "images_per_s": _get(run, "throughput", "images_per_s"),
         "mfu": _get(run, "flops", "mfu"),
         "comm_inflight_median_s": _get(run, "timing", "comm_inflight_s_per_step", "median"),
         # distlab.noise: other processes' CPU while the steps were timed; busy = figures inflated.

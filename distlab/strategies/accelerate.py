@@ -114,7 +114,7 @@ class AccelerateStrategy(Strategy):
             if accelerator.sync_gradients != (micro_index == n_micro - 1):
                 raise FidelityError(f"Accelerate's sync_gradients is {accelerator.sync_gradients} on "
                                     f"micro-batch {micro_index + 1} of {n_micro}")
-            loss = self.model(**batch).loss
+            loss = self.task.loss(self.model, batch)
             accelerator.backward(loss)  # divides by gradient_accumulation_steps
         self.counts["micro_batches"] += 1
         self.counts["gradient_syncs"] += int(accelerator.sync_gradients)

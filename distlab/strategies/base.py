@@ -51,15 +51,18 @@ def frozen_base_dtype(spec: dict):
 
 
 class Strategy:
-    """Defaults fit any data-parallel wrapper whose forward returns a HF output with .loss."""
+    """Defaults fit any data-parallel wrapper whose forward the task's loss can call."""
 
     name = "base"
     #: class names one of which must appear in the wrapped model's module tree
     expected_wrappers: tuple[str, ...] = ()
 
     def __init__(self, ctx: RunContext):
+        from distlab.tasks import task_for
+
         self.ctx = ctx
         self.spec = ctx.spec
+        self.task = task_for(ctx.spec)  # what is trained: its module, batches and loss (distlab.tasks)
         self.model = None
         self.optimizer = None
 
@@ -84,12 +87,10 @@ class Strategy:
     # -- model --------------------------------------------------------------------------
     def load_model(self, model_source: str):
         """The model this rank starts from, before LoRA and wrap(): by default every rank
-        loads the whole model (host memory) in frozen_base_dtype(spec). Strategies that shard
-        or split the model override this so that no rank ever holds more than its part
-        (distlab.model_setup)."""
-        from distlab.model import load_model
-
-        return load_model(model_source, dtype=frozen_base_dtype(self.spec))
+        loads the task's whole trained module (host memory) in frozen_base_dtype(spec).
+        Strategies that shard or split the model override this so that no rank ever holds
+        more than its part (distlab.model_setup)."""
+        return self.task.load_model(model_source, dtype=frozen_base_dtype(self.spec))
 
     def lora_context(self):
         """Context around LoRA's application to load_model's result (a meta-device model's
@@ -129,11 +130,12 @@ class Strategy:
         return contextlib.nullcontext()
 
     def forward_backward(self, batch: dict, micro_index: int, n_micro: int) -> torch.Tensor:
-        """One micro-batch: batch = {"input_ids", "labels"} ([micro_batch, seq_len] each; a
-        label of -100 is not trained on). Returns the detached loss (None on ranks without it)."""
+        """One micro-batch: batch = what the task's TrainData built (causal LM: {"input_ids",
+        "labels"}, [micro_batch, seq_len] each, a label of -100 not trained on). Returns the
+        detached loss (None on ranks without it)."""
         with self.sync_context(micro_index == n_micro - 1):
             with autocast(self.spec, self.ctx.device):
-                loss = self.model(**batch).loss
+                loss = self.task.loss(self.model, batch)
             (loss / n_micro).backward()
         return loss.detach()
 
@@ -164,7 +166,7 @@ class Strategy:
 
     def describe(self) -> dict:
         names = sorted({type(m).__name__ for m in self.model.modules()} | {type(self.model).__name__})
-        return {
+        out = {
             "strategy": self.name,
             "outer_wrapper": type(self.model).__name__,
             "wrappers_found": [n for n in names if n in self.expected_wrappers],
@@ -176,6 +178,11 @@ class Strategy:
             # and in what form (DTensor shard, DeepSpeed ZeRO-3 partition, plain tensor).
             **parameter_facts(self.model),
         }
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            # Read from the wrapper: on, DDP walks the autograd graph every step to find parameters
+            # that got no gradient (a cost, and a sign of a model part the loss skips).
+            out["find_unused_parameters"] = self.model.find_unused_parameters
+        return out
 
     def verify(self, described: dict) -> None:
         """Fail the run when what happened differs from the spec."""

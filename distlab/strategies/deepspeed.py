@@ -29,9 +29,15 @@ def full_numel(param) -> int:
 
 
 def hidden_size(model_source: str) -> int | None:
-    """The model's hidden size from its config.json (ZeRO-3's "auto" sizes, before the model exists)."""
+    """The model's hidden size from its config.json (ZeRO-3's "auto" sizes, before the model
+    exists); None where the folder holds no transformers config (a diffusers pipeline: DeepSpeed's
+    own sizes then)."""
+    from pathlib import Path
+
     from transformers import AutoConfig
 
+    if (Path(model_source) / "model_index.json").is_file():
+        return None
     return getattr(AutoConfig.from_pretrained(str(model_source)), "hidden_size", None)
 
 
@@ -84,20 +90,17 @@ class DeepSpeedStrategy(Strategy):
         """The weights in the dtype DeepSpeed keeps its module in (bf16/fp16 with fp32 masters
         in the optimizer, else fp32). At ZeRO-3 the model is built under deepspeed.zero.Init,
         so each parameter is partitioned (and offloaded where configured) as it is built, and
-        each rank reads only its partitions from the safetensors (strategies.deepspeed_load):
-        no rank holds or reads the whole model."""
-        from distlab.model import load_model
-        from distlab.strategies import deepspeed_load
-
+        each rank reads only its partitions from the safetensors (the task's load_partitioned;
+        strategies.deepspeed_load for causal LMs): no rank holds or reads the whole model."""
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.spec["precision"], torch.float32)
         if self.spec["deepspeed"]["zero_stage"] != 3:
-            return load_model(model_source, dtype=dtype)
+            return self.task.load_model(model_source, dtype=dtype)
         if self.ctx.device.type == "cpu":
             skip_inference_shm_op()
         forget_deepspeed_groups()
         # zero.Init reads the partitioning, persistence and offload keys only; the live-parameter
         # limits sized from the built model are the engine's (wrap).
-        model, self.load_report = deepspeed_load.load_partitioned(
+        model, self.load_report = self.task.load_partitioned(
             model_source, deepspeed_config(self.spec, dist.get_world_size(), hidden_size=hidden_size(model_source)),
             dtype, nvme_params=self.spec["deepspeed"]["offload_param"] == "nvme")
         self.partitioned_at_load = all(hasattr(p, "ds_id") for p in model.parameters())
@@ -139,7 +142,7 @@ class DeepSpeedStrategy(Strategy):
             raise FidelityError(f"the loop accumulates {n_micro} micro-batches but the DeepSpeed engine "
                                 f"{engine.gradient_accumulation_steps()}")
         # bf16/fp16 are DeepSpeed's (low-precision module + fp32 master), not autocast.
-        loss = engine(**batch).loss
+        loss = self.task.loss(engine, batch)
         engine.backward(loss)  # scales by 1/gradient_accumulation_steps
         if engine.global_steps == self.spec["steps"] - 1:
             self._record_peak_state()

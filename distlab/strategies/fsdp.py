@@ -39,12 +39,10 @@ class FSDPStrategy(Strategy):
     mixed_precision = False  # set by wrap()
 
     def load_model(self, model_source: str):
-        from distlab.model import load_model
-
-        self.model_source = model_source
+        self.model_source = self.task.weights_folder(model_source)  # where wrap() reads each rank's slices
         # fp32 parameters: FSDP's sharded parameters are the optimizer's masters (a
         # MixedPrecisionPolicy casts the gathered copy for compute).
-        return load_model(model_source, dtype=torch.float32, device="meta")
+        return self.task.load_model(model_source, dtype=torch.float32, device="meta")
 
     def lora_context(self):
         from distlab.strategies.fsdp_load import keep_adapter_init
@@ -94,7 +92,7 @@ class FSDPStrategy(Strategy):
             return super().forward_backward(batch, micro_index, n_micro)
         # MixedPrecisionPolicy already casts parameters: autocast on top would be a second policy.
         with self.sync_context(micro_index == n_micro - 1):
-            loss = self.model(**batch).loss
+            loss = self.task.loss(self.model, batch)
             (loss / n_micro).backward()
         return loss.detach()
 

@@ -1,5 +1,6 @@
 """One module per roadmap stage (`stage<N>_<name>.py`), each with build(runs) -> Card.
 
+A module may set TASK (default causal-lm): it then sees only that task's runs.
 Goals are computed from measured runs only: passed, failed (ran but missed the goal), not
 run, compared, not enforced (a limit the runs were only compared with after the fact, so
 they cannot pass it), or doubtful (a figure the setup cannot produce, with its likely cause). Modules are discovered, so adding a stage touches no registry.
@@ -140,10 +141,18 @@ def phase_peak_table(runs: list[dict], title: str, extra=None) -> Table:
     return Table(title, pd.DataFrame(rows), PHASES_HOW)
 
 
+def run_task(run) -> str:
+    """The task a run trained (distlab/tasks); runs written before tasks existed are causal LMs."""
+    return run["spec"].get("task", "causal-lm")
+
+
 def all_cards(runs: list[dict]) -> list[Card]:
+    """Each card gets the runs of its task (a module's TASK, default causal-lm): the stage cards
+    of causal LMs never see a text-to-image run, whichever stage block it sits in."""
     cards = []
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if info.name.startswith("stage"):
             module = importlib.import_module(f"{__name__}.{info.name}")
-            cards.append(module.build(runs))
+            task = getattr(module, "TASK", "causal-lm")
+            cards.append(module.build([r for r in runs if run_task(r) == task]))
     return sorted(cards, key=lambda c: c.number)

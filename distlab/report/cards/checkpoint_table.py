@@ -42,9 +42,9 @@ def row(run: dict, validation: dict) -> dict:
                                                           f"({c['max_abs_logit_diff']:.1e})"),
         "resume max |dloss|": _cell(checks.get("resume_parity"),
                                     lambda c: f"{c['max_abs_loss_diff']:.1e} ({c['steps_resumed']} steps)"),
-        "export": _cell(checks.get("export"), lambda c: f"{'PEFT adapter' if 'layout' not in c else 'HF'} "
-                                                        f"({c['max_abs_logit_diff']:.1e})"
-                                                        + (" + merged" if "merged_max_abs_logit_diff" in c else "")),
+        "export": _cell(checks.get("export"), lambda c: "diffusers LoRA" if "max_abs_output_diff" in c else
+                        f"{'PEFT adapter' if 'layout' not in c else 'HF'} ({c['max_abs_logit_diff']:.1e})"
+                        + (" + merged" if "merged_max_abs_logit_diff" in c else "")),
         "size (MB)": round(sizes["checkpoint_bytes"] / 1e6, 2) if sizes.get("checkpoint_bytes") else None,
         "save (s)": round(sizes["save_seconds"], 3) if sizes.get("save_seconds") is not None else None,
         "load (s)": round(sizes["load_seconds"], 3) if sizes.get("load_seconds") is not None else None,
@@ -119,7 +119,9 @@ def checkpoint_card(runs: list[dict]) -> Card | None:
            "on a fixed eval batch vs the logits recorded at save time; reshard = the final checkpoint loaded at another world size; resume = max |loss diff| of "
            "training resumed from the mid-run checkpoint vs the uninterrupted run's own steps; export = "
            "the export's own files (LoRA: the PEFT adapter folder on the base) run the same way, its files laid out "
-           "as save_pretrained writes them; size = bytes on disk; save and "
+           "as save_pretrained writes them (text-to-image: the UNet's output on fixed held-out inputs stands for the "
+           "logits, and a plain StableDiffusionPipeline loads the LoRA with load_lora_weights and generates); "
+           "size = bytes on disk; save and "
            "load = strategy.save_checkpoint / load_checkpoint wall seconds. Max abs tolerances: "
            + ", ".join(f"{k} {v:g}" for k, v in tolerances.items()) + " (each validation.json states the one it "
            "used). 'unsupported' = the format cannot do it, with the reason in validation.json.")

@@ -66,6 +66,12 @@ def config_pairs(runs: list[dict]) -> list[tuple[dict, dict]]:
     return pairs
 
 
+def pair_links(one: dict, multi: dict) -> list[str]:
+    """Evidence of a 1 vs N pair: both metrics.json and both Accelerate config files."""
+    return [metrics_link(one), metrics_link(multi), str(run_files_dir(one["_dir"]) / "accelerate_config.yaml"),
+            str(run_files_dir(multi["_dir"]) / "accelerate_config.yaml")]
+
+
 def accumulation_groups(runs: list[dict]) -> dict:
     """Runs that differ only in grad_accum (same machine, micro batch, ranks, method, ...)."""
     groups = {}
@@ -136,8 +142,7 @@ def switch_goal(card: Card, pairs) -> None:
         f"world sizes "
         f"{one['as_built']['world_size']} and {multi['as_built']['world_size']} (Accelerate: "
         f"{_accelerate_record(one)['distributed_type']}, {_accelerate_record(multi)['distributed_type']})",
-        [metrics_link(one), metrics_link(multi), str(run_files_dir(one["_dir"]) / "accelerate_config.yaml"),
-         str(run_files_dir(multi["_dir"]) / "accelerate_config.yaml")]))
+        pair_links(one, multi)))
     card.tables.append(Table("Single vs multi process: only the Accelerate config file changed", pd.DataFrame(rows),
                              "config columns: the file `accelerate launch` read, as the ranks found it; reported "
                              "columns: Accelerator.distributed_type and torch.distributed world size at run time; "

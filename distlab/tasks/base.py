@@ -1,0 +1,139 @@
+"""The one interface every task implements (distlab/tasks/<name>.py); strategies, the training
+loop, the worker, checkpoints and validation call only these.
+
+Two halves:
+- config time (the Snakefile imports the task at parse time: no torch here): resolve a spec,
+  refuse what the task cannot run naming the field or file, and name the files a job reads;
+- rank time: load the trained module (whole, on meta for FSDP, partitioned for ZeRO-3), apply
+  LoRA, build batches, compute the loss, count FLOPs, evaluate, export and check the export.
+
+The trained module is what a strategy wraps (the causal LM; the Stable Diffusion UNet). Whatever
+else a task needs per rank (a frozen VAE and text encoder) lives in its data object, built by
+`train_data` and never handed to a strategy.
+"""
+from __future__ import annotations
+
+import importlib
+
+
+def lazy(target: str):
+    """A Task method that hands its arguments to `module:function`, imported on first call (task
+    modules stay importable at Snakefile parse time: no torch)."""
+    module, name = target.split(":")
+
+    def call(self, *args, **kwargs):
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__doc__ = f"{target} (imported when first called)"
+    return call
+
+
+class TrainData:
+    """What the loop draws micro-batches from: `len()` samples, `batch(indices, device, step)`
+    returns the dict the task's `loss` takes, `describe()` says what was built (as_built.task)."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def batch(self, indices: list[int], device, step: int) -> dict:
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        return {}
+
+
+class Task:
+    name = "base"
+    #: what throughput counts ("token": tokens/s; "image": images/s) and MFU is per
+    unit = "sample"
+
+    # -- config time (no torch) ----------------------------------------------------------
+    def id_part(self) -> str | None:
+        """Appended to the experiment id (None: nothing, the default task)."""
+        return None
+
+    def resolve(self, spec: dict, config: dict) -> None:
+        """Copy the task's settings a run depends on into the spec (its Snakemake params), in place."""
+
+    def check_config(self, config: dict) -> None:
+        """Checks of the task's own config block and files, before any experiment is expanded."""
+
+    def check_experiment(self, spec: dict, config: dict, fail) -> None:
+        """fail(field, why) for an experiment this task cannot run."""
+
+    def data_dir(self, spec: dict, prep: str) -> str:
+        """The prepared data folder a job of this spec reads (a Snakemake input)."""
+        raise NotImplementedError
+
+    def model_file(self, spec: dict, config: dict, prep: str) -> str | None:
+        """The file that stands for the model folder (a Snakemake input); its folder is loaded."""
+        raise NotImplementedError
+
+    def base_eval_path(self, spec: dict, prep: str) -> str:
+        """The base model's held-out evaluation of this spec's data (a Snakemake input)."""
+        raise NotImplementedError
+
+    def units_per_sample(self, spec: dict) -> int:
+        """Units (tokens, images) in one sample of a micro-batch."""
+        return 1
+
+    # -- rank time -----------------------------------------------------------------------
+    def import_code(self, source: str, lora: bool) -> None:
+        """Import the modeling libraries before the RSS baseline is read (distlab.memory)."""
+
+    def load_model(self, source: str, dtype=None, device: str | None = None):
+        """The trained module, whole (device None) or on the meta device (device "meta")."""
+        raise NotImplementedError
+
+    def weights_folder(self, source: str) -> str:
+        """The folder whose *.safetensors hold the trained module's weights (FSDP's sharded load)."""
+        return str(source)
+
+    def load_partitioned(self, source: str, ds_config: dict, dtype, nvme_params: bool) -> tuple:
+        """(module, load report): the trained module built under deepspeed.zero.Init (ZeRO-3)."""
+        raise NotImplementedError
+
+    def apply_lora(self, model, spec: dict) -> tuple:
+        """(model, adapted module names); only adapter weights train."""
+        raise NotImplementedError
+
+    def flops(self, model, spec: dict, count: bool) -> dict:
+        """FLOPs per unit of the module as trained: `flops_per_<unit>` is what MFU uses."""
+        raise NotImplementedError
+
+    def train_data(self, job: dict, spec: dict, device, split: str = "train") -> TrainData:
+        raise NotImplementedError
+
+    def loss(self, model, batch: dict):
+        """The micro-batch's loss, from the (possibly wrapped) trained module; autograd on."""
+        raise NotImplementedError
+
+    def data_facts(self, job: dict, records_by_rank: list, ranks_per_replica: int) -> dict:
+        """metrics.json's data_prep block: what the prepared data is and what this run read."""
+        return {}
+
+    # -- held-out evaluation, export, checks (collective: every rank calls them) ---------------
+    def evaluate_trained(self, strategy, job: dict) -> dict | None:
+        """The trained model's held-out figure, on the same data as the task's rule that
+        evaluates the base model (job["base_eval_json"]): the record on rank 0, None elsewhere."""
+        raise NotImplementedError
+
+    def export_pass(self, strategy, job: dict, spec: dict, folder) -> tuple:
+        """The final save's export into `folder`/export and the trained state's output on the
+        task's fixed batch into `folder`/eval_logits.safetensors (`logits`), compared later by
+        reload, reshard, resume and export checks. (info on rank 0, rank 0's error or None)."""
+        raise NotImplementedError
+
+    def trained_outputs(self, validator, strategy) -> tuple:
+        """Validation: (a plain model or None, the strategy's state's output on the fixed batch)
+        on rank 0, (None, None) elsewhere."""
+        raise NotImplementedError
+
+    def check_export(self, validator) -> dict:
+        """Rank 0 of checkpoint validation: load the export as a user would and compare."""
+        raise NotImplementedError
+
+    def lora_base_frozen(self, model, source: str, meta: dict, base: dict | None, reload_diff: float) -> dict:
+        """After a LoRA reload: the frozen base is the one the checkpoint names and unchanged
+        (`model`: trained_outputs' plain model; `base`: checkpoint.base_identity of `source`)."""
+        raise NotImplementedError

@@ -1,0 +1,111 @@
+"""The default task: causal language modelling on packed token blocks (text, chat or
+instruction data), a Hugging Face causal LM, full fine-tuning or LoRA through peft.
+
+Each method hands over to the module that always did the work (distlab.model, distlab.lora,
+distlab.data, distlab.evaluation, distlab.checkpoint, distlab.validate_ranks): this file is
+where the rest of distlab meets them.
+"""
+from __future__ import annotations
+
+import os
+
+from distlab.tasks.base import Task, TrainData, lazy
+
+
+def model_suffix(name: str) -> str:
+    """Path suffix of a built model's files: "" for the base model, "_<name>" for model.extra.<name>."""
+    return "" if name == "default" else f"_{name}"
+
+
+class TokenBlocks(TrainData):
+    """A prepared data folder's packed blocks of one split, with their labels (-100 = a masked
+    prompt token of chat/instruction data; none stored = every token is a label)."""
+
+    def __init__(self, data_dir, split: str, seq_len: int):
+        from distlab.data import load_blocks, load_labels
+
+        self.blocks = load_blocks(data_dir, split)
+        if self.blocks.shape[1] != seq_len:
+            raise ValueError(f"data blocks are {self.blocks.shape[1]} tokens, spec seq_len is {seq_len}")
+        self.labels = load_labels(data_dir, split)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def batch(self, indices, device, step):
+        input_ids = self.blocks[indices].to(device, non_blocking=True)
+        # Causal LM: packed text trains on every token; chat/instruction data only on the
+        # response tokens (the rest -100). HF shifts the labels inside the model.
+        labels = input_ids if self.labels is None else self.labels[indices].to(device, non_blocking=True)
+        return {"input_ids": input_ids, "labels": labels}
+
+    def describe(self) -> dict:
+        return {"name": CausalLM.name}
+
+
+class CausalLM(Task):
+    name = "causal-lm"
+    unit = "token"
+
+    # -- config time ----------------------------------------------------------------------
+    def data_dir(self, spec, prep):
+        return f"{prep}/data/{spec.get('dataset', 'default')}-seq{spec['seq_len']}"
+
+    def model_file(self, spec, config, prep):
+        return self.model_config_path(config, spec.get("model", "default"), prep)
+
+    @staticmethod
+    def model_config_path(config: dict, name: str, prep: str) -> str | None:
+        """config.json of a model: the user's local folder, the one the pipeline builds, or
+        None for the base model given as a hub id (loaded by id, no file to wait for)."""
+        model = config["model"]
+        if name == "default" and model.get("path"):
+            return os.path.join(model["path"], "config.json")
+        if name == "default" and model.get("hub_id"):
+            return None
+        return f"{prep}/model{model_suffix(name)}/config.json"
+
+    def base_eval_path(self, spec, prep):
+        return (f"{prep}/eval/base-{spec.get('dataset', 'default')}-seq{spec['seq_len']}"
+                f"{model_suffix(spec.get('model', 'default'))}.json")
+
+    def units_per_sample(self, spec):
+        return spec["seq_len"]
+
+    # -- rank time ------------------------------------------------------------------------
+    import_code = lazy("distlab.model:import_model_code")
+    load_model = lazy("distlab.model:load_model")
+    evaluate_trained = lazy("distlab.evaluation:evaluate_sharded")
+    export_pass = lazy("distlab.export:export_pass")
+    trained_outputs = lazy("distlab.validate_ranks:streamed_outputs")
+    check_export = lazy("distlab.validate_ranks:check_export")
+    lora_base_frozen = lazy("distlab.validate_ranks:lora_base_frozen")
+
+    def load_partitioned(self, source, ds_config, dtype, nvme_params):
+        from distlab.strategies import deepspeed_load
+
+        return deepspeed_load.load_partitioned(source, ds_config, dtype, nvme_params=nvme_params)
+
+    def apply_lora(self, model, spec):
+        from distlab.lora import apply_lora
+
+        return apply_lora(model, spec["lora"], spec["seed"])
+
+    def flops(self, model, spec, count):
+        from distlab.metrics import model_flops_per_token
+
+        return model_flops_per_token(model, spec["seq_len"], count=count)
+
+    def train_data(self, job, spec, device, split="train"):
+        return TokenBlocks(job["data_dir"], split, spec["seq_len"])
+
+    def loss(self, model, batch):
+        return model(**batch).loss
+
+    def data_facts(self, job, records_by_rank, ranks_per_replica):
+        from distlab.data import run_data_facts
+
+        return run_data_facts(job["data_dir"], records_by_rank, ranks_per_replica)
+
+
+TASK = CausalLM()

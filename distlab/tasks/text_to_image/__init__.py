@@ -1,0 +1,129 @@
+"""Text-to-image: LoRA fine-tuning of a Stable Diffusion UNet, trained the way diffusers'
+examples/text_to_image/train_text_to_image_lora.py does it:
+
+    latents = vae.encode(pixels).latent_dist.sample() * vae.config.scaling_factor
+    noise, timesteps ~ N(0, I), U{0, num_train_timesteps}
+    noisy = noise_scheduler.add_noise(latents, noise, timesteps)
+    loss = mse(unet(noisy, timesteps, text_encoder(input_ids)[0]), noise or the velocity)
+
+Only the UNet is trained (peft LoRA on to_q, to_k, to_v, to_out.0 via unet.add_adapter) and
+only the UNet is handed to a strategy; the VAE, text encoder and noise scheduler are frozen
+(in the run's precision) inside this task's TrainData, never wrapped, sharded or partitioned.
+
+Every sample's random draws (crop, flip, the VAE's latent sample, noise, timestep) come from
+its own generator seeded by (seed, step, sample index): a sample gets the same noise whatever
+the world size, micro-batch or strategy, so step-0 losses compare across all of them and with
+a plain diffusers loop (tests/test_text_to_image.py).
+
+Pieces: checks (config time), prepare (rules: the tiny SD, the image data), model (UNet
+loading, LoRA, FLOPs), data (transforms, batches, held-out batches), outputs (evaluation,
+sample grid, export and its check).
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from distlab.tasks.base import Task, lazy
+
+MODEL, DATA, OUTPUTS = (f"distlab.tasks.text_to_image.{name}" for name in ("model", "data", "outputs"))
+
+#: LoRA targets of diffusers' example (attention projections of every transformer block)
+LORA_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
+REFUSED_STRATEGIES = {
+    "tp": "tensor parallel splits layers by a transformers base_model_tp_plan; a diffusers UNet has none",
+    "pp": "pipeline parallel cuts a sequence of decoder layers passing one hidden state; a UNet's skip "
+          "connections cross every cut (down blocks feed the up blocks)",
+}
+
+
+def settings(config: dict) -> dict:
+    """The config's text_to_image block (schema defaults filled)."""
+    return config.get("text_to_image") or {}
+
+
+class TextToImage(Task):
+    name = "text-to-image"
+    unit = "image"
+
+    # -- config time ----------------------------------------------------------------------
+    def id_part(self):
+        return "sd"
+
+    def resolve(self, spec, config):
+        block = settings(config)
+        # What a run depends on beyond the model and data folders (their files are its inputs).
+        spec["text_to_image"] = {key: copy.deepcopy(block[key])
+                                 for key in ("resolution", "center_crop", "random_flip", "interpolation", "samples")}
+        if spec["lora"]["target_modules"] is None:
+            spec["lora"]["target_modules"] = list(LORA_TARGETS)
+
+    def check_config(self, config):
+        from distlab.tasks.text_to_image import checks
+
+        block = settings(config)
+        if block["model"]["path"]:
+            checks.check_model_folder(block["model"]["path"])
+        checks.check_shapes(block)
+        checks.check_data(block["data"])
+
+    def check_experiment(self, spec, config, fail):
+        if spec["strategy"] in REFUSED_STRATEGIES:
+            fail("strategy", f"task text-to-image cannot run {spec['strategy']}: "
+                             f"{REFUSED_STRATEGIES[spec['strategy']]}")
+        if spec["method"] != "lora":
+            fail("method", "task text-to-image trains LoRA adapters on the UNet (diffusers' "
+                           "train_text_to_image_lora.py); set method: lora")
+        for key in ("dataset", "model"):
+            if spec.get(key, "default") != "default":
+                fail(key, f"'{key}' picks a causal-LM {'data.extra' if key == 'dataset' else 'model.extra'} entry; "
+                          "task text-to-image reads text_to_image.data and text_to_image.model")
+        if spec["strategy"] == "deepspeed" and spec["deepspeed"]["offload_param"] == "nvme":
+            fail("deepspeed.offload_param", "the UNet's ZeRO-3 load copies each rank's partition into "
+                                            "memory; NVMe parameter offload is not wired up for it")
+        if spec["launcher"] == "ray":
+            fail("launcher", "task text-to-image runs under torchrun and accelerate launch; its runs "
+                             "under Ray Train have not been built or checked")
+
+    def data_dir(self, spec, prep):
+        return f"{prep}/sd-data"
+
+    def model_file(self, spec, config, prep):
+        path = settings(config).get("model", {}).get("path")
+        return f"{path.rstrip('/')}/model_index.json" if path else f"{prep}/sd-model/model_index.json"
+
+    def base_eval_path(self, spec, prep):
+        return f"{prep}/eval/sd-base.json"
+
+    # -- rank time ------------------------------------------------------------------------
+    def import_code(self, source, lora):
+        import peft  # noqa: F401
+        from diffusers import AutoencoderKL, UNet2DConditionModel  # noqa: F401
+        from transformers import CLIPTextModel  # noqa: F401
+
+    def weights_folder(self, source):
+        return str(Path(source) / "unet")
+
+    def train_data(self, job, spec, device, split="train"):
+        from distlab.tasks.text_to_image.data import ImageCaptions
+
+        return ImageCaptions(job["data_dir"], job["model_source"], spec, device, split)
+
+    def data_facts(self, job, records_by_rank, ranks_per_replica):
+        from distlab.tasks.text_to_image.data import data_facts
+
+        return data_facts(job["data_dir"], records_by_rank)
+
+    load_model = lazy(f"{MODEL}:load_unet")
+    load_partitioned = lazy(f"{MODEL}:load_unet_partitioned")
+    apply_lora = lazy(f"{MODEL}:add_lora")
+    flops = lazy(f"{MODEL}:flops_per_image")
+    loss = lazy(f"{DATA}:denoising_loss")
+    evaluate_trained = lazy(f"{OUTPUTS}:evaluate_trained")
+    export_pass = lazy(f"{OUTPUTS}:export_pass")
+    trained_outputs = lazy(f"{OUTPUTS}:trained_outputs")
+    check_export = lazy(f"{OUTPUTS}:check_export")
+    lora_base_frozen = lazy(f"{OUTPUTS}:lora_base_frozen")
+
+
+TASK = TextToImage()
