@@ -13,7 +13,7 @@ from distlab.hardware import gpu_count, machine_tag
 from distlab.results_lock import ResultsFolderBusy, hold_for_workflow
 from distlab.run_layout import RUN_FILES
 from distlab.tasks import task_for
-from distlab.tasks.causal_lm import CausalLM
+from distlab.tasks.causal_lm import CausalLM, model_suffix
 from snakemake.exceptions import WorkflowError
 
 try:
