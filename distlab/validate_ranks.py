@@ -211,7 +211,8 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
     def resume_parity():
         strategy, signature = validator.build(spec)
         blocks = load_blocks(job["data_dir"], "train")
-        stream = IndexStream(len(blocks), spec, strategy.data_parallel_rank, strategy.data_parallel_size)
+        stream = IndexStream(len(blocks), spec, strategy.data_parallel_rank, strategy.data_parallel_size,
+                             getattr(strategy, "rank_batches", None))
         info = ckpt.load_checkpoint(job["parity"], strategy, validator.ctx, signature, stream=stream, verify=False)
         start = info["steps_done"]
         records = gather(train(validator.ctx, strategy, blocks, start_step=start, stream=stream,

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from distlab.data import load_blocks, load_labels
 from distlab.evaluation import evaluate_run
-from distlab.loop import train
+from distlab.links import interface_counters
+from distlab.loop import gather, train
 from distlab.memory import (OOM_EXIT_CODE, add_peaks_through_save, apply_memory_budget, budget_verdict,
                             gather_peaks_through_save, is_out_of_memory, load_phase_record, memory_record,
                             record_oom, rss_now)
@@ -31,6 +32,7 @@ from distlab.run_summary import gather_ranks, summarize_run
 from distlab.strategies import strategy_for
 from distlab.strategies.base import RunContext, local_device
 from distlab.training_checkpoints import TrainingCheckpoints
+from distlab.unequal import enter_cpu_budget, leave_cpu_budget, rank_threads
 
 
 def make_context(job: dict) -> RunContext:
@@ -47,8 +49,9 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     started = time.time()
     spec = job["spec"]
     if spec["device"] == "cpu":
-        # On CPU a "device" is cpu_threads_per_rank cores, the same for every world size.
-        torch.set_num_threads(spec["cpu_threads_per_rank"])
+        # On CPU a "device" is cpu_threads_per_rank cores, the same for every world size
+        # (rank_cpu_threads: unequal CPU devices, one count per rank).
+        torch.set_num_threads(rank_threads(spec, int(os.environ.get("RANK", 0))))
     ctx = make_context(job)
     budget = apply_memory_budget(ctx)
     strategy = strategy_for(spec)(ctx)
@@ -56,8 +59,11 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     ctx.rank, ctx.world_size = dist.get_rank(), dist.get_world_size()
 
     import_model_code(job["model_source"], spec["method"] == "lora")
+    cpu_budget = enter_cpu_budget(spec, ctx.rank)  # rank_cpu_budget: a slower CPU device, load to last step
     rss_before_model = rss_now()  # interpreter + libraries + process group: what a rank costs before its model
     prepared = prepare_model(strategy, job["model_source"], spec)
+    if cpu_budget is not None:  # what the kernel enforces on every rank, read back
+        prepared.described["cpu_budget"] = gather(cpu_budget)
     train_blocks = load_blocks(job["data_dir"], "train")
     if train_blocks.shape[1] != spec["seq_len"]:
         raise ValueError(f"data blocks are {train_blocks.shape[1]} tokens, spec seq_len is {spec['seq_len']}")
@@ -66,9 +72,14 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
                                                              len(train_blocks))
     start_step = checkpoints.resume()
     load_phase = load_phase_record(ctx.device, rss_before_model)  # process start -> first step
+    wire_before = interface_counters() if spec.get("link") else None  # this host's link, around the steps
     result = train(ctx, strategy, train_blocks, start_step=start_step, stream=checkpoints.stream,
                    on_step_end=checkpoints.on_step_end, records=checkpoints.records,
                    train_labels=load_labels(job["data_dir"], "train"))
+    leave_cpu_budget(cpu_budget)
+    if wire_before is not None:  # bytes this rank's host sent and received during its steps
+        wire = interface_counters()
+        prepared.described["link_traffic"] = gather({k: wire[k] - wire_before[k] for k in wire})
     prepared.described.update(strategy.facts_after_training() or {})
     memory = memory_record(ctx, load_phase)
     memory["budget"] = budget_verdict(budget, memory, result["state_bytes"])

@@ -16,7 +16,7 @@ rule advise:
     params:
         advisor=config["advisor"],
         defaults=config["defaults"],
-        cpu_ranks=max(spec["world_size"] for spec in SPECS.values()),
+        cpu_ranks=max([1] + [spec["world_size"] for spec in DEFAULT_SPECS.values()]),
     log:
         f"{RESULTS}/{MACHINE}/logs/advise.log",
     resources:

@@ -29,13 +29,13 @@ def _rel(path, out_dir):
     return os.path.relpath(path, out_dir)
 
 
-def render_html(sections: list[Card], frame, out_dir: str, versions: str) -> str:
+def render_html(sections: list[Card], frame, out_dir: str, versions: str, title: str = "distlab milestone report") -> str:
     machines = ", ".join(sorted(set(frame["machine"]))) if len(frame) else "none"
     nav = " ".join(f"<a href='#s{c.number}'>{html.escape(c.title.split(' - ')[0])}</a>" for c in sections)
     parts = ["<!doctype html><html lang='en'><head><meta charset='utf-8'>",
              "<meta name='viewport' content='width=device-width, initial-scale=1'><link rel='icon' href='data:,'>",
-             f"<title>distlab milestone report</title><style>{CSS}</style></head><body>",
-             "<h1>distlab milestone report</h1>",
+             f"<title>{html.escape(title)}</title><style>{CSS}</style></head><body>",
+             f"<h1>{html.escape(title)}</h1>",
              f"<p class='how'>Built {datetime.datetime.now().isoformat(timespec='seconds')} from {len(frame)} run(s) "
              f"on machine(s): {html.escape(machines)}. Every figure is measured by the pipeline; each says how. "
              f"{html.escape(versions)}</p><nav>{nav}</nav>"]
@@ -68,8 +68,9 @@ def _table_markdown(frame) -> str:
         return "```\n" + frame.to_string(index=False) + "\n```"
 
 
-def render_markdown(sections: list[Card], frame, out_dir: str, versions: str) -> str:
-    lines = ["# distlab milestone report", "",
+def render_markdown(sections: list[Card], frame, out_dir: str, versions: str,
+                    title: str = "distlab milestone report") -> str:
+    lines = [f"# {title}", "",
              f"{len(frame)} run(s); open index.html for the plots. Every figure is measured by the pipeline. "
              f"{versions}", ""]
     for card in sections:
