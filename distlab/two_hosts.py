@@ -102,6 +102,7 @@ def run_two_hosts(job: dict, bandwidth_mbit: float | None, log_path: str, timeou
         os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")
         job = dict(job, driver_inside=hosts.inside(0, []))
         before = hosts.counters()
+        namespaces = dict(hosts.namespaces)  # recorded: a check can see that they are gone afterwards
 
         def train():
             try:
@@ -130,7 +131,7 @@ def run_two_hosts(job: dict, bandwidth_mbit: float | None, log_path: str, timeou
         raise RuntimeError(f"the two-host run failed: {outcome['error']}") from outcome["error"]
     per_host = [{**{k: a[k] - b[k] if isinstance(a[k], int) and k != "host" else a[k] for k in a},
                  "host": HOST_NAMES[i]} for i, (a, b) in enumerate(zip(after, before))]
-    return {"hosts": [{"name": HOST_NAMES[i], "address": hosts.address(i)} for i in range(2)],
+    return {"hosts": [{"name": HOST_NAMES[i], "address": hosts.address(i)} for i in range(2)], "namespaces": namespaces,
             "link": {"bandwidth_mbit": bandwidth_mbit, "per_host": per_host,
                      "how": "the kernel's counters of each host's eth0 over the whole run (both hosts' namespaces)"},
             "events": events, "status": outcome.get("status")}

@@ -338,3 +338,16 @@ def two_hosts_input(kind):
                 f"{model_suffix(spec.get('model', 'default'))}.json")
 
     return path
+
+
+def measured_evidence():
+    """The link and unequal cards' card.json of this machine, where they exist (for the advisor)."""
+    import json
+
+    found = {}
+    for name in ("links", "unequal"):
+        path = f"{RESULTS}/{MACHINE}/{name}/card.json"
+        if os.path.isfile(path):
+            with open(path) as fh:
+                found[name] = json.load(fh)
+    return found

@@ -114,3 +114,23 @@ def test_links_are_refused_at_config_time_naming_why(monkeypatch):
     with pytest.raises(ConfigError, match=r"experiments\[0\]\.link': network namespaces cannot be made here: "
                                           r"making network namespaces needs root"):
         resolve({"world_size": 2, "link": {"bandwidth_mbit": 100}})
+
+
+def test_the_links_target_is_refused_before_any_job_where_namespaces_cannot_be_made(tmp_path):
+    """As a non-root user (os.geteuid patched in every process via sitecustomize): the default
+    run still plans, `snakemake links` stops before any job, naming the experiment and why."""
+    from conftest import snakemake, tiny_config
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text("import os\nos.geteuid = lambda: 1000\n")
+    config = tiny_config({"ddp": {"experiments": [{"world_size": 1}]},
+                          "links": {"link_caps_mbit": [100], "experiments": [{"world_size": 2}]}})
+    snakemake(tmp_path, "-n", config=config, python_path=str(hook))  # the default target needs no namespace
+    refused = snakemake(tmp_path, "-n", "links", config=config, check=False, python_path=str(hook))
+    assert refused.returncode != 0
+    said = refused.stdout + refused.stderr
+    assert "`snakemake links` cannot run on this machine:" in said
+    assert ("experiment ddp-full-w2-mb4-ga1-link100m, field 'link': network namespaces cannot be made here: "
+            "making network namespaces, veth pairs and tc qdiscs needs root") in said
+    assert not (tmp_path / "results").exists() or not list((tmp_path / "results").glob("*/*/metrics.json"))

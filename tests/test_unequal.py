@@ -80,7 +80,7 @@ def test_sized_batches_split_by_speed_within_memory():
 
 
 # Unequal CPU devices: rank 1 may use a quarter of rank 0's CPU time (cgroup CFS quota).
-BUDGETS = {"world_size": 2, "micro_batch": 12, "rank_cpu_budget": [0.4, 0.1], "steps": 14, "warmup_steps": 3}
+BUDGETS = {"world_size": 2, "micro_batch": 12, "rank_cpu_budget": [0.5, 0.125], "steps": 14, "warmup_steps": 3}
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def uniform_and_sized(prepared, tmp_path_factory):
 
 def test_sized_batches_beat_uniform_batches_on_unequal_cpu_ranks(uniform_and_sized):
     uniform, sized = uniform_and_sized
-    assert [b["cores"] for b in sized["as_built"]["cpu_budget"]] == [0.4, 0.1]  # what the kernel enforced
+    assert [b["cores"] for b in sized["as_built"]["cpu_budget"]] == [0.5, 0.125]  # what the kernel enforced
     fast, slow = sized["as_built"]["rank_micro_batch"]["sizes"]
     assert fast + slow == 24 and slow < fast  # auto measured rank 1 slower and gave it less
     assert sized["data"]["per_rank_reads"] == [fast * 14, slow * 14] and sized["data"]["duplicate_reads"] == 0

@@ -42,31 +42,42 @@ def step_s(run: dict) -> float:
     return run["timing"]["step_time_s"]["median"]
 
 
-def break_even(one: dict, free: dict | None) -> tuple[float | None, str]:
-    """Mbit/s above which 2 ranks beat 1: step(bw) = T_free + bits/bw (no overlap) against
-    T_1, so bw* = bits / (T_1 - T_free)."""
-    if free is None or wire_bytes_per_step(free) is None:
-        return None, "needs the uncapped (namespaced) run of this strategy"
-    gain = step_s(one) - step_s(free)
+def transfer_free_step(at: dict) -> tuple[float | None, float | None]:
+    """(T0, bytes per step) of a strategy: its step without the link's transfer time, the median
+    over its capped runs of step - bits / cap (the transfer's lower bound at that cap)."""
+    capped = [(run, wire_bytes_per_step(run)) for cap, run in at.items() if cap and wire_bytes_per_step(run)]
+    if not capped:
+        return None, None
+    rest = sorted(step_s(run) - wire * 8 / (run["spec"]["link"]["bandwidth_mbit"] * 1e6) for run, wire in capped)
+    return rest[len(rest) // 2], sorted(w for _, w in capped)[len(capped) // 2]
+
+
+def break_even(one: dict, at: dict) -> tuple[float | None, str]:
+    """Mbit/s above which 2 ranks beat 1 in the model step(bw) = T0 + bits/bw (no overlap):
+    bw* = bits / (T_1 - T0)."""
+    t0, wire = transfer_free_step(at)
+    if t0 is None:
+        return None, "needs capped runs with their link traffic"
+    gain = step_s(one) - t0
     if gain <= 0:
-        return None, (f"never here: even uncapped its step ({step_s(free) * 1e3:.0f} ms) is no shorter than 1 rank's "
-                      f"({step_s(one) * 1e3:.0f} ms)")
-    return wire_bytes_per_step(free) * 8 / gain / 1e6, ""
+        return None, (f"never here: even with no transfer time its step ({t0 * 1e3:.0f} ms) is no shorter than 1 "
+                      f"rank's ({step_s(one) * 1e3:.0f} ms)")
+    return wire * 8 / gain / 1e6, ""
 
 
 def where_it_stops(points: list[tuple[float | None, float]]) -> str:
-    """From (cap, speedup) measured points, sorted by cap: the interval where 2 ranks stop beating 1."""
+    """From (cap, speedup) measured points, sorted by cap: where 2 ranks beat 1 and where not."""
     paying = [cap for cap, speedup in points if speedup >= 1]
     losing = [cap for cap, speedup in points if speedup < 1]
     if not losing:
-        return f"pays at every measured cap (down to {link_label(points[0][0])})"
+        return f"pays at every measured link (down to {link_label(points[0][0])})"
     if not paying:
-        return f"never pays at the measured caps (up to {link_label(points[-1][0])})"
-    below = max(losing, key=cap_order)
-    above = min((c for c in paying if cap_order(c) > cap_order(below)), key=cap_order, default=None)
-    if above is None:
-        return f"slower than 1 rank up to {link_label(below)}"
-    return f"stops paying between {link_label(below)} (slower than 1 rank) and {link_label(above)} (faster)"
+        return f"slower than 1 rank at every measured link (up to {link_label(points[-1][0])})"
+    below, above = max(losing, key=cap_order), min(paying, key=cap_order)
+    if cap_order(below) < cap_order(above):
+        return f"stops paying between {link_label(above)} (faster than 1 rank) and {link_label(below)} (slower)"
+    return ("not monotonic (shared machine's noise): faster than 1 rank at " + ", ".join(map(link_label, paying))
+            + "; slower at " + ", ".join(map(link_label, losing)))
 
 
 def collectives_rows(collectives: dict) -> tuple[list[dict], list[dict]]:
@@ -120,7 +131,7 @@ def build(runs: list[dict], collectives: dict) -> tuple[Card, dict]:
                          "link busy": "-" if cap is None or wire is None else
                          f"{wire * 8 / step_s(run) / 1e6 / cap:.0%}"})
         ax.plot([caps.index(c) for c, _ in points], [s for _, s in points], marker="o", label=name)
-        star, why = break_even(one, at.get(None))
+        star, why = break_even(one, at)
         stop = where_it_stops(points)
         evidence["strategies"][name] = {"speedup_by_link": {link_label(c): round(s, 3) for c, s in points},
                                         "stops_paying": stop, "break_even_mbit": star}
@@ -140,9 +151,9 @@ def build(runs: list[dict], collectives: dict) -> tuple[Card, dict]:
     card.figures.append(Figure("Speedup over 1 rank by link", to_png_b64(fig), how))
     card.tables.append(Table("Each strategy at each link", pd.DataFrame(rows), how))
     card.tables.append(Table("Where each strategy stops paying", pd.DataFrame(stops), (
-        "measured: between which caps 2 ranks became slower than 1; break-even: bw* = bits each host sends per step / "
-        "(1-rank step - uncapped 2-rank step), no compute/communication overlap assumed (DDP overlaps, so its real "
-        "break-even is lower). A device whose step is k times shorter needs k times the bandwidth for the same "
+        "measured: at which links 2 ranks beat 1; break-even: bw* = bits each host sends per step / (1-rank step - T0), "
+        "T0 = the strategy's step without transfer time (median over its capped runs of step - bits / cap); no "
+        "compute/communication overlap assumed (DDP overlaps, so its real break-even is lower). A device whose step is k times shorter needs k times the bandwidth for the same "
         "balance; 'fits' lists the roadmap's interconnects (Gbit/s each way: " + ", ".join(
             f"{k} {v:,}" for k, v in INTERCONNECTS.items()) + ") that carry it at x1000.")))
     card.goals.append(Goal("minimal", "Strategies measured over capped links against 1 rank", PASSED,
