@@ -95,10 +95,16 @@ def box_advice(advice: dict, devices: list[dict], per_sample: float, state_bytes
     usable = [d["memory_gib"] * GIB * (1 - headroom) for d in devices]
     plan = sized_batches(devices, usable, state_bytes, per_sample, micro_batch)
     reasons = []
-    if len({d["memory_gib"] for d in devices}) > 1:
+    unequal = len({d["memory_gib"] for d in devices}) > 1 or len({d.get("tflops") for d in devices}) > 1
+    if unequal:
         small = min(devices, key=lambda d: d["memory_gib"])
-        reasons.append(f"uniform DDP gives every device the micro-batch the smallest ({small.get('name', '?')}, "
-                       f"{small['memory_gib']:g} GiB) holds: {plan['uniform_micro_batch']} at most")
+        if plan["uniform_micro_batch"] < micro_batch:
+            reasons.append(f"uniform DDP gives every device the micro-batch the smallest ({small.get('name', '?')}, "
+                           f"{small['memory_gib']:g} GiB) holds: {plan['uniform_micro_batch']} of the "
+                           f"{micro_batch} asked")
+        else:
+            reasons.append(f"every device holds the asked micro-batch ({micro_batch}), but uniform DDP paces them all "
+                           "at the slowest one's speed: the faster waits at every all-reduce")
         if plan.get("sized_micro_batch"):
             gain = plan.get("predicted_gain")
             reasons.append(f"sized batches recover it: rank_micro_batch {plan['sized_micro_batch']} (each device "

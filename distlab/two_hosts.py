@@ -39,6 +39,7 @@ def two_hosts_spec(config: dict) -> dict:
     """The resolved spec of the two-host experiment (2 ranks, elastic down to 1, Ray launcher,
     the head at host 0's address), checked like every experiment."""
     from distlab.config import _deep_merge, expand_experiments
+    from distlab.input_checks import ConfigError
     from distlab.launchers.ray_nodes import NAMESPACED_PORT
     from distlab.links import address
 
@@ -48,7 +49,10 @@ def two_hosts_spec(config: dict) -> dict:
                                       "ray": {"address": f"{address(0)}:{NAMESPACED_PORT}"}})
     single = copy.deepcopy(config)
     single["stages"] = {"ray": {"experiments": [override]}}
-    (spec,) = expand_experiments(single, gpu_count=0).values()
+    try:
+        (spec,) = expand_experiments(single, gpu_count=0).values()
+    except ConfigError as error:  # name the field the user wrote, not the synthetic stage
+        raise ConfigError(str(error).replace("stages.ray.experiments[0]", "two_hosts.experiment")) from None
     return spec
 
 

@@ -317,7 +317,10 @@ def link_collectives_plan():
     return dict(found, max_bytes=min(found["max_bytes"], LINK_COLLECTIVES_MAX_BYTES))
 
 
-TWO_HOSTS_SPEC = two_hosts_spec(config)
+try:
+    TWO_HOSTS_SPEC = two_hosts_spec(config)
+except ConfigError as error:
+    raise WorkflowError(str(error)) from None
 
 
 def two_hosts_input(kind):

@@ -23,7 +23,8 @@ def test_a_4090_beside_a_3060_over_pcie_is_limited_by_the_3060_and_sized_batches
     advice = advise("pcie", micro_batch=16)
     reasons = " ".join(advice["reasons"])
     assert advice["devices"]["smallest_bytes"] == 12 * 2**30  # 16 per device fits neither: the box plan sizes it
-    assert "the smallest (RTX 3060, 12 GiB) holds" in reasons
+    assert f"the smallest (RTX 3060, 12 GiB) holds: {advice['box']['plan']['uniform_micro_batch']} of the 16 asked" \
+        in reasons
     assert "no NVLink: avoid tensor and pipeline parallel" in reasons and "interconnect: pcie" in reasons
     plan = advice["box"]["plan"]
     fast, slow = plan["max_samples_per_device"]

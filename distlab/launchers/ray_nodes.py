@@ -63,10 +63,15 @@ class RayNodes:
         env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}
         env.update(self.env)
         ip = self.hosts.address(host) if self.hosts else "127.0.0.1"
+        parent = os.getpid()
+        from distlab.launchers.process import die_with_parent
+
         with open(Path(self.folder, f"{name}.log"), "w") as log:
+            # The node dies with whoever started it (Ray's own daemons share the fate of `ray start`).
             self.nodes[name] = subprocess.Popen(
                 self.inside(host, RAY + ["start", "--block", f"--node-ip-address={ip}", f"--num-cpus={cpus}", *args]),
-                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=lambda: die_with_parent(parent))
         self.node_hosts[name] = host
 
     def _head_reachable(self) -> bool:
