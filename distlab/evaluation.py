@@ -50,13 +50,18 @@ def evaluate_model(model, ids, labels, device=None) -> dict:
             "blocks": len(ids), "how": HOW.format(n=len(ids))}
 
 
-def evaluate_base(model_source: str, data_dir, out_path) -> dict:
-    """Rule evaluate_base_model: the untouched base model on the eval tokens."""
+def evaluate_base(model_source: str, data_dir, out_path, threads: int | None = None) -> dict:
+    """Rule evaluate_base_model: the untouched base model on the eval tokens, on `threads` host
+    cores (the job's; None: torch's own default)."""
+    import torch
+
     from distlab.model import load_model
 
+    if threads is not None:
+        torch.set_num_threads(threads)
     ids, labels = eval_tokens(data_dir)
     result = {"model": str(model_source), "data_dir": str(data_dir),
-              **evaluate_model(load_model(model_source), ids, labels)}
+              **evaluate_model(load_model(model_source), ids, labels), "threads": torch.get_num_threads()}
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     Path(out_path).write_text(json.dumps(result, indent=1))
     return result

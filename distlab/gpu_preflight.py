@@ -187,7 +187,9 @@ def check_cuda(report: Report, torch, min_free_gib: float) -> None:
                                    f"{min_free_gib:g} GiB (another process holds the GPU?)")
 
 
-def preflight(min_free_gib: float = 8.0, modules: dict[str, str] = KIT_MODULES) -> Report:
+def preflight(min_free_gib: float = 8.0, modules: dict[str, str] = KIT_MODULES, cuda: bool = True) -> Report:
+    """cuda=False: a CPU rehearsal of the kit (benchmarks/gpu_check.sh with
+    DISTLAB_KIT_CPU_REHEARSAL=1): everything but step 4, which is said not to have run."""
     report = Report()
     torch = check_torch(report, lowest_supported_torch())
     check_modules(report, modules)
@@ -197,8 +199,10 @@ def preflight(min_free_gib: float = 8.0, modules: dict[str, str] = KIT_MODULES) 
     report.warnings.extend(conflicts)
     if torch is not None:
         check_torch_apis(report)
-        if not report.problems:
+        if not report.problems and cuda:
             check_cuda(report, torch, min_free_gib)
+    if not cuda:
+        report.notes.append(f"CPU rehearsal: CUDA and GPU memory not checked (torch {getattr(torch, '__version__', '?')})")
     return report
 
 
@@ -206,8 +210,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--min-free-gib", type=float, default=8.0, help="free memory each GPU must have")
     parser.add_argument("--verbose", action="store_true", help="also print what was found (versions, memory)")
+    parser.add_argument("--cpu-rehearsal", action="store_true", help="check everything but CUDA (the kit on CPU)")
     args = parser.parse_args(argv)
-    report = preflight(args.min_free_gib)
+    report = preflight(args.min_free_gib, cuda=not args.cpu_rehearsal)
     for line in report.lines():
         print(line, file=sys.stderr)
     if args.verbose or report.status == 0:

@@ -1,11 +1,15 @@
 """The figures the GPU check kit ends with, read from its results (nothing recomputed):
 
-    python -m distlab.gpu_summary build/gpu_check/results
+    python -m distlab.gpu_summary build/gpu_check/results [--configfile config/gpu_check.yaml ...] [--gpus N]
 
 per run: tokens/s, MFU and the peak it is measured against, peak GPU memory, the all-reduce
 time in flight; each recorded OOM with its memory budget; each checkpoint validation's
 verdict; the NCCL bus bandwidth (or why it was not measured). A figure that is missing is
 printed as missing, with the file that should have held it.
+
+With the config files the kit ran (--configfile, merged as Snakemake merges them), every
+planned run and validation is listed with its status, also those that crashed before writing
+anything, and the exit status is 1 when any of them failed (named on the last line).
 """
 from __future__ import annotations
 
@@ -81,31 +85,97 @@ def nccl_lines(collectives: dict | None, path: Path) -> list[str]:
     return out
 
 
-def summary(results: Path) -> list[str]:
-    lines = []
-    machines = sorted(p for p in results.iterdir() if p.is_dir() and (p / "hardware.json").is_file())
+def planned(configfiles: list[str], gpus: int) -> dict:
+    """{"experiments", "validated", "budgeted": ids} the kit's config files plan (merged in order, as
+    Snakemake merges several --configfile)."""
+    import yaml
+
+    from distlab.config import _deep_merge, load, validated_experiments
+
+    merged: dict = {}
+    for path in configfiles:
+        merged = _deep_merge(merged, yaml.safe_load(Path(path).read_text()) or {})
+    config, specs = load(merged, gpu_count=gpus)
+    return {"experiments": list(specs), "validated": validated_experiments(config, specs),
+            "budgeted": [i for i, spec in specs.items() if spec.get("memory_budget_gib") is not None]}
+
+
+def run_status(run: Path, budgeted: bool) -> tuple[str | None, list[str]]:
+    """(why this planned run failed or None, its lines)."""
+    metrics = _load(run / "metrics.json")
+    if metrics is None:
+        why = f"no metrics.json: the run crashed or never started (see {run / 'train.log'})"
+        return why, [f"{run.name}: FAILED: {why}"]
+    lines = run_lines(metrics)
+    status = metrics.get("status")
+    saved = metrics.get("checkpoint") or {}
+    if status == "oom" and budgeted:
+        return None, lines  # the lesson of a memory_budget_gib run
+    if status != "ok":
+        return f"status {status}", lines + [f"    FAILED: the run ended with status {status!r}"]
+    if isinstance(saved, dict) and saved.get("status") == "failed":
+        why = f"trained, but its checkpoint save failed: {str(saved.get('error', ''))[:160]}"
+        return why, lines + [f"    FAILED: {why}"]
+    if budgeted:
+        budget = (metrics.get("spec") or {}).get("memory_budget_gib")
+        lines.append(f"    note: it did not run out of memory under its {budget} GiB budget")
+    return None, lines
+
+
+def summarize(results: Path, plan: dict | None = None) -> tuple[list[str], list[str]]:
+    """(lines, names of the planned runs and validations that failed)."""
+    lines, failed = [], []
+    machines = sorted(p for p in results.iterdir() if p.is_dir() and (p / "hardware.json").is_file()) \
+        if results.is_dir() else []
     if not machines:
-        return [f"no machine folder with hardware.json under {results}: the kit did not get far enough"]
+        lines = [f"no machine folder with hardware.json under {results}: the kit did not get far enough"]
+        failed = list((plan or {}).get("experiments", []))
+        return lines + ([f"FAILED ({len(failed)}, none ran): {', '.join(failed)}"] if failed else []), failed
     for machine in machines:
         hardware = _load(machine / "hardware.json") or {}
         gpus = ", ".join(g.get("name", "?") for g in hardware.get("gpus", [])) or "no GPU in hardware.json"
         lines.append(f"== {machine.name}: {gpus}")
-        runs = sorted(p.parent for p in machine.glob("*/metrics.json"))
-        for run in runs:
-            lines += run_lines(_load(run / "metrics.json") or {"experiment": run.name})
-        validations = [v for v in (validation_line(run) for run in runs) if v]
-        lines += validations or ["checkpoint validation: none finished"]
+        if plan is None:
+            runs = sorted(p.parent for p in machine.glob("*/metrics.json"))
+            for run in runs:
+                lines += run_lines(_load(run / "metrics.json") or {"experiment": run.name})
+            validations = [v for v in (validation_line(run) for run in runs) if v]
+            lines += validations or ["checkpoint validation: none finished"]
+        else:
+            for name in plan["experiments"]:
+                why, run_out = run_status(machine / name, name in plan.get("budgeted", ()))
+                lines += run_out
+                failed += [name] if why else []
+            for name in plan["validated"]:
+                line = validation_line(machine / name)
+                verdict = (_load(machine / name / "validation.json") or {}).get("status")
+                if line is None or verdict != "passed":
+                    failed.append(f"{name} (validation)")
+                lines.append(line or f"{name}: checkpoint validation FAILED: no validation.json (it did not finish)")
         lines += nccl_lines(_load(machine / "collectives.json"), machine / "collectives.json")
-    return lines
+    if failed:
+        lines.append(f"FAILED ({len(failed)}): {', '.join(failed)}")
+    return lines, failed
+
+
+def summary(results: Path, plan: dict | None = None) -> list[str]:
+    return summarize(results, plan)[0]
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print(__doc__, file=sys.stderr)
-        return 2
-    print("\n".join(summary(Path(argv[0]))))
-    return 0
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--configfile", nargs="+", default=[], help="the config files the kit ran, in order")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs the kit planned for")
+    args = parser.parse_args(argv)
+    plan = None
+    if args.configfile:
+        plan = planned(args.configfile, args.gpus)
+    lines, failed = summarize(args.results, plan)
+    print("\n".join(lines))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

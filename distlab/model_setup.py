@@ -24,12 +24,18 @@ def prepare_model(strategy, model_source: str, spec: dict) -> PreparedModel:
     """strategy.load_model -> LoRA -> strategy.wrap -> strategy.verify; collective."""
     import torch
 
+    from distlab import buffers
     from distlab import checkpoint as ckpt
     from distlab import metrics as M
     from distlab.lora import apply_lora, parameter_counts
+    from distlab.strategies.base import FidelityError
 
     torch.manual_seed(spec["seed"])
     model = strategy.load_model(model_source)
+    # RoPE's inv_freq and other buffers as the plain model has them, whatever the loading path
+    # or the transformers release did to them (distlab.buffers).
+    plain = buffers.plain_buffers(model_source)
+    restored = buffers.restore_plain_buffers(model, plain)
     lora_targets = None
     if spec["method"] == "lora":
         with strategy.lora_context():
@@ -43,5 +49,11 @@ def prepare_model(strategy, model_source: str, spec: dict) -> PreparedModel:
     strategy.wrap(model)
     described = strategy.describe()
     strategy.verify(described)
+    wrapped = strategy.unwrapped()
+    changed = buffers.buffer_mismatches(wrapped, plain)
+    if changed:
+        raise FidelityError(f"after {strategy.name}'s wrap, buffers differ in dtype from the plain model: {changed}")
+    described["buffers"] = {"dtypes": buffers.buffer_dtypes(wrapped), "restored_before_wrap": restored,
+                            "how": buffers.HOW}
     return PreparedModel(signature=signature, parameter_counts=counts, lora_targets=lora_targets, flops=flops,
                          described=described)

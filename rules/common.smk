@@ -130,6 +130,15 @@ def experiment_threads(wildcards):
     return spec["world_size"] * rank_cores(spec)
 
 
+def eval_threads(wildcards):
+    """The base-model eval of one dataset, seq_len and model: as many cores as one rank of the
+    experiments it serves gets (rank_cores), at least 1."""
+    served = [spec for spec in SPECS.values() if spec.get("dataset", "default") == wildcards.dataset
+              and str(spec["seq_len"]) == wildcards.seq_len
+              and model_suffix(spec.get("model", "default")) == wildcards.model_suffix]
+    return max([rank_cores(spec) for spec in served], default=1)
+
+
 def experiment_gpus(wildcards):
     spec = SPECS[wildcards.experiment]
     return spec["world_size"] if spec["device"] == "cuda" and not on_ray_cluster(spec) else 0
@@ -222,10 +231,18 @@ def validation_mem_mb(wildcards):
     return JOB_MEM_MB_OVERHEAD + max(spec["world_size"], reshard_world_size(spec)) * rank_mem_mb(spec)
 
 
-def experiment_runtime(wildcards):
-    """Minutes: process start and data loading, plus a generous second per step per repeat."""
+def experiment_runtime(wildcards, rule="train"):
+    """Minutes: job_runtime_minutes.<rule> when the config sets it (the GPU kit's time plan),
+    else process start and data loading plus a generous second per step per repeat."""
+    planned = config["job_runtime_minutes"][rule]
+    if planned is not None:
+        return planned
     spec = SPECS[wildcards.experiment]
     return 10 + (spec["steps"] * spec.get("repeats", 1)) // 60
+
+
+def validation_runtime(wildcards):
+    return experiment_runtime(wildcards, rule="validate")
 
 
 def collectives_plan():

@@ -12,6 +12,9 @@ rule evaluate_base_model:
         model_source=model_source,
     log:
         f"{PREP}/logs/eval-base-{{dataset}}-seq{{seq_len}}{{model_suffix}}.log",
+    # The cores a rank of the runs it serves gets: on a GPU box it is on the critical path
+    # before the first training job, and a single thread made it ~30 s there.
+    threads: eval_threads
     resources:
         mem_mb=one_process_model_mem_mb(),
         runtime=15,  # one forward pass over the held-out blocks

@@ -23,7 +23,7 @@ rule validate_checkpoint:
     resources:
         gpu=validation_gpus,
         mem_mb=validation_mem_mb,
-        runtime=experiment_runtime,
+        runtime=validation_runtime,
     conda:
         "../envs/train.yaml"
     script:

@@ -3,6 +3,7 @@ from distlab.evaluation import evaluate_base
 from distlab.rule_log import logged
 
 with logged(snakemake):
-    result = evaluate_base(snakemake.params.model_source, snakemake.input.data, snakemake.output[0])
+    result = evaluate_base(snakemake.params.model_source, snakemake.input.data, snakemake.output[0],
+                           threads=snakemake.threads)
     print(f"base model eval: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} "
-          f"over {result['tokens']} tokens")
+          f"over {result['tokens']} tokens on {result['threads']} threads")

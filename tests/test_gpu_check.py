@@ -43,7 +43,7 @@ def test_gpu_config_is_refused_where_there_is_no_gpu():
 
 
 def planned_jobs(stdout: str) -> list[dict]:
-    """(rule, threads, gpu) of every job a dry run prints."""
+    """(rule, threads, gpu, runtime in minutes) of every job a dry run prints."""
     jobs = []
     for block in re.split(r"\n(?=rule |localrule )", stdout):
         head = re.match(r"(?:local)?rule (\w+):", block)
@@ -51,8 +51,9 @@ def planned_jobs(stdout: str) -> list[dict]:
             continue
         threads = re.search(r"^\s+threads: (\d+)", block, re.M)
         gpu = re.search(r"^\s+resources: .*\bgpu=(\d+)", block, re.M)
+        runtime = re.search(r"^\s+resources: .*\bruntime=(\d+)", block, re.M)
         jobs.append({"rule": head.group(1), "threads": int(threads.group(1)) if threads else 1,
-                     "gpu": int(gpu.group(1)) if gpu else 0})
+                     "gpu": int(gpu.group(1)) if gpu else 0, "runtime": int(runtime.group(1)) if runtime else None})
     return jobs
 
 
@@ -72,3 +73,45 @@ def test_kit_plan_needs_no_more_gpus_than_exist_and_reaches_the_report(tmp_path,
     expected_validation = 12 * min(2, gpus)  # 1 GPU: the reshard to 2 ranks is not run
     assert {min(job["threads"], 16) for job in jobs if job["rule"] == "validate_checkpoint"} == \
         {min(expected_validation, 16)}
+
+
+# The box stops any command after 10 minutes; besides Snakemake the kit installs its wheels,
+# runs the preflight and prints the summary (a minute at most is left for them).
+BOX_COMMAND_LIMIT_S = 600
+OUTSIDE_SNAKEMAKE_S = 60
+
+
+def kit_timeout_s() -> int:
+    return int(re.search(r"^SNAKEMAKE_CAP_S=(\d+)$", (REPO / "benchmarks" / "gpu_check.sh").read_text(), re.M).group(1))
+
+
+@pytest.fixture(scope="module")
+def one_gpu_plan(tmp_path_factory):
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {"DISTLAB_GPU_COUNT": "1"}):
+        proc = snakemake(tmp_path_factory.mktemp("plan1"), "-n", "--cores", "16", "--configfile", str(GPU_CONFIG))
+    return planned_jobs(proc.stdout)
+
+
+def test_the_kits_serial_gpu_jobs_plan_at_most_70_percent_of_its_timeout_inside_the_boxs_limit(one_gpu_plan):
+    gpu_jobs = [job for job in one_gpu_plan if job["gpu"]]
+    assert {job["rule"] for job in gpu_jobs} == {"train", "validate_checkpoint"}
+    planned_s = 60 * sum(job["runtime"] for job in gpu_jobs)  # one GPU: they run one after the other
+    assert planned_s <= 0.7 * kit_timeout_s(), (planned_s, kit_timeout_s(), gpu_jobs)
+    assert kit_timeout_s() + OUTSIDE_SNAKEMAKE_S <= BOX_COMMAND_LIMIT_S
+
+
+def test_the_base_model_eval_on_the_critical_path_gets_a_ranks_cores(one_gpu_plan, prepared, tmp_path):
+    (evaluation,) = [job for job in one_gpu_plan if job["rule"] == "evaluate_base_model"]
+    assert evaluation["threads"] == 12  # cuda_cpu_threads_per_rank in the kit's config
+    import torch
+
+    from distlab.evaluation import evaluate_base
+
+    before = torch.get_num_threads()
+    try:
+        result = evaluate_base(str(prepared / "model"), prepared / "data32", tmp_path / "base.json", threads=2)
+    finally:
+        torch.set_num_threads(before)  # the worker's other tests keep their own setting
+    assert result["threads"] == 2

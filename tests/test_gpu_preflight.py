@@ -118,3 +118,12 @@ def test_a_torch_api_with_a_fallback_passes_and_one_without_fails(monkeypatch):
     assert report.notes == ["torch.distributed.all_gather_single absent; distlab falls back to "
                             "torch.distributed.all_gather_into_tensor"]
     assert report.problems == ["torch API torch.distributed.no_such_collective is missing (and no fallback: none)"]
+
+
+def test_a_cpu_rehearsal_checks_everything_but_cuda_and_says_so(machine):
+    machine.modules["torch"] = fake_torch(gpus=0)
+    report = pf.preflight(cuda=False)
+    assert report.status == 0 and report.lines() == []
+    assert any("CPU rehearsal: CUDA and GPU memory not checked" in note for note in report.notes)
+    machine.modules["datasets"] = None
+    assert pf.preflight(cuda=False).status == 3  # a missing module still stops the rehearsal

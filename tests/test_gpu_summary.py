@@ -45,6 +45,8 @@ def test_summary_says_what_is_missing_when_the_kit_stopped_early(tmp_path):
     text = "\n".join(summary(tmp_path))
     assert "checkpoint validation: none finished" in text and "the collectives rule did not finish" in text
     assert "did not get far enough" in summary(tmp_path / "vm")[0]
+    lines = summary(tmp_path / "vm", {"experiments": ["a", "b"], "validated": [], "budgeted": []})
+    assert lines[-1] == "FAILED (2, none ran): a, b"
 
 
 def test_measured_nccl_prints_the_best_bus_bandwidth_per_op(tmp_path):
@@ -54,3 +56,54 @@ def test_measured_nccl_prints_the_best_bus_bandwidth_per_op(tmp_path):
              "algbw_bytes_per_s": b / 2} for s, b in [(1 << 20, 50e9), (1 << 29, 300e9)]]
     (line,) = nccl_lines({"world_size": 2, "nccl": {"status": "measured"}, "results": rows}, tmp_path)
     assert line == "NCCL all_reduce over 2 GPUs: busbw 300.0 GB/s at 512 MiB (algbw 150.0 GB/s)"
+
+
+def test_every_planned_run_is_listed_with_its_status_and_failures_exit_non_zero_naming_them(tmp_path, capsys):
+    """The kit's own plan (config/gpu_check.yaml on one GPU): a run that crashed before writing
+    metrics.json and an unfinished validation are named, not dropped, and the exit status is 1."""
+    from conftest import REPO
+    from distlab.gpu_summary import main, planned
+
+    kit = str(REPO / "config" / "gpu_check.yaml")
+    plan = planned([kit], gpus=1)
+    assert len(plan["experiments"]) == 4 and plan["budgeted"] and plan["validated"]
+    box = tmp_path / "vm-1xH200"
+    write(box / "hardware.json", {"gpus": [{"name": "NVIDIA H200"}]})
+    crashed = plan["validated"][0]
+    others = [name for name in plan["experiments"] if name not in plan["budgeted"] and name != crashed]
+    for name in others:
+        write(box / name / "metrics.json", {"experiment": name, "status": "ok", "throughput": {"tokens_per_s": 1.0}})
+    for name in plan["validated"]:
+        if name != crashed:
+            write(box / name / "validation.json", {"experiment": name, "status": "passed", "checks": {}})
+    (budgeted,) = plan["budgeted"]
+    write(box / budgeted / "metrics.json", {"experiment": budgeted, "status": "oom", "memory_budget_gib": 2,
+                                           "oom": [{"error": "CUDA out of memory"}]})
+    assert main([str(tmp_path), "--configfile", kit, "--gpus", "1"]) == 1
+    out = capsys.readouterr().out
+    assert f"{crashed}: FAILED: no metrics.json: the run crashed or never started" in out
+    assert f"{crashed}: checkpoint validation FAILED: no validation.json" in out
+    assert f"{budgeted}: recorded OOM under a 2 GiB budget" in out  # the budget run's lesson, not a failure
+    assert out.strip().splitlines()[-1] == f"FAILED (2): {crashed}, {crashed} (validation)"
+    for name in others:
+        assert f"{name}: 1 tokens/s" in out
+
+
+def test_a_trained_run_whose_save_failed_counts_as_failed(tmp_path):
+    from distlab.gpu_summary import summarize
+
+    write(tmp_path / "box" / "hardware.json", {"gpus": []})
+    write(tmp_path / "box" / "a" / "metrics.json", {"experiment": "a", "status": "ok",
+                                                   "checkpoint": {"status": "failed", "error": "disk full"}})
+    lines, failed = summarize(tmp_path, {"experiments": ["a"], "validated": [], "budgeted": []})
+    assert failed == ["a"] and any("trained, but its checkpoint save failed: disk full" in line for line in lines)
+
+
+def test_a_budget_run_that_fit_its_budget_is_a_note_not_a_failure(tmp_path):
+    from distlab.gpu_summary import summarize
+
+    write(tmp_path / "box" / "hardware.json", {"gpus": []})
+    write(tmp_path / "box" / "b" / "metrics.json", {"experiment": "b", "status": "ok",
+                                                   "spec": {"memory_budget_gib": 2}})
+    lines, failed = summarize(tmp_path, {"experiments": ["b"], "validated": [], "budgeted": ["b"]})
+    assert failed == [] and "    note: it did not run out of memory under its 2 GiB budget" in lines

@@ -4,9 +4,9 @@ the preset's own experiments (strategy, world size, LoRA, ZeRO stage and offload
 settings, precision, accumulation) run for 2 short steps, so a preset that cannot run is
 caught here rather than on the user's GPUs.
 
-What cannot be kept on CPU: `device: cuda` (the twin runs on CPU ranks over gloo; FSDP's
-MixedPrecisionPolicy is CUDA-only in distlab, so FSDP bf16 runs as bf16 autocast here) and
-the presets' sequence lengths / step counts (shortened to 16 tokens, 2 steps)."""
+What cannot be kept on CPU: `device: cuda` (the twin runs on CPU ranks over gloo; FSDP bf16
+runs its MixedPrecisionPolicy there too) and the presets' sequence lengths / step counts
+(shortened to 16 tokens, 2 steps)."""
 from __future__ import annotations
 
 import json

@@ -60,7 +60,8 @@ def build_partitioned(source: str, ds_config: dict, dtype):
     config = AutoConfig.from_pretrained(str(source))
     # prevent_arange_dtype_change: zero.Init would cast the rotary buffers' arange to a bf16
     # run's dtype; transformers enters it before its own zero.Init from the release that has
-    # it (5.24 does; 5.0 did not, and neither did its own ZeRO-3 route then).
+    # it (5.24 does; 5.17 and 5.0 did not, and neither did their ZeRO-3 route). Where it is
+    # missing, distlab.buffers puts the plain model's buffers back (model_setup).
     keep_arange = getattr(hf_deepspeed, "prevent_arange_dtype_change", contextlib.nullcontext)
     with initialization.no_init_weights(), keep_arange(), \
             deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=dtype):

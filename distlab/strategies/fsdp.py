@@ -27,6 +27,7 @@ from distlab.model import decoder_layers
 from distlab.strategies.base import FidelityError, Strategy
 
 DCP_FORMAT = "dcp"
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class FSDPStrategy(Strategy):
@@ -39,7 +40,7 @@ class FSDPStrategy(Strategy):
 
         self.model_source = model_source
         # fp32 parameters: FSDP's sharded parameters are the optimizer's masters (a
-        # MixedPrecisionPolicy casts the gathered copy for compute on CUDA).
+        # MixedPrecisionPolicy casts the gathered copy for compute).
         return load_model(model_source, dtype=torch.float32, device="meta")
 
     def lora_context(self):
@@ -53,12 +54,15 @@ class FSDPStrategy(Strategy):
         device = self.ctx.device
         fs = self.spec["fsdp"]
         self.mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        self.mixed_precision = self.spec["precision"] != "fp32" and device.type == "cuda"
+        # On CPU ranks too: FSDP2 casts the gathered parameters itself (torch 2.6+ over gloo,
+        # checked at 1 and 2 ranks), so CPU runs the policy the GPU runs. fp16 is refused on CPU
+        # by the config (no fp16 autocast there).
+        self.mixed_precision = self.spec["precision"] != "fp32"
         kwargs = {"mesh": self.mesh, "reshard_after_forward": fs["reshard_after_forward"]}
         if self.mixed_precision:
-            low = torch.bfloat16 if self.spec["precision"] == "bf16" else torch.float16
             # Compute in low precision, reduce gradients in fp32 (the usual FSDP recipe).
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=LOW_PRECISION[self.spec["precision"]],
+                                                       reduce_dtype=torch.float32)
         # pin_memory needs a CUDA runtime; on CPU ranks the "offload" target is the device itself.
         kwargs["offload_policy"] = (CPUOffloadPolicy(pin_memory=device.type == "cuda") if fs["cpu_offload"]
                                     else OffloadPolicy())
@@ -98,8 +102,8 @@ class FSDPStrategy(Strategy):
         out.update(sharding_facts(self.model, self.layers))
         out["reshard_after_forward"] = resharding(self.layers)
         out["sharded_load"] = getattr(self, "load_report", None)
-        out["mixed_precision"] = ("MixedPrecisionPolicy" if self.mixed_precision
-                                  else ("autocast" if self.spec["precision"] != "fp32" else "none (fp32)"))
+        out["mixed_precision"] = "MixedPrecisionPolicy" if self.mixed_precision else "none (fp32)"
+        out["mixed_precision_policy"] = mixed_precision_policy(self.layers + [self.model])
         offload = self.spec["fsdp"]["cpu_offload"]
         out["cpu_offload"] = offload
         out["param_shard_devices"] = sorted({str(p.to_local().device) for p in self.model.parameters()
@@ -119,6 +123,11 @@ class FSDPStrategy(Strategy):
         if described["param_shard_devices"] != wanted:
             raise FidelityError(f"FSDP shards live on {described['param_shard_devices']}, expected {wanted} "
                                 f"(cpu_offload {self.spec['fsdp']['cpu_offload']})")
+        policy = described["mixed_precision_policy"]
+        wanted = str(LOW_PRECISION[self.spec["precision"]]) if self.mixed_precision else "None"
+        if policy is not None and policy["param_dtype"] != wanted:
+            raise FidelityError(f"FSDP units compute in {policy['param_dtype']}; spec precision "
+                                f"{self.spec['precision']}")
         resharded = described["reshard_after_forward"]
         if resharded is not None and resharded != self.spec["fsdp"]["reshard_after_forward"]:
             raise FidelityError(f"FSDP layers reshard after forward: {resharded}; spec asks for "
@@ -164,6 +173,19 @@ def resharding(layers) -> bool | None:
     except AttributeError:
         return None
     return flags.pop() if len(flags) == 1 else None
+
+
+def mixed_precision_policy(units) -> dict | None:
+    """The MixedPrecisionPolicy FSDP2 really holds for these fully_shard units (read from their
+    param groups; None when this torch keeps it elsewhere)."""
+    try:
+        policies = {(str(p.param_dtype), str(p.reduce_dtype)) for p in
+                    (unit._get_fsdp_state()._fsdp_param_group.mp_policy for unit in units)}
+    except AttributeError:
+        return None
+    params, reduces = zip(*policies)
+    return {"param_dtype": params[0] if len(set(params)) == 1 else sorted(set(params)),
+            "reduce_dtype": reduces[0] if len(set(reduces)) == 1 else sorted(set(reduces))}
 
 
 def check_sharded(described: dict, world_size: int) -> None:
