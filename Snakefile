@@ -32,6 +32,7 @@ include: "rules/report.smk"
 include: "rules/bench.smk"
 include: "rules/advise.smk"
 include: "rules/kuberay.smk"
+include: "rules/links.smk"
 
 
 # Light rules run where Snakemake runs, never as cluster jobs (profiles/slurm).

@@ -198,9 +198,21 @@ def estimate(shape: dict, workload: dict, n: int) -> list[dict]:
     return rows
 
 
-def plan_devices(hardware: dict, advisor_cfg: dict, cpu_ranks: int) -> dict:
-    """What to plan for: configured GPUs, else hardware.json's GPUs, else the CPU's RAM."""
+def plan_devices(hardware: dict, advisor_cfg: dict, cpu_ranks: int, collectives: dict | None = None) -> dict:
+    """What to plan for: configured devices or GPUs, else hardware.json's GPUs, else the CPU's RAM."""
     nodes = advisor_cfg.get("nodes", 1)
+    if advisor_cfg.get("devices"):  # a real box: named devices and their link (distlab.advisor_box)
+        from distlab.advisor_box import measured_interconnect
+
+        sizes = [d["memory_gib"] * GIB for d in advisor_cfg["devices"]]
+        link = advisor_cfg.get("interconnect")
+        nvlink, link_how = (measured_interconnect(collectives) if link == "measured" else
+                            (link == "nvlink", f"interconnect: {link}") if link else (advisor_cfg.get("nvlink"), ""))
+        source = "config advisor.devices: " + ", ".join(f"{d.get('name', '?')} {d['memory_gib']:g} GiB"
+                                                         for d in advisor_cfg["devices"])
+        return {"kind": "cuda", "per_node_bytes": sizes, "devices": len(sizes) * nodes, "nodes": nodes,
+                "smallest_bytes": min(sizes), "uneven": max(sizes) > min(sizes) * 1.01, "nvlink": bool(nvlink),
+                "source": source, "interconnect": link_how}
     if advisor_cfg.get("gpu_memory_gib"):
         sizes = [g * GIB for g in advisor_cfg["gpu_memory_gib"]]
         nvlink = advisor_cfg.get("nvlink")
@@ -238,10 +250,13 @@ def workload_from_config(config: dict) -> dict:
                                                    "lora", "export")}
 
 
-def advise(model_config: dict, hardware: dict, config: dict, cpu_ranks: int = 1) -> dict:
+def advise(model_config: dict, hardware: dict, config: dict, cpu_ranks: int = 1, collectives: dict | None = None,
+           evidence: dict | None = None) -> dict:
+    """collectives: this machine's collectives.json (interconnect: measured); evidence: the
+    measured link / unequal cards' card.json (quoted for a box of devices)."""
     shape = model_shape(model_config)
     workload = workload_from_config(config)
-    plan = plan_devices(hardware, config.get("advisor", {}), cpu_ranks)
+    plan = plan_devices(hardware, config.get("advisor", {}), cpu_ranks, collectives)
     budget = plan["smallest_bytes"] * (1 - config.get("advisor", {}).get("headroom", 0.1))
     one = {r["key"]: r for r in estimate(shape, workload, 1)}
     many = {r["key"]: r for r in estimate(shape, workload, plan["devices"])}
@@ -277,10 +292,21 @@ def advise(model_config: dict, hardware: dict, config: dict, cpu_ranks: int = 1)
     if plan["nodes"] > 1:
         reasons.append(f"{plan['nodes']} machines: launch through Ray Train (stage 5) with the strategy above "
                        "inside each worker; keep sharding within a node where links are fast")
+    if plan.get("interconnect"):
+        reasons.append(plan["interconnect"])
+    box = None
+    if config.get("advisor", {}).get("devices"):
+        from distlab.advisor_box import box_advice
+
+        state = (many[pick] if pick else one["ddp"])["model_state_bytes"]
+        per_sample = activation_bytes(shape, 1, workload["seq_len"], workload["precision"])
+        box = box_advice(plan, config["advisor"]["devices"], per_sample, state,
+                         config["advisor"].get("headroom", 0.1), workload["micro_batch"], evidence or {})
+        reasons += box["reasons"]
     counts = parameter_counts(shape, workload["lora"] if workload["method"] == "lora" else None)
     from distlab.save_estimate import save_estimate
 
-    return {"schema_version": 1, "model": {"shape": shape, "parameters": {
+    return {"box": box, "schema_version": 1, "model": {"shape": shape, "parameters": {
                 k: v for k, v in counts.items() if not k.startswith("_")}},
             "save": save_estimate(counts, shape["vocab_size"], workload["method"] == "lora", workload.get("export")),
             "workload": workload, "devices": plan, "usable_bytes_per_device": budget,
@@ -392,5 +418,12 @@ def render_markdown(advice: dict) -> str:
         from distlab.save_estimate import save_markdown
 
         lines += save_markdown(advice["save"], human)
+    box = advice.get("box")
+    if box:
+        lines += ["", "| device | memory GiB | tflops | max micro-batch | uniform DDP | sized |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['device']} | {r['memory GiB']:g} | {r['tflops'] or '-'} | {r['max micro-batch']} | "
+                  f"{r['uniform']} | {r['sized'] if r['sized'] is not None else '-'} |" for r in box["devices"]]
+        lines += ["", "Evidence measured on this machine:"] + [f"- {e}" for e in box["evidence"] or
+                                                               ["none yet: `snakemake links` and `snakemake unequal`"]]
     lines += ["", "How estimated: " + " ".join(advice["how"].split()), ""]
     return "\n".join(lines)

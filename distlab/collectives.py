@@ -50,6 +50,15 @@ def plan(bench: dict, specs: dict, gpu_count: int) -> dict:
             "factor": bench["factor"], "iters": bench["iters"], "warmup": bench["warmup"]}
 
 
+def command_args(plan: dict, out: str, machine: str) -> list[str]:
+    """The benchmark's command-line arguments for a plan (rule collectives, and under a link
+    rule link_collectives)."""
+    args = ["--out", out, "--device", plan["device"], "--machine", machine, "--min-bytes", str(plan["min_bytes"]),
+            "--max-bytes", str(plan["max_bytes"]), "--factor", str(plan["factor"]), "--iters", str(plan["iters"]),
+            "--warmup", str(plan["warmup"])]
+    return args + (["--nccl-skipped", plan["nccl_skipped"]] if plan.get("nccl_skipped") else [])
+
+
 def skipped_rows(reason: str) -> list[dict]:
     return [{"backend": "nccl", "device": "cuda", "op": op, "status": "skipped", "reason": reason} for op in OPS]
 

@@ -20,6 +20,21 @@ def job_file(job: dict) -> str:
     return str((Path(job["run_dir"]) / "job.json").resolve())
 
 
+def rule_job(snakemake, run_dir: str) -> dict:
+    """The job of a training rule (train, two_hosts) from its Snakemake object."""
+    return {
+        "spec": dict(snakemake.params.spec),
+        "run_dir": run_dir,
+        "data_dir": snakemake.input.data,
+        "model_source": snakemake.params.model_source,
+        "hardware_json": snakemake.input.hardware,
+        "env_allowlist": list(snakemake.params.env_allowlist),
+        "checkpoint_dir": snakemake.output.checkpoint,
+        # The base model's eval loss, set beside the run's (absolute: Ray workers run elsewhere).
+        "base_eval_json": os.path.abspath(snakemake.input.base_eval),
+    }
+
+
 def write_job(job: dict) -> str:
     Path(job["run_dir"]).mkdir(parents=True, exist_ok=True)
     path = job_file(job)

@@ -20,10 +20,19 @@ class IndexStream:
 
     sampler=distributed: DistributedSampler, disjoint shards of one seeded permutation.
     sampler=none: every rank walks the same permutation (the duplication demo).
+    rank_batches (unequal devices, distlab.unequal): one permutation (a 1-replica
+    DistributedSampler, what a 1-rank run reads) cut into global batches of sum(rank_batches);
+    this rank takes its slice of each.
     """
 
-    def __init__(self, n_samples: int, spec: dict, dp_rank: int, dp_size: int):
+    def __init__(self, n_samples: int, spec: dict, dp_rank: int, dp_size: int, rank_batches: list[int] | None = None):
         self.spec = spec
+        self.batch_size, self.slice = spec["micro_batch"], None
+        if rank_batches:
+            self.batch_size = sum(rank_batches)
+            start = sum(rank_batches[:dp_rank])
+            self.slice = slice(start, start + rank_batches[dp_rank])
+            dp_rank, dp_size = 0, 1
         if spec["sampler"] == "distributed":
             self.sampler = DistributedSampler(range(n_samples), num_replicas=dp_size, rank=dp_rank,
                                               shuffle=True, seed=spec["seed"], drop_last=True)
@@ -60,13 +69,16 @@ class IndexStream:
             self.sampler.set_epoch(0)
             plan = list(self.sampler)
             self.sampler.set_epoch(self.epoch)
+            if self.slice is not None:  # this rank's slice of every whole global batch
+                whole = len(plan) // self.batch_size * self.batch_size
+                plan = [i for b in range(0, whole, self.batch_size) for i in plan[b:b + self.batch_size][self.slice]]
             return plan
         return list(range(len(self.sampler)))  # every rank plans the whole data set
 
     def _epoch_batches(self):
         if isinstance(self.sampler, DistributedSampler):
             self.sampler.set_epoch(self.epoch)
-        return iter(BatchSampler(self.sampler, self.spec["micro_batch"], drop_last=True))
+        return iter(BatchSampler(self.sampler, self.batch_size, drop_last=True))
 
     def next(self) -> list[int]:
         try:
@@ -77,7 +89,7 @@ class IndexStream:
             self._batches = self._epoch_batches()
             batch = next(self._batches)
         self.position += 1
-        return batch
+        return batch if self.slice is None else batch[self.slice]
 
 
 def train(ctx: RunContext, strategy: Strategy, train_data, start_step: int = 0,
@@ -92,7 +104,8 @@ def train(ctx: RunContext, strategy: Strategy, train_data, start_step: int = 0,
     spec = ctx.spec
     n_micro = spec["grad_accum"]
     if stream is None:
-        stream = IndexStream(len(train_data), spec, strategy.data_parallel_rank, strategy.data_parallel_size)
+        stream = IndexStream(len(train_data), spec, strategy.data_parallel_rank, strategy.data_parallel_size,
+                             getattr(strategy, "rank_batches", None))
     cuda = ctx.device.type == "cuda"
     records = [] if records is None else records
     state_bytes = None

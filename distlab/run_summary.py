@@ -46,6 +46,20 @@ def coverage(records_by_rank: list[list[dict]], plans: list[list[int]], n_sample
     }
 
 
+def per_rank_timing(all_records: list[list[dict]], comm: list[list], warm: int) -> list[dict]:
+    """Each rank's own median step time, collective time in flight and samples per step (after
+    warm-up): where unequal ranks spend their steps (a fast rank's extra time in flight is
+    time spent waiting for the slow one)."""
+    rows = []
+    for rank, records in enumerate(all_records):
+        timed = records[warm:]
+        in_flight = [c for c in comm[rank][warm:] if c is not None]
+        rows.append({"rank": rank, "step_time_s_median": M.summarize([r["step_time_s"] for r in timed])["median"],
+                     "comm_inflight_s_median": M.summarize(in_flight)["median"] if in_flight else None,
+                     "samples_per_step": len(timed[0]["samples"]) if timed else None})
+    return rows
+
+
 def summarize_run(job: dict, ctx, strategy, prepared, ranks: dict, n_samples: int, started: float):
     """Rank 0: (metrics.json's dict, steps.jsonl's rows) from what gather_ranks collected."""
     spec = job["spec"]
@@ -57,8 +71,10 @@ def summarize_run(job: dict, ctx, strategy, prepared, ranks: dict, n_samples: in
     step_times = [max(recs[i]["step_time_s"] for recs in all_records) for i in range(len(all_records[0]))]
     losses = []
     for i in range(len(all_records[0])):
-        values = [recs[i]["loss"] for recs in all_records if recs[i]["loss"] is not None]
-        losses.append(sum(values) / len(values) if values else None)
+        # Weighted by each rank's samples: ranks of unequal micro-batches (distlab.unequal) hold
+        # unequal shares of the step's batch; equal shares give the plain mean.
+        values = [(recs[i]["loss"], len(recs[i]["samples"]) or 1) for recs in all_records if recs[i]["loss"] is not None]
+        losses.append(sum(v * w for v, w in values) / sum(w for _, w in values) if values else None)
     timed = M.summarize(step_times[warm:])
     dp = strategy.data_parallel_size
     task = strategy.task
@@ -91,6 +107,7 @@ def summarize_run(job: dict, ctx, strategy, prepared, ranks: dict, n_samples: in
                         f"not measured for strategy {spec['strategy']}: " + getattr(
                             strategy, "comm_unmeasured_reason", "its collectives are not timed without changing them"),
         },
+        "timing_per_rank": per_rank_timing(all_records, comm, warm),
         "throughput": {
             f"{unit}s_per_s": units_per_s, "samples_per_s": samples_per_step / timed["median"],
             f"{unit}s_per_s_per_rank": units_per_s_per_rank, "samples_per_step": samples_per_step,

@@ -24,7 +24,8 @@ class TrainingCheckpoints:
         self.enabled = bool(job.get("checkpoint_dir"))
         self.resume_root = Path(job["run_dir"]) / "resume"
         self.parity_step = spec["steps"] - ckpt.PARITY_STEPS if spec["steps"] > ckpt.PARITY_STEPS else None
-        self.stream = IndexStream(n_samples, spec, strategy.data_parallel_rank, strategy.data_parallel_size)
+        self.stream = IndexStream(n_samples, spec, strategy.data_parallel_rank, strategy.data_parallel_size,
+                                  getattr(strategy, "rank_batches", None))
         self.records: list = []
         self.unsupported = None
         self.report = {"resumed_from_steps": None, "skipped": [], "periodic_saves": [], "failed_saves": []}

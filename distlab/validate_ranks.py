@@ -308,7 +308,8 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
     def resume_parity():
         strategy, signature = validator.build(spec)
         data = validator.task.train_data(job, spec, validator.ctx.device)
-        stream = IndexStream(len(data), spec, strategy.data_parallel_rank, strategy.data_parallel_size)
+        stream = IndexStream(len(data), spec, strategy.data_parallel_rank, strategy.data_parallel_size,
+                             getattr(strategy, "rank_batches", None))
         info = ckpt.load_checkpoint(job["parity"], strategy, validator.ctx, signature, stream=stream, verify=False,
                                     base=base)
         start = info["steps_done"]

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from distlab.evaluation import evaluate_run
-from distlab.loop import train
+from distlab.links import interface_counters
+from distlab.loop import gather, train
 from distlab.memory import (OOM_EXIT_CODE, add_peaks_through_save, apply_memory_budget, budget_verdict,
                             gather_peaks_through_save, is_out_of_memory, load_phase_record, memory_record,
                             record_oom, rss_now, start_save_phase)
@@ -30,6 +31,7 @@ from distlab.strategies import strategy_for
 from distlab.strategies.base import RunContext, local_device
 from distlab.timeline import Timeline
 from distlab.training_checkpoints import TrainingCheckpoints
+from distlab.unequal import enter_cpu_budget, leave_cpu_budget, rank_threads
 
 TIMELINE = Timeline()
 TIMELINE.mark("interpreter and imports")  # python start + torch, transformers, distlab
@@ -50,8 +52,9 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     timeline = TIMELINE.after_imports()
     spec = job["spec"]
     if spec["device"] == "cpu":
-        # On CPU a "device" is cpu_threads_per_rank cores, the same for every world size.
-        torch.set_num_threads(spec["cpu_threads_per_rank"])
+        # On CPU a "device" is cpu_threads_per_rank cores, the same for every world size
+        # (rank_cpu_threads: unequal CPU devices, one count per rank).
+        torch.set_num_threads(rank_threads(spec, int(os.environ.get("RANK", 0))))
     ctx = make_context(job)
     budget = apply_memory_budget(ctx)
     strategy = strategy_for(spec)(ctx)
@@ -60,9 +63,12 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     timeline.mark("process group")
 
     strategy.task.import_code(job["model_source"], spec["method"] == "lora")
+    cpu_budget = enter_cpu_budget(spec, ctx.rank)  # rank_cpu_budget: a slower CPU device, load to last step
     rss_before_model = rss_now()  # interpreter + libraries + process group: what a rank costs before its model
     prepared = prepare_model(strategy, job["model_source"], spec)
     timeline.mark("model load, wrap, verify")
+    if cpu_budget is not None:  # what the kernel enforces on every rank, read back
+        prepared.described["cpu_budget"] = gather(cpu_budget)
     train_data = strategy.task.train_data(job, spec, ctx.device)  # the task's samples (and what turns them into batches)
     prepared.described["task"] = train_data.describe()
 
@@ -71,9 +77,14 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     start_step = checkpoints.resume()
     load_phase = load_phase_record(ctx.device, rss_before_model)  # process start -> first step
     timeline.mark("data, resume")
+    wire_before = interface_counters() if spec.get("link") else None  # this host's link, around the steps
     result = train(ctx, strategy, train_data, start_step=start_step, stream=checkpoints.stream,
                    on_step_end=checkpoints.on_step_end, records=checkpoints.records)
     timeline.mark("steps")
+    leave_cpu_budget(cpu_budget)
+    if wire_before is not None:  # bytes this rank's host sent and received during its steps
+        wire = interface_counters()
+        prepared.described["link_traffic"] = gather({k: wire[k] - wire_before[k] for k in wire})
     prepared.described.update(strategy.facts_after_training() or {}, train_mode=result["train_mode"])
     memory = memory_record(ctx, load_phase)
     memory["budget"] = budget_verdict(budget, memory, result["state_bytes"])

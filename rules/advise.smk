@@ -6,6 +6,8 @@ rule advise:
     input:
         hardware=f"{RESULTS}/{MACHINE}/hardware.json",
         model=model_config_path(),
+        # interconnect: measured classifies the link by this machine's all-reduce busbw.
+        collectives=collectives_outputs() if config["advisor"]["interconnect"] == "measured" else [],
     output:
         json=f"{RESULTS}/{MACHINE}/advice.json",
         md=report(
@@ -16,7 +18,10 @@ rule advise:
     params:
         advisor=config["advisor"],
         defaults=config["defaults"],
-        cpu_ranks=max(spec["world_size"] for spec in SPECS.values()),
+        cpu_ranks=max([1] + [spec["world_size"] for spec in DEFAULT_SPECS.values()]),
+        # The measured cards (`snakemake links`, `unequal`) as evidence, when they exist: their
+        # content, not their files, so the default run never asks for those targets.
+        evidence=measured_evidence(),
     log:
         f"{RESULTS}/{MACHINE}/logs/advise.log",
     resources:

@@ -6,7 +6,7 @@ import sys
 
 sys.path.insert(0, workflow.basedir)  # distlab/ works from a checkout without `pip install -e .`
 
-from distlab.config import ConfigError, built_model, load as load_config, validated_experiments
+from distlab.config import OPT_IN_STAGES, ConfigError, built_model, load as load_config, validated_experiments
 from distlab.data_checks import datasets_of
 from distlab.tokenizer_checks import tokenizer_source
 from distlab.hardware import gpu_count, machine_tag
@@ -14,6 +14,7 @@ from distlab.results_lock import ResultsFolderBusy, hold_for_workflow
 from distlab.run_layout import RUN_FILES
 from distlab.tasks import task_for
 from distlab.tasks.causal_lm import CausalLM, model_suffix
+from distlab.two_hosts import two_hosts_spec
 from snakemake.exceptions import WorkflowError
 
 try:
@@ -21,6 +22,9 @@ try:
 except ConfigError as error:
     raise WorkflowError(str(error)) from None
 
+# The opt-in stages (links, unequal: rules/links.smk) are trained only when their own target asks;
+# every default output (metrics, validations, collectives, Ray manifests, report) is of DEFAULT_SPECS.
+DEFAULT_SPECS = {exp_id: spec for exp_id, spec in SPECS.items() if spec["stage"] not in OPT_IN_STAGES}
 RESULTS = config["results_dir"]
 try:  # before Snakemake can delete any output: one workflow per results folder (distlab.results_lock)
     hold_for_workflow(RESULTS, workflow)
@@ -124,6 +128,8 @@ def experiment_threads(wildcards):
     spec = SPECS[wildcards.experiment]
     if on_ray_cluster(spec):
         return 1
+    if spec["device"] == "cpu" and spec["rank_cpu_threads"]:  # unequal CPU devices: their sum
+        return sum(spec["rank_cpu_threads"])
     return spec["world_size"] * rank_cores(spec)
 
 
@@ -163,16 +169,16 @@ def validation_gpus(wildcards):
 
 def this_machine_validations():
     """validation.json of the experiments validation.scope selects: the report waits for them."""
-    return expand(f"{RUN}/validation.json", experiment=validated_experiments(config, SPECS))
+    return expand(f"{RUN}/validation.json", experiment=validated_experiments(config, DEFAULT_SPECS))
 
 
 def this_machine_metrics():
-    return expand(f"{RUN}/metrics.json", experiment=list(SPECS))
+    return expand(f"{RUN}/metrics.json", experiment=list(DEFAULT_SPECS))
 
 
 def this_machine_run_files():
     """Each run's run_files/ (configs the launch generated, pipeline records): the report reads them."""
-    return expand(f"{RUN}/{RUN_FILES}", experiment=list(SPECS))
+    return expand(f"{RUN}/{RUN_FILES}", experiment=list(DEFAULT_SPECS))
 
 
 def shared_metrics():
@@ -247,7 +253,7 @@ def collectives_plan():
     to the GPUs present (distlab.collectives.plan)."""
     from distlab.collectives import plan
 
-    return plan(config["collectives"], SPECS, GPUS)
+    return plan(config["collectives"], DEFAULT_SPECS, GPUS)
 
 
 def collectives_outputs():
@@ -277,7 +283,7 @@ def sd_advice_outputs():
 
 def ray_experiment_specs():
     """Resolved specs of the experiments Ray Train runs (the KubeRay manifests run them)."""
-    return {exp_id: spec for exp_id, spec in SPECS.items() if spec["launcher"] == "ray"}
+    return {exp_id: spec for exp_id, spec in DEFAULT_SPECS.items() if spec["launcher"] == "ray"}
 
 
 def kuberay_outputs():
@@ -291,3 +297,96 @@ if any(spec["ray"]["address"] == "env" for spec in ray_experiment_specs().values
     envvars:
         "RAY_ADDRESS",
 
+
+# -- the opt-in targets (rules/links.smk) -------------------------------------------------------
+def stage_specs(stage):
+    return {exp_id: spec for exp_id, spec in SPECS.items() if spec["stage"] == stage}
+
+
+def refuse_where_this_machine_cannot(specs, target):
+    """Stop before any job when the machine cannot give these experiments what they ask (root
+    for network namespaces or CPU budgets), naming the experiment, the field and why."""
+    from distlab.config import machine_refusal
+
+    problems = [f"experiment {exp_id}, field '{refused[0]}': {refused[1]}"
+                for exp_id, spec in specs.items() if (refused := machine_refusal(spec))]
+    if problems:
+        raise WorkflowError(f"`snakemake {target}` cannot run on this machine:\n  " + "\n  ".join(problems))
+
+
+def stage_metrics(stage):
+    """Input function of an opt-in target: its stage's metrics. Called only when the target is
+    asked for, so the default run never needs what the stage needs."""
+
+    def metrics(wildcards):
+        specs = stage_specs(stage)
+        if not specs:
+            raise WorkflowError(f"config field 'stages.{stage}': no enabled experiment; `snakemake {stage}` "
+                                "has nothing to run")
+        refuse_where_this_machine_cannot(specs, stage)
+        return expand(f"{RUN}/metrics.json", experiment=list(specs))
+
+    return metrics
+
+
+def stage_run_files(stage):
+    return lambda wildcards: expand(f"{RUN}/{RUN_FILES}", experiment=list(stage_specs(stage)))
+
+
+def link_caps():
+    """{id label: Mbit/s} of the links stage's caps (link_label: 100m, 1g, free)."""
+    from distlab.config import link_label
+
+    return {link_label(spec["link"]["bandwidth_mbit"]): spec["link"]["bandwidth_mbit"]
+            for spec in stage_specs("links").values() if spec["link"]}
+
+
+LINK_CAPS = link_caps()
+# Under a link the largest message is 4 MiB: at 100 Mbit/s one all-reduce of it takes ~0.3 s.
+LINK_COLLECTIVES_MAX_BYTES = 4 << 20
+
+
+def link_collectives_plan():
+    from distlab.collectives import plan
+
+    found = plan(config["collectives"], {}, 0)  # gloo on 2 CPU ranks, one per host
+    return dict(found, max_bytes=min(found["max_bytes"], LINK_COLLECTIVES_MAX_BYTES))
+
+
+try:
+    TWO_HOSTS_SPEC = two_hosts_spec(config)
+except ConfigError as error:
+    raise WorkflowError(str(error)) from None
+
+
+def two_hosts_input(kind):
+    """Input function of rule two_hosts (refuses, before any job, where links cannot be made)."""
+
+    def path(wildcards):
+        spec = TWO_HOSTS_SPEC
+        if kind == "data":
+            from distlab.links import refusal
+
+            if refusal():
+                raise WorkflowError(f"`snakemake two_hosts` cannot run on this machine: network namespaces cannot "
+                                    f"be made here: {refusal()}")
+            return f"{PREP}/data/{spec.get('dataset', 'default')}-seq{spec['seq_len']}"
+        if kind == "model":
+            return [model_config_path(spec.get("model", "default"))]
+        return (f"{PREP}/eval/base-{spec.get('dataset', 'default')}-seq{spec['seq_len']}"
+                f"{model_suffix(spec.get('model', 'default'))}.json")
+
+    return path
+
+
+def measured_evidence():
+    """The link and unequal cards' card.json of this machine, where they exist (for the advisor)."""
+    import json
+
+    found = {}
+    for name in ("links", "unequal"):
+        path = f"{RESULTS}/{MACHINE}/{name}/card.json"
+        if os.path.isfile(path):
+            with open(path) as fh:
+                found[name] = json.load(fh)
+    return found

@@ -10,7 +10,12 @@ with logged(snakemake):
     with open(snakemake.input.hardware) as fh:
         hardware = json.load(fh)
     config = {"advisor": dict(snakemake.params.advisor), "defaults": dict(snakemake.params.defaults)}
-    advice = advise(model_config, hardware, config, cpu_ranks=snakemake.params.cpu_ranks)
+    collectives = None
+    if snakemake.input.collectives:
+        with open(snakemake.input.collectives[0]) as fh:
+            collectives = json.load(fh)
+    advice = advise(model_config, hardware, config, cpu_ranks=snakemake.params.cpu_ranks, collectives=collectives,
+                    evidence=dict(snakemake.params.evidence))
     with open(snakemake.output.json, "w") as fh:
         json.dump(advice, fh, indent=1)
     text = render_markdown(advice)

@@ -2,6 +2,7 @@
 import os
 import subprocess
 
+from distlab.collectives import command_args
 from distlab.gpu_alloc import allocate, lock_dir_for
 from distlab.launchers import loopback
 from distlab.launchers.environment import BASE_ENV
@@ -11,12 +12,7 @@ from distlab.rule_log import logged
 with logged(snakemake):
     plan = dict(snakemake.params.plan)
     out = snakemake.output[0]
-    cmd = torchrun_command(plan["world_size"], "distlab.collectives",
-                           "--out", out, "--device", plan["device"], "--machine", snakemake.params.machine,
-                           "--min-bytes", str(plan["min_bytes"]), "--max-bytes", str(plan["max_bytes"]),
-                           "--factor", str(plan["factor"]), "--iters", str(plan["iters"]), "--warmup", str(plan["warmup"]))
-    if plan["nccl_skipped"]:
-        cmd += ["--nccl-skipped", plan["nccl_skipped"]]
+    cmd = torchrun_command(plan["world_size"], "distlab.collectives", *command_args(plan, out, snakemake.params.machine))
     env = dict(os.environ, **BASE_ENV, **loopback.environment(), OMP_NUM_THREADS="1")
     print("$ " + " ".join(cmd), flush=True)
     if plan["device"] == "cuda":

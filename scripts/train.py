@@ -2,22 +2,12 @@
 import os
 from pathlib import Path
 
-from distlab.launch import launch
+from distlab.launch import launch, rule_job
 from distlab.rule_log import logged
 
 with logged(snakemake):
     run_dir = os.path.dirname(snakemake.output.metrics)
-    job = {
-        "spec": dict(snakemake.params.spec),
-        "run_dir": run_dir,
-        "data_dir": snakemake.input.data,
-        "model_source": snakemake.params.model_source,
-        "hardware_json": snakemake.input.hardware,
-        "env_allowlist": list(snakemake.params.env_allowlist),
-        "checkpoint_dir": snakemake.output.checkpoint,
-        # The base model's eval loss, set beside the run's (absolute: Ray workers run elsewhere).
-        "base_eval_json": os.path.abspath(snakemake.input.base_eval),
-    }
+    job = rule_job(snakemake, run_dir)
     status = launch(job)
     print(f"experiment {job['spec']['id']}: {status}")
     if status == "oom":

@@ -92,8 +92,10 @@ def run_experiment(prepared: Path, run_dir: Path, spec: dict, checkpoint: bool =
     return json.loads((run_dir / "metrics.json").read_text())
 
 
-def snakemake(workdir: Path, *args: str, config: dict | None = None, check: bool = True, timeout: int = 900):
-    """Run the real workflow in `workdir` (its own results/), optionally with a config file."""
+def snakemake(workdir: Path, *args: str, config: dict | None = None, check: bool = True, timeout: int = 900,
+              python_path: str | None = None):
+    """Run the real workflow in `workdir` (its own results/), optionally with a config file;
+    python_path: a folder searched before the repository (a sitecustomize.py, say)."""
     cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir)]
     if config is not None:
         path = workdir / "test-config.yaml"
@@ -101,7 +103,7 @@ def snakemake(workdir: Path, *args: str, config: dict | None = None, check: bool
 
         path.write_text(yaml.safe_dump(config))
         cmd += ["--configfile", str(path)]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [python_path, str(REPO)])))
     proc = subprocess.run(cmd + list(args), capture_output=True, text=True, env=env, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"

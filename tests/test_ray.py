@@ -1,20 +1,13 @@
 """Stage 5 promises: the same training code under Ray Train, on a real Ray cluster.
 
 One cluster serves the module: `ray start --head` on 127.0.0.1 plus a second
-`ray start --address ...` node on the same machine standing in for another machine.
+`ray start --address ...` node on the same machine standing in for another machine
+(distlab.launchers.ray_nodes; the same nodes on two namespaced hosts: tests/test_two_hosts.py).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import secrets
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -23,88 +16,8 @@ import pytest
 
 from conftest import REPO, resolve, run_experiment, snakemake, tiny_config
 
-RAY = [sys.executable, "-c", "from ray.scripts.scripts import main; main()"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class LocalRayCluster:
-    """Every node is a `ray start --block` in its own session, stopped by signalling that
-    process (it takes its Ray children down with it). Not `ray stop`: that stops every Ray
-    process of the machine, other people's jobs included."""
-
-    def __init__(self, head_cpus: int):
-        self.folder = tempfile.mkdtemp(prefix="rt-", dir="/tmp")  # short: unix socket paths
-        token = Path(self.folder, "auth_token")
-        token.write_text(secrets.token_hex(32))
-        token.chmod(0o600)
-        # Token auth on, with the token outside $HOME: what a fresh CI box needs.
-        self.env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "RAY_USAGE_STATS_ENABLED": "0"}
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.nodes: dict[str, subprocess.Popen] = {}
-        self._start("head", ["--head", f"--port={self.port}", "--include-dashboard=false",
-                             "--disable-usage-stats", f"--temp-dir={self.folder}"], head_cpus)
-        self._wait_for_port()
-
-    def _start(self, name: str, args: list[str], cpus: int) -> None:
-        env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}
-        env.update(self.env)
-        with open(Path(self.folder, f"{name}.log"), "w") as log:
-            self.nodes[name] = subprocess.Popen(
-                RAY + ["start", "--block", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", *args],
-                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def _wait_for_port(self, timeout: float = 120) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.nodes["head"].poll() is not None:
-                raise RuntimeError(f"ray head exited: {Path(self.folder, 'head.log').read_text()[-3000:]}")
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
-            time.sleep(0.5)
-        raise TimeoutError("ray head did not open its port")
-
-    def add_node(self, name: str, cpus: int = 1) -> None:
-        self._start(name, [f"--address={self.address}"], cpus)
-
-    def stop_node(self, name: str, grace: float = 10) -> None:
-        """SIGTERM (Ray drains the node), then SIGKILL whatever of its tree is left."""
-        proc = self.nodes[name]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
-        self.crash_node(name)
-
-    def crash_node(self, name: str) -> None:
-        """SIGKILL a node's `ray start` and every process under it (raylet, its workers): a
-        machine that drops off, not one that drains politely."""
-        import psutil
-
-        proc = self.nodes.pop(name)
-        with contextlib.suppress(psutil.NoSuchProcess):
-            tree = [psutil.Process(proc.pid)]
-            tree += tree[0].children(recursive=True)
-            for member in tree:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    member.kill()
-        proc.wait(30)
-
-    def shutdown(self) -> None:
-        for proc in self.nodes.values():  # all at once: each takes seconds to wind down
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for name in [n for n in self.nodes if n != "head"] + ["head"]:
-            self.stop_node(name)
-        shutil.rmtree(self.folder, ignore_errors=True)
+from distlab.launchers.ray_nodes import RayNodes
+from distlab.two_hosts import newest_checkpoint_world
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +25,7 @@ def cluster():
     """Head (1 CPU) + one more node (1 CPU): a 2-rank run must put one rank on each."""
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN",
                                             "RAY_USAGE_STATS_ENABLED")}
-    ray_cluster = LocalRayCluster(head_cpus=1)
+    ray_cluster = RayNodes(head_cpus=1)
     try:
         ray_cluster.add_node("second", cpus=1)
         os.environ.update(ray_cluster.env)  # the pipeline's driver connects with the cluster's token
@@ -237,16 +150,6 @@ def test_embedded_default_starts_a_private_local_ray_instance_in_a_fresh_home(pr
     assert not (home / ".ray").exists()  # the token lived in the instance's temp dir
     run_dir, on_cluster_run = two_node_run
     assert_same_training(tmp_path / "local", metrics, run_dir, on_cluster_run)
-
-
-def newest_checkpoint_world(run_dir: Path) -> int | None:
-    """World size of the newest checkpoint the running job has written (resume/step-*)."""
-    for folder in sorted((run_dir / "resume").glob("step-*[0-9]"), reverse=True):
-        try:
-            return json.loads((folder / "distlab_checkpoint.json").read_text())["world_size"]
-        except (OSError, ValueError):
-            continue  # being written or replaced right now
-    return None
 
 
 @pytest.mark.slow

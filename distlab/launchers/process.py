@@ -190,9 +190,46 @@ def run_ranks(cmd: list[str], env: dict, log_path: str | None, timeout: float | 
         if log:
             log.close()
     if status != 0:
-        tail = ""
-        if log_path:
-            tail = "".join(Path(log_path).read_text().splitlines(keepends=True)[-40:])
-        what = f"were killed with their launcher after the {timeout} s timeout" if status is None else \
-            f"exited with status {status}"
-        raise RuntimeError(f"training ranks {what}; last log lines:\n{tail}")
+        raise launch_failure(status, timeout, log_path)
+
+
+def launch_failure(status: int | None, timeout: float | None, log_path: str | None) -> RuntimeError:
+    """The error of a launch that ended with `status` (None: killed at the timeout)."""
+    tail = ""
+    if log_path:
+        tail = "".join(Path(log_path).read_text().splitlines(keepends=True)[-40:])
+    what = f"were killed with their launcher after the {timeout} s timeout" if status is None else \
+        f"exited with status {status}"
+    return RuntimeError(f"training ranks {what}; last log lines:\n{tail}")
+
+
+def run_trees(cmds: list[list[str]], env: dict, stdout, timeout: float | None, marker: str | None = None) -> int | None:
+    """run_tree for several launchers that make one job (one torchrun agent per host of a
+    link, distlab.launchers.linked): all run at once; the first to fail, the timeout or a
+    signal ends them all. Returns 0, the first non-zero status, or None at the timeout."""
+    parent = os.getpid()
+    is_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if is_main else None
+    procs, handles = [], []
+    try:
+        for cmd in cmds:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
+                                          preexec_fn=lambda: die_with_parent(parent), start_new_session=True))
+            handles.append(psutil.Process(procs[-1].pid))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed or all(c == 0 for c in codes):
+                return failed[0] if failed else 0
+            if deadline is not None and time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
+    finally:
+        for proc, handle in zip(procs, handles):
+            kill_tree(handle if proc.poll() is None else None)
+        kill_tree(None, marker)
+        for proc in procs:
+            proc.wait()
+        if is_main:
+            signal.signal(signal.SIGTERM, previous)

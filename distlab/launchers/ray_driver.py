@@ -65,8 +65,11 @@ def worker_environment(spec: dict) -> dict:
         env["DS_ACCELERATOR"] = "cpu"
     from distlab.checkpoint import FAULT_ENV
 
-    if os.environ.get(FAULT_ENV):  # the fault-injection test hook reaches the workers too
-        env[FAULT_ENV] = os.environ[FAULT_ENV]
+    # The fault-injection test hook reaches the workers too; so does the link interface gloo
+    # must use on namespaced hosts (distlab/two_hosts.py).
+    for key in (FAULT_ENV, "GLOO_SOCKET_IFNAME"):
+        if os.environ.get(key):
+            env[key] = os.environ[key]
     return env
 
 
@@ -217,7 +220,9 @@ def run(job: dict, job_path: str, log_path: str | None, timeout: float | None) -
     """LAUNCHERS entry: the Ray driver runs in its own process, its output in the job's log."""
     env = rank_environment(job["spec"])
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing leaves the machine
-    command = [sys.executable, "-m", "distlab.launchers.ray_driver", "--job", job_path]
+    # The two-host run (distlab/two_hosts.py) starts the driver inside the head's namespace:
+    # job["driver_inside"] is that command prefix (nsenter ...); the head is reachable only there.
+    command = job.get("driver_inside", []) + [sys.executable, "-m", "distlab.launchers.ray_driver", "--job", job_path]
     if resolve_address(job["spec"]):
         run_ranks(command, env, log_path, timeout, marker=job_path)
         return

@@ -21,5 +21,18 @@ def torchrun_command(world_size: int, module: str, *args: str) -> list[str]:
 
 def run(job: dict, job_path: str, log_path: str | None, timeout: float | None) -> None:
     spec = job["spec"]
-    run_ranks(torchrun_command(spec["world_size"], "distlab.worker", "--job", job_path),
-              single_node_environment(spec), log_path, timeout, marker=job_path)
+    if spec.get("link"):  # one agent per host namespace instead (distlab.launchers.linked)
+        from distlab.launchers import linked
+
+        linked.run(job, job_path, log_path, timeout)
+        return
+    if spec.get("rank_cpu_budget"):  # the ranks' cpu cgroups: empty ones of earlier runs go first
+        from distlab.cpu_budget import sweep
+
+        sweep()
+    try:
+        run_ranks(torchrun_command(spec["world_size"], "distlab.worker", "--job", job_path),
+                  single_node_environment(spec), log_path, timeout, marker=job_path)
+    finally:
+        if spec.get("rank_cpu_budget"):
+            sweep()

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from distlab.strategies.base import Strategy
+from distlab.strategies.base import Strategy, autocast
+from distlab.unequal import label_share, rank_batches
 
 
 class CommTimer:
@@ -100,11 +101,30 @@ class DDPStrategy(Strategy):
 
     def wrap(self, model) -> None:
         model.to(self.ctx.device)
+        # Unequal devices: each rank's micro-batch (given, or sized by probing: distlab.unequal).
+        self.rank_batches, self.sizing = rank_batches(model, self.spec, self.ctx.device)
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
         self.model = DistributedDataParallel(model, device_ids=device_ids)
         self.hook = CommTimer()
         self.model.register_comm_hook(state=self.hook, hook=timed_allreduce_hook)
         self.optimizer = self.build_optimizer(self.trainable(self.model))
+
+    def forward_backward(self, batch: dict, micro_index: int, n_micro: int):
+        if self.rank_batches is None:
+            return super().forward_backward(batch, micro_index, n_micro)
+        # Sized batches: weight this rank's mean loss by its share of the global batch's label
+        # tokens, so that DDP's average over ranks is the uniform gradient (distlab.unequal).
+        with self.sync_context(micro_index == n_micro - 1):
+            with autocast(self.spec, self.ctx.device):
+                loss = self.task.loss(self.model, batch)
+            (loss * label_share(batch["labels"], dist.get_world_size()) / n_micro).backward()
+        return loss.detach()
+
+    def describe(self) -> dict:
+        described = super().describe()
+        if self.sizing:
+            described["rank_micro_batch"] = self.sizing
+        return described
 
     def sync_context(self, is_last_micro: bool):
         # Gradient accumulation: all-reduce only on the last micro-batch of a step.

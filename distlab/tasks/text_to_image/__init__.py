@@ -81,6 +81,9 @@ class TextToImage(Task):
         if spec["strategy"] == "deepspeed" and spec["deepspeed"]["offload_param"] == "nvme":
             fail("deepspeed.offload_param", "the UNet's ZeRO-3 load copies each rank's partition into "
                                             "memory; NVMe parameter offload is not wired up for it")
+        if spec.get("rank_micro_batch") is not None:
+            fail("rank_micro_batch", "per-rank micro-batches weight each rank's loss by its share of the label "
+                                     "tokens (distlab.unequal); task text-to-image has no label tokens")
         if spec["launcher"] == "ray":
             fail("launcher", "task text-to-image runs under torchrun and accelerate launch; its runs "
                              "under Ray Train have not been built or checked")

@@ -1,0 +1,17 @@
+"""Rule two_hosts: a Ray head and a worker node on two namespaced hosts, one elastic Ray Train
+run across both with the worker node leaving and rejoining (distlab/two_hosts.py), then its card."""
+import json
+import os
+from pathlib import Path
+
+from distlab.launch import rule_job
+from distlab.report.cards.two_hosts import write_card
+from distlab.rule_log import logged
+from distlab.two_hosts import run_two_hosts
+
+with logged(snakemake):
+    run_dir = os.path.dirname(snakemake.output.metrics)
+    job = rule_job(snakemake, run_dir)
+    record = run_two_hosts(job, snakemake.params.bandwidth_mbit, log_path=None, timeout=snakemake.params.timeout_s)
+    Path(snakemake.output.hosts).write_text(json.dumps(record, indent=1))
+    write_card(snakemake.output.metrics, snakemake.output.hosts, snakemake.output.html, snakemake.output.readme)
