@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 MIB = 2**20
-LORA = {"method": "lora", "steps": 2, "warmup_steps": 1}
+LORA = {"method": "lora", "steps": 2, "untimed_steps": 1}
 RUNS = {
     "ddp w1": ({"strategy": "ddp", "world_size": 1, "micro_batch": 2}, "ddp"),
     "zero0 w1": ({"strategy": "deepspeed", "world_size": 1, "micro_batch": 2, "deepspeed": {"zero_stage": 0}},

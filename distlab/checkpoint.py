@@ -3,7 +3,7 @@ consolidated Hugging Face export, written atomically with a manifest (distlab.ch
 
 One checkpoint folder:
     state/                          the strategy's native format (strategy.save_checkpoint)
-    trainer/rank<R>.json            steps done, data position, Python/NumPy RNG, records so far
+    trainer/rank<R>.json            steps done, data position, Python/NumPy RNG, LR schedule, records so far
     trainer/rng-rank<R>.safetensors torch CPU (and CUDA) RNG state
     distlab_checkpoint.json         what made it: experiment, strategy, world size, spec, model signature
     eval_logits.safetensors         (final only) logits of the consolidated model on a fixed eval batch
@@ -45,7 +45,8 @@ META = "distlab_checkpoint.json"
 PARITY_STEPS = 2  # steps validation re-runs from the mid-run checkpoint
 EVAL_BATCH = 2  # sequences of the eval split the recorded logits are computed on
 # Spec fields that leave the training trajectory unchanged: a checkpoint stays valid across them.
-NON_TRAJECTORY_FIELDS = ("id", "stage", "checkpoint_every", "memory_budget_gib", "warmup_steps", "repeats")
+NON_TRAJECTORY_FIELDS = ("id", "stage", "checkpoint_every", "memory_budget_gib", "untimed_steps", "repeats",
+                         "progress_every_s", "tracking", "eval_every", "checkpoint_select")
 # Fault-injection hook for tests: "<experiment id>:<rank>:<steps done>" SIGKILLs that rank
 # right after that step (and after any checkpoint saved at it).
 FAULT_ENV = "DISTLAB_FAULT_KILL"
@@ -224,7 +225,7 @@ def save_checkpoint(dest, strategy, ctx, job: dict, signature: dict, steps_done:
     dist.barrier()
     info = {"steps_done": steps_done, "save_seconds": time.perf_counter() - t0,
             "how": "strategy.save_checkpoint wall time on rank 0, up to the barrier after it"}
-    _save_trainer_state(tmp, rank, ctx.device, steps_done, stream, records)
+    _save_trainer_state(tmp, rank, ctx.device, steps_done, stream, records, scheduler=strategy.scheduler)
     if export:
         t0 = time.perf_counter()
         try:
@@ -275,7 +276,8 @@ def load_checkpoint(src, strategy, ctx, signature: dict, stream=None, verify: bo
     out = {"load_seconds": time.perf_counter() - t0, "steps_done": meta["steps_done"], "records": [],
            "saved_world_size": meta["world_size"]}
     if stream is not None:
-        out["steps_done"], out["records"] = _restore_trainer_state(src, dist.get_rank(), ctx.device, stream)
+        out["steps_done"], out["records"] = _restore_trainer_state(src, dist.get_rank(), ctx.device, stream,
+                                                                   scheduler=strategy.scheduler)
     return out
 
 

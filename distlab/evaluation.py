@@ -50,6 +50,54 @@ def evaluate_model(model, ids, labels, device=None) -> dict:
             "blocks": len(ids), "how": HOW.format(n=len(ids))}
 
 
+IN_PLACE_HOW = ("the wrapped model in place on every rank (no grad, eval mode, the run's precision), the "
+                "eval split's first {n} blocks; loss and perplexity as in the final eval")
+
+
+def evaluate_in_place(strategy, ids, labels) -> dict:
+    """Collective: the model as the strategy holds it (sharded, split or whole), every rank
+    running every eval block, so each rank's collectives (all-gathers, TP all-reduces) match;
+    eval_every's points during training (distlab.monitor). Mode restored afterwards."""
+    import torch
+    import torch.nn.functional as F
+
+    from distlab.strategies.base import autocast
+
+    model, device = strategy.model, strategy.ctx.device
+    training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        with torch.no_grad(), autocast(strategy.spec, device):
+            for start in range(0, len(ids), EVAL_BATCH):
+                batch = ids[start:start + EVAL_BATCH].to(device)
+                target = labels[start:start + EVAL_BATCH].to(device)[:, 1:]
+                logits = model(input_ids=batch).logits[:, :-1].float()
+                total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                         ignore_index=-100, reduction="sum").item()
+                count += int((target != -100).sum())
+    finally:
+        model.train(training)
+    loss = total / count if count else math.nan
+    return {"loss": loss, "perplexity": math.exp(loss) if count else math.nan, "tokens": count,
+            "how": IN_PLACE_HOW.format(n=len(ids))}
+
+
+def evaluate_consolidated(strategy, job: dict, ids, labels) -> dict | None:
+    """Collective: the strategy's full_state_dict() in a plain model on rank 0 (None elsewhere),
+    for strategies whose ranks cannot each run the whole forward (pipeline stages)."""
+    import torch.distributed as dist
+
+    from distlab.checkpoint import consolidated_model
+
+    full = strategy.full_state_dict()
+    if dist.get_rank() != 0:
+        return None
+    out = evaluate_model(consolidated_model(full, job["model_source"], job["spec"]), ids, labels)
+    out["how"] = "the strategy's full_state_dict() in a plain model on rank 0 (fp32): " + out["how"]
+    return out
+
+
 def evaluate_base(model_source: str, data_dir, out_path) -> dict:
     """Rule evaluate_base_model: the untouched base model on the eval tokens."""
     from distlab.model import load_model

@@ -5,6 +5,7 @@ accumulation, timing and the per-step record are the same for all of them.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -81,12 +82,17 @@ class IndexStream:
 
 def train(ctx: RunContext, strategy: Strategy, train_blocks: torch.Tensor, start_step: int = 0,
           stream: IndexStream | None = None, on_step_end=None, records: list | None = None,
-          train_labels: torch.Tensor | None = None) -> dict:
+          train_labels: torch.Tensor | None = None, micro_context=None) -> dict:
     """Run optimizer steps start_step..steps-1; returns the per-step record of this rank.
 
-    on_step_end(step) runs after each step (periodic checkpoints); it is outside the timer.
+    on_step_end(step) runs after each step (progress, trackers, eval points, periodic
+    checkpoints: distlab.monitor, distlab.training_checkpoints); it is outside the timer.
+    micro_context(step, micro): a context around one micro-batch's forward and backward (None:
+    none), e.g. the activation-memory probe of an untimed step (distlab.activations).
     records: the records of steps before start_step when resuming; new ones are appended to it.
     train_labels: per-token labels (-100 = masked prompt tokens); None = every token is a label.
+    Every step records the learning rate it used and the pre-clip global gradient norm; the
+    strategy clips (max_grad_norm) and the LR schedule is stepped once per optimizer step.
     """
     spec = ctx.spec
     n_micro = spec["grad_accum"]
@@ -100,6 +106,7 @@ def train(ctx: RunContext, strategy: Strategy, train_blocks: torch.Tensor, start
         if cuda:
             torch.cuda.synchronize(ctx.device)
         start = time.perf_counter()
+        lr = strategy.learning_rate()  # the rate this step's update uses
         losses, consumed = [], []
         for micro in range(n_micro):
             indices = stream.next()
@@ -108,20 +115,23 @@ def train(ctx: RunContext, strategy: Strategy, train_blocks: torch.Tensor, start
             # Causal LM: packed text trains on every token; chat/instruction data only on the
             # response tokens (the rest -100). HF shifts the labels inside the model.
             labels = input_ids if train_labels is None else train_labels[indices].to(ctx.device, non_blocking=True)
-            loss = strategy.forward_backward({"input_ids": input_ids, "labels": labels}, micro, n_micro)
+            with micro_context(step, micro) if micro_context else contextlib.nullcontext():
+                loss = strategy.forward_backward({"input_ids": input_ids, "labels": labels}, micro, n_micro)
             if loss is not None:  # pipeline stages without the loss return None
                 losses.append(loss)
         if step == spec["steps"] - 1:
             # Counted while gradients and optimizer state both exist: the peak model state.
             state_bytes = strategy.state_bytes()
-        strategy.optimizer_step()
+        grad_norm = strategy.optimizer_step()  # clips to max_grad_norm; the norm is pre-clip
+        strategy.step_scheduler()
         if cuda:
             torch.cuda.synchronize(ctx.device)
         elapsed = time.perf_counter() - start
         # .item() after the timer: the loss sync must not be billed to the step.
         local_loss = float(torch.stack(losses).float().mean().item()) if losses else None
         records.append({"step": step, "loss": local_loss, "step_time_s": elapsed,
-                        "comm_inflight_s": strategy.take_comm_seconds(), "samples": consumed})
+                        "comm_inflight_s": strategy.take_comm_seconds(), "samples": consumed, "lr": lr,
+                        "grad_norm": None if grad_norm is None else float(grad_norm)})
         if on_step_end is not None:
             on_step_end(step)
     return {"records": records, "stream": stream, "state_bytes": state_bytes}

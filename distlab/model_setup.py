@@ -26,6 +26,7 @@ def prepare_model(strategy, model_source: str, spec: dict) -> PreparedModel:
 
     from distlab import checkpoint as ckpt
     from distlab import metrics as M
+    from distlab.activations import checkpointing_facts, enable_checkpointing
     from distlab.lora import apply_lora, parameter_counts
 
     torch.manual_seed(spec["seed"])
@@ -39,9 +40,13 @@ def prepare_model(strategy, model_source: str, spec: dict) -> PreparedModel:
     is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     flops = M.model_flops_per_token(model, spec["seq_len"], count=is_main)
     counts = parameter_counts(model)
+    # After the FLOP count: its forward+backward counts the model's FLOPs, not the recompute's.
+    enable_checkpointing(model, spec)
     signature = ckpt.model_signature(model)  # before a wrapper shards the parameters
     strategy.wrap(model)
+    strategy.attach_scheduler()
     described = strategy.describe()
+    described["activation_checkpointing"] = checkpointing_facts(strategy.model, spec)
     strategy.verify(described)
     return PreparedModel(signature=signature, parameter_counts=counts, lora_targets=lora_targets, flops=flops,
                          described=described)

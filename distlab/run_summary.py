@@ -44,13 +44,23 @@ def coverage(records_by_rank: list[list[dict]], plans: list[list[int]], n_sample
     }
 
 
+def step_extras(all_records: list[list[dict]], i: int) -> dict:
+    """Step i's learning rate and pre-clip gradient norm (rank 0's: every rank's are the same
+    global figures), and the largest memory any rank held after it (distlab.monitor)."""
+    first = all_records[0][i]
+    memory = [recs[i].get("memory_bytes") for recs in all_records if recs[i].get("memory_bytes") is not None]
+    ev = first.get("eval") or {}
+    return {"lr": first.get("lr"), "grad_norm": first.get("grad_norm"), "memory_bytes": max(memory) if memory else None,
+            "eval_loss": ev.get("loss"), "eval_perplexity": ev.get("perplexity")}
+
+
 def summarize_run(job: dict, ctx, strategy, prepared, ranks: dict, n_samples: int, started: float):
     """Rank 0: (metrics.json's dict, steps.jsonl's rows) from what gather_ranks collected."""
     spec = job["spec"]
     flops = prepared.flops
     all_records, all_memory, comm = ranks["records"], ranks["memory"], ranks["comm"]
     hardware = json.loads(Path(job["hardware_json"]).read_text())
-    warm = spec["warmup_steps"]
+    warm = spec["untimed_steps"]
     # A step ends when the slowest rank finishes: the step time is the max over ranks.
     step_times = [max(recs[i]["step_time_s"] for recs in all_records) for i in range(len(all_records[0]))]
     losses = []
@@ -80,7 +90,7 @@ def summarize_run(job: dict, ctx, strategy, prepared, ranks: dict, n_samples: in
         "timing": {
             "step_time_s": timed,
             "how": f"wall time of each optimizer step (max over ranks), steps {warm}..{len(step_times) - 1} "
-                   f"after {warm} warm-up steps; median and spread",
+                   f"after {warm} untimed steps; median and spread",
             "comm_inflight_s_per_step": M.summarize(comm_per_step[warm:] if measured else []),
             "comm_how": ("all-reduce launch-to-completion time per step (overlaps backward); from a DDP comm hook "
                          "or the strategy's own counter") if measured else
@@ -102,6 +112,7 @@ def summarize_run(job: dict, ctx, strategy, prepared, ranks: dict, n_samples: in
         "wall_seconds_rank0": time.time() - started,
     }, [
         {"step": i, "loss": losses[i], "step_time_s": step_times[i], "comm_inflight_s": comm_per_step[i],
-         "warmup": i < warm, "samples_by_rank": [recs[i]["samples"] for recs in all_records]}
+         "untimed": i < warm, **step_extras(all_records, i),
+         "samples_by_rank": [recs[i]["samples"] for recs in all_records]}
         for i in range(len(step_times))
     ]

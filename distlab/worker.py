@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from distlab.activations import ActivationProbe
 from distlab.data import load_blocks, load_labels
 from distlab.evaluation import evaluate_run
 from distlab.loop import train
@@ -26,6 +27,7 @@ from distlab.memory import (OOM_EXIT_CODE, add_peaks_through_save, apply_memory_
                             record_oom, rss_now)
 from distlab.model import import_model_code
 from distlab.model_setup import prepare_model
+from distlab.monitor import RunMonitor
 from distlab.run_outputs import write_outputs
 from distlab.run_summary import gather_ranks, summarize_run
 from distlab.strategies import strategy_for
@@ -65,12 +67,22 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     checkpoints = (checkpoints_class or TrainingCheckpoints)(job, ctx, strategy, prepared.signature,
                                                              len(train_blocks))
     start_step = checkpoints.resume()
+    # Progress, trackers and eval points between steps; the activation-memory probe on an untimed step.
+    monitor = RunMonitor(job, ctx, strategy, checkpoints.records, start_step, checkpoints)
+    probe = ActivationProbe(spec, ctx.rank, start_step)
+
+    def on_step_end(step: int) -> None:
+        monitor.after_step(step)  # first: a checkpoint saved at this step holds its eval point
+        checkpoints.on_step_end(step)
+
     load_phase = load_phase_record(ctx.device, rss_before_model)  # process start -> first step
     result = train(ctx, strategy, train_blocks, start_step=start_step, stream=checkpoints.stream,
-                   on_step_end=checkpoints.on_step_end, records=checkpoints.records,
-                   train_labels=load_labels(job["data_dir"], "train"))
+                   on_step_end=on_step_end, records=checkpoints.records,
+                   train_labels=load_labels(job["data_dir"], "train"), micro_context=probe)
+    during = monitor.finish()
     prepared.described.update(strategy.facts_after_training() or {})
     memory = memory_record(ctx, load_phase)
+    memory["activations"] = probe.result
     memory["budget"] = budget_verdict(budget, memory, result["state_bytes"])
 
     ranks = gather_ranks(result, memory)
@@ -80,7 +92,10 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     peaks_through_save = gather_peaks_through_save(ctx.device)  # collective: eval, save and export included
     if out is not None:
         out[0]["checkpoint"] = saved
-        out[0]["eval"] = evaluation
+        out[0]["eval"] = {**evaluation, "during_training": during["eval_points"]}
+        if "selected" in during:
+            out[0]["eval"]["selected"] = during["selected"]
+        out[0]["tracking"] = during.get("tracking")
         add_peaks_through_save(out[0]["memory"], peaks_through_save)
     return out
 

@@ -22,7 +22,7 @@ STAGES = {"ddp": {"experiments": [{"world_size": 1, "micro_batch": 8},
 def pipeline_config() -> dict:
     cfg = tiny_config(STAGES, machine=MACHINE,
                       collectives={"min_bytes": 1024, "max_bytes_cpu": 262144, "iters": 4, "warmup": 1})
-    cfg["defaults"].update(steps=8, warmup_steps=2)
+    cfg["defaults"].update(steps=8, untimed_steps=2)
     return cfg
 
 

@@ -117,7 +117,7 @@ def test_checkpoint_from_a_different_config_is_refused_naming_the_field(trained)
     with pytest.raises(ckpt.CheckpointMismatch, match=r"different experiment config.*field lr 0\.0003"):
         ckpt.check_compatible(meta, spec, meta["model"], "final")
     # Fields that leave the trajectory alone do not block a load.
-    ckpt.check_compatible(meta, dict(spec, lr=3e-4, checkpoint_every=5, warmup_steps=1), meta["model"], "final")
+    ckpt.check_compatible(meta, dict(spec, lr=3e-4, checkpoint_every=5, untimed_steps=1), meta["model"], "final")
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ ZERO_VARIANTS = {
 
 def deepspeed_spec(**ds):
     return resolve({"strategy": "deepspeed", "world_size": 2, "micro_batch": 2, "grad_accum": 2, "deepspeed": ds},
-                   stage="deepspeed", steps=STEPS, warmup_steps=2)
+                   stage="deepspeed", steps=STEPS, untimed_steps=2)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def runs(prepared, tmp_path_factory):
     """DDP and every ZeRO variant: same seed, data, global batch (2 ranks x 2 x 2 accumulated)."""
     root = tmp_path_factory.mktemp("zero")
     ddp = resolve({"strategy": "ddp", "world_size": 2, "micro_batch": 2, "grad_accum": 2}, steps=STEPS,
-                  warmup_steps=2)
+                  untimed_steps=2)
     out = {"ddp": run_experiment(prepared, root / "ddp", ddp, checkpoint=False)}
     for name, ds in ZERO_VARIANTS.items():
         out[name] = run_experiment(prepared, root / name, deepspeed_spec(**ds), checkpoint=name == "z3")

@@ -28,7 +28,7 @@ STEPS = 20
 # Global batch 8 = micro_batch 2 x grad_accum 2 x 2 data-parallel ranks; grad_accum 2 also
 # exercises each strategy's no-sync path on the first micro-batch.
 DDP_SHAPE = {"world_size": 2, "micro_batch": 2, "grad_accum": 2, "lr": 1e-3}
-DEFAULTS = {"steps": STEPS, "warmup_steps": 2}
+DEFAULTS = {"steps": STEPS, "untimed_steps": 2}
 
 
 def ddp_baseline(prepared: Path) -> dict:

@@ -49,7 +49,7 @@ def test_pipeline_parallel_matches_ddp_loss_and_measures_its_bubble(prepared, tm
     assert as_built["bubble_formula"] == pytest.approx(1 / 3)  # (p-1)/(m+p-1), p=2, m=2
     for rank in (0, 1):
         bubble = json.loads((tmp_path / schedule / "run_files" / f"pipeline-rank{rank}.json").read_text())
-        assert bubble["idle_fraction"]["n"] == DEFAULTS["steps"] - DEFAULTS["warmup_steps"]
+        assert bubble["idle_fraction"]["n"] == DEFAULTS["steps"] - DEFAULTS["untimed_steps"]
         assert 0 < bubble["idle_fraction"]["median"] < 1
     assert_advisor_estimate_holds(prepared, run, f"pp-{schedule}")
 
