@@ -97,11 +97,31 @@ def resolve_length(spec: dict, train_blocks: int | None = None) -> dict:
                                  "rank; steps = ceil(epochs x that / grad_accum) (the last step may read into the "
                                  "next epoch)"}
     else:
-        spec["length"] = {"from": "steps", "steps": spec["steps"], "tokens_per_step": tokens_per_step}
+        spec["length"] = {"from": "steps", "steps": spec["steps"]}
     if spec.get("lr_warmup_ratio") is not None:
         spec["lr_warmup_steps"] = math.ceil(spec["lr_warmup_ratio"] * spec["steps"])
     elif spec.get("lr_warmup_steps") is None:
         spec["lr_warmup_steps"] = 0
+    return spec
+
+
+def resolve_epochs(spec: dict, data_dir) -> dict:
+    """An epochs experiment's spec with its steps from the prepared data (distlab_data.json's
+    train blocks), checked like a steps experiment at config time; errors name the field."""
+    import json
+    from pathlib import Path
+
+    blocks = json.loads((Path(data_dir) / "distlab_data.json").read_text())["splits"]["train"]["blocks"]
+
+    def fail(field, message):
+        raise ConfigError(f"config field '{field}' of experiment '{spec['id']}' ({spec['epochs']} epochs of "
+                          f"{blocks} train blocks in {data_dir}): {message}")
+
+    try:
+        spec = resolve_length(dict(spec), blocks)
+    except ConfigError as error:
+        fail("epochs", str(error))
+    check_length(spec, fail)
     return spec
 
 

@@ -78,6 +78,10 @@ def assigned_gpus(job: dict):
 
 def launch(job: dict, log_path: str | None = None, timeout: float | None = None) -> str:
     """Run the experiment; returns its status ('ok' or 'oom'). Any other failure raises."""
+    if job["spec"]["steps"] is None:  # epochs: the prepared data's train blocks decide, before any rank starts
+        from distlab.finetune_config import resolve_epochs
+
+        job["spec"] = resolve_epochs(job["spec"], job["data_dir"])
     run_launcher = get_launcher(job["spec"]["launcher"])
     refuse_if_running(job_file(job), f"experiment {job['spec']['id']}")
     job_path = write_job(job)

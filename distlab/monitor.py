@@ -175,3 +175,4 @@ class RunMonitor:
             best["checkpoint"] = str(dest)
             best["checkpoint_steps_done"] = meta["steps_done"]
         return best
+

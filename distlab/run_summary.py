@@ -44,6 +44,19 @@ def coverage(records_by_rank: list[list[dict]], plans: list[list[int]], n_sample
     }
 
 
+def optimization(spec: dict, all_records: list[list[dict]]) -> dict:
+    """The learning rate and pre-clip gradient norm of every step, with what set them."""
+    from distlab.schedule import scheduler_name
+
+    first = all_records[0]
+    return {"lr_per_step": [r.get("lr") for r in first], "grad_norm_per_step": [r.get("grad_norm") for r in first],
+            "lr_schedule": scheduler_name(spec), "lr_warmup_steps": spec["lr_warmup_steps"],
+            "max_grad_norm": spec["max_grad_norm"],
+            "how": "lr read from the optimizer's param_groups before each step (transformers.get_scheduler, "
+                   "stepped once per optimizer step); grad_norm = global L2 norm of the gradients before clipping "
+                   "(distlab.clipping; DeepSpeed ZeRO 1-3: engine.get_global_grad_norm)"}
+
+
 def step_extras(all_records: list[list[dict]], i: int) -> dict:
     """Step i's learning rate and pre-clip gradient norm (rank 0's: every rank's are the same
     global figures), and the largest memory any rank held after it (distlab.monitor)."""
@@ -87,6 +100,7 @@ def summarize_run(job: dict, ctx, strategy, prepared, ranks: dict, n_samples: in
         "parameters": prepared.parameter_counts,
         "lora_targets": prepared.lora_targets,
         "loss": {"first": losses[0], "last": losses[-1], "per_step": losses},
+        "optimization": optimization(spec, all_records),
         "timing": {
             "step_time_s": timed,
             "how": f"wall time of each optimizer step (max over ranks), steps {warm}..{len(step_times) - 1} "
