@@ -67,7 +67,7 @@ class RunMonitor:
         # Eval points already made before a resume (rank 0's records hold them).
         self.best = min((r["eval"] for r in records if r.get("eval")), key=lambda e: e["loss"], default=None)
         if self.trackers is not None:
-            for record in records[:start_step]:  # a resumed launch's MLflow run holds the whole curve
+            for record in records[:start_step]:  # a resumed launch's trackers hold the whole curve
                 self.pending.append((record["step"], step_values(self.row(record))))
         if self.main:
             print(f"progress: training steps {start_step}..{spec['steps'] - 1} of {spec['steps']}, "

@@ -1,17 +1,21 @@
-"""Experiment trackers on rank 0, through the libraries themselves, offline by default,
-under <results>/<machine>/tracking/:
+"""Experiment trackers on rank 0, through the libraries themselves, offline by default:
 
-    tensorboard/<experiment>/   event files (torch.utils.tensorboard.SummaryWriter; the spec as
-                                TensorBoard hparams): `tensorboard --logdir results`
-    mlflow.db                   a local sqlite MLflow store (MLflow 3.x refuses a bare ./mlruns
-                                file store): `mlflow ui --backend-store-uri sqlite:///<that file>`
-    mlflow-artifacts/           the MLflow experiment's artifact location
+    <run>/run_files/tensorboard/        this run's event files (torch.utils.tensorboard.SummaryWriter;
+                                        the spec as TensorBoard hparams), a declared output that
+                                        travels with the run: `tensorboard --logdir results`
+    <results>/<machine>/tracking/mlflow.db
+                                        one local sqlite MLflow store for the machine's runs (MLflow
+                                        3.x refuses a bare ./mlruns file store):
+                                        `mlflow ui --backend-store-uri sqlite:///<that file>`
 
 One MLflow experiment per machine (distlab/<machine>), one MLflow run per launch of an
 experiment (run name = experiment id; the spec as its parameters), written with MlflowClient's
-log_batch: one transaction per flush. Concurrent jobs share the sqlite store: its creation, the
-experiment lookup and the run's creation happen under a file lock. (Accelerate's tracker
-classes need an Accelerate state in every rank, which DDP, DeepSpeed and FSDP ranks do not make.)
+log_batch: one transaction per flush. The store is shared by every job of the machine, like
+its logs, so no single rule declares it (`snakemake --delete-all-output` leaves it); its
+creation, the experiment lookup and the run's creation happen under a file lock. A relaunch
+(resume) logs the steps it restored first, so its run holds the whole curve. (Accelerate's
+tracker classes need an Accelerate state in every rank, which DDP, DeepSpeed and FSDP ranks
+do not make.)
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "memory_bytes", "step_time
 
 
 def tracking_dir(job: dict) -> Path:
-    """<results>/<machine>/tracking (the job may name another, absolute: Ray workers run elsewhere)."""
+    """<results>/<machine>/tracking, the MLflow store's folder (the job may name another,
+    absolute: Ray workers run elsewhere)."""
     return Path(job.get("tracking_dir") or Path(job["run_dir"]).resolve().parent / "tracking")
 
 
@@ -73,9 +78,10 @@ class Trackers:
             from torch.utils.tensorboard import SummaryWriter
             from torch.utils.tensorboard.summary import hparams
 
-            logdir = self.root / "tensorboard" / spec["id"]
-            # purge_step: a relaunch hides the events its earlier launch wrote from this step on.
-            self.writer = SummaryWriter(str(logdir), purge_step=start_step)
+            from distlab.run_layout import run_files_dir
+
+            logdir = run_files_dir(job["run_dir"]).resolve() / "tensorboard"
+            self.writer = SummaryWriter(str(logdir))
             for summary in hparams(params, {}):  # the spec in TensorBoard's HPARAMS tab
                 self.writer.file_writer.add_summary(summary)
             self.where["tensorboard"] = str(logdir)
