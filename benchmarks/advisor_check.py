@@ -23,7 +23,7 @@ root = WORK / "prep"
 if not (root / "model").exists():
     build_prepared(root)
 
-base = dict(steps=3, warmup_steps=1)
+base = dict(steps=3, untimed_steps=1)
 CASES = {
  "ddp-w1": ({"strategy": "ddp", "world_size": 1, "micro_batch": 2}, "ddp"),
  "ddp-w2": ({"strategy": "ddp", "world_size": 2, "micro_batch": 2}, "ddp"),

@@ -66,7 +66,7 @@ def main():
     from distlab.config import EXPERIMENT_DEFAULTS, experiment_id
 
     spec = dict(EXPERIMENT_DEFAULTS, world_size=args.world, micro_batch=args.micro_batch, steps=args.steps,
-                warmup_steps=args.warmup, device="cpu", launcher="torchrun", stage="ddp")
+                untimed_steps=args.warmup, device="cpu", launcher="torchrun", stage="ddp")
     spec["id"] = experiment_id(spec)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -31,8 +31,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 MIB = 2**20
-LORA = {"method": "lora", "steps": 2, "warmup_steps": 1}
-FULL = {"method": "full", "steps": 2, "warmup_steps": 1}
+LORA = {"method": "lora", "steps": 2, "untimed_steps": 1}
+FULL = {"method": "full", "steps": 2, "untimed_steps": 1}
 FULL_RUNS = {
     "full ddp w1": ({"strategy": "ddp", "world_size": 1, "micro_batch": 2}, "ddp"),
     "full fsdp w2": ({"strategy": "fsdp", "world_size": 2, "micro_batch": 1}, "fsdp"),

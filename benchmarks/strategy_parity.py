@@ -45,7 +45,7 @@ def specs(steps: int, warmup: int) -> dict:
     """Each strategy's resolved spec, through the config loader like any experiment."""
     from distlab.config import load
 
-    cfg = {"stages": {}, "defaults": {"steps": steps, "warmup_steps": warmup, "device": "cpu"}}
+    cfg = {"stages": {}, "defaults": {"steps": steps, "untimed_steps": warmup, "device": "cpu"}}
     tags = {}
     for name, over in STRATEGIES.items():
         tags[name] = name.lower().replace(" ", "").replace("-", "")

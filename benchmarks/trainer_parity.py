@@ -81,7 +81,7 @@ def main():
         for world in (int(w) for w in args.worlds.split(",")):
             micro = 8 // world
             spec = dict(EXPERIMENT_DEFAULTS, world_size=world, micro_batch=micro, steps=args.steps,
-                        warmup_steps=args.warmup, device="cpu", launcher="torchrun", stage="ddp")
+                        untimed_steps=args.warmup, device="cpu", launcher="torchrun", stage="ddp")
             spec["id"] = experiment_id(spec)
             runs = {arm: [] for arm in arms}
             for r in range(args.rounds):

@@ -48,7 +48,7 @@ def main() -> None:
             for label, size in variants.items():
                 ds = {"zero_stage": 3, **({"zero_config": {"reduce_bucket_size": size}} if size else {})}
                 spec = resolve({"strategy": "deepspeed", "world_size": 2, "micro_batch": 2, "grad_accum": 2,
-                                "steps": 20, "warmup_steps": 3, "deepspeed": ds}, stage="deepspeed")
+                                "steps": 20, "untimed_steps": 3, "deepspeed": ds}, stage="deepspeed")
                 run_dir = root / "runs" / f"{label.replace(' ', '-')}-{round_index}"
                 metrics = run_experiment(root, run_dir, spec, checkpoint=False)
                 used = json.loads((run_dir / metrics["as_built"]["deepspeed"]["config_path"]).read_text())

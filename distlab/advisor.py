@@ -30,10 +30,10 @@ Memory = model state + activations, per device:
     model's tp plan splits over N (rank 0's piece of an uneven split), the rest whole.
   - Gathered: the largest unit (layer or embedding) ZeRO-3/FSDP all-gathers, transient;
     ZeRO-3's auto profile keeps a model under its live limit (1e9) gathered whole.
-- Activations per decoder layer: s*b*h*(34 + 5*a*s/h) bytes at 16 bits (Korthikanti et
-  al. 2022, "Reducing Activation Recomputation", no recomputation; doubled for fp32), plus
-  the logits and their gradient (2*s*b*V fp32). Llama's SwiGLU MLP and SDPA attention make
-  this an approximation; on CPU runs it is not checked (peak RSS includes the interpreter).
+- Activations of one micro-batch (distlab.activations.estimate_activations: per token 8h +
+  2*kv + 4i floats per decoder layer, h for a checkpointed one, V + 3h outside the layers;
+  the layer backward recomputes on top), checked against each run's measured saved-tensor
+  bytes. When the workload fits only with activation checkpointing, the advice says which.
 
 Over ~300 lines on purpose: the per-strategy byte formulas serve both the recommendation
 and the estimate-vs-measured check below, which must read the same formulas; the parameter
@@ -174,23 +174,32 @@ def model_state(key: str, counts: dict, n: int, precision: str, lora: bool, grad
     return out
 
 
-def activation_bytes(shape: dict, micro_batch: int, seq_len: int, precision: str) -> float:
-    s, b, h, a = seq_len, micro_batch, shape["hidden_size"], shape["num_attention_heads"]
-    per_layer = s * b * h * (34 + 5 * a * s / h)
-    if precision == "fp32":
-        per_layer *= 2
-    logits = 2 * s * b * shape["vocab_size"] * 4
-    return shape["num_hidden_layers"] * per_layer + logits
+def activation_bytes(shape: dict, workload: dict, counts: dict, mode: str | None = None, strategy: str = "ddp",
+                     part: str = "peak_bytes") -> float:
+    """Activation bytes of one micro-batch on a data-parallel rank (distlab.activations).
+    Autocast over fp32 weights (DDP/Accelerate, FSDP on CPU) also holds bf16 copies of the
+    matmul weights (LoRA's frozen base is already bf16); DeepSpeed and FSDP's
+    MixedPrecisionPolicy keep the module in bf16 instead."""
+    from distlab.activations import estimate_activations
+
+    mode = workload.get("activation_checkpointing", "none") if mode is None else mode
+    module = strategy == "deepspeed" or (strategy == "fsdp" and workload.get("device") == "cuda")
+    matmul = counts["total"] - (0 if shape.get("tie_word_embeddings") else counts["embedding"])
+    return estimate_activations(shape, workload["micro_batch"], workload["seq_len"], workload["precision"], mode,
+                                workload.get("activation_checkpointing_every", 2),
+                                "module" if module else "autocast",
+                                matmul if workload["method"] == "full" else 0)[part]
 
 
-def estimate(shape: dict, workload: dict, n: int) -> list[dict]:
-    """One row per strategy: estimated bytes per device for this workload on n devices."""
+def estimate(shape: dict, workload: dict, n: int, mode: str | None = None) -> list[dict]:
+    """One row per strategy: estimated bytes per device for this workload on n devices
+    (mode: activation checkpointing, default the workload's)."""
     lora = workload["method"] == "lora"
     counts = parameter_counts(shape, workload["lora"] if lora else None)
-    act = activation_bytes(shape, workload["micro_batch"], workload["seq_len"], workload["precision"])
     rows = []
     for key in ROW_ORDER:
         state = model_state(key, counts, n, workload["precision"], lora, workload.get("grad_accum", 1))
+        act = activation_bytes(shape, workload, counts, mode, ROW_SPEC[key][0])
         device_state = state["params"] + state["grads"] + state["optimizer"] + state["gathered"]
         rows.append({"key": key, "strategy": ROW_LABEL[key], "devices": n, **state,
                      "model_state_bytes": device_state, "activation_bytes": act,
@@ -247,7 +256,8 @@ def workload_from_config(config: dict) -> dict:
 
     spec = _deep_merge(EXPERIMENT_DEFAULTS, config.get("defaults", {}))
     return {k: copy.deepcopy(spec[k]) for k in ("method", "micro_batch", "grad_accum", "seq_len", "precision",
-                                                   "lora", "export")}
+                                                   "lora", "export", "device", "activation_checkpointing",
+                                                   "activation_checkpointing_every")}
 
 
 def advise(model_config: dict, hardware: dict, config: dict, cpu_ranks: int = 1, collectives: dict | None = None,
@@ -258,30 +268,39 @@ def advise(model_config: dict, hardware: dict, config: dict, cpu_ranks: int = 1,
     workload = workload_from_config(config)
     plan = plan_devices(hardware, config.get("advisor", {}), cpu_ranks, collectives)
     budget = plan["smallest_bytes"] * (1 - config.get("advisor", {}).get("headroom", 0.1))
-    one = {r["key"]: r for r in estimate(shape, workload, 1)}
-    many = {r["key"]: r for r in estimate(shape, workload, plan["devices"])}
-    fits = {k: r["total_bytes"] <= budget for k, r in many.items()}
+    # The least machinery that fits, trying activation checkpointing before the next strategy:
+    # recomputing the forward (~1/3 more compute) is cheaper than sharding's traffic or offload.
+    chain = ["ddp", "zero3", "zero3-offopt", "zero3-offopt-offparam"]
+    found = []
+    for mode in dict.fromkeys([workload["activation_checkpointing"], "selective", "full"]):
+        one = {r["key"]: r for r in estimate(shape, workload, 1, mode)}
+        many = {r["key"]: r for r in estimate(shape, workload, plan["devices"], mode)}
+        fits = {"ddp": one["ddp"]["total_bytes"] <= budget,
+                **{k: many[k]["total_bytes"] <= budget for k in chain[1:]}}
+        key = next((k for k in chain if fits[k]), None)
+        found.append((chain.index(key) if key else len(chain), mode, key, one, many))
+    _, checkpointing, pick, one, many = min(found, key=lambda f: f[0])  # min keeps the first mode of a tie
     reasons, n = [], plan["devices"]
-    if one["ddp"]["total_bytes"] <= budget:
-        pick = "ddp"
+    if pick == "ddp":
         reasons.append(f"the whole training state ({human(one['ddp']['total_bytes'])}) fits one device "
                        f"({human(budget)} usable): plain data parallel (DDP, stage 1-2) needs no sharding")
-    elif fits["zero3"]:
-        pick = "zero3"
+    elif pick == "zero3":
         reasons.append(f"it does not fit one device ({human(one['ddp']['total_bytes'])} > {human(budget)} usable) "
                        f"but sharded over {n} devices it does: ZeRO-3 or FSDP (stages 3-4)")
-    elif fits["zero3-offopt"]:
-        pick = "zero3-offopt"
+    elif pick == "zero3-offopt":
         reasons.append("even fully sharded it does not fit; with the optimizer state in CPU RAM it does: "
                        "ZeRO-3 + optimizer offload (or FSDP CPU offload)")
-    elif fits["zero3-offopt-offparam"]:
-        pick = "zero3-offopt-offparam"
+    elif pick == "zero3-offopt-offparam":
         reasons.append("only with parameters and optimizer state in CPU RAM: ZeRO-3 + full CPU offload "
                        f"(needs ~{many[pick]['cpu_offloaded'] / GIB:.0f} GiB of CPU RAM per device)")
     else:
-        pick = None
-        reasons.append("nothing fits, even with full CPU offload: more or larger devices, a smaller micro-batch "
-                       "or sequence, activation checkpointing, LoRA, or NVMe offload (ZeRO-Infinity)")
+        reasons.append("nothing fits, even with full CPU offload and activation checkpointing: more or larger "
+                       "devices, a smaller micro-batch or sequence, LoRA, or NVMe offload (ZeRO-Infinity)")
+    if pick and checkpointing != workload["activation_checkpointing"]:
+        before = found[0][3]["ddp"]["activation_bytes"]
+        reasons.append(f"with activation_checkpointing: {checkpointing} (activations {human(before)} -> "
+                       f"{human(one['ddp']['activation_bytes'])} per micro-batch, the forward recomputed in "
+                       "backward): without it this needs a heavier strategy")
     if plan["uneven"]:
         reasons.append(f"GPUs differ in size: every strategy is limited by the smallest "
                        f"({plan['smallest_bytes'] / GIB:.0f} GiB); the larger ones' extra memory sits idle")
@@ -311,6 +330,7 @@ def advise(model_config: dict, hardware: dict, config: dict, cpu_ranks: int = 1,
             "save": save_estimate(counts, shape["vocab_size"], workload["method"] == "lora", workload.get("export")),
             "workload": workload, "devices": plan, "usable_bytes_per_device": budget,
             "recommendation": pick, "recommendation_label": ROW_LABEL.get(pick, "none fits"),
+            "activation_checkpointing": checkpointing,
             "reasons": reasons, "estimates": list(many.values()), "single_device": one["ddp"],
             "how": __doc__.split("Memory = ", 1)[1].strip()}
 
@@ -347,7 +367,7 @@ def estimate_spec(shape: dict, spec: dict) -> dict | None:
                            spec_settings(spec))
     if state is None:
         return None
-    act = activation_bytes(shape, spec["micro_batch"], spec["seq_len"], spec["precision"])
+    act = activation_bytes(shape, spec, counts, strategy=spec["strategy"])
     device_state = state["params"] + state["grads"] + state["optimizer"] + state["gathered"]
     return {**state, "model_state_bytes": device_state, "activation_bytes": act, "total_bytes": device_state + act}
 
@@ -389,10 +409,23 @@ def check_against_runs(advice: dict, runs: list[dict], tolerance: float = TOLERA
                "where": "; ".join(parts)}
         peaks = [m.get("cuda_max_allocated_bytes") for m in run["memory"].get("per_rank", [])]
         peaks = [p for p in peaks if p]
+        row.update(activation_check(shape, spec, run))
         row["estimated_peak_MiB"] = round(est["total_bytes"] / 2**20, 1)
         row["measured_cuda_peak_MiB"] = round(max(peaks) / 2**20, 1) if peaks else None
         rows.append(row)
     return rows
+
+
+def activation_check(shape: dict, spec: dict, run: dict) -> dict:
+    """Estimated vs measured activations held at the end of a micro-batch's forward (rank 0's
+    ActivationProbe figure), for data-parallel strategies (every rank runs the whole model)."""
+    measured = ((run["memory"].get("per_rank") or [{}])[0].get("activations") or {}).get("bytes")
+    if spec["strategy"] in ("tp", "pp") or not measured:
+        return {"estimated_activations_MiB": None, "measured_activations_MiB": None}
+    counts = parameter_counts(shape, spec["lora"] if spec["method"] == "lora" else None)
+    est = activation_bytes(shape, spec, counts, strategy=spec["strategy"], part="held_bytes")
+    return {"estimated_activations_MiB": round(est / 2**20, 3), "measured_activations_MiB": round(measured / 2**20, 3),
+            "activations measured/estimated": round(measured / est, 3)}
 
 
 def render_markdown(advice: dict) -> str:

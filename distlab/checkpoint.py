@@ -5,7 +5,7 @@ One checkpoint folder:
     state/                          the strategy's native format (strategy.save_checkpoint): each
                                     rank's part of the trainable parameters and optimizer state
                                     (LoRA: the adapters only)
-    trainer/rank<R>.json            steps done, data position, Python/NumPy RNG, records so far
+    trainer/rank<R>.json            steps done, data position, Python/NumPy RNG, LR schedule, records so far
     trainer/rng-rank<R>.safetensors torch CPU (and CUDA) RNG state
     distlab_checkpoint.json         what made it: experiment, strategy, world size, spec, model signature;
                                     LoRA: the frozen base by identity (folder, sha256 of its weight files)
@@ -51,7 +51,8 @@ META = "distlab_checkpoint.json"
 PARITY_STEPS = 2  # steps validation re-runs from the mid-run checkpoint
 # Spec fields that leave the training trajectory unchanged: a checkpoint stays valid across them.
 NON_TRAJECTORY_FIELDS = ("id", "stage", "checkpoint_every", "checkpoint_keep", "export", "memory_budget_gib",
-                         "warmup_steps", "repeats")
+                         "untimed_steps", "repeats", "launches", "progress_every_s", "tracking", "eval_every",
+                         "checkpoint_select")
 # Fault-injection hook for tests: "<experiment id>:<rank>:<steps done>" SIGKILLs that rank
 # right after that step (and after any checkpoint saved at it).
 FAULT_ENV = "DISTLAB_FAULT_KILL"
@@ -270,8 +271,8 @@ def save_checkpoint(dest, strategy, ctx, job: dict, signature: dict, steps_done:
         dist.barrier()
         info = {"steps_done": steps_done, "save_seconds": time.perf_counter() - t0,
                 "how": "strategy.save_checkpoint wall time on rank 0, up to the barrier after it"}
-        agree(rank_error(lambda: _save_trainer_state(tmp, rank, ctx.device, steps_done, stream, records)),
-              "the trainer state's save")
+        agree(rank_error(lambda: _save_trainer_state(tmp, rank, ctx.device, steps_done, stream, records,
+                                                     scheduler=strategy.scheduler)), "the trainer state's save")
         if export:
             t0 = time.perf_counter()
             info["export"], error = strategy.task.export_pass(strategy, job, ctx.spec, tmp)
@@ -322,7 +323,8 @@ def load_checkpoint(src, strategy, ctx, signature: dict, stream=None, verify: bo
     out = {"load_seconds": time.perf_counter() - t0, "steps_done": meta["steps_done"], "records": [],
            "saved_world_size": meta["world_size"]}
     if stream is not None:
-        out["steps_done"], out["records"] = _restore_trainer_state(src, dist.get_rank(), ctx.device, stream)
+        out["steps_done"], out["records"] = _restore_trainer_state(src, dist.get_rank(), ctx.device, stream,
+                                                                   scheduler=strategy.scheduler)
     return out
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from distlab import families
+from distlab import finetune_config
 from distlab import input_checks
 from distlab.input_checks import ConfigError
 from distlab.tasks import task_for, task_named, task_names
@@ -34,12 +35,26 @@ EXPERIMENT_DEFAULTS: dict = {
     "micro_batch": 4,
     "grad_accum": 1,
     "seq_len": 128,
+    # A run's length: exactly one of steps, epochs, max_tokens (LENGTH_KEYS); the others None.
     "steps": 30,
-    "warmup_steps": 5,
+    "epochs": None,
+    "max_tokens": None,
+    "untimed_steps": 5,
     "precision": "fp32",
     "seed": 1234,
     "lr": 3.0e-4,
     "weight_decay": 0.0,
+    # Fine-tuning controls (distlab.schedule, distlab.clipping, distlab.activations, distlab.monitor).
+    "lr_schedule": "constant",
+    "lr_warmup_steps": 0,
+    "lr_warmup_ratio": None,
+    "max_grad_norm": 0.0,
+    "activation_checkpointing": "none",
+    "activation_checkpointing_every": 2,
+    "progress_every_s": 30.0,
+    "tracking": [],
+    "eval_every": 0,
+    "checkpoint_select": "last",
     "sampler": "distributed",
     "device": "auto",
     "cpu_threads_per_rank": 1,
@@ -188,7 +203,8 @@ def expand_experiments(config: dict, gpu_count: int | None = None) -> dict[str, 
         from distlab.hardware import gpu_count as detect
 
         gpu_count = detect()
-    base = _deep_merge(EXPERIMENT_DEFAULTS, config.get("defaults", {}))
+    defaults = finetune_config.layer(config.get("defaults", {}), "defaults")
+    base = _deep_merge(finetune_config.over(EXPERIMENT_DEFAULTS, defaults), defaults)
     specs: dict[str, dict] = {}
     stages = config.get("stages", {})
     for stage in STAGE_ORDER:
@@ -196,7 +212,8 @@ def expand_experiments(config: dict, gpu_count: int | None = None) -> dict[str, 
         if not block or not block.get("enabled", True):
             continue
         for index, override in with_link_caps(block, base):
-            spec = _deep_merge(base, override)
+            override = finetune_config.layer(override, f"stages.{stage}.experiments[{index}]")
+            spec = _deep_merge(finetune_config.over(base, override), override)
             spec["stage"] = stage
             spec["launcher"] = resolve_launcher(spec)
             if spec["launcher"] == "ray":
@@ -242,13 +259,10 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
         raise ConfigError(f"config field '{where}.{field}': {message}")
 
     task_for(spec).check_experiment(spec, config, fail)  # first: what the task cannot run at all
-    if spec["warmup_steps"] >= spec["steps"]:
-        fail("warmup_steps", f"warm-up steps ({spec['warmup_steps']}) must be fewer than steps ({spec['steps']}) "
-             "or no step is left to time")
-    timed = spec["steps"] - spec["warmup_steps"]
-    if spec["repeats"] > 1 and timed < 2 * spec["repeats"]:
-        fail("repeats", f"{spec['repeats']} repeat windows need at least {2 * spec['repeats']} timed steps "
-             f"(steps - warmup_steps = {timed}); raise steps or lower repeats")
+    finetune_config.resolve_length(spec)  # epochs: steps stay None until the data exists (rules/common.smk)
+    if spec["steps"] is not None:
+        finetune_config.check_length(spec, fail)
+    finetune_config.check_finetune(spec, fail)
     model = spec.get("model", "default")
     if model != "default" and model not in config.get("model", {}).get("extra", {}):
         fail("model", f"no model named '{model}': the default or one of model.extra "

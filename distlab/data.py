@@ -16,10 +16,12 @@ import hashlib
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 from distlab.data_checks import builder_for
 from distlab.data_formats import BUILT_CHAT_TEMPLATE, DOCUMENT_END, IGNORE, encoder_for
+from distlab.prep_progress import TokenizeProgress, summary
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
 DATA_INFO = "distlab_data.json"  # written beside the Arrow splits: tokenizer identity, token counts
@@ -324,14 +326,17 @@ def build_dataset(rows, tokenizer, seq_len: int, eval_fraction: float, seed: int
             # and warm their own cache: measured here, ~40% more CPU for the same ids.
             os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, num_proc)))
             workers = None
-        encoded = rows.map(fn, fn_kwargs=fn_kwargs, batched=True, batch_size=BATCH, remove_columns=rows.column_names,
-                           num_proc=workers,
+        started = time.perf_counter()
+        encoded = rows.map(TokenizeProgress(fn), fn_kwargs=fn_kwargs, batched=True, batch_size=BATCH,
+                           remove_columns=rows.column_names, num_proc=workers,
                            features=encoded_features, new_fingerprint=f"{tag}-tokenize",
                            cache_file_name=os.path.join(scratch, "encoded.arrow"), desc="tokenize")
+        packed_at = time.perf_counter()
         blocks = encoded.with_format("arrow").map(
             StreamPacker(seq_len, with_labels), batched=True, batch_size=PACK_BATCH,
             remove_columns=encoded.column_names, features=features, new_fingerprint=f"{tag}-pack",
             cache_file_name=os.path.join(scratch, "packed.arrow"), desc="pack").with_format(None)
+        prep = summary(encoded, blocks, started, packed_at)
         if len(blocks) < 4:
             raise ValueError(f"only {len(blocks)} blocks of {seq_len} tokens: the corpus is too small for this seq_len")
         order = np.random.default_rng(seed).permutation(len(blocks))
@@ -341,7 +346,7 @@ def build_dataset(rows, tokenizer, seq_len: int, eval_fraction: float, seed: int
         dataset.save_to_disk(str(out_dir))
     saved = datasets.load_from_disk(str(out_dir))
     info = {"format": cfg["format"], "seq_len": seq_len, "rows": len(rows), "blocks": len(blocks),
-            "eval_blocks": cfg.get("eval_blocks", 16),  # the held-out tokens every evaluation uses
+            "eval_blocks": cfg.get("eval_blocks", 16), "prep": prep,  # eval_blocks: the held-out tokens
             "splits": {name: token_counts(part, seq_len) for name, part in saved.items()}}
     if tokenizer_source is not None:
         info["tokenizer"] = tokenizer_identity(tokenizer, tokenizer_source, Path(out_dir) / "tokenizer")

@@ -87,14 +87,14 @@ def evaluate_base(model_source: str, data_dir, out_path, threads: int | None = N
     return result
 
 
-def evaluate_sharded(strategy, job: dict) -> dict | None:
-    """Collective: the causal LM's trained model on the eval tokens through
-    strategy.forward_logits, micro_batch sequences at a time (the batch a rank already trains
-    on, so the evaluation fits wherever training fits). The loss record on rank 0, None elsewhere."""
+def evaluate_forward(strategy, ids, labels) -> dict | None:
+    """Collective: held-out loss of the model as the strategy holds it (Strategy.forward_logits:
+    still sharded or split, on its device, training precision), micro_batch sequences at a time
+    (the batch a rank already trains on, so the evaluation fits wherever training fits). The
+    record on rank 0, None elsewhere. The final eval and eval_every's points (distlab.monitor)."""
     import torch.distributed as dist
 
-    spec = job["spec"]
-    ids, labels = eval_tokens(job["data_dir"])
+    spec = strategy.spec
     total, count, error = 0.0, 0, None
     for start in range(0, len(ids), spec["micro_batch"]):
         logits = strategy.forward_logits(ids[start:start + spec["micro_batch"]])
@@ -110,6 +110,11 @@ def evaluate_sharded(strategy, job: dict) -> dict | None:
     where = (f"the training model itself ({spec['strategy']}, on {strategy.ctx.device.type}, "
              f"{spec['precision']}; Strategy.forward_logits)")
     return {"status": "failed", "reason": error} if error else summarize_loss(total, count, len(ids), where)
+
+
+def evaluate_sharded(strategy, job: dict) -> dict | None:
+    """Collective: the causal LM's trained model on the eval tokens (evaluate_forward)."""
+    return evaluate_forward(strategy, *eval_tokens(job["data_dir"]))
 
 
 def evaluate_run(strategy, job: dict) -> dict | None:

@@ -32,6 +32,8 @@ def rule_job(snakemake, run_dir: str) -> dict:
         "checkpoint_dir": snakemake.output.checkpoint,
         # The base model's eval loss, set beside the run's (absolute: Ray workers run elsewhere).
         "base_eval_json": os.path.abspath(snakemake.input.base_eval),
+        # Trackers' store beside the machine's runs (absolute, as above): results/<machine>/tracking.
+        "tracking_dir": os.path.abspath(os.path.join(os.path.dirname(run_dir), "tracking")),
     }
 
 
@@ -102,6 +104,10 @@ def assigned_gpus(job: dict):
 
 def launch(job: dict, log_path: str | None = None, timeout: float | None = None) -> str:
     """Run the experiment; returns its status ('ok' or 'oom'). Any other failure raises."""
+    if job["spec"]["steps"] is None:  # epochs: the prepared data's train blocks decide, before any rank starts
+        from distlab.finetune_config import resolve_epochs
+
+        job["spec"] = resolve_epochs(job["spec"], job["data_dir"])
     run_launcher = get_launcher(job["spec"]["launcher"])
     refuse_if_running(job_file(job), f"experiment {job['spec']['id']}")
     job_path = write_job(job)

@@ -5,6 +5,7 @@ accumulation, timing and the per-step record are the same for all of them.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -93,13 +94,19 @@ class IndexStream:
 
 
 def train(ctx: RunContext, strategy: Strategy, train_data, start_step: int = 0,
-          stream: IndexStream | None = None, on_step_end=None, records: list | None = None) -> dict:
+          stream: IndexStream | None = None, on_step_end=None, records: list | None = None,
+          micro_context=None) -> dict:
     """Run optimizer steps start_step..steps-1; returns the per-step record of this rank.
 
     train_data: the task's samples (distlab.tasks.base.TrainData): the loop draws indices,
     the task turns them into the batch its loss takes.
-    on_step_end(step) runs after each step (periodic checkpoints); it is outside the timer.
+    on_step_end(step) runs after each step (progress, trackers, eval points, periodic
+    checkpoints: distlab.monitor, distlab.training_checkpoints); it is outside the timer.
+    micro_context(step, micro): a context around one micro-batch's forward and backward (None:
+    none), e.g. the activation-memory probe of an untimed step (distlab.activations).
     records: the records of steps before start_step when resuming; new ones are appended to it.
+    Every step records the learning rate it used and the pre-clip global gradient norm; the
+    strategy clips (max_grad_norm) and the LR schedule is stepped once per optimizer step.
     """
     spec = ctx.spec
     n_micro = spec["grad_accum"]
@@ -115,27 +122,32 @@ def train(ctx: RunContext, strategy: Strategy, train_data, start_step: int = 0,
     for step in range(start_step, spec["steps"]):
         if cuda:
             torch.cuda.synchronize(ctx.device)
-        if step == max(start_step, spec["warmup_steps"]):
+        if step == max(start_step, spec["untimed_steps"]):
             noise.start()
         start = time.perf_counter()
+        lr = strategy.learning_rate()  # the rate this step's update uses
         losses, consumed = [], []
         for micro in range(n_micro):
             indices = stream.next()
             consumed.extend(indices)
-            loss = strategy.forward_backward(train_data.batch(indices, ctx.device, step), micro, n_micro)
+            batch = train_data.batch(indices, ctx.device, step)
+            with micro_context(step, micro) if micro_context else contextlib.nullcontext():
+                loss = strategy.forward_backward(batch, micro, n_micro)
             if loss is not None:  # pipeline stages without the loss return None
                 losses.append(loss)
         if step == spec["steps"] - 1:
             # Counted while gradients and optimizer state both exist: the peak model state.
             state_bytes = strategy.state_bytes()
-        strategy.optimizer_step()
+        grad_norm = strategy.optimizer_step()  # clips to max_grad_norm; the norm is pre-clip
+        strategy.step_scheduler()
         if cuda:
             torch.cuda.synchronize(ctx.device)
         elapsed = time.perf_counter() - start
         # .item() after the timer: the loss sync must not be billed to the step.
         local_loss = float(torch.stack(losses).float().mean().item()) if losses else None
         records.append({"step": step, "loss": local_loss, "step_time_s": elapsed,
-                        "comm_inflight_s": strategy.take_comm_seconds(), "samples": consumed})
+                        "comm_inflight_s": strategy.take_comm_seconds(), "samples": consumed, "lr": lr,
+                        "grad_norm": None if grad_norm is None else float(grad_norm)})
         if on_step_end is not None:
             on_step_end(step)
     return {"records": records, "stream": stream, "state_bytes": state_bytes, "train_mode": train_mode,

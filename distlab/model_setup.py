@@ -26,6 +26,7 @@ def prepare_model(strategy, model_source: str, spec: dict) -> PreparedModel:
 
     from distlab import buffers
     from distlab import checkpoint as ckpt
+    from distlab.activations import checkpointing_facts, enable_checkpointing
     from distlab.lora import parameter_counts
     from distlab.strategies.base import FidelityError
 
@@ -44,9 +45,13 @@ def prepare_model(strategy, model_source: str, spec: dict) -> PreparedModel:
     is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     flops = strategy.task.flops(model, spec, count=is_main)
     counts = parameter_counts(model)
+    # After the FLOP count: its forward+backward counts the model's FLOPs, not the recompute's.
+    enable_checkpointing(model, spec)
     signature = ckpt.model_signature(model)  # before a wrapper shards the parameters
     strategy.wrap(model)
+    strategy.attach_scheduler()
     described = strategy.describe()
+    described["activation_checkpointing"] = checkpointing_facts(strategy.model, spec)
     strategy.verify(described)
     wrapped = strategy.unwrapped()
     changed = buffers.buffer_mismatches(wrapped, plain)

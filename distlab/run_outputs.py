@@ -25,3 +25,15 @@ def write_outputs(run_dir: str, summary) -> None:
             fh.write(json.dumps(row) + "\n")
     # Strict JSON (no NaN): a figure that was not measured is null, with its reason beside it.
     (run / "metrics.json").write_text(json.dumps(nan_to_none(metrics), indent=1, default=str))
+
+
+def one_line(metrics: dict) -> str:
+    """A finished run in one line, for the terminal Snakemake runs the job in."""
+    if metrics.get("status") != "ok":
+        return f"{metrics['experiment']}: {metrics.get('status')}"
+    loss, timing = metrics["loss"], metrics["timing"]["step_time_s"]
+    trained = (metrics.get("eval") or {}).get("trained") or {}
+    held_out = f", eval loss {trained['loss']:.3f}" if isinstance(trained.get("loss"), float) else ""
+    return (f"{metrics['experiment']}: ok, {len(loss['per_step'])} steps, loss {loss['first']:.3f} -> "
+            f"{loss['last']:.3f}{held_out}, {metrics['throughput']['tokens_per_s']:,.0f} tokens/s "
+            f"(median step {timing['median'] * 1000:.0f} ms), {metrics['wall_seconds_rank0']:.0f} s")

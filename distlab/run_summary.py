@@ -60,13 +60,36 @@ def per_rank_timing(all_records: list[list[dict]], comm: list[list], warm: int) 
     return rows
 
 
+def optimization(spec: dict, all_records: list[list[dict]]) -> dict:
+    """The learning rate and pre-clip gradient norm of every step, with what set them."""
+    from distlab.schedule import scheduler_name
+
+    first = all_records[0]
+    return {"lr_per_step": [r.get("lr") for r in first], "grad_norm_per_step": [r.get("grad_norm") for r in first],
+            "lr_schedule": scheduler_name(spec), "lr_warmup_steps": spec["lr_warmup_steps"],
+            "max_grad_norm": spec["max_grad_norm"],
+            "how": "lr read from the optimizer's param_groups before each step (transformers.get_scheduler, "
+                   "stepped once per optimizer step); grad_norm = global L2 norm of the gradients before clipping "
+                   "(distlab.clipping; DeepSpeed ZeRO 1-3: engine.get_global_grad_norm)"}
+
+
+def step_extras(all_records: list[list[dict]], i: int) -> dict:
+    """Step i's learning rate and pre-clip gradient norm (rank 0's: every rank's are the same
+    global figures), and the largest memory any rank held after it (distlab.monitor)."""
+    first = all_records[0][i]
+    memory = [recs[i].get("memory_bytes") for recs in all_records if recs[i].get("memory_bytes") is not None]
+    ev = first.get("eval") or {}
+    return {"lr": first.get("lr"), "grad_norm": first.get("grad_norm"), "memory_bytes": max(memory) if memory else None,
+            "eval_loss": ev.get("loss"), "eval_perplexity": ev.get("perplexity")}
+
+
 def summarize_run(job: dict, ctx, strategy, prepared, ranks: dict, n_samples: int, started: float):
     """Rank 0: (metrics.json's dict, steps.jsonl's rows) from what gather_ranks collected."""
     spec = job["spec"]
     flops = prepared.flops
     all_records, all_memory, comm = ranks["records"], ranks["memory"], ranks["comm"]
     hardware = json.loads(Path(job["hardware_json"]).read_text())
-    warm = spec["warmup_steps"]
+    warm = spec["untimed_steps"]
     # A step ends when the slowest rank finishes: the step time is the max over ranks.
     step_times = [max(recs[i]["step_time_s"] for recs in all_records) for i in range(len(all_records[0]))]
     losses = []
@@ -97,10 +120,11 @@ def summarize_run(job: dict, ctx, strategy, prepared, ranks: dict, n_samples: in
         "parameters": prepared.parameter_counts,
         "lora_targets": prepared.lora_targets,
         "loss": {"first": losses[0], "last": losses[-1], "per_step": losses},
+        "optimization": optimization(spec, all_records),
         "timing": {
             "step_time_s": timed,
             "how": f"wall time of each optimizer step (max over ranks), steps {warm}..{len(step_times) - 1} "
-                   f"after {warm} warm-up steps; median and spread",
+                   f"after {warm} untimed steps; median and spread",
             "comm_inflight_s_per_step": M.summarize(comm_per_step[warm:] if measured else []),
             "comm_how": ("all-reduce launch-to-completion time per step (overlaps backward); from a DDP comm hook "
                          "or the strategy's own counter") if measured else
@@ -125,6 +149,7 @@ def summarize_run(job: dict, ctx, strategy, prepared, ranks: dict, n_samples: in
         "wall_seconds_rank0": time.time() - started,
     }, [
         {"step": i, "loss": losses[i], "step_time_s": step_times[i], "comm_inflight_s": comm_per_step[i],
-         "warmup": i < warm, "samples_by_rank": [recs[i]["samples"] for recs in all_records]}
+         "untimed": i < warm, **step_extras(all_records, i),
+         "samples_by_rank": [recs[i]["samples"] for recs in all_records]}
         for i in range(len(step_times))
     ]

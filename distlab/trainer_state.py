@@ -1,5 +1,6 @@
 """A rank's trainer state inside a checkpoint (trainer/): steps done, data position
-(epoch, position), RNG and the per-step records, as JSON + safetensors (nothing unpickled).
+(epoch, position), RNG, the LR schedule's state and the per-step records, as JSON +
+safetensors (nothing unpickled).
 
 The indices each step read are not stored (they grow with steps x batch): a restore re-draws
 them from the seeded sampler and checks it lands on the saved data position.
@@ -11,7 +12,8 @@ import random
 from pathlib import Path
 
 
-def save_trainer_state(root: Path, rank: int, device: torch.device, steps_done: int, stream, records) -> None:
+def save_trainer_state(root: Path, rank: int, device: torch.device, steps_done: int, stream, records,
+                       scheduler=None) -> None:
     import numpy as np
     import torch
     from safetensors.torch import save_file
@@ -29,10 +31,12 @@ def save_trainer_state(root: Path, rank: int, device: torch.device, steps_done: 
     state = {"rank": rank, "steps_done": steps_done, "stream": stream.state(), "records": compact,
              "python_random": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
              "numpy_random": [np_state[0], np_state[1].tolist(), *map(float, np_state[2:])]}
+    if scheduler is not None:  # the LR schedule's position (LambdaLR state: numbers and lists only)
+        state["lr_scheduler"] = scheduler.state_dict()
     (folder / f"rank{rank}.json").write_text(json.dumps(state))
 
 
-def restore_trainer_state(root: Path, rank: int, device: torch.device, stream) -> tuple[int, list]:
+def restore_trainer_state(root: Path, rank: int, device: torch.device, stream, scheduler=None) -> tuple[int, list]:
     import numpy as np
     import torch
     from safetensors.torch import load_file
@@ -47,6 +51,8 @@ def restore_trainer_state(root: Path, rank: int, device: torch.device, stream) -
     random.setstate((version, tuple(internal), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy_random"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), int(pos), int(has_gauss), cached))
+    if scheduler is not None and "lr_scheduler" in state:
+        scheduler.load_state_dict(state["lr_scheduler"])
     records = replay_samples(stream, state["records"])
     if stream.state() != state["stream"]:
         from distlab.checkpoint import CheckpointMismatch

@@ -30,7 +30,7 @@ from pathlib import Path
 
 HOST_NAMES = ("home-pc", "cloud-box")
 # What the two-host experiment is unless `two_hosts.experiment` says otherwise.
-DEFAULT_EXPERIMENT = {"strategy": "ddp", "micro_batch": 8, "steps": 60, "warmup_steps": 3, "checkpoint_every": 4,
+DEFAULT_EXPERIMENT = {"strategy": "ddp", "micro_batch": 8, "steps": 60, "untimed_steps": 3, "checkpoint_every": 4,
                       "ray": {"min_workers": 1, "max_failures": 3, "resize_interval_s": 1}}
 STAGE_WAIT_S = 300  # the longest wait for one of the run's stages (a checkpoint of a group size)
 

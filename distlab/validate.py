@@ -101,7 +101,8 @@ def validate_run(run_dir, model_source: str, data_dir: str, out_path, log_path=N
     work.mkdir(exist_ok=True)
     job = {"spec": spec, "run_dir": str(run_dir), "model_source": model_source, "data_dir": data_dir,
            "final": str(final), "parity": str(parity[-1]) if parity else None,
-           "expected_losses": metrics["loss"]["per_step"]}
+           "expected_losses": metrics["loss"]["per_step"],
+           "expected_lrs": (metrics.get("optimization") or {}).get("lr_per_step")}
     other, why_not = reshard_target(spec)
     plans = launch_plans(spec, other if why_not is None else None)
     for index, plan in enumerate(plans):

@@ -325,13 +325,18 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
         loss_diff = max(abs(a - b) for a, b in zip(losses, expected))
         logit_diff = (logits - validator.saved_logits()).abs().max().item()
         tolerance = PARITY_TOLERANCE[spec["precision"]]
+        # The LR schedule resumes where it stood: the same rates, exactly (older runs recorded none).
+        lrs = [rec["lr"] for rec in records[0]]
+        expected_lrs = (job.get("expected_lrs") or [None] * len(job["expected_losses"]))[start:]
+        same_lrs = lrs == expected_lrs or expected_lrs[0] is None
         return {"status": PASSED if len(losses) == len(expected) and max(loss_diff, logit_diff) <= tolerance
-                else FAILED, "resumed_at_step": start, "steps_resumed": len(losses), "resumed_losses": losses,
-                "uninterrupted_losses": expected, "max_abs_loss_diff": loss_diff,
+                and same_lrs else FAILED, "resumed_at_step": start, "steps_resumed": len(losses),
+                "resumed_losses": losses, "uninterrupted_losses": expected, "max_abs_loss_diff": loss_diff,
+                "resumed_lrs": lrs, "uninterrupted_lrs": expected_lrs, "lrs_identical": lrs == expected_lrs,
                 "max_abs_final_logit_diff": logit_diff, "tolerance": tolerance,
                 "how": f"fresh process loads the checkpoint saved after {start} steps (weights, optimizer, RNG, "
-                       "data position; the LR is constant) and trains to the end; losses vs the training run's "
-                       "own later steps, final logits vs the final checkpoint's"}
+                       "data position, LR schedule) and trains to the end; losses vs the training run's own later "
+                       "steps, learning rates identical, final logits vs the final checkpoint's"}
 
     validator.guarded("resume_parity", resume_parity)
 

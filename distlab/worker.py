@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from distlab.activations import ActivationProbe
 from distlab.evaluation import evaluate_run
 from distlab.links import interface_counters
 from distlab.loop import gather, train
@@ -25,6 +26,7 @@ from distlab.memory import (OOM_EXIT_CODE, add_peaks_through_save, apply_memory_
                             gather_peaks_through_save, is_out_of_memory, load_phase_record, memory_record,
                             record_oom, rss_now, start_save_phase)
 from distlab.model_setup import prepare_model
+from distlab.monitor import RunMonitor
 from distlab.run_outputs import write_outputs
 from distlab.run_summary import gather_ranks, summarize_run
 from distlab.strategies import strategy_for
@@ -69,24 +71,34 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     timeline.mark("model load, wrap, verify")
     if cpu_budget is not None:  # what the kernel enforces on every rank, read back
         prepared.described["cpu_budget"] = gather(cpu_budget)
-    train_data = strategy.task.train_data(job, spec, ctx.device)  # the task's samples (and what turns them into batches)
+    train_data = strategy.task.train_data(job, spec, ctx.device)  # the task's samples and their batches
     prepared.described["task"] = train_data.describe()
 
     checkpoints = (checkpoints_class or TrainingCheckpoints)(job, ctx, strategy, prepared.signature,
                                                              len(train_data))
     start_step = checkpoints.resume()
+    # Progress, trackers and eval points between steps; the activation-memory probe on an untimed step.
+    monitor = RunMonitor(job, ctx, strategy, checkpoints.records, start_step, checkpoints)
+    probe = ActivationProbe(spec, ctx.rank, start_step)
+
+    def on_step_end(step: int) -> None:
+        monitor.after_step(step)  # first: a checkpoint saved at this step holds its eval point
+        checkpoints.on_step_end(step)
+
     load_phase = load_phase_record(ctx.device, rss_before_model)  # process start -> first step
     timeline.mark("data, resume")
     wire_before = interface_counters() if spec.get("link") else None  # this host's link, around the steps
     result = train(ctx, strategy, train_data, start_step=start_step, stream=checkpoints.stream,
-                   on_step_end=checkpoints.on_step_end, records=checkpoints.records)
+                   on_step_end=on_step_end, records=checkpoints.records, micro_context=probe)
     timeline.mark("steps")
+    during = monitor.finish()
     leave_cpu_budget(cpu_budget)
     if wire_before is not None:  # bytes this rank's host sent and received during its steps
         wire = interface_counters()
         prepared.described["link_traffic"] = gather({k: wire[k] - wire_before[k] for k in wire})
     prepared.described.update(strategy.facts_after_training() or {}, train_mode=result["train_mode"])
     memory = memory_record(ctx, load_phase)
+    memory["activations"] = probe.result
     memory["budget"] = budget_verdict(budget, memory, result["state_bytes"])
 
     ranks = gather_ranks(result, memory)
@@ -97,7 +109,13 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     timeline.mark("held-out eval")
     out = summarize_run(job, ctx, strategy, prepared, ranks, len(train_data), started) if ctx.is_main else None
     if out is not None:
-        out[0]["eval"] = evaluation
+        if evaluation is not None:
+            out[0]["eval"] = {**evaluation, "during_training": during["eval_points"]}
+            if "selected" in during:
+                out[0]["eval"]["selected"] = during["selected"]
+        else:
+            out[0]["eval"] = None
+        out[0]["tracking"] = during.get("tracking")
         # The run's figures are on disk before the final save: a save that fails (or runs out of
         # memory, distlab.launch.write_oom_metrics) cannot take them with it.
         out[0]["checkpoint"] = {"status": "saving" if checkpoints.enabled else "off",

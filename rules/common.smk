@@ -7,6 +7,7 @@ import sys
 sys.path.insert(0, workflow.basedir)  # distlab/ works from a checkout without `pip install -e .`
 
 from distlab.config import OPT_IN_STAGES, ConfigError, built_model, load as load_config, validated_experiments
+from distlab.finetune_config import resolve_epochs
 from distlab.data_checks import datasets_of
 from distlab.tokenizer_checks import tokenizer_source
 from distlab.hardware import gpu_count, machine_tag
@@ -110,8 +111,24 @@ def base_eval_path(wildcards):
 
 
 def experiment_spec(wildcards):
-    """Only this experiment's resolved spec: editing another experiment leaves this job alone."""
+    """Only this experiment's resolved spec: editing another experiment leaves this job alone.
+    An `epochs` experiment keeps steps None here (its data may not exist yet, and params must
+    not change once it does): distlab.launch resolves them from the prepared data."""
     return SPECS[wildcards.experiment]
+
+
+def check_epochs_experiments():
+    """Epochs experiments whose data is already prepared are checked now, like the others."""
+    for spec in SPECS.values():
+        folder = f"{PREP}/data/{spec.get('dataset', 'default')}-seq{spec['seq_len']}"
+        if spec["steps"] is None and os.path.isfile(f"{folder}/distlab_data.json"):
+            try:
+                resolve_epochs(spec, folder)
+            except ConfigError as error:
+                raise WorkflowError(str(error)) from None
+
+
+check_epochs_experiments()
 
 
 def on_ray_cluster(spec):
@@ -241,7 +258,11 @@ def experiment_runtime(wildcards, rule="train"):
     if planned is not None:
         return planned
     spec = SPECS[wildcards.experiment]
-    return (10 + (spec["steps"] * spec.get("repeats", 1)) // 60) * spec.get("launches", 1)
+    steps = spec["steps"]
+    if steps is None:  # epochs: known once the data exists (a resource cannot wait on a checkpoint)
+        folder = data_dir(wildcards)
+        steps = resolve_epochs(spec, folder)["steps"] if os.path.isfile(f"{folder}/distlab_data.json") else 3600
+    return (10 + (steps * spec.get("repeats", 1)) // 60) * spec.get("launches", 1)
 
 
 def validation_runtime(wildcards):

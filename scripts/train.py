@@ -1,8 +1,10 @@
 """Rule train: write this experiment's job file and start its ranks."""
+import json
 import os
 from pathlib import Path
 
 from distlab.launch import launch, rule_job
+from distlab.run_outputs import one_line
 from distlab.rule_log import logged
 
 with logged(snakemake):
@@ -19,3 +21,6 @@ with logged(snakemake):
         for partial in folder.glob("*.tmp"):  # a save the out-of-memory exit cut short
             shutil.rmtree(partial, ignore_errors=True)
         Path(folder, "NO_CHECKPOINT").write_text("run ended out of memory; see metrics.json\n")
+
+# One line on the terminal Snakemake runs in (everything else went to the job log above).
+print(one_line(json.loads(Path(snakemake.output.metrics).read_text())), flush=True)

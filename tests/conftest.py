@@ -18,7 +18,7 @@ sys.path.insert(0, str(REPO))
 TINY_MODEL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "intermediate_size": 128, "max_position_embeddings": 128, "tie_word_embeddings": False, "seed": 0}
 TINY_DATA = {"source": "python-docs", "vocab_size": 512, "eval_fraction": 0.05, "seed": 0}
-TINY_DEFAULTS = {"steps": 6, "warmup_steps": 2, "seq_len": 32, "micro_batch": 4, "device": "cpu"}
+TINY_DEFAULTS = {"steps": 6, "untimed_steps": 2, "seq_len": 32, "micro_batch": 4, "device": "cpu"}
 
 
 def tiny_config(stages: dict, **top) -> dict:

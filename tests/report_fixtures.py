@@ -15,14 +15,16 @@ import pytest
 from conftest import snakemake, tiny_config
 
 MACHINE = "testbox"  # the machine tag of the `prepared` hardware.json
-STAGES = {"ddp": {"experiments": [{"world_size": 1, "micro_batch": 8},
+# The 1-rank run's length is in epochs (0.01 of the 6438 train blocks: 804 micro-batches of 8
+# per epoch -> 9 steps), resolved by its launch; both runs feed the trackers.
+STAGES = {"ddp": {"experiments": [{"world_size": 1, "micro_batch": 8, "epochs": 0.01},
                                   {"world_size": 2, "micro_batch": 4, "repeats": 2}]}}
 
 
 def pipeline_config() -> dict:
     cfg = tiny_config(STAGES, machine=MACHINE,
                       collectives={"min_bytes": 1024, "max_bytes_cpu": 262144, "iters": 4, "warmup": 1})
-    cfg["defaults"].update(steps=8, warmup_steps=2)
+    cfg["defaults"].update(steps=8, untimed_steps=2, tracking=["tensorboard", "mlflow"])
     return cfg
 
 

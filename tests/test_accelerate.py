@@ -22,11 +22,15 @@ def runs(prepared, tmp_path_factory):
     """LoRA through Accelerate on 1 and 2 processes (same spec otherwise), 2 processes with
     2 accumulated micro-batches, and DDP at the same global batch for reference."""
     root = tmp_path_factory.mktemp("accelerate")
+    # The accumulation pair also fine-tunes as people do: linear decay after 2 warm-up steps,
+    # clipping through accelerator.clip_grad_norm_ (a norm the adapters exceed), and Accelerate's
+    # run recomputes every 2nd layer (activation checkpointing selective) while DDP keeps them all.
+    tuned = {"lr_schedule": "linear", "lr_warmup_steps": 2, "max_grad_norm": 0.05, "lr": 1e-3}
     plan = {
         "w1": ({**ACC, "world_size": 1}, False),
         "w2": ({**ACC, "world_size": 2}, True),
-        "w2ga2": ({**ACC, "world_size": 2, "grad_accum": 2}, False),
-        "ddp": ({"strategy": "ddp", "method": "lora", "world_size": 2, "micro_batch": 4}, False),
+        "w2ga2": ({**ACC, "world_size": 2, "grad_accum": 2, **tuned, "activation_checkpointing": "selective"}, False),
+        "ddp": ({"strategy": "ddp", "method": "lora", "world_size": 2, "micro_batch": 4, **tuned}, False),
     }
     out = {}
     for name, (overrides, checkpoint) in plan.items():
@@ -174,6 +178,12 @@ def test_accelerate_gradient_accumulation_matches_ddp_at_the_same_global_batch(r
     accumulated, ddp, plain = runs["w2ga2"], runs["ddp"], runs["w2"]
     for a, b in zip(accumulated["loss"]["per_step"], ddp["loss"]["per_step"]):
         assert abs(a - b) < 1e-5, (accumulated["loss"]["per_step"], ddp["loss"]["per_step"])
+    # Same schedule and the same pre-clip norm (above max_grad_norm: clipped) as DDP's.
+    mine, theirs = accumulated["optimization"], ddp["optimization"]
+    assert mine["lr_per_step"] == theirs["lr_per_step"] and len(set(mine["lr_per_step"])) > 3
+    for a, b in zip(mine["grad_norm_per_step"], theirs["grad_norm_per_step"]):
+        assert abs(a / b - 1) < 1e-4 and b > ddp["spec"]["max_grad_norm"], (mine, theirs)
+    assert accumulated["as_built"]["activation_checkpointing"]["checkpointed"] == [0]
     counts = accumulated["as_built"]["accelerate"]["counts"]
     assert counts["micro_batches"] == 12 and counts["optimizer_steps_taken"] == 6 and counts["gradient_syncs"] == 6
     # Gradients are all-reduced once per optimizer step, not once per micro-batch.

@@ -34,7 +34,7 @@ def runs(prepared, tmp_path_factory):
     for name, (overrides, stage) in BF16_RUNS.items():
         run = root / name
         spec = resolve({**overrides, "precision": "bf16", "checkpoint_every": 2}, stage=stage, steps=4,
-                       warmup_steps=1)
+                       untimed_steps=1)
         metrics = run_experiment(prepared, run, spec)
         validation = validate_run(run, str(prepared / "model"), str(prepared / "data32"), run / "validation.json",
                                   log_path=str(run / "validate.log"))

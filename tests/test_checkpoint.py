@@ -4,6 +4,7 @@ folder), and refuses to load when it was altered or made for another model, base
 import copy
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,11 +16,17 @@ from distlab.loop import IndexStream
 from distlab.validate import validate_run
 
 
+TUNED = {"lr_schedule": "cosine", "lr_warmup_steps": 2, "max_grad_norm": 1.0}
+
+
 @pytest.fixture(scope="module")
 def trained(prepared, tmp_path_factory):
-    """A 2-rank DDP run of 6 steps with checkpoints every 2 steps, and its validation."""
+    """A 2-rank DDP run of 6 steps with checkpoints every 2 steps, and its validation. It
+    fine-tunes with a cosine schedule (warm-up 2, so the resume at step 4 lands mid-decay),
+    clipping, eval points every 2 steps and checkpoint_select best."""
     run = tmp_path_factory.mktemp("ckpt") / "ddp-w2"
-    run_experiment(prepared, run, resolve({"world_size": 2, "micro_batch": 4, "checkpoint_every": 2}))
+    run_experiment(prepared, run, resolve({"world_size": 2, "micro_batch": 4, "checkpoint_every": 2, **TUNED,
+                                           "eval_every": 2, "checkpoint_select": "best"}))
     result = validate_run(run, str(prepared / "model"), str(prepared / "data32"), run / "validation.json",
                           log_path=str(run / "validate.log"))
     return run, result
@@ -64,6 +71,11 @@ def test_ddp_checkpoint_validates_reload_reshard_resume_and_export(trained):
     assert export["layout"]["files_as_save_pretrained"], export["layout"]
     # The gathered state is the model that trained: its own forward gave the same logits.
     assert export["training_model_max_abs_logit_diff"] <= export["training_model_tolerance"] == 1e-5
+    # Mid-schedule: the LR schedule's state came back with the checkpoint, so the resumed steps
+    # use the uninterrupted run's (decaying) rates and reach its losses bit for bit.
+    assert parity["lrs_identical"] and parity["resumed_lrs"] == parity["uninterrupted_lrs"]
+    assert 0 < parity["resumed_lrs"][1] < parity["resumed_lrs"][0] < 3e-4
+    assert parity["resumed_losses"] == parity["uninterrupted_losses"]
     sizes = checks["size_and_time"]
     assert sizes["state_bytes"] > 0 and sizes["save_seconds"] > 0 and sizes["load_seconds"] > 0
     assert json.loads((run / "validation.json").read_text())["schema_version"] == 1
@@ -85,6 +97,21 @@ def test_checkpoint_folder_has_native_state_trainer_state_export_and_manifest(tr
     assert not (run / "resume").exists()
     metrics = json.loads((run / "metrics.json").read_text())
     assert [s["steps_done"] for s in metrics["checkpoint"]["periodic_saves"]] == [2, 4]
+
+
+@pytest.mark.slow
+def test_best_eval_point_keeps_its_checkpoint_with_export_as_the_selected_model(trained):
+    run, _ = trained
+    metrics = json.loads((run / "metrics.json").read_text())
+    points, selected = metrics["eval"]["during_training"], metrics["eval"]["selected"]
+    assert [p["steps_done"] for p in points] == [2, 4, 6]
+    best = min(points, key=lambda p: p["loss"])
+    assert selected["select"] == "best" and selected["loss"] == best["loss"]
+    folder = Path(selected["checkpoint"])
+    assert folder == run / "checkpoint" / "best" and verify_manifest(folder) == []
+    assert selected["checkpoint_steps_done"] == best["steps_done"]
+    assert (folder / "export" / "model.safetensors").is_file()
+    assert not (run / "best-checkpoint").exists()
 
 
 @pytest.mark.slow
@@ -117,11 +144,11 @@ def test_altered_checkpoint_file_fails_validation_naming_the_file(trained, prepa
 def test_checkpoint_from_a_different_config_is_refused_naming_the_field(trained):
     run, _ = trained
     meta = ckpt.read_meta(run / "checkpoint" / "final")
-    spec = resolve({"world_size": 2, "micro_batch": 4, "checkpoint_every": 2, "lr": 1e-3})
+    spec = resolve({"world_size": 2, "micro_batch": 4, "checkpoint_every": 2, **TUNED, "lr": 1e-3})
     with pytest.raises(ckpt.CheckpointMismatch, match=r"different experiment config.*field lr 0\.0003"):
         ckpt.check_compatible(meta, spec, meta["model"], "final")
     # Fields that leave the trajectory alone do not block a load.
-    ckpt.check_compatible(meta, dict(spec, lr=3e-4, checkpoint_every=5, warmup_steps=1), meta["model"], "final")
+    ckpt.check_compatible(meta, dict(spec, lr=3e-4, checkpoint_every=5, untimed_steps=1), meta["model"], "final")
 
 
 @pytest.mark.slow

@@ -18,8 +18,10 @@ REFERENCE = "ddp-full-w2-mb4-ga1-ref"
 def test_killed_rank_fails_the_job_and_the_rerun_resumes_to_the_same_losses(prepared, tmp_path):
     work = tmp_path / "work"
     seed_prepared(prepared, work)
-    experiments = [{"world_size": 2, "micro_batch": 4, "checkpoint_every": 2},
-                   {"world_size": 2, "micro_batch": 4, "checkpoint_every": 2, "tag": "ref"}]
+    # Mid-schedule: warm-up over the first 2 steps, then cosine decay; the kill falls inside it.
+    tuned = {"lr_schedule": "cosine", "lr_warmup_steps": 2, "max_grad_norm": 1.0}
+    experiments = [{"world_size": 2, "micro_batch": 4, "checkpoint_every": 2, **tuned},
+                   {"world_size": 2, "micro_batch": 4, "checkpoint_every": 2, "tag": "ref", **tuned}]
     cfg = tiny_config({"ddp": {"experiments": experiments}}, machine=MACHINE)
     results = work / "results" / MACHINE
     targets = [f"results/{MACHINE}/{exp}/metrics.json" for exp in (KILLED, REFERENCE)]
@@ -49,6 +51,9 @@ def test_killed_rank_fails_the_job_and_the_rerun_resumes_to_the_same_losses(prep
     steps = [json.loads(line) for line in (results / KILLED / "steps.jsonl").read_text().splitlines()]
     ref_steps = [json.loads(line) for line in (results / REFERENCE / "steps.jsonl").read_text().splitlines()]
     assert [s["samples_by_rank"] for s in steps] == [s["samples_by_rank"] for s in ref_steps]
+    # The LR schedule resumed where it stood: the same rates, and the same pre-clip norms.
+    assert [s["lr"] for s in steps] == [s["lr"] for s in ref_steps] and len({s["lr"] for s in steps}) > 3
+    assert [s["grad_norm"] for s in steps] == pytest.approx([s["grad_norm"] for s in ref_steps], rel=1e-6)
     assert (results / KILLED / "checkpoint" / "final" / "MANIFEST.json").is_file()
     assert not (results / KILLED / "resume").exists()
 
@@ -65,7 +70,7 @@ def test_a_failed_final_save_keeps_the_runs_figures_and_counts_it_trained_but_un
     from distlab.report.collect import load_run, summary_row
     from distlab.validate import validate_run
 
-    spec = resolve({"world_size": 2, "micro_batch": 4}, steps=4, warmup_steps=1)
+    spec = resolve({"world_size": 2, "micro_batch": 4}, steps=4, untimed_steps=1)
     monkeypatch.setenv(SAVE_FAULT_ENV, spec["id"])
     run = tmp_path / "run"
     metrics = run_experiment(prepared, run, spec)
@@ -96,7 +101,7 @@ def test_a_run_that_dies_out_of_memory_in_its_final_save_had_written_its_figures
     from distlab.export import SAVE_FAULT_ENV
     from distlab.launch import launch
 
-    spec = resolve({"world_size": 1, "micro_batch": 4}, steps=3, warmup_steps=1)
+    spec = resolve({"world_size": 1, "micro_batch": 4}, steps=3, untimed_steps=1)
     monkeypatch.setenv(SAVE_FAULT_ENV, f"{spec['id']}:oom")
     run = tmp_path / "run"
     job = {"spec": spec, "run_dir": str(run), "data_dir": str(prepared / "data32"),

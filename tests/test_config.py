@@ -22,8 +22,8 @@ BAD_CONFIGS = [
     ("unknown experiment key", lambda c: c["stages"]["ddp"]["experiments"][0].update(wrld_size=2), "wrld_size"),
     ("world size 0", lambda c: c["stages"]["ddp"]["experiments"][0].update(world_size=0), "world_size"),
     ("world size as text", lambda c: c["stages"]["ddp"]["experiments"][0].update(world_size="2"), "world_size"),
-    ("steps fewer than warm-up", lambda c: c["stages"]["ddp"]["experiments"][0].update(steps=3, warmup_steps=3),
-     "warmup_steps"),
+    ("steps fewer than warm-up", lambda c: c["stages"]["ddp"]["experiments"][0].update(steps=3, untimed_steps=3),
+     "untimed_steps"),
     ("sequence beyond the model's positions", lambda c: c["stages"]["ddp"]["experiments"][0].update(seq_len=4096),
      "seq_len"),
     ("model path that does not exist", lambda c: c["model"].update(path="/nonexistent/model"), "model.path"),
@@ -47,6 +47,21 @@ BAD_CONFIGS = [
     ("results_dir under /proc", lambda c: c.update(results_dir="/proc/x"), "results_dir"),
     ("machine named like the prep folder", lambda c: c.update(machine="prep"), "machine"),
     ("machine named like the report folder", lambda c: c.update(machine="report"), "machine"),
+    ("steps and epochs in one experiment", lambda c: c["stages"]["ddp"]["experiments"][0].update(steps=4, epochs=1),
+     "stages.ddp.experiments[0].epochs"),
+    ("LR warm-up as steps and as a ratio", lambda c: c["defaults"].update(lr_warmup_steps=2, lr_warmup_ratio=0.1),
+     "defaults.lr_warmup_ratio"),
+    ("LR warm-up longer than the run", lambda c: c["stages"]["ddp"]["experiments"][0].update(lr_warmup_steps=99),
+     "lr_warmup_steps"),
+    ("unknown LR schedule", lambda c: c["defaults"].update(lr_schedule="onecycle"), "defaults.lr_schedule"),
+    ("negative max_grad_norm", lambda c: c["defaults"].update(max_grad_norm=-1.0), "defaults.max_grad_norm"),
+    ("unknown tracker", lambda c: c["defaults"].update(tracking=["wandb"]), "defaults.tracking"),
+    ("best checkpoint without eval points", lambda c: c["stages"]["ddp"]["experiments"][0].update(
+        checkpoint_select="best"), "checkpoint_select"),
+    ("selective checkpointing of every layer", lambda c: c["defaults"].update(activation_checkpointing_every=1),
+     "activation_checkpointing_every"),
+    ("old and new name of the untimed steps", lambda c: c["defaults"].update(warmup_steps=1, untimed_steps=1),
+     "defaults.warmup_steps"),
 ]
 
 
@@ -226,3 +241,61 @@ def test_a_new_strategy_is_its_module_and_its_name_in_the_schema(monkeypatch):
     assert strategies.strategy_for({"strategy": "mine"}) is MineStrategy
     with pytest.raises(NotImplementedError, match=r"strategy 'nope' is not implemented.*'mine'"):
         strategies.get_strategy_class("nope")
+
+
+def test_epochs_or_max_tokens_replace_the_steps_they_inherit_and_resolve_to_optimizer_steps(tmp_path):
+    import json
+
+    from distlab.finetune_config import resolve_epochs
+
+    # max_tokens: known at config time. 2000 tokens / (4 x 2 accumulated x 2 ranks x 32) = 3.9 -> 4 steps.
+    (spec,) = load(ddp_config({"world_size": 2, "grad_accum": 2, "max_tokens": 2000}), gpu_count=0)[1].values()
+    assert spec["steps"] == 4 and spec["length"]["from"] == "max_tokens" and spec["epochs"] is None
+    # epochs: the prepared data's train blocks decide, once they exist (distlab.launch).
+    (spec,) = load(ddp_config({"world_size": 2, "epochs": 1.5, "lr_warmup_ratio": 0.1}), gpu_count=0)[1].values()
+    assert spec["steps"] is None and spec["length"]["from"] == "epochs"
+    (tmp_path / "distlab_data.json").write_text(json.dumps({"splits": {"train": {"blocks": 101}}}))
+    resolved = resolve_epochs(spec, tmp_path)
+    # 101 blocks over 2 ranks = 50 each, 12 micro-batches of 4 per epoch; 1.5 epochs = 18 steps,
+    # warm-up ceil(0.1 x 18) = 2 steps.
+    assert resolved["steps"] == 18 and resolved["length"]["micro_batches_per_epoch_per_rank"] == 12
+    assert resolved["lr_warmup_steps"] == 2
+    # Checked like any length once known: 2 untimed steps leave nothing to time in 1 step.
+    too_short = dict(spec, epochs=0.05)
+    with pytest.raises(ConfigError, match="config field 'untimed_steps' of experiment"):
+        resolve_epochs(too_short, tmp_path)
+
+
+def test_warmup_steps_still_works_and_says_it_means_untimed_steps_not_the_lr_warm_up():
+    from distlab.finetune_config import ConfigDeprecation
+
+    cfg = ddp_config({"world_size": 1})
+    cfg["defaults"].pop("untimed_steps")
+    cfg["defaults"]["warmup_steps"] = 3
+    with pytest.warns(ConfigDeprecation, match=r"defaults\.warmup_steps.*steps left out of the timing.*not the "
+                                               r"learning-rate warm-up.*untimed_steps"):
+        (spec,) = load(cfg, gpu_count=0)[1].values()
+    assert spec["untimed_steps"] == 3 and "warmup_steps" not in spec and spec["lr_warmup_steps"] == 0
+
+
+def test_the_readmes_three_epoch_fine_tune_config_loads(prepared, tmp_path):
+    import json
+    import re
+
+    import yaml
+
+    from conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Fine-tune my own model for 3 epochs", 1)[1]
+    cfg = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                                       {"role": "assistant", "content": f"a{i}"}]})
+                              for i in range(5)))
+    cfg["model"]["path"], cfg["data"]["files"] = str(prepared / "model"), [str(chat)]
+    cfg["results_dir"] = str(tmp_path / "results")
+    cfg["defaults"]["seq_len"] = 32  # the tests' model has 128 positions
+    (spec,) = load(cfg, gpu_count=2)[1].values()
+    assert spec["epochs"] == 3 and spec["steps"] is None and spec["lr_schedule"] == "cosine"
+    assert spec["activation_checkpointing"] == "full" and spec["tracking"] == ["tensorboard", "mlflow"]

@@ -52,3 +52,16 @@ def test_local_jsonl_files_are_read_by_text_field(tmp_path):
     path.write_text("\n".join(json.dumps({"body": f"line {i}"}) for i in range(3)))
     assert data.corpus_texts({"source": "files", "files": [str(path)], "text_field": "body"}) == [
         "line 0", "line 1", "line 2"]
+
+
+def test_data_prep_reports_rows_tokens_and_tokens_per_second(prepared, capsys):
+    from distlab.prep_progress import TokenizeProgress
+
+    prep = data.read_data_info(prepared / "data32")["prep"]
+    blocks = prep["blocks"]
+    assert prep["rows"] > 0 and prep["tokens"] >= blocks * 32 > 0 and prep["tokens_per_s"] > 0
+    # While it runs: rows, tokens and the rate, every `every_s` seconds, from each tokenizing process.
+    progress = TokenizeProgress(lambda batch: {"input_ids": [[1, 2, 3]] * len(batch["text"])}, every_s=0)
+    progress({"text": ["a", "b"]})
+    progress({"text": ["c"]})
+    assert "tokenized 3 rows, 9 tokens" in capsys.readouterr().out

@@ -72,7 +72,7 @@ def test_training_loss_counts_only_response_tokens(prepared, instruction_data, t
     from distlab.launch import launch
     from distlab.model import load_model
 
-    spec = resolve({"strategy": "ddp", "world_size": 1, "micro_batch": 4}, steps=3, warmup_steps=1)
+    spec = resolve({"strategy": "ddp", "world_size": 1, "micro_batch": 4}, steps=3, untimed_steps=1)
     job = {"spec": spec, "run_dir": str(tmp_path), "data_dir": str(instruction_data),
            "model_source": str(prepared / "model"), "hardware_json": str(prepared / "hardware.json"),
            "env_allowlist": [], "checkpoint_dir": None}

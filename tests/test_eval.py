@@ -29,7 +29,7 @@ def test_sharded_run_is_evaluated_whole_beside_the_base_model(prepared, tmp_path
     from distlab.launch import launch
 
     base = evaluation.evaluate_base(str(prepared / "model"), prepared / "data32", tmp_path / "base.json")
-    spec = resolve(overrides, stage="fsdp", steps=4, warmup_steps=1)
+    spec = resolve(overrides, stage="fsdp", steps=4, untimed_steps=1)
     run_dir = tmp_path / "run"
     job = {"spec": spec, "run_dir": str(run_dir), "data_dir": str(prepared / "data32"),
            "model_source": str(prepared / "model"), "hardware_json": str(prepared / "hardware.json"),

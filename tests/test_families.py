@@ -58,7 +58,7 @@ STRATEGIES = {  # strategy -> (stage, experiment overrides): 2 ranks each
     "pp": ("parallel", {"strategy": "pp", "pp": {"microbatches": 2}}),
 }
 # One cheap optimizer step: only step 0's loss is compared.
-RUN_DEFAULTS = {"steps": 1, "warmup_steps": 0, "seq_len": SEQ_LEN, "micro_batch": 2, "world_size": 2}
+RUN_DEFAULTS = {"steps": 1, "untimed_steps": 0, "seq_len": SEQ_LEN, "micro_batch": 2, "world_size": 2}
 
 # Refused at config time, with the words the reason must contain.
 REFUSED = {

@@ -70,7 +70,7 @@ def test_a_timeout_kills_every_rank_of_the_launch(tmp_path, reaper):
 
 
 def test_sigkill_of_snakemake_leaves_no_launcher_or_rank_running(prepared, tmp_path, reaper):
-    spec = resolve({"world_size": 2}, steps=100000, warmup_steps=2)  # would train for an hour
+    spec = resolve({"world_size": 2}, steps=100000, untimed_steps=2)  # would train for an hour
     run_dir = tmp_path / "run"
     job = {"spec": spec, "run_dir": str(run_dir), "data_dir": str(prepared / "data32"),
            "model_source": str(prepared / "model"), "hardware_json": str(prepared / "hardware.json"),

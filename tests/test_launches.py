@@ -11,7 +11,7 @@ def test_further_launches_time_the_same_work_and_give_the_spread(prepared, tmp_p
     from distlab.report.collect import throughput_stats
 
     run = run_experiment(prepared, tmp_path / "run", resolve({"world_size": 1, "micro_batch": 4, "launches": 2},
-                                                             steps=4, warmup_steps=2), checkpoint=False)
+                                                             steps=4, untimed_steps=2), checkpoint=False)
     first, second = run["launches"]
     assert first["tokens_per_s"] == run["throughput"]["tokens_per_s"]
     assert second["loss_last"] == pytest.approx(first["loss_last"], abs=1e-6)  # the same work, again

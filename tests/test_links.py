@@ -28,7 +28,7 @@ def capped_runs(prepared, tmp_path_factory):
     root = tmp_path_factory.mktemp("links")
     runs = {}
     for cap in CAPS:
-        spec = resolve({"world_size": 2, "link": {"bandwidth_mbit": cap}}, steps=STEPS, warmup_steps=2)
+        spec = resolve({"world_size": 2, "link": {"bandwidth_mbit": cap}}, steps=STEPS, untimed_steps=2)
         run_dir = root / spec["id"]
         runs[cap] = (run_experiment(prepared, run_dir, spec, checkpoint=False),
                      json.loads((run_dir / "run_files" / "link.json").read_text()))

@@ -11,7 +11,7 @@ def test_a_cpu_run_past_its_budget_ends_as_oom_and_one_within_it_finishes(prepar
     from distlab.launch import launch
 
     # 0.25 GiB: less than the interpreter + torch + transformers of one rank process.
-    spec = resolve({"strategy": "ddp", "world_size": 1, "memory_budget_gib": 0.25}, steps=2, warmup_steps=1)
+    spec = resolve({"strategy": "ddp", "world_size": 1, "memory_budget_gib": 0.25}, steps=2, untimed_steps=1)
     job = {"spec": spec, "run_dir": str(tmp_path / "small"), "data_dir": str(prepared / "data32"),
            "model_source": str(prepared / "model"), "hardware_json": str(prepared / "hardware.json"),
            "env_allowlist": [], "checkpoint_dir": None}
@@ -21,7 +21,7 @@ def test_a_cpu_run_past_its_budget_ends_as_oom_and_one_within_it_finishes(prepar
     (record,) = metrics["oom"]
     assert "passed the memory budget 0.250 GiB" in record["error"]
 
-    roomy = resolve({"strategy": "ddp", "world_size": 1, "memory_budget_gib": 4}, steps=2, warmup_steps=1)
+    roomy = resolve({"strategy": "ddp", "world_size": 1, "memory_budget_gib": 4}, steps=2, untimed_steps=1)
     ok = run_experiment(prepared, tmp_path / "roomy", roomy, checkpoint=False)
     assert ok["status"] == "ok"
     (rank,) = ok["memory"]["per_rank"]

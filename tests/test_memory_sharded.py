@@ -20,8 +20,8 @@ MIB = 2**20
 # loads (0.39 GiB before the model, 1.22 GB of fp32 weights and their load transient), an FSDP
 # rank near 1.4 GiB (training).
 BUDGET_GIB = 1.7
-LORA = {"method": "lora", "steps": 2, "warmup_steps": 1}
-FULL = {"method": "full", "steps": 2, "warmup_steps": 1}
+LORA = {"method": "lora", "steps": 2, "untimed_steps": 1}
+FULL = {"method": "full", "steps": 2, "untimed_steps": 1}
 
 
 def build_model(prepared, root, hidden: int, layers: int, inter: int, heads: int) -> int:

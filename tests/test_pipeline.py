@@ -41,6 +41,34 @@ def test_pipeline_produces_measured_stage1_report(finished):
     assert "**passed** (minimal)" in readme and "**passed** (bonus)" in readme
 
 
+def test_an_epochs_run_gets_its_steps_from_the_prepared_data_and_a_rerun_has_nothing_to_do(finished):
+    work, _ = finished
+    metrics = json.loads((work / "results" / MACHINE / "ddp-full-w1-mb8-ga1" / "metrics.json").read_text())
+    length = metrics["spec"]["length"]
+    assert length["from"] == "epochs" and length["train_blocks"] == 6438 and metrics["spec"]["steps"] == 9
+    assert len(metrics["loss"]["per_step"]) == 9  # (the no-op rerun: test_nothing_to_do_on_a_rerun)
+
+
+def test_every_runs_curves_are_in_tensorboard_and_the_machines_mlflow_store(finished):
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from distlab.tracking import mlflow_uri
+
+    work, _ = finished
+    client = MlflowClient(tracking_uri=mlflow_uri(work / "results" / MACHINE / "tracking"))
+    (experiment,) = client.search_experiments(filter_string=f"name = 'distlab/{MACHINE}'")
+    for name in ("ddp-full-w1-mb8-ga1", "ddp-full-w2-mb4-ga1"):
+        run = work / "results" / MACHINE / name
+        losses = json.loads((run / "metrics.json").read_text())["loss"]["per_step"]
+        events = EventAccumulator(str(run / "run_files" / "tensorboard"))
+        events.Reload()
+        assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(losses, rel=1e-6)
+        (logged,) = client.search_runs([experiment.experiment_id], f"tags.`distlab.experiment` = '{name}'")
+        history = sorted(client.get_metric_history(logged.info.run_id, "train/loss"), key=lambda m: m.step)
+        assert [m.value for m in history] == pytest.approx(losses, rel=1e-12) and logged.info.status == "FINISHED"
+
+
 def test_benchmark_and_log_recorded_for_training_jobs(finished):
     run = finished[0] / "results" / MACHINE / "ddp-full-w1-mb8-ga1"
     assert (run / "benchmark.tsv").read_text().startswith("s\t")
@@ -118,8 +146,10 @@ def test_delete_all_output_leaves_nothing_of_a_run_but_its_logs(finished, tmp_pa
     assert {"accelerate_config.yaml", "pipeline-rank0.json", "pipeline-rank1.json"} <= written, written
     snakemake(copy_dir, "--delete-all-output", "--cores", "1", config=cfg)
     logs = {".log", ".tsv"}  # Snakemake keeps logs and benchmarks by design
+    # ...and the machine's MLflow store, which every job adds its run to (distlab/tracking.py).
+    shared = {"tracking/mlflow.db", "tracking/mlflow.lock"}
     left = sorted(str(p.relative_to(results)) for p in (results / MACHINE).rglob("*")
-                  if p.is_file() and p.suffix not in logs)
+                  if p.is_file() and p.suffix not in logs and str(p.relative_to(results / MACHINE)) not in shared)
     assert left == [], left
     assert not (results / "summary.csv").exists()
     assert not [p for p in (results / "report").rglob("*") if p.is_file()]  # empty folders may stay

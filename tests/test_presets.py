@@ -19,7 +19,7 @@ from distlab import advisor, preset_twins
 from distlab.config import load
 
 SEQ = 16
-SHORT = {"steps": 2, "warmup_steps": 1, "seq_len": SEQ}
+SHORT = {"steps": 2, "untimed_steps": 1, "seq_len": SEQ}
 PRESETS = preset_twins.preset_names()
 
 

@@ -40,7 +40,7 @@ def cluster():
                 os.environ[key] = value
 
 
-SHORT = {"steps": 8, "warmup_steps": 2, "checkpoint_every": 2}
+SHORT = {"steps": 8, "untimed_steps": 2, "checkpoint_every": 2}
 
 
 def on_cluster(cluster, overrides: dict) -> dict:
@@ -159,7 +159,7 @@ def test_elastic_ray_run_grows_when_a_node_joins_and_shrinks_when_it_leaves(prep
     # the old size; it retries when the group start times out (Ray's knob, 60 s by default).
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
     # Two 1-CPU nodes hold 2 of the 3 wanted workers; a third node joins, then leaves.
-    spec = resolve({"world_size": 3, "launcher": "ray", "micro_batch": 32, "steps": 300, "warmup_steps": 2,
+    spec = resolve({"world_size": 3, "launcher": "ray", "micro_batch": 32, "steps": 300, "untimed_steps": 2,
                     "checkpoint_every": 10, "ray": {"address": cluster.address, "min_workers": 2,
                                                     "max_failures": 3, "resize_interval_s": 1}}, stage="ray")
     run_dir = tmp_path / "elastic"

@@ -17,7 +17,7 @@ MACHINE = "testbox"  # report_fixtures.MACHINE (not imported: the plugin module 
 
 
 def _run_with_steps(times, repeats, tokens=1000):
-    steps = [{"step_time_s": 9.9, "warmup": True}] + [{"step_time_s": t, "warmup": False} for t in times]
+    steps = [{"step_time_s": 9.9, "untimed": True}] + [{"step_time_s": t, "untimed": False} for t in times]
     return {"spec": {"repeats": repeats}, "throughput": {"tokens_per_step": tokens}, "_steps": steps}
 
 
@@ -46,7 +46,7 @@ def test_repeats_need_two_timed_steps_per_window():
     from distlab.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"experiments\[0\]\.repeats"):
-        resolve({"repeats": 3}, steps=6, warmup_steps=2)
+        resolve({"repeats": 3}, steps=6, untimed_steps=2)
 
 
 def test_report_shows_every_stage_card_and_the_cross_stage_sections(finished_pipeline):

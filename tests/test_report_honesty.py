@@ -96,7 +96,7 @@ def test_no_clear_winner_says_its_spread_is_one_process_not_independent_repeats(
 
     runs = [fake_run(tmp_path / str(w), {"world_size": w, "micro_batch": 8 // w, "repeats": 2}) for w in (1, 2)]
     for run in runs:
-        run["_steps"] = [{"step_time_s": 0.1, "warmup": False}] * 4
+        run["_steps"] = [{"step_time_s": 0.1, "untimed": False}] * 4
         run["_throughput"], run["versions"] = throughput_stats(run), {"torch": "x"}
     (table,) = ranking_card(runs).tables
     assert "within one process" in table.how and "run-to-run variance across separate launches was not " \
@@ -110,7 +110,7 @@ def test_the_ranking_gives_each_runs_own_number_of_timed_steps(tmp_path):
 
     runs = [fake_run(tmp_path / str(w), {"world_size": w, "micro_batch": 8 // w}) for w in (1, 2)]
     for run, timed in zip(runs, (16, 8)):
-        run["_steps"] = [{"step_time_s": 0.1, "warmup": False}] * timed
+        run["_steps"] = [{"step_time_s": 0.1, "untimed": False}] * timed
         run["_throughput"], run["versions"] = throughput_stats(run), {"torch": "x"}
     (table,) = ranking_card(runs).tables
     assert sorted(table.frame["timed steps"]) == [8, 16]

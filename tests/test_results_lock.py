@@ -73,7 +73,7 @@ def test_a_second_snakemake_on_the_same_results_folder_is_refused_and_the_first_
     second.mkdir()
     cfg = tiny_config({"ddp": {"experiments": [{"world_size": 1}]}}, machine=MACHINE,
                       results_dir=str(first / "results"))
-    cfg["defaults"].update(steps=4, warmup_steps=1)
+    cfg["defaults"].update(steps=4, untimed_steps=1)
     import yaml
 
     env = dict(os.environ, PYTHONPATH=str(REPO))

@@ -28,7 +28,7 @@ LORA = {"r": 4, "alpha": 8}
 
 def sd_config() -> dict:
     cfg = tiny_config(STAGES, machine=MACHINE, collectives={"enabled": False}, validation={"scope": "none"})
-    cfg["defaults"].update(steps=3, warmup_steps=1, lora=dict(LORA))
+    cfg["defaults"].update(steps=3, untimed_steps=1, lora=dict(LORA))
     cfg["text_to_image"] = {"data": {"max_images": 64, "eval_images": 4},
                             "samples": {"prompts": ["a handwritten digit seven"], "seeds": [0], "steps": 2}}
     return cfg

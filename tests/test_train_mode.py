@@ -41,7 +41,7 @@ def test_dropout_is_active_in_training(prepared, dropout_model, tmp_path):
         (workspace / name).symlink_to(prepared / name)
     (workspace / "model").symlink_to(dropout_model)
     run = run_experiment(workspace, tmp_path / "run", resolve({"world_size": 1, "micro_batch": 8}, steps=2,
-                                                              warmup_steps=1), checkpoint=False)
+                                                              untimed_steps=1), checkpoint=False)
     assert run["as_built"]["train_mode"]["modules_in_train_mode"] > 0
     first = json.loads((tmp_path / "run" / "steps.jsonl").read_text().splitlines()[0])
     (samples,) = first["samples_by_rank"]

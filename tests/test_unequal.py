@@ -80,7 +80,7 @@ def test_sized_batches_split_by_speed_within_memory():
 
 
 # Unequal CPU devices: rank 1 may use a quarter of rank 0's CPU time (cgroup CFS quota).
-BUDGETS = {"world_size": 2, "micro_batch": 12, "rank_cpu_budget": [0.5, 0.125], "steps": 14, "warmup_steps": 3}
+BUDGETS = {"world_size": 2, "micro_batch": 12, "rank_cpu_budget": [0.5, 0.125], "steps": 14, "untimed_steps": 3}
 
 
 @pytest.fixture(scope="module")

@@ -189,7 +189,7 @@ def write_results(job: dict, outcome: dict, cluster: dict) -> None:
     metrics, steps = returned["metrics"], returned["steps"]
     group_spec = metrics["spec"]
     record = ray_record(outcome, cluster)
-    record["final_group"] = {"world_size": group_spec["world_size"], "warmup_steps": group_spec["warmup_steps"],
+    record["final_group"] = {"world_size": group_spec["world_size"], "untimed_steps": group_spec["untimed_steps"],
                              "start_step": record["attempts"][-1]["start_step"] if record["attempts"] else 0}
     # steps.jsonl keeps the rows of the world size the timing is about; the loss curve spans all.
     record["earlier_groups_steps"] = earlier_rows(record["attempts"], steps, spec["steps"])

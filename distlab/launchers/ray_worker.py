@@ -59,7 +59,7 @@ def _ray_checkpoints_class():
                 for _ in range(steps * self.spec["grad_accum"]):
                     self.stream.next()
                 # This group times only its own steps: keep at least one after its warm-up.
-                self.spec["warmup_steps"] = min(self.spec["warmup_steps"], max(0, self.spec["steps"] - steps - 1))
+                self.spec["untimed_steps"] = min(self.spec["untimed_steps"], max(0, self.spec["steps"] - steps - 1))
             self.report["resumed_from_steps"] = steps
             self._log_start(steps, {"from_world_size": meta["world_size"], "earlier_losses": earlier})
             return steps

@@ -163,8 +163,10 @@ def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
                                  "model state = params + grads (DDP's buckets included) + optimizer bytes "
                                  "the rank held at the last step, offloaded ones too, counted from its "
                                  f"tensors; right = the total and each of params, grads and optimizer within "
-                                 f"{adv.TOLERANCE:.0%} ('where' names a part that is not). On CPU the activation "
-                                 "estimate is not checked: peak RSS includes the interpreter and libraries."))
+                                 f"{adv.TOLERANCE:.0%} ('where' names a part that is not). Activations: the bytes "
+                                 "autograd held at the end of one micro-batch's forward on rank 0 (saved-tensor "
+                                 "hooks) vs distlab.activations' estimate (data-parallel strategies; peak RSS, "
+                                 "which includes the interpreter and libraries, is not compared)."))
         card.notes.append(f"The estimate was wrong for {len(wrong)} of {len(checked)} run(s)"
                           + (": " + "; ".join(f"{c['experiment']} ({c['where'] or 'total'})" for c in wrong)
                              if wrong else "."))

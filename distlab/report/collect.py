@@ -137,7 +137,8 @@ def throughput_stats(run: dict) -> dict | None:
                 "timed_steps": run["timing"]["step_time_s"]["n"],
                 "how": f"{len(launches)} independent launches; median and min-max of their tokens/s"}
     repeats = max(1, int(run["spec"].get("repeats", 1)))
-    timed = [r["step_time_s"] for r in run.get("_steps", []) if not r.get("warmup")]
+    # "warmup": the row key before it was renamed "untimed" (results of older runs).
+    timed = [r["step_time_s"] for r in run.get("_steps", []) if not r.get("untimed", r.get("warmup"))]
     if not timed:
         st = run["timing"]["step_time_s"]
         return {"median": tokens / st["median"], "low": tokens / st["p75"], "high": tokens / st["p25"],
@@ -287,7 +288,7 @@ def summary_row(run: dict) -> dict:
         "device": spec["device"], "world_size": spec["world_size"],
         "micro_batch": spec["micro_batch"], "grad_accum": spec["grad_accum"], "seq_len": spec["seq_len"],
         "sampler": spec["sampler"], "precision": spec["precision"], "steps": spec["steps"],
-        "warmup_steps": spec["warmup_steps"], "repeats": spec.get("repeats", 1),
+        "untimed_steps": spec.get("untimed_steps", spec.get("warmup_steps")), "repeats": spec.get("repeats", 1),
         "actual_wrapper": _get(run, "as_built", "outer_wrapper"),
         "actual_world_size": _get(run, "as_built", "world_size"),
         "step_time_median_s": step.get("median"), "step_time_p25_s": step.get("p25"),

@@ -32,10 +32,16 @@ def label_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
 
 
 def loss_curves(runs: list[dict], title: str) -> str:
+    """Training loss per step; runs with eval_every also their held-out eval points (markers)."""
     fig, ax = figure()
     for run in runs:
         losses = run["loss"]["per_step"]
-        ax.plot(range(len(losses)), losses, label=f"{run['machine']}/{run['experiment']}", linewidth=1.2)
+        line, = ax.plot(range(len(losses)), losses, label=f"{run['machine']}/{run['experiment']}", linewidth=1.2)
+        points = (run.get("eval") or {}).get("during_training") or []
+        if points:
+            ax.plot([p["step"] for p in points], [p["loss"] for p in points], marker="o", markersize=3,
+                    linestyle="--", linewidth=0.8, color=line.get_color(),
+                    label=f"{run['experiment']} held-out eval")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
     ax.set_title(title)

@@ -120,14 +120,26 @@ class AccelerateStrategy(Strategy):
         self.counts["gradient_syncs"] += int(accelerator.sync_gradients)
         return loss.detach()
 
-    def optimizer_step(self) -> None:
+    def clip_gradients(self):
+        """accelerator.clip_grad_norm_ (unscales fp16 gradients first; FSDP-aware) when clipping;
+        the same global norm measured without it when max_grad_norm is 0."""
+        if self.spec["max_grad_norm"] > 0:
+            return self.accelerator.clip_grad_norm_(self.trainable(self.model), self.spec["max_grad_norm"])
+        return super().clip_gradients()
+
+    def scheduled_optimizer(self):
+        return self.optimizer.optimizer  # the torch optimizer inside AcceleratedOptimizer
+
+    def optimizer_step(self):
         before = self.counts["optimizer_steps_taken"]
+        norm = self.clip_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.counts["optimizer_steps_taken"] == before:
             if not self.optimizer.step_was_skipped:
                 raise FidelityError("the loop ended a step but Accelerate did not step the optimizer")
             self.counts["optimizer_steps_skipped"] += 1  # fp16 loss scaler found inf/nan grads
+        return norm
 
     #: why take_comm_seconds is None (the worker records it as the comm figure's reason)
     comm_unmeasured_reason = ("FSDP through Accelerate: its all-gathers and reduce-scatters run inside "

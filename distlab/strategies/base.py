@@ -65,6 +65,7 @@ class Strategy:
         self.task = task_for(ctx.spec)  # what is trained: its module, batches and loss (distlab.tasks)
         self.model = None
         self.optimizer = None
+        self.scheduler = None  # attach_scheduler(), after wrap()
 
     # -- process group ------------------------------------------------------------------
     def init_distributed(self) -> None:
@@ -139,9 +140,45 @@ class Strategy:
             (loss / n_micro).backward()
         return loss.detach()
 
-    def optimizer_step(self) -> None:
+    def optimizer_step(self):
+        """Clip (max_grad_norm) and step; returns the pre-clip global gradient norm (a tensor:
+        the loop reads it after its timer)."""
+        norm = self.clip_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    # -- fine-tuning: schedule and clipping ------------------------------------------------
+    def scheduled_optimizer(self):
+        """The torch optimizer whose param_groups the learning-rate schedule sets."""
+        return self.optimizer
+
+    def attach_scheduler(self) -> None:
+        """The run's LR schedule (distlab.schedule), once the optimizer exists (DeepSpeed
+        builds it inside wrap(), where its engine takes it)."""
+        if self.scheduler is None:
+            from distlab.schedule import lr_scheduler
+
+            self.scheduler = lr_scheduler(self.spec, self.scheduled_optimizer())
+
+    def step_scheduler(self) -> None:
+        """Once per optimizer step, after it (the loop calls it for every strategy)."""
+        self.scheduler.step()
+
+    def learning_rate(self) -> float:
+        """The rate the next optimizer step uses, read from the optimizer itself."""
+        return float(self.scheduled_optimizer().param_groups[0]["lr"])
+
+    def stage_group(self):
+        """Process group over which ranks hold disjoint parameters (pipeline stages), else None."""
+        return None
+
+    def clip_gradients(self):
+        """Pre-clip global norm of this step's gradients, clipped to max_grad_norm when > 0
+        (distlab.clipping: plain tensors, DTensor shards and pipeline stages alike)."""
+        from distlab.clipping import clip_to
+
+        return clip_to(self.trainable(self.model), self.spec["max_grad_norm"], self.stage_group())
 
     def take_comm_seconds(self) -> float | None:
         """Collective time since the last call, or None where this strategy does not
@@ -157,6 +194,13 @@ class Strategy:
     def unwrapped(self):
         """The plain Hugging Face module (for saving, evaluation, counting)."""
         return self.model
+
+    def evaluate(self, ids, labels) -> dict | None:
+        """Collective: held-out loss of the model as trained so far (eval_every), on rank 0
+        (None elsewhere): forward_logits on the model as it is held (distlab.evaluation)."""
+        from distlab.evaluation import evaluate_forward
+
+        return evaluate_forward(self, ids, labels)
 
     # -- truth --------------------------------------------------------------------------
     def state_bytes(self) -> dict:
@@ -195,6 +239,12 @@ class Strategy:
                                 f"found outer wrapper {described['outer_wrapper']}")
         if described["device"].split(":")[0] != spec["device"]:
             raise FidelityError(f"spec device {spec['device']} but the model is on {described['device']}")
+        if described.get("activation_checkpointing"):
+            from distlab.activations import check_checkpointing
+
+            problem = check_checkpointing(described["activation_checkpointing"], spec)
+            if problem:
+                raise FidelityError(problem)
         if "parameter_devices" not in described:
             return
         allowed = {spec["device"]} | ({"cpu"} if offloads_parameters(spec) else set())

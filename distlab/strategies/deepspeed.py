@@ -132,9 +132,14 @@ class DeepSpeedStrategy(Strategy):
             skip_inference_shm_op()  # also when the caller set up the process group itself
         forget_deepspeed_groups()
         # The file on disk, not the dict: what a user reruns by hand is what ran here.
-        engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=self.trainable(model),
-                                                       config=self.config_path)
-        self.model, self.optimizer = engine, optimizer
+        # The run's LR schedule is handed to the engine, which steps it on each boundary's step
+        # and saves it in its checkpoints (distlab.schedule builds it on DeepSpeed's optimizer).
+        from distlab.schedule import lr_scheduler
+
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=model, model_parameters=self.trainable(model), config=self.config_path,
+            lr_scheduler=lambda ds_optimizer: lr_scheduler(self.spec, ds_optimizer))
+        self.model, self.optimizer, self.scheduler = engine, optimizer, scheduler
 
     def forward_backward(self, batch, micro_index: int, n_micro: int):
         engine = self.model
@@ -150,14 +155,29 @@ class DeepSpeedStrategy(Strategy):
             engine.step()  # not a boundary: DeepSpeed only counts the micro-step
         return loss.detach()
 
-    def optimizer_step(self) -> None:
+    def optimizer_step(self):
+        """The boundary's engine.step(): DeepSpeed clips to its gradient_clipping (= max_grad_norm)
+        and steps the LR schedule itself. Returns the pre-clip global norm: ZeRO 1-3 compute it
+        over their partitions (engine.get_global_grad_norm); ZeRO-0's plain optimizer does not,
+        so it is taken here from the whole, already averaged gradients before the step."""
+        from distlab.clipping import global_grad_norm
+
         engine = self.model
         if not engine.is_gradient_accumulation_boundary():
             raise FidelityError("optimizer_step called off DeepSpeed's gradient-accumulation boundary")
         before = engine.global_steps
+        whole = engine.zero_optimization_stage() == 0 and not (engine.bfloat16_enabled() or engine.fp16_enabled())
+        norm = global_grad_norm(self.trainable(engine.module)) if whole else None
         engine.step()
         if engine.global_steps != before + 1:
             raise FidelityError("DeepSpeed's engine.step() did not advance the optimizer step")
+        return norm if whole else engine.get_global_grad_norm()
+
+    def step_scheduler(self) -> None:
+        # engine.step() stepped it: check it did, once per optimizer step (never a second time here).
+        if self.scheduler.last_epoch != self.model.global_steps:
+            raise FidelityError(f"DeepSpeed's engine stepped the LR schedule {self.scheduler.last_epoch} times in "
+                                f"{self.model.global_steps} optimizer steps")
 
     def take_comm_seconds(self) -> None:
         # DeepSpeed's comms logger makes every collective blocking to time it, which would

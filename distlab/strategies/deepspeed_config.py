@@ -108,8 +108,8 @@ def deepspeed_config(spec: dict, world_size: int, layer_params: int | None = Non
             # torch: torch.optim.AdamW, the implementation DDP runs (nothing to compile).
             # deepspeed: FusedAdam, or DeepSpeedCPUAdam when offloading (JIT-built ops).
             "torch_adam": uses_torch_adam(spec)}},
-        # DDP runs do not clip; 0 keeps DeepSpeed from clipping either.
-        "gradient_clipping": 0.0,
+        # The spec's max_grad_norm (0 = off), the global norm other strategies clip to (distlab.clipping).
+        "gradient_clipping": float(spec["max_grad_norm"]),
         "zero_optimization": zero,
         "bf16": {"enabled": spec["precision"] == "bf16"},
         "fp16": {"enabled": spec["precision"] == "fp16"},

@@ -148,22 +148,26 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
         # Undo the scaling that made the gradients right: report the plain mean loss.
         return (torch.stack([l.detach() for l in losses]).mean() * self.n_pipe * n_micro)
 
-    def optimizer_step(self) -> None:
-        super().optimizer_step()
+    def optimizer_step(self):
+        norm = super().optimizer_step()
         self._timings.append({"schedule_wall_s": self._step_wall, "stage_compute_s": self._step_busy})
         self._step_wall = self._step_busy = 0.0
+        return norm
+
+    def stage_group(self):
+        return dist.group.WORLD  # each stage holds its own layers: the global norm sums over all stages
 
     def take_comm_seconds(self) -> None:
         return None  # point-to-point time is inside the measured idle fraction, not timed apart
 
     def facts_after_training(self) -> None:
-        if len(self._timings) > self.spec["warmup_steps"]:
+        if len(self._timings) > self.spec["untimed_steps"]:
             self._write_bubble()
 
     def _write_bubble(self) -> None:
         from distlab.metrics import summarize
 
-        warm = self.spec["warmup_steps"]
+        warm = self.spec["untimed_steps"]
         timed = self._timings[warm:]
         idle = [1 - t["stage_compute_s"] / t["schedule_wall_s"] for t in timed if t["schedule_wall_s"] > 0]
         record = {

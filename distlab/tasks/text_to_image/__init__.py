@@ -81,6 +81,17 @@ class TextToImage(Task):
         if spec["strategy"] == "deepspeed" and spec["deepspeed"]["offload_param"] == "nvme":
             fail("deepspeed.offload_param", "the UNet's ZeRO-3 load copies each rank's partition into "
                                             "memory; NVMe parameter offload is not wired up for it")
+        for key in ("epochs", "max_tokens"):
+            if spec.get(key) is not None:
+                fail(key, f"{key} is counted in a causal LM's token blocks; give task text-to-image its length "
+                          "in steps")
+        if spec["activation_checkpointing"] != "none":
+            fail("activation_checkpointing", "distlab turns it on through transformers' layers; the diffusers UNet's "
+                                             "own switch (enable_gradient_checkpointing) is not wired up")
+        if spec["eval_every"] or spec["checkpoint_select"] != "last":
+            fail("eval_every" if spec["eval_every"] else "checkpoint_select",
+                 "held-out points during training measure a causal LM's token loss; task text-to-image evaluates "
+                 "its UNet once, after the last step")
         if spec.get("rank_micro_batch") is not None:
             fail("rank_micro_batch", "per-rank micro-batches weight each rank's loss by its share of the label "
                                      "tokens (distlab.unequal); task text-to-image has no label tokens")
