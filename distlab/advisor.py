@@ -30,6 +30,8 @@ Memory = model state + activations, per device:
     model's tp plan splits over N (rank 0's piece of an uneven split), the rest whole.
   - Gathered: the largest unit (layer or embedding) ZeRO-3/FSDP all-gathers, transient;
     ZeRO-3's auto profile keeps a model under its live limit (1e9) gathered whole.
+- Data: a rank holds only the int64 ids and labels of its micro-batch (2*8*b*s bytes); the
+  token blocks stay memory-mapped (shared page cache, not a rank's own memory).
 - Activations of one micro-batch (distlab.activations.estimate_activations: per token 8h +
   2*kv + 4i floats per decoder layer, h for a checkpointed one, V + 3h outside the layers;
   the layer backward recomputes on top), checked against each run's measured saved-tensor
@@ -201,10 +203,18 @@ def estimate(shape: dict, workload: dict, n: int, mode: str | None = None) -> li
         state = model_state(key, counts, n, workload["precision"], lora, workload.get("grad_accum", 1))
         act = activation_bytes(shape, workload, counts, mode, ROW_SPEC[key][0])
         device_state = state["params"] + state["grads"] + state["optimizer"] + state["gathered"]
+        data = data_bytes(workload["micro_batch"], workload["seq_len"])
         rows.append({"key": key, "strategy": ROW_LABEL[key], "devices": n, **state,
-                     "model_state_bytes": device_state, "activation_bytes": act,
-                     "total_bytes": device_state + act})
+                     "model_state_bytes": device_state, "activation_bytes": act, "data_bytes": data,
+                     "total_bytes": device_state + act + data})
     return rows
+
+
+def data_bytes(micro_batch: int, seq_len: int) -> int:
+    """What a rank holds of its data: the int64 ids and labels of the micro-batch it trains on.
+    The split itself is memory-mapped Arrow (distlab.data.TokenBlocks): page cache the OS
+    shares between ranks and may evict, not memory a rank owns."""
+    return 2 * 8 * micro_batch * seq_len
 
 
 def plan_devices(hardware: dict, advisor_cfg: dict, cpu_ranks: int, collectives: dict | None = None) -> dict:
@@ -441,11 +451,11 @@ def render_markdown(advice: dict) -> str:
               f"Devices: {plan['devices']} ({plan['source']}), usable per device "
               f"{human(advice['usable_bytes_per_device'])}, NVLink: {plan['nvlink']}, nodes: {plan['nodes']}.",
               "", f"| strategy | params {unit} | grads {unit} | optimizer {unit} | gathered {unit} | activations {unit} | "
-              f"total {unit}/device | CPU RAM {unit}/device | fits |", "|---|---|---|---|---|---|---|---|---|"]
+              f"data {unit} | total {unit}/device | CPU RAM {unit}/device | fits |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in advice["estimates"]:
         fits = "yes" if row["total_bytes"] <= advice["usable_bytes_per_device"] else "no"
         cells = [row[k] / scale for k in ("params", "grads", "optimizer", "gathered", "activation_bytes",
-                                          "total_bytes", "cpu_offloaded")]
+                                          "data_bytes", "total_bytes", "cpu_offloaded")]
         lines.append(f"| {row['strategy']} | " + " | ".join(f"{c:.2f}" for c in cells) + f" | {fits} |")
     if advice.get("save"):
         from distlab.save_estimate import save_markdown

@@ -27,12 +27,11 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
 DATA_INFO = "distlab_data.json"  # written beside the Arrow splits: tokenizer identity, token counts
 BATCH = 1000  # rows per tokenize batch (one call of the fast tokenizer)
 PACK_BATCH = 10_000  # encoded rows per packing batch (numpy over the whole batch)
-# A plain-text file streams as lines (load_dataset's text builder, TEXT_READ_BYTES per read),
-# regrouped PIECE_BATCH_LINES at a time into pieces of at least PIECE_CHARS, cut only where
-# tokenizing the pieces apart gives the document's own tokens (SAFE_CUT); with no such place
-# within PIECE_MAX_CHARS, at the last line end before it.
-TEXT_READ_BYTES = 4 << 20
-PIECE_BATCH_LINES = 10_000
+# A plain-text file streams TEXT_READ_CHARS at a time (never a whole line: one line may be the
+# whole file), cut into pieces of at least PIECE_CHARS only where tokenizing the pieces apart
+# gives the document's own tokens (SAFE_CUT); with no such place within PIECE_MAX_CHARS, at the
+# last line end before it, else at PIECE_MAX_CHARS.
+TEXT_READ_CHARS = 4 << 20
 PIECE_CHARS = 4096
 PIECE_MAX_CHARS = 32 << 10
 
@@ -110,42 +109,33 @@ def piece_ends(text: str, target: int = PIECE_CHARS, max_chars: int = PIECE_MAX_
         ends.append(last)
 
 
-class DocumentPieces:
-    """Batched-map body over one plain-text file's lines (in order, one process): the lines
-    joined into pieces cut at piece_ends; the file's last piece ends the document."""
-
-    def __init__(self, field: str, n_lines: int):
-        self.field, self.n_lines = field, n_lines
-        self.carry = ""
-
-    def __call__(self, batch: dict, indices: list[int]) -> dict:
-        text = self.carry + "".join(batch["text"])
-        ends = piece_ends(text)
-        starts = [0] + ends
-        pieces = [text[a:b] for a, b in zip(starts, ends)]
-        self.carry = text[starts[-1]:]
-        if indices[-1] == self.n_lines - 1 and self.carry:  # the file's last line: the document ends
-            pieces.append(self.carry)
-            self.carry = ""
-        flags = [False] * len(pieces)
-        if indices[-1] == self.n_lines - 1 and pieces:
-            flags[-1] = True
-        return {self.field: pieces, DOCUMENT_END: flags}
+def document_pieces(path: str, field: str = "text"):
+    """Rows {field: piece, DOCUMENT_END: last?} of one plain-text file, read TEXT_READ_CHARS at
+    a time: memory holds one read and the text carried to the next cut, never a whole line."""
+    carry = ""
+    with open(path, encoding="utf-8") as fh:
+        while chunk := fh.read(TEXT_READ_CHARS):
+            text = carry + chunk
+            ends = piece_ends(text)
+            for start, end in zip([0] + ends, ends):
+                yield {field: text[start:end], DOCUMENT_END: False}
+            carry = text[ends[-1]:] if ends else text  # a cut always leaves text after it (piece_ends)
+    if carry:
+        yield {field: carry, DOCUMENT_END: True}
 
 
 def text_file_pieces(name, field: str = "text", cache_dir=None):
-    """A plain-text file as one document, streamed: load_dataset's text builder reads it as
-    lines (keeping the line breaks, TEXT_READ_BYTES at a time), a sequential batched map
-    regroups them into pieces. Memory holds a read and a batch, never the file; the pieces'
-    tokens are the document's (see SAFE_CUT)."""
+    """A plain-text file as one document, streamed into Arrow piece by piece (datasets'
+    from_generator writes as it goes); the pieces' tokens are the document's (see SAFE_CUT)."""
     import datasets
 
-    lines = datasets.load_dataset("text", data_files=[str(name)], split="train", cache_dir=cache_dir,
-                                  sample_by="line", keep_linebreaks=True, chunksize=TEXT_READ_BYTES)
-    return lines.map(DocumentPieces(field, len(lines)), batched=True, batch_size=PIECE_BATCH_LINES,
-                     with_indices=True, remove_columns=lines.column_names, desc="pieces",
-                     features=datasets.Features({field: datasets.Value("string"),
-                                                 DOCUMENT_END: datasets.Value("bool")}))
+    stat = os.stat(name)  # part of the cache fingerprint: a changed file is read again
+    rows = datasets.Dataset.from_generator(
+        document_pieces, gen_kwargs={"path": str(name), "field": field}, cache_dir=cache_dir,
+        features=datasets.Features({field: datasets.Value("string"), DOCUMENT_END: datasets.Value("bool")}),
+        fingerprint=hashlib.sha256(f"{os.path.abspath(name)}|{stat.st_size}|{stat.st_mtime_ns}|{field}".encode())
+        .hexdigest()[:32])
+    return rows
 
 
 def corpus_texts(cfg: dict) -> list[str]:
@@ -371,12 +361,58 @@ def read_data_info(path) -> dict:
     return json.loads(file.read_text()) if file.is_file() else {}
 
 
-def load_blocks(path, split: str = "train", column: str = "input_ids"):
-    """One split's blocks as an int64 tensor [n_blocks, seq_len], from the Arrow dataset."""
+class TokenBlocks:
+    """One column of a split's blocks, [n_blocks, seq_len], read memory-mapped from the Arrow
+    files (a zero-copy numpy view per Arrow chunk): a rank holds only the rows it indexes, as
+    an int64 tensor; the split itself stays in the page cache the OS shares between ranks."""
+
+    def __init__(self, part, column: str):
+        import numpy as np
+        import pyarrow.compute as pc
+
+        if getattr(part, "_indices", None) is not None:
+            raise ValueError("a prepared split must be saved flat (save_to_disk), not as an index mapping")
+        self.views, starts, seq = [], [0], None
+        for chunk in part.data.column(column).chunks:
+            if len(chunk) == 0:
+                continue
+            lengths = pc.list_value_length(chunk)
+            low, high = pc.min(lengths).as_py(), pc.max(lengths).as_py()
+            if low != high or (seq is not None and low != seq):
+                raise ValueError(f"column {column!r} holds blocks of {low} to {high} tokens; all must be equal")
+            seq = low
+            values = chunk.flatten().to_numpy(zero_copy_only=True)  # a view onto the mapped file
+            self.views.append(values.reshape(len(chunk), seq))
+            starts.append(starts[-1] + len(chunk))
+        self.starts = np.asarray(starts)
+        self.shape = (int(self.starts[-1]), seq or 0)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index):
+        import numpy as np
+        import torch
+
+        if isinstance(index, slice):
+            index = range(*index.indices(len(self)))
+        rows = np.asarray(index, dtype=np.int64).reshape(-1)
+        if len(rows) and (rows.min() < -len(self) or rows.max() >= len(self)):
+            raise IndexError(f"block index out of range (0..{len(self) - 1})")
+        rows = rows % max(len(self), 1)
+        chunk = np.searchsorted(self.starts, rows, side="right") - 1
+        out = np.empty((len(rows), self.shape[1]), dtype=np.int64)
+        for c in np.unique(chunk):
+            mine = chunk == c
+            out[mine] = self.views[c][rows[mine] - self.starts[c]]
+        return torch.from_numpy(out)
+
+
+def load_blocks(path, split: str = "train", column: str = "input_ids") -> TokenBlocks:
+    """One split's blocks [n_blocks, seq_len], memory-mapped (indexing gives int64 tensors)."""
     import datasets
 
-    part = datasets.load_from_disk(str(path))[split]
-    return part.with_format("torch", columns=[column])[:][column].long()
+    return TokenBlocks(datasets.load_from_disk(str(path))[split], column)
 
 
 def load_labels(path, split: str = "train"):
@@ -384,7 +420,7 @@ def load_labels(path, split: str = "train"):
     import datasets
 
     part = datasets.load_from_disk(str(path))[split]
-    return load_blocks(path, split, "labels") if "labels" in part.column_names else None
+    return TokenBlocks(part, "labels") if "labels" in part.column_names else None
 
 
 def run_data_facts(data_dir, records_by_rank: list[list[dict]], ranks_per_replica: int = 1) -> dict:

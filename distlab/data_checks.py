@@ -17,6 +17,9 @@ from distlab.config import ConfigError
 
 SAMPLE_ROWS = 200  # rows per file whose fields are checked
 CHUNK_BYTES = 4 << 20
+# The checks run on every `snakemake` call (-n included): memory stays bounded by these, never
+# by a file's size, its longest line or its JSON array (a row longer than this is refused).
+MAX_ROW_CHARS = 16 << 20
 # File suffix -> datasets.load_dataset builder; anything else is plain text.
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -86,28 +89,93 @@ def _check_row(row, fields: list[str], fmt: str, path: Path, where: str, at: str
                                   f"{type(row[name]).__name__}, not text")
 
 
+def _json_array_rows(path: Path, where: str):
+    """(index, row) of a file holding one JSON array, decoded one element at a time from
+    CHUNK_BYTES reads (raw_decode): memory holds a read and one row, never the array. The
+    whole array is walked, so a syntax error anywhere in it is found (line named)."""
+    decoder = json.JSONDecoder()
+    buffer, offset_lines, index, done = "", 0, 0, False
+
+    def fail(message, at=0):
+        line = offset_lines + buffer.count("\n", 0, at) + 1
+        raise ConfigError(f"config field '{where}': {path}:{line}: {message}")
+
+    with open(path, encoding="utf-8") as fh:
+        def fill() -> bool:
+            nonlocal buffer
+            chunk = fh.read(CHUNK_BYTES)
+            buffer += chunk
+            return bool(chunk)
+
+        def skip(pos):  # whitespace, reading on when the buffer ends
+            while True:
+                while pos < len(buffer) and buffer[pos] in " \t\r\n":
+                    pos += 1
+                if pos < len(buffer) or not fill():
+                    return pos
+
+        pos = skip(0)
+        if buffer[pos:pos + 1] != "[":
+            fail("not a JSON array", pos)
+        pos = skip(pos + 1)
+        if buffer[pos:pos + 1] == "]":
+            done = True
+        while not done:
+            while True:  # one element, reading on until it decodes or is too long
+                try:
+                    row, end = decoder.raw_decode(buffer, pos)
+                    break
+                except RecursionError:
+                    fail("a row nested too deeply", pos)
+                except json.JSONDecodeError as exc:
+                    if len(buffer) - pos > MAX_ROW_CHARS:
+                        fail(f"a row longer than {MAX_ROW_CHARS >> 20} MiB (or invalid JSON: {exc.msg})", pos)
+                    if not fill():
+                        fail(f"invalid JSON ({exc.msg})", exc.pos)
+            yield index, row
+            index += 1
+            pos = skip(end)
+            if buffer[pos:pos + 1] == "]":
+                done = True
+            elif buffer[pos:pos + 1] == ",":
+                pos = skip(pos + 1)
+            else:
+                fail("invalid JSON (expected ',' or ']' between rows)", pos)
+            if pos > CHUNK_BYTES:  # forget what was read (keeping the line count), a read's worth at a time
+                offset_lines += buffer.count("\n", 0, pos)
+                buffer, pos = buffer[pos:], 0
+        if skip(pos + 1) < len(buffer):
+            fail("text after the JSON array", pos + 1)
+
+
 def _check_json_rows(path: Path, fields, fmt, where) -> None:
     with open(path, encoding="utf-8") as fh:
         head = fh.read(4096).lstrip()
     if head.startswith("["):  # one JSON array of records (datasets' json builder reads it too)
-        try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"config field '{where}': {path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
-        if not rows:
+        seen = 0
+        for index, row in _json_array_rows(path, where):
+            if index < SAMPLE_ROWS:
+                _check_row(row, fields, fmt, path, where, f"row {index}")
+            seen += 1
+        if not seen:
             raise ConfigError(f"config field '{where}': {path}: the JSON array holds no rows")
-        for index, row in enumerate(rows[:SAMPLE_ROWS]):
-            _check_row(row, fields, fmt, path, where, f"row {index}")
         return
     seen = 0
     with open(path, encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, 1):
+        line_no = 0
+        while line := fh.readline(MAX_ROW_CHARS + 1):
+            line_no += 1
+            if len(line) > MAX_ROW_CHARS:
+                raise ConfigError(f"config field '{where}': {path}:{line_no}: a JSON line longer than "
+                                  f"{MAX_ROW_CHARS >> 20} MiB")
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"config field '{where}': {path}:{line_no}: not a JSON line ({exc.msg})") from None
+            except RecursionError:
+                raise ConfigError(f"config field '{where}': {path}:{line_no}: a row nested too deeply") from None
             _check_row(row, fields, fmt, path, where, str(line_no))
             seen += 1
             if seen >= SAMPLE_ROWS:
@@ -122,12 +190,15 @@ def _check_csv_rows(path: Path, fields, fmt, where) -> None:
                           "or Parquet, not CSV")
     with open(path, encoding="utf-8", newline="") as fh:
         reader = csv.DictReader(fh)
-        missing = [f for f in fields if f not in (reader.fieldnames or [])]
-        if missing:
-            raise ConfigError(f"config field '{where}': {path}:1: CSV header has no column {missing[0]!r} "
-                              f"(columns: {reader.fieldnames})")
-        if next(reader, None) is None:
-            raise ConfigError(f"config field '{where}': {path}: CSV file has a header but no rows")
+        try:  # csv's own field_size_limit bounds a row's memory
+            missing = [f for f in fields if f not in (reader.fieldnames or [])]
+            if missing:
+                raise ConfigError(f"config field '{where}': {path}:1: CSV header has no column {missing[0]!r} "
+                                  f"(columns: {reader.fieldnames})")
+            if next(reader, None) is None:
+                raise ConfigError(f"config field '{where}': {path}: CSV file has a header but no rows")
+        except csv.Error as exc:
+            raise ConfigError(f"config field '{where}': {path}:{reader.line_num}: unreadable CSV ({exc})") from None
 
 
 def _check_parquet(path: Path, fields, where) -> None:
@@ -168,8 +239,8 @@ def check_data_file(name: str, cfg: dict, where: str) -> None:
         if cfg["format"] != "text":
             raise ConfigError(f"config field '{where}': {path}: a plain-text file has no "
                               f"{cfg['format']} fields; use JSON lines, CSV or Parquet")
-        with open(path, encoding="utf-8") as fh:
-            if not any(line.strip() for line in fh):
+        with open(path, encoding="utf-8") as fh:  # a read at a time: a line may be the whole file
+            if not any(chunk.strip() for chunk in iter(lambda: fh.read(CHUNK_BYTES), "")):
                 raise ConfigError(f"config field '{where}': file '{name}' holds only whitespace")
 
 

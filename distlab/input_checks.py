@@ -5,7 +5,8 @@ costs the finished result it replaces. So every input that can be read cheaply i
 here, and each error names the config field and the file:
 - numbers: finite, and whole where the schema says integer (JSON Schema counts 2.0 as an
   integer and NaN as a number; `world_size: 2.0` and `lr: .nan` are refused here);
-- results_dir: not empty, not a system folder, writable; `machine` not a name the results
+- results_dir: not empty, not a system or shared folder, not the project or its sources,
+  no unexpanded '~', writable; `machine` not a name the results
   folder already uses for something else;
 - model folders: config.json parses (file and line named), no custom code (auto_map), every
   parameter of the architecture stored with its shape (distlab.model_files);
@@ -29,6 +30,13 @@ import yaml
 RESERVED_MACHINE_NAMES = {"prep", "report", "logs", "kuberay", ".gpu-locks"}
 # Never write results into these (or at the root itself).
 SYSTEM_FOLDERS = ("/proc", "/sys", "/dev", "/boot", "/etc", "/bin", "/sbin", "/lib", "/lib64", "/usr", "/run")
+# Nor these themselves (folders below them are fine), nor the home folder itself.
+SHARED_FOLDERS = ("/home", "/var", "/opt", "/srv", "/mnt", "/media", "/tmp", "/root")
+# Nor the project itself or its sources (a machine folder named like one would land among them,
+# and the report writes <results_dir>/report/).
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+SOURCE_FOLDERS = (".git", ".ci", "benchmarks", "config", "distlab", "envs", "profiles", "report", "rules", "scripts",
+                  "tests")
 WEIGHT_PATTERNS = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "*.pt", "*.pth")
 RAY_PROBE_TIMEOUT_S = 5.0
 
@@ -78,10 +86,21 @@ def check_config_syntax(path: str | os.PathLike) -> None:
 def check_results_dir(results_dir: str, probe: bool = False) -> None:
     if not str(results_dir).strip():
         raise ConfigError("config field 'results_dir': empty; name a folder (e.g. results)")
+    if str(results_dir).strip().startswith("~"):
+        raise ConfigError(f"config field 'results_dir': '{results_dir}': '~' is not expanded here (it would make a "
+                          "folder named '~'); write the full path")
     folder = Path(results_dir).resolve()
-    if folder == Path("/") or any(folder == Path(s) or Path(s) in folder.parents for s in SYSTEM_FOLDERS):
-        raise ConfigError(f"config field 'results_dir': '{results_dir}' is a system folder ({folder}); "
+    shared = folder == Path("/") or folder == Path.home() or any(folder == Path(s) for s in SHARED_FOLDERS)
+    if shared or any(folder == Path(s) or Path(s) in folder.parents for s in SYSTEM_FOLDERS):
+        raise ConfigError(f"config field 'results_dir': '{results_dir}' is a system or shared folder ({folder}); "
                          "results go into a folder of your own")
+    for root in {PROJECT_ROOT, Path.cwd().resolve()}:
+        if not (root / "Snakefile").is_file():
+            continue
+        sources = [root / name for name in SOURCE_FOLDERS]
+        if folder == root or any(folder == s or s in folder.parents for s in sources):
+            raise ConfigError(f"config field 'results_dir': '{results_dir}' is the project's own folder or one of "
+                              f"its sources ({folder}); use a folder of its own (e.g. results)")
     if probe:
         existing = folder
         while not existing.exists():

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_config
+from conftest import REPO, tiny_config
 from distlab.config import ConfigError, EXPERIMENT_DEFAULTS, experiment_id, load
 
 
@@ -45,6 +45,13 @@ BAD_CONFIGS = [
      "stages.ddp.experiments.0.world_size"),
     ("empty results_dir", lambda c: c.update(results_dir=""), "results_dir"),
     ("results_dir under /proc", lambda c: c.update(results_dir="/proc/x"), "results_dir"),
+    ("results_dir /var", lambda c: c.update(results_dir="/var"), "is a system or shared folder"),
+    ("results_dir /home", lambda c: c.update(results_dir="/home/"), "is a system or shared folder"),
+    ("results_dir /opt", lambda c: c.update(results_dir="/opt"), "is a system or shared folder"),
+    ("results_dir ~", lambda c: c.update(results_dir="~/results"), "'~' is not expanded"),
+    ("results_dir the repository", lambda c: c.update(results_dir=str(REPO)), "project's own"),
+    ("results_dir its sources", lambda c: c.update(results_dir=str(REPO / "distlab" / "out")), "project's own"),
+    ("results_dir relative into sources", lambda c: c.update(results_dir="rules/.."), "project's own"),
     ("machine named like the prep folder", lambda c: c.update(machine="prep"), "machine"),
     ("machine named like the report folder", lambda c: c.update(machine="report"), "machine"),
     ("steps and epochs in one experiment", lambda c: c["stages"]["ddp"]["experiments"][0].update(steps=4, epochs=1),

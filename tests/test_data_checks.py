@@ -67,3 +67,37 @@ def test_experiment_naming_an_unknown_dataset_is_refused():
     cfg = tiny_config({"ddp": {"experiments": [{"strategy": "ddp", "dataset": "nope"}]}})
     with pytest.raises(ConfigError, match=r"experiments\[0\]\.dataset': no dataset 'nope'"):
         load(cfg, gpu_count=0)
+
+
+def test_a_big_json_array_is_checked_in_bounded_memory(tmp_path):
+    """The config-time check runs on every snakemake call: a 40 MB JSON array is walked a read
+    at a time (json.loads of the whole file grew RSS by ~5x its size)."""
+    import json as _json
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "rows.json"
+    path.write_text(_json.dumps([{"text": "the quick brown fox " * 4}] * 420_000))
+    script = ("import resource, sys\nimport distlab.config\nfrom distlab.data_checks import check_data_file\n"
+              "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+              "check_data_file(sys.argv[1], {'format': 'text', 'text_field': 'text', "
+              "'messages_field': 'messages', 'prompt_field': 'prompt', 'response_field': 'response'}, 'data.files[0]')\n"
+              "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)\n")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": repo})
+    assert path.stat().st_size > 35e6 and float(out.stdout.split()[-1]) < 40, out.stdout
+
+
+def test_a_json_line_longer_than_the_row_limit_is_refused_naming_it(tmp_path):
+    import json as _json
+
+    from distlab.config import ConfigError
+    from distlab.data_checks import MAX_ROW_CHARS, check_data_file
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(_json.dumps({"text": "ok"}) + "\n" + _json.dumps({"text": "x" * (MAX_ROW_CHARS + 10)}) + "\n")
+    with pytest.raises(ConfigError, match=rf"{path}:2: a JSON line longer than 16 MiB"):
+        check_data_file(str(path), {"format": "text", "text_field": "text", "messages_field": "messages",
+                                    "prompt_field": "prompt", "response_field": "response"}, "data.files[0]")

@@ -54,8 +54,8 @@ def instruction_data(prepared, tmp_path_factory):
 
 
 def test_prepared_instruction_blocks_carry_masked_labels(instruction_data):
-    labels = data.load_labels(instruction_data, "train")
-    ids = data.load_blocks(instruction_data, "train")
+    labels = data.load_labels(instruction_data, "train")[:]
+    ids = data.load_blocks(instruction_data, "train")[:]
     assert labels.shape == ids.shape
     masked = (labels == IGNORE)
     assert masked.any() and (~masked).any()

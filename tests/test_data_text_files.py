@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from distlab import data
 
 REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
@@ -15,7 +17,7 @@ def _pydoc_text(blank_lines: bool) -> str:
 
 
 def test_plain_text_file_streams_in_pieces_that_keep_the_documents_tokens(prepared, tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "PIECE_BATCH_LINES", 500)  # pieces carried across map batches too
+    monkeypatch.setattr(data, "TEXT_READ_CHARS", 50_000)  # pieces carried across reads too
     text = _pydoc_text(blank_lines=True)[:200_000]
     path = tmp_path / "book.txt"
     path.write_text(text)
@@ -44,14 +46,17 @@ def test_pieces_are_cut_after_a_line_end_with_text_on_both_sides():
     assert data.piece_ends("aaaa bbbb\n  cccc dddd", target=1, max_chars=8) == [8, 10, 18]  # forced
 
 
-def test_a_big_text_file_without_blank_lines_loads_in_flat_memory(tmp_path):
-    """~40 MB of lines and no blank line: loading it grows peak RSS by far less than its size
-    (read whole, the text alone would add 40 MB, its Arrow copy another 40 MB)."""
+@pytest.mark.parametrize("one_line", [False, True])
+def test_a_big_text_file_loads_in_flat_memory(tmp_path, one_line):
+    """~40 MB of lines and no blank line, or one 40 MB line: loading it grows peak RSS by far
+    less than its size (read whole, the text alone would add 40 MB, its Arrow copy another 40)."""
     line_block = _pydoc_text(blank_lines=False)
+    if one_line:
+        line_block = line_block.replace("\n", " ")
     path = tmp_path / "big.txt"
     with open(path, "w") as fh:
         while fh.tell() < 40e6:
-            fh.write(line_block + "\n")
+            fh.write(line_block + ("" if one_line else "\n"))
     script = (
         "import json, resource, sys\n"
         "from distlab import data\n"

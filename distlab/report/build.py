@@ -145,6 +145,8 @@ def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
                            f"optimizer {unit}": round(r["optimizer"] / scale, 2),
                            f"gathered {unit}": round(r["gathered"] / scale, 2),
                            f"activations {unit}": round(r["activation_bytes"] / scale, 2),
+                           # absent from advice written before the data was counted (its total lacks it too)
+                           f"data {unit}": round(r.get("data_bytes", 0) / scale, 2),
                            f"total {unit}/device": round(r["total_bytes"] / scale, 2),
                            f"in CPU RAM {unit}": round(r["cpu_offloaded"] / scale, 2),
                            "fits": "yes" if r["total_bytes"] <= a["usable_bytes_per_device"] else "no"}
