@@ -199,3 +199,26 @@ def test_the_overview_names_runs_timed_on_a_busy_machine(tmp_path):
     note = busy_note([quiet, busy])
     assert note.startswith("BUSY MACHINE: 1 of 2") and busy["experiment"] in note
     assert "not recorded" in busy_note([fake_run(tmp_path / "n", {"world_size": 1}, others_cores=None)])
+
+
+def test_the_zero3_trade_says_when_the_lean_profile_saved_no_memory(tmp_path):
+    from distlab.report.cards.stage4_fsdp import trade_note
+    from distlab.report.collect import throughput_stats
+
+    def zero3(name, step, training_peak_mib, profile):
+        run = fake_run(tmp_path / name, {"strategy": "deepspeed", "world_size": 2, "micro_batch": 2,
+                                         "deepspeed": {"zero_stage": 3, "zero3_profile": profile}}, "deepspeed",
+                       step_median_s=step)
+        for rank in run["memory"]["per_rank"]:
+            rank["training_phase"] = {"rss_peak_bytes": training_peak_mib * 2**20}
+        run["_steps"] = [{"step_time_s": step, "warmup": False}] * 4
+        run["_throughput"] = throughput_stats(run)
+        return run
+
+    auto = zero3("auto", 0.5, 780, "auto")
+    no_saving = trade_note(auto, zero3("lean", 0.8, 789, "lean"))
+    assert "1.60x slower" in no_saving and "780 -> 789" in no_saving and "saved no memory" in no_saving
+    saving = trade_note(auto, zero3("lean2", 0.8, 600, "lean"))
+    assert "saved no memory" not in saving and "780 -> 600" in saving
+    faster = trade_note(auto, zero3("lean3", 0.4, 600, "lean"))
+    assert "slower" not in faster and "0.80x the step time" in faster
