@@ -356,6 +356,9 @@ def tiny_strategy(name: str, vocab: int, monkeypatch):
         model.empty_partition_cache = lambda: None
     if name == "accelerate":
         strategy.accelerator = types.SimpleNamespace(unwrap_model=lambda m: m)
+    if name == "fsdp":  # FSDPModule's own switch, recorded (an evaluation forward reshards each layer)
+        model.reshard_settings = []
+        model.set_reshard_after_forward = model.reshard_settings.append
     return strategy
 
 
@@ -370,6 +373,8 @@ def test_forward_logits_takes_the_cpu_batch_to_the_model_and_the_eval_loss_takes
         logits = strategy.forward_logits(ids)
         total, count = loss_terms(logits, labels)
     assert logits.device == CUDA and total.device == CUDA
+    if name == "fsdp":
+        assert strategy.model.reshard_settings == [True, strategy.spec["fsdp"]["reshard_after_forward"]]
 
 
 def test_pipeline_forward_logits_send_activations_and_logits_as_device_tensors(fake_group, fake_cuda, prepared,
