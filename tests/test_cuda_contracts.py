@@ -238,6 +238,20 @@ def test_ddp_state_reaches_the_cpu_forward_and_the_export_on_the_host(fake_group
     assert_whole_model_paths_stay_on_the_host(strategy, prepared, tmp_path, no_file_writes, monkeypatch)
 
 
+def test_ddp_native_checkpoint_is_written_from_host_copies_of_the_device_parameters(fake_group, fake_cuda, prepared,
+                                                                                   tmp_path, no_file_writes):
+    """save_plain (DDP's native format) writes the live trainable parameters: on a GPU they are
+    CUDA tensors, which the safetensors writer refuses."""
+    from distlab.strategies.ddp import DDPStrategy
+
+    spec = spec_of("ddp", "lora")
+    strategy = make(DDPStrategy, spec, types.SimpleNamespace(module=llama(prepared, spec)))
+    strategy.optimizer = types.SimpleNamespace(state_dict=lambda: {"state": {}, "param_groups": []})
+    strategy.save_checkpoint(str(tmp_path / "state"))
+    trained = [n for n, p in strategy.unwrapped().named_parameters() if p.requires_grad]
+    assert trained and sorted(no_file_writes) == sorted(trained)
+
+
 def test_ddp_lora_adapters_and_base_reach_the_host(fake_group, fake_cuda, prepared, tmp_path, no_file_writes,
                                                    monkeypatch):
     from peft import PeftModel
