@@ -112,13 +112,15 @@ def check_manifest(root) -> None:
 
 # -- the plain format (strategies whose every rank holds the whole model) -------------------
 def save_plain(strategy, path: str) -> None:
-    """Rank 0 writes the trainable parameters (safetensors, straight from the live tensors: no
-    copy of the model) and the optimizer state; others wait."""
+    """Rank 0 writes the trainable parameters (safetensors, one tensor at a time: a CPU one
+    straight from the live tensor, a CUDA one through its host copy) and the optimizer state;
+    others wait."""
     import torch
     import torch.distributed as dist
 
     from distlab.export_files import SafetensorsFile
     from distlab.strategies.base import trainable_names
+    from distlab.streamed import host
 
     if dist.get_rank() == 0:
         tmp, commit = atomic_dir(path)
@@ -128,7 +130,7 @@ def save_plain(strategy, path: str) -> None:
         out = SafetensorsFile(tmp / "model.safetensors", {n: (tuple(p.shape), p.dtype) for n, p in params.items()},
                               {"format": "pt"})
         for name, value in params.items():
-            out.write(name, value)
+            out.write(name, host(value))
         out.close()
         torch.save(strategy.optimizer.state_dict(), tmp / "optimizer.pt")
         (tmp / "format.json").write_text(json.dumps({"format": "plain", "strategy": strategy.name,

@@ -45,7 +45,7 @@ def host(tensor, copy: bool = False):
     """The tensor in host memory (a CUDA tensor is copied; a CPU one is returned as is unless
     `copy`): what the export, the CPU forward and the files are made from."""
     out = tensor.detach().to("cpu")
-    return out.clone() if copy and out.data_ptr() == tensor.data_ptr() else out
+    return out.clone() if copy and tensor.device.type == "cpu" else out  # a CPU .to() shares the storage
 
 
 class Skeleton:

@@ -238,6 +238,20 @@ def test_ddp_state_reaches_the_cpu_forward_and_the_export_on_the_host(fake_group
     assert_whole_model_paths_stay_on_the_host(strategy, prepared, tmp_path, no_file_writes, monkeypatch)
 
 
+def test_ddp_native_checkpoint_is_written_from_host_copies_of_the_device_parameters(fake_group, fake_cuda, prepared,
+                                                                                   tmp_path, no_file_writes):
+    """save_plain (DDP's native format) writes the live trainable parameters: on a GPU they are
+    CUDA tensors, which the safetensors writer refuses."""
+    from distlab.strategies.ddp import DDPStrategy
+
+    spec = spec_of("ddp", "lora")
+    strategy = make(DDPStrategy, spec, types.SimpleNamespace(module=llama(prepared, spec)))
+    strategy.optimizer = types.SimpleNamespace(state_dict=lambda: {"state": {}, "param_groups": []})
+    strategy.save_checkpoint(str(tmp_path / "state"))
+    trained = [n for n, p in strategy.unwrapped().named_parameters() if p.requires_grad]
+    assert trained and sorted(no_file_writes) == sorted(trained)
+
+
 def test_ddp_lora_adapters_and_base_reach_the_host(fake_group, fake_cuda, prepared, tmp_path, no_file_writes,
                                                    monkeypatch):
     from peft import PeftModel
@@ -356,6 +370,9 @@ def tiny_strategy(name: str, vocab: int, monkeypatch):
         model.empty_partition_cache = lambda: None
     if name == "accelerate":
         strategy.accelerator = types.SimpleNamespace(unwrap_model=lambda m: m)
+    if name == "fsdp":  # FSDPModule's own switch, recorded (an evaluation forward reshards each layer)
+        model.reshard_settings = []
+        model.set_reshard_after_forward = model.reshard_settings.append
     return strategy
 
 
@@ -370,6 +387,8 @@ def test_forward_logits_takes_the_cpu_batch_to_the_model_and_the_eval_loss_takes
         logits = strategy.forward_logits(ids)
         total, count = loss_terms(logits, labels)
     assert logits.device == CUDA and total.device == CUDA
+    if name == "fsdp":
+        assert strategy.model.reshard_settings == [True, strategy.spec["fsdp"]["reshard_after_forward"]]
 
 
 def test_pipeline_forward_logits_send_activations_and_logits_as_device_tensors(fake_group, fake_cuda, prepared,
