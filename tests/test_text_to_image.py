@@ -139,7 +139,10 @@ def test_runs_measure_images_per_s_flops_memory_and_the_same_heldout_loss_for_th
         assert tp["images_per_s_per_rank"] == pytest.approx(tp["images_per_s"] / world)
         assert run["flops"]["flops_per_image"] > 1e6 and run["flops"]["mfu"] > 0
         assert len(run["memory"]["per_rank"]) == world
-        assert all(m["training_phase"]["rss_peak_bytes"] > 0 for m in run["memory"]["per_rank"])
+        for rank in run["memory"]["per_rank"]:  # load, training, and through eval, sampling, save and export
+            assert 0 < rank["load_phase"]["rss_peak_bytes"] and 0 < rank["training_phase"]["rss_peak_bytes"]
+            # ru_maxrss over the whole process: not comparable byte for byte with VmHWM since a reset.
+            assert rank["peak_through_save_bytes"] > 0, (name, rank)
         trained = run["eval"]["trained"]
         assert trained["images"] == 4 and trained["loss"] > 0 and trained["loss"] != run["eval"]["base"]["loss"]
     # FLOPs are counted on a meta copy from the UNet's config: the same for every strategy.
@@ -198,7 +201,7 @@ def test_report_shows_the_sd_card_and_a_browser_decodes_its_sample_grid(workflow
     page = results / "report" / "index.html"
     html = page.read_text()
     assert "Stable Diffusion LoRA with Accelerate" in html and "base (top) vs tuned (bottom)" in html
-    assert "images/s" in html and "held-out base -&gt; tuned" in html
+    assert "images/s" in html and "held-out base -&gt; tuned" in html and "peak through save MiB/rank" in html
     # The advisor sized SD 1.5, SDXL and FLUX.1 from their configs (the published parameter counts).
     advice = json.loads((results / MACHINE / "advice-sd.json").read_text())
     counts = {m["model"]: m["denoiser_params"] for m in advice["models"]}
@@ -226,3 +229,41 @@ def test_strategies_loop_and_launchers_never_ask_which_task_they_run():
         text = path.read_text()
         for needle in ("text-to-image", "causal-lm", "text_to_image", 'spec["task"]', "spec.get(\"task\""):
             assert needle not in text, f"{path.name} mentions {needle}"
+
+
+@pytest.mark.slow
+def test_a_v_prediction_scheduler_trains_against_the_velocity(workflow, tmp_path):
+    """The example's target for v_prediction schedulers: v = sqrt(abar_t) * noise - sqrt(1 - abar_t) * latents."""
+    import shutil
+
+    from distlab.tasks.text_to_image.data import FrozenEncoders, sample_generator
+
+    results, _ = workflow
+    folder = tmp_path / "sd-v"
+    shutil.copytree(results / "prep" / "sd-model", folder)
+    config_file = folder / "scheduler" / "scheduler_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "prediction_type": "v_prediction"}))
+    pixels, captions = torch.rand(2, 3, 32, 32) * 2 - 1, ["a handwritten digit one", "a handwritten digit two"]
+    batches = {}
+    for name, source in (("epsilon", results / "prep" / "sd-model"), ("v", folder)):
+        batches[name] = FrozenEncoders(str(source)).encode(pixels, captions, [sample_generator(0, 0, i) for i in (0, 1)])
+    eps, v = batches["epsilon"], batches["v"]
+    assert torch.equal(eps["noisy_latents"], v["noisy_latents"])  # the same draws: only the target differs
+    abar = FrozenEncoders(str(folder)).scheduler.alphas_cumprod[v["timesteps"]].view(-1, 1, 1, 1)
+    noise = eps["target"]
+    latents = (v["noisy_latents"] - (1 - abar).sqrt() * noise) / abar.sqrt()
+    assert torch.allclose(v["target"], abar.sqrt() * noise - (1 - abar).sqrt() * latents, atol=1e-4)
+    assert not torch.allclose(v["target"], noise, atol=1e-2)
+
+
+@pytest.mark.slow
+def test_the_sd_advisor_answers_as_the_roadmaps_home_lab_table_for_24_gib_gpus(workflow):
+    """The roadmap: Stable Diffusion, data parallel is enough; FLUX may need model parallel. The
+    sized models (advice-sd.json) re-answered for two 24 GiB cards (10% headroom)."""
+    from distlab.advisor_diffusion import GIB, per_device
+
+    results, _ = workflow
+    advice = json.loads((results / MACHINE / "advice-sd.json").read_text())
+    picks = {m["model"]: per_device(m, 2, 0.9 * 24 * GIB)["recommendation"] for m in advice["models"]}
+    assert picks["Stable Diffusion 1.5"].startswith("data parallel") and picks["SDXL"].startswith("data parallel")
+    assert not picks["FLUX.1"].startswith("data parallel"), picks

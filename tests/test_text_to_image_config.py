@@ -126,3 +126,33 @@ def test_parquet_and_json_lines_rows_need_their_image_and_caption_columns(tmp_pa
 def test_a_resolution_the_vae_and_unet_cannot_halve_is_refused():
     message = refusal({"ddp": {"experiments": [SD]}}, text_to_image={"resolution": 30})
     assert "text_to_image.resolution" in message and "multiple of 4" in message
+
+
+def test_images_are_resized_by_the_shorter_side_cropped_and_flipped_as_the_example_does():
+    """torchvision's arithmetic, written out: Resize(16) of 40x20 -> 32x16; CenterCrop offset 8;
+    RandomCrop offsets in [0, 16]; RandomHorizontalFlip after the crop; eval: center, never flipped."""
+    import numpy as np
+    import torch
+
+    from distlab.tasks.text_to_image.data import sample_generator, transform
+
+    ramp = Image.fromarray(np.tile(np.arange(40, dtype=np.uint8) * 6, (20, 1))).convert("RGB")  # column = shade
+    settings = {"resolution": 16, "interpolation": "nearest", "center_crop": True, "random_flip": False}
+    as_pixels = lambda img: torch.from_numpy(np.asarray(img, dtype=np.float32) / 127.5 - 1).permute(2, 0, 1)
+    resized = ramp.resize((32, 16), Image.Resampling.NEAREST)
+    centre = transform(ramp, settings, sample_generator(0, 0, 0), train=True)
+    assert centre.shape == (3, 16, 16) and torch.allclose(centre, as_pixels(resized.crop((8, 0, 24, 16))), atol=1e-6)
+    settings.update(center_crop=False)
+    offsets, flips = set(), set()
+    for index in range(12):
+        crop = transform(ramp, settings, sample_generator(0, 0, index), train=True)
+        left = [x for x in range(17) if torch.allclose(crop, as_pixels(resized.crop((x, 0, x + 16, 16))), atol=1e-6)]
+        assert len(left) == 1, index
+        offsets.add(left[0])
+        flipped = transform(ramp, {**settings, "random_flip": True}, sample_generator(0, 0, index), train=True)
+        assert torch.equal(flipped, crop) or torch.equal(flipped, crop.flip(-1)), index
+        flips.add(not torch.equal(flipped, crop))
+        # Held-out images: the centre crop, never flipped, whatever the settings.
+        assert torch.equal(transform(ramp, {**settings, "random_flip": True}, sample_generator(0, 0, index), False),
+                           centre)
+    assert flips == {True, False} and len(offsets) > 3  # crops and flips vary by sample

@@ -39,7 +39,10 @@ def heldout(run) -> tuple:
 
 
 def memory_cell(run, phase: str) -> str:
-    peaks = [((m.get(phase) or {}).get("rss_peak_bytes")) for m in run["memory"]["per_rank"]]
+    """Per-rank peaks in MiB: a phase's record (load_phase, training_phase), or a per-rank key
+    (peak_through_save_bytes: eval, sampling, save and export included)."""
+    peaks = [m.get(phase) if phase.endswith("_bytes") else (m.get(phase) or {}).get("rss_peak_bytes")
+             for m in run["memory"]["per_rank"]]
     return " / ".join(f"{p / MIB:.0f}" if p else "-" for p in peaks)
 
 
@@ -59,7 +62,8 @@ def run_row(run) -> dict:
             "GFLOPs/image": round(flops["flops_per_image"] / 1e9, 4) if flops.get("flops_per_image") else None,
             "MFU": f"{flops['mfu']:.2%}" if flops.get("mfu") is not None else "not computed",
             "load peak MiB/rank": memory_cell(run, "load_phase"),
-            "training peak MiB/rank": memory_cell(run, "training_phase")}
+            "training peak MiB/rank": memory_cell(run, "training_phase"),
+            "peak through save MiB/rank": memory_cell(run, "peak_through_save_bytes")}
 
 
 def scaling_goal(card: Card, accel: list[dict]) -> None:
@@ -190,7 +194,8 @@ def build(runs: list[dict]) -> Card:
                              "after warm-up; a step includes the frozen VAE encode and text encoder forward, as in "
                              "diffusers' example; GFLOPs/image and MFU count the UNet's forward+backward only "
                              "(FlopCounterMode, metrics.json flops.how); peaks = VmHWM per rank (load: process start "
-                             f"to the first step; training: the steps). The {SPREAD_CAVEAT}."))
+                             "to the first step; training: the steps; through save: the whole process, held-out eval, "
+                             f"sample grid, save and export included). The {SPREAD_CAVEAT}."))
     card.figures.append(Figure("Training loss (denoising MSE) per step", loss_curves(ok, "text-to-image runs"),
                                "mean over data-parallel ranks per optimizer step, warm-up included"))
     advisor_tables(card, runs)
