@@ -105,3 +105,27 @@ def test_sized_batches_beat_uniform_batches_on_unequal_cpu_ranks(uniform_and_siz
     # Uniform: the fast rank idles in the all-reduce, waiting for the slow one.
     waits = [r["comm_inflight_s_median"] for r in uniform["timing_per_rank"]]
     assert waits[0] > waits[1]
+
+
+@pytest.mark.parametrize("experiment, field, why", [
+    ({"world_size": 2, "micro_batch": 4, "rank_micro_batch": [6, 1]}, "rank_micro_batch",
+     "sum to 7, but micro_batch x world_size = 8"),
+    ({"world_size": 2, "micro_batch": 4, "rank_micro_batch": [8]}, "rank_micro_batch", "1 entries for world_size 2"),
+    ({"strategy": "fsdp", "world_size": 2, "micro_batch": 4, "rank_micro_batch": [6, 2]}, "rank_micro_batch",
+     "a DDP feature"),
+    ({"world_size": 2, "rank_cpu_threads": [2]}, "rank_cpu_threads", "one thread count per rank"),
+    ({"world_size": 2, "rank_cpu_budget": [0.5, 0.25, 0.1]}, "rank_cpu_budget", "one budget per rank"),
+])
+def test_unequal_device_settings_that_cannot_hold_are_refused_naming_the_field(experiment, field, why):
+    from distlab.input_checks import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"\.{field}': .*{why}"):
+        resolve(experiment)
+
+
+def test_each_rank_gets_its_own_thread_count():
+    from distlab.unequal import rank_threads
+
+    spec = resolve({"world_size": 2, "rank_cpu_threads": [2, 1]})
+    assert [rank_threads(spec, rank) for rank in (0, 1)] == [2, 1]
+    assert rank_threads(resolve({"world_size": 2}), 1) == resolve({"world_size": 2})["cpu_threads_per_rank"]

@@ -58,7 +58,8 @@ def build(run: dict | None, record: dict) -> Card:
     start = record["events"][0]["time"]
     card.tables.append(Table("What happened to the nodes", pd.DataFrame([
         {"event": e["event"], "seconds": round(e["time"] - start, 1), "host": e.get("host", ""),
-         "newest checkpoint's workers": e["newest_checkpoint_world"]} for e in record["events"]]),
+         "newest checkpoint's workers": "-" if e["newest_checkpoint_world"] is None else e["newest_checkpoint_world"]}
+        for e in record["events"]]),
         "the orchestrator's own clock; each stage waits for a checkpoint of the group size before the next"))
     card.figures.append(Figure("Worker-group size over the run", elastic_figure([run]),
                                "ranks of each worker group from the workers' start records"))
