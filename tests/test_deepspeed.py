@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from conftest import assert_advisor_estimate_holds, resolve, run_experiment
-from test_fsdp import DDP_SHAPE, assert_same_trajectory, ddp_baseline
+from test_fsdp import DDP_SHAPE, assert_eval_points_end_at_the_final_eval, assert_same_trajectory, ddp_baseline
 
 STEPS = 20
 # Max |loss difference| per step vs DDP over 20 fp32 steps: float summation order only (the
@@ -28,9 +28,9 @@ ZERO_VARIANTS = {
 STEP_FACTOR = 10
 
 
-def deepspeed_spec(checkpointing: str = "none", **ds):
-    return resolve({"strategy": "deepspeed", **DDP_SHAPE, "deepspeed": ds, "activation_checkpointing": checkpointing},
-                   stage="deepspeed", steps=STEPS, untimed_steps=2)
+def deepspeed_spec(checkpointing: str = "none", eval_every: int = 0, **ds):
+    return resolve({"strategy": "deepspeed", **DDP_SHAPE, "deepspeed": ds, "activation_checkpointing": checkpointing,
+                    "eval_every": eval_every}, stage="deepspeed", steps=STEPS, untimed_steps=2)
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +40,9 @@ def runs(prepared, tmp_path_factory):
     root = tmp_path_factory.mktemp("zero")
     out = {"ddp": ddp_baseline(prepared)}
     for name, ds in ZERO_VARIANTS.items():
-        # ZeRO-3 also recomputes every layer's activations in backward (activation checkpointing full).
-        spec = deepspeed_spec("full" if name == "z3" else "none", **ds)
+        # ZeRO-3 also recomputes every layer's activations in backward (activation checkpointing
+        # full) and evaluates its partitioned model in place (eval_every).
+        spec = deepspeed_spec("full", 10, **ds) if name == "z3" else deepspeed_spec(**ds)
         out[name] = run_experiment(prepared, root / name, spec, checkpoint=name == "z3")
         out[name]["_dir"] = root / name
     return out
@@ -53,6 +54,8 @@ def test_zero_stage_matches_ddp_loss_lr_and_clipped_norm_over_20_steps(runs, var
     # Losses, the engine-stepped schedule's rates and the pre-clip norm of DeepSpeed's own clipping.
     assert_same_trajectory(runs[variant], runs["ddp"])
     assert runs[variant]["as_built"]["deepspeed"]["gradient_clipping"] == 1.0
+    if variant == "z3":
+        assert_eval_points_end_at_the_final_eval(runs[variant])
 
 
 def fastest_step(run) -> float:

@@ -62,6 +62,14 @@ def assert_same_trajectory(run: dict, baseline: dict) -> None:
     assert sum(n > baseline["spec"]["max_grad_norm"] for n in ref_norms) >= STEPS // 2, "clipping must be active"
 
 
+def assert_eval_points_end_at_the_final_eval(run: dict) -> None:
+    """eval_every 10 of 20 steps: held-out loss in place (every rank runs the model as the
+    strategy holds it) after steps 10 and 20; the second is the final eval of the whole model."""
+    points = run["eval"]["during_training"]
+    assert [p["steps_done"] for p in points] == [10, 20]
+    assert abs(points[-1]["loss"] - run["eval"]["trained"]["loss"]) < 1e-5, (points, run["eval"]["trained"])
+
+
 # -- the shared torchrun job: checkpoint round trips and fidelity ------------------------------
 CHECK_SPECS = {
     "fsdp": ({"strategy": "fsdp", "world_size": 2}, "fsdp"),
@@ -187,10 +195,11 @@ def _rank_main(job_path: str) -> None:
 def test_fsdp_full_shard_matches_ddp_loss_and_holds_half_the_model_state(prepared, tmp_path):
     baseline = ddp_baseline(prepared)
     spec = resolve({"strategy": "fsdp", **DDP_SHAPE, "fsdp": {"reshard_after_forward": True},
-                    "activation_checkpointing": "selective"}, stage="fsdp", **DEFAULTS)
+                    "activation_checkpointing": "selective", "eval_every": 10}, stage="fsdp", **DEFAULTS)
     run = run_experiment(prepared, tmp_path / "fsdp", spec, checkpoint=False)
     assert_same_trajectory(run, baseline)  # clipping over DTensor shards, with layer 0 recomputed
     assert run["as_built"]["activation_checkpointing"]["checkpointed"] == [0]
+    assert_eval_points_end_at_the_final_eval(run)
     as_built = run["as_built"]
     assert as_built["wrappers_found"] == ["FSDPModule"] and as_built["world_size"] == 2
     assert as_built["dtensor_parameters"] == as_built["parameters"] and as_built["mesh_sizes"] == [2]

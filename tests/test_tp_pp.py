@@ -8,7 +8,8 @@ import pytest
 
 from conftest import assert_advisor_estimate_holds, resolve, run_experiment
 from distlab.config import ConfigError
-from test_fsdp import DEFAULTS, FINETUNE, assert_same_trajectory, ddp_baseline, sharded_checks
+from test_fsdp import (DEFAULTS, FINETUNE, assert_eval_points_end_at_the_final_eval, assert_same_trajectory,
+                       ddp_baseline, sharded_checks)
 
 # Every TP/PP rank reads the whole batch: micro_batch 4 x grad_accum 2 = 8 sequences per
 # step, the same 8 (in the same order of steps) the 2-rank DDP baseline reads.
@@ -19,10 +20,11 @@ WHOLE_BATCH = {"world_size": 2, "micro_batch": 4, "grad_accum": 2, "lr": 1e-3, *
 def test_tensor_parallel_matches_ddp_loss_with_attention_and_mlp_split(prepared, tmp_path):
     baseline = ddp_baseline(prepared)
     run = run_experiment(prepared, tmp_path / "tp", resolve({"strategy": "tp", **WHOLE_BATCH,
-                                                             "activation_checkpointing": "full"}, stage="parallel",
-                                                            **DEFAULTS), checkpoint=False)
+                                                             "activation_checkpointing": "full", "eval_every": 10},
+                                                            stage="parallel", **DEFAULTS), checkpoint=False)
     assert_same_trajectory(run, baseline)  # the norm over split and replicated pieces, every layer recomputed
     assert run["as_built"]["activation_checkpointing"]["checkpointed"] == [0, 1]
+    assert_eval_points_end_at_the_final_eval(run)
     as_built = run["as_built"]
     assert as_built["tp_degree"] == 2 and as_built["data_parallel_size"] == 1 and as_built["heads_per_rank"] == 2
     split = as_built["split_linears_per_layer"]
@@ -41,11 +43,13 @@ def test_pipeline_parallel_matches_ddp_loss_and_measures_its_bubble(prepared, tm
     import json
 
     baseline = ddp_baseline(prepared)
-    checkpointing = {"activation_checkpointing": "full"} if schedule == "1f1b" else {}
+    checkpointing = {"activation_checkpointing": "full", "eval_every": 10} if schedule == "1f1b" else {}
     spec = resolve({"strategy": "pp", **WHOLE_BATCH, "pp": {"schedule": schedule, "microbatches": 2}, **checkpointing},
                    stage="parallel", **DEFAULTS)
     run = run_experiment(prepared, tmp_path / schedule, spec, checkpoint=False)
     assert_same_trajectory(run, baseline)  # the norm summed over both stages' layers
+    if checkpointing:  # eval points on the whole model rebuilt on rank 0 from both stages
+        assert_eval_points_end_at_the_final_eval(run)
     as_built = run["as_built"]
     assert as_built["schedule"] == {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}[schedule]
     assert [s["layers"] for s in as_built["stages"]] == [[0], [1]]

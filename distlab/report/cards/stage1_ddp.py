@@ -10,11 +10,12 @@ from distlab.report.plots import figure, label_axes, loss_curves, to_png_b64
 
 def scaling_groups(runs):
     """Runs that differ only in world size (same machine, model shape, seq_len, method,
-    sampler on): the honest 1-vs-N comparison."""
+    sampler on, no activation checkpointing): the honest 1-vs-N comparison."""
     groups = {}
     for run in runs:
         s = run["spec"]
-        if s["sampler"] != "distributed" or s["strategy"] != "ddp":
+        # Activation checkpointing trades time for memory: its runs are the fine-tuning card's.
+        if s["sampler"] != "distributed" or s["strategy"] != "ddp" or s.get("activation_checkpointing", "none") != "none":
             continue
         key = (run["machine"], s["method"], s["seq_len"], s["micro_batch"] * s["grad_accum"] * s["world_size"],
                s["precision"], s["device"])
