@@ -187,14 +187,6 @@ class DeepSpeedStrategy(Strategy):
     def unwrapped(self):
         return self.model.module
 
-    def evaluate(self, ids, labels) -> dict | None:
-        """The in-place eval, then ZeRO-3's parameters partitioned again: a forward with no
-        backward leaves the ones it gathered or prefetched in flight, and the next gather (the
-        final eval's full_state_dict) would refuse them ("Cannot partition a param in flight")."""
-        result = super().evaluate(ids, labels)
-        self.model.empty_partition_cache()  # a no-op below ZeRO-3
-        return result
-
     # -- truth --------------------------------------------------------------------------
     def offload_devices(self) -> dict:
         zero = self.model._config.zero_config
