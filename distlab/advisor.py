@@ -328,7 +328,8 @@ def advise(model_config: dict, hardware: dict, config: dict, cpu_ranks: int = 1,
         from distlab.advisor_box import box_advice
 
         state = (many[pick] if pick else one["ddp"])["model_state_bytes"]
-        per_sample = activation_bytes(shape, 1, workload["seq_len"], workload["precision"])
+        counts = parameter_counts(shape, workload["lora"] if workload["method"] == "lora" else None)
+        per_sample = activation_bytes(shape, {**workload, "micro_batch": 1}, counts)  # DDP's, one sample
         box = box_advice(plan, config["advisor"]["devices"], per_sample, state,
                          config["advisor"].get("headroom", 0.1), workload["micro_batch"], evidence or {})
         reasons += box["reasons"]

@@ -394,6 +394,10 @@ class TokenBlocks:
         import numpy as np
         import torch
 
+        if isinstance(index, (int, np.integer)):  # one block, as a tensor's [i] gives it
+            return self[[index]][0]
+        if isinstance(index, tuple):  # [rows, columns...]: the rows read, the rest applied to them
+            return self[index[0]][(slice(None), *index[1:])]
         if isinstance(index, slice):
             index = range(*index.indices(len(self)))
         rows = np.asarray(index, dtype=np.int64).reshape(-1)

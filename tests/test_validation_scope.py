@@ -11,7 +11,9 @@ def test_default_validation_covers_each_zero_stage_offload_and_fsdp_variant_once
 
     cfg, specs = load(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), gpu_count=0)
     chosen = validated_experiments(cfg, specs)
-    formats = {(s["strategy"], s["method"], s["launcher"], checkpoint_format(s)) for s in specs.values()}
+    # A task's checkpoint (the causal LM's or the SD UNet's) is a format of its own.
+    formats = {(s.get("task"), s["strategy"], s["method"], s["launcher"], s["fsdp"]["via"] if s["strategy"] == "fsdp"
+                else None, checkpoint_format(s)) for s in specs.values()}
     assert len(chosen) == len(formats)  # one job per distinct format, none left out
     zero = {(specs[i]["deepspeed"]["zero_stage"], specs[i]["deepspeed"]["offload_param"]) for i in chosen
             if specs[i]["strategy"] == "deepspeed"}

@@ -31,6 +31,15 @@ def _cell(check: dict | None, passed_text) -> str:
     return passed_text(check) if check["status"] == PASSED else check["status"]
 
 
+def export_cell(check: dict) -> str:
+    """What the export is (diffusers LoRA file, PEFT adapter folder, HF folder) and its logit gap."""
+    if "max_abs_output_diff" in check:
+        return "diffusers LoRA"
+    kind = "HF" if "layout" in check else "PEFT adapter"
+    gap = f" ({check['max_abs_logit_diff']:.1e})" if "max_abs_logit_diff" in check else ""
+    return kind + gap + (" + merged" if "merged_max_abs_logit_diff" in check else "")
+
+
 def row(run: dict, validation: dict) -> dict:
     checks = validation.get("checks", {})
     sizes = checks.get("size_and_time") or {}
@@ -42,9 +51,7 @@ def row(run: dict, validation: dict) -> dict:
                                                           f"({c['max_abs_logit_diff']:.1e})"),
         "resume max |dloss|": _cell(checks.get("resume_parity"),
                                     lambda c: f"{c['max_abs_loss_diff']:.1e} ({c['steps_resumed']} steps)"),
-        "export": _cell(checks.get("export"), lambda c: "diffusers LoRA" if "max_abs_output_diff" in c else
-                        f"{'PEFT adapter' if 'layout' not in c else 'HF'} ({c['max_abs_logit_diff']:.1e})"
-                        + (" + merged" if "merged_max_abs_logit_diff" in c else "")),
+        "export": _cell(checks.get("export"), export_cell),
         "size (MB)": round(sizes["checkpoint_bytes"] / 1e6, 2) if sizes.get("checkpoint_bytes") else None,
         "save (s)": round(sizes["save_seconds"], 3) if sizes.get("save_seconds") is not None else None,
         "load (s)": round(sizes["load_seconds"], 3) if sizes.get("load_seconds") is not None else None,
