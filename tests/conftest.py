@@ -121,3 +121,17 @@ def assert_advisor_estimate_holds(prepared: Path, run: dict, name: str) -> None:
     (row,) = advisor.check_against_runs({"model": {"shape": shape}}, [dict(run, machine="testbox", experiment=name)])
     assert abs(row["measured/estimated"] - 1) <= advisor.TOLERANCE, row
     assert row["verdict"] == "right" and not row["where"], row
+
+
+def load_filed(run_dir, scratch) -> dict:
+    """collect.load_run of a test's run folder, copied under <scratch>/<machine>/<experiment> as a
+    results folder files it (load_run refuses a run outside its own machine and experiment folders)."""
+    import json
+    import shutil
+
+    from distlab.report.collect import load_run
+
+    metrics = json.loads((Path(run_dir) / "metrics.json").read_text())
+    dest = Path(scratch) / metrics["machine"] / metrics["experiment"]
+    shutil.copytree(run_dir, dest, dirs_exist_ok=True)
+    return load_run(dest / "metrics.json")

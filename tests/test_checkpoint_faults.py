@@ -64,10 +64,10 @@ def test_a_failed_final_save_keeps_the_runs_figures_and_counts_it_trained_but_un
     """Rank 0's export raises at the final save of a 2-rank run: the other rank is not left in a
     collective, the job ends ok with every output rule train declares, and metrics.json keeps
     the figures (written before the save) with checkpoint.status failed and the error."""
-    from conftest import resolve, run_experiment
+    from conftest import load_filed, resolve, run_experiment
     from distlab.export import SAVE_FAULT_ENV
     from distlab.report.cards.checkpoint_table import checkpoint_card
-    from distlab.report.collect import load_run, summary_row
+    from distlab.report.collect import summary_row
     from distlab.validate import validate_run
 
     spec = resolve({"world_size": 2, "micro_batch": 4}, steps=4, untimed_steps=1)
@@ -87,7 +87,7 @@ def test_a_failed_final_save_keeps_the_runs_figures_and_counts_it_trained_but_un
     result = validate_run(run, str(prepared / "model"), str(prepared / "data32"), run / "validation.json")
     assert result["status"] == "nothing to validate" and not result["passed"]
     assert "final save failed" in result["reason"] and SAVE_FAULT_ENV in result["reason"]
-    loaded = load_run(run / "metrics.json")
+    loaded = load_filed(run, tmp_path / "filed")
     assert summary_row(loaded)["status"] == "ok" and summary_row(loaded)["checkpoint"] == "failed"
     (goal,) = [g for g in checkpoint_card([loaded]).goals if "saved its checkpoint" in g.text]
     assert goal.status == "failed" and spec["id"] in goal.evidence

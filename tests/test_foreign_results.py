@@ -48,7 +48,7 @@ def write_machine(root, machine: str) -> list[str]:
                      "time_s_median": 1e-4 * 2 ** i, "algbw_bytes_per_s": 1e7, "busbw_bytes_per_s": 1e7}
                     for i in range(3)]}))
     (folder / "advice.json").write_text(json.dumps({
-        "schema_version": 1, "recommendation_label": "DDP", "reasons": ["it fits"], "how": "test",
+        "schema_version": 1, "recommendation": "ddp", "recommendation_label": "DDP", "reasons": ["it fits"], "how": "test",
         "usable_bytes_per_device": 2 ** 30, "devices": {"devices": 2},
         "model": {"shape": {**TINY_LLAMA, "config_json": TINY_LLAMA}},
         "estimates": [{"strategy": "ddp", "params": 1, "grads": 1, "optimizer": 1, "gathered": 0,
