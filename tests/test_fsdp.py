@@ -140,21 +140,21 @@ def _rank_main(job_path: str) -> None:
         for i in range(2):
             step(trained, i)
         trained.save_checkpoint(path)
-        saved = trained.full_state_dict()
+        saved = trained.whole_state()
         restored = fresh(spec)
-        before = restored.full_state_dict()
+        before = restored.whole_state()
         restored.load_checkpoint(path)
-        loaded = restored.full_state_dict()
+        loaded = restored.whole_state()
         # One more step on both: equal weights afterwards need equal Adam moments too.
         step(trained, 2)
         step(restored, 2)
-        after_trained, after_restored = trained.full_state_dict(), restored.full_state_dict()
+        after_trained, after_restored = trained.whole_state(), restored.whole_state()
         result = {"format": json.loads((Path(path) / "format.json").read_text())["format"],
                   "files": sorted(p.name for p in Path(path).iterdir())}
         if dist.get_rank() == 0:
             result.update({"weights_restored": same(saved, loaded), "differed_before_load": not same(saved, before),
                            "next_step_identical": same(after_trained, after_restored),
-                           "hf_names": sorted(saved) == sorted(load_model(prepared / "model").state_dict())})
+                           "hf_names": sorted(saved) == sorted(dict(load_model(prepared / "model").named_parameters()))})
 
         # Fidelity: describe/verify on a model the strategy did not really transform.
         plain = load_model(prepared / "model")
@@ -230,7 +230,7 @@ def test_fsdp_dcp_checkpoint_round_trip_restores_weights_and_optimizer_state(pre
     assert found["format"] == "dcp" and any(f.endswith(".distcp") for f in found["files"])
     assert found["differed_before_load"], "a fresh model must differ, or the round trip proves nothing"
     assert found["weights_restored"] and found["next_step_identical"]
-    assert found["hf_names"], "full_state_dict must carry the Hugging Face parameter names"
+    assert found["hf_names"], "the whole state must carry the Hugging Face parameter names"
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """What a text-to-image run leaves and how it is checked: the consolidated LoRA UNet (from any
-strategy's full_state_dict), the held-out denoising loss (the same images, noise and timesteps
+strategy's whole_state), the held-out denoising loss (the same images, noise and timesteps
 for the base model and every run), the sample grid, the LoRA export written the diffusers way
 (pytorch_lora_weights.safetensors through StableDiffusionPipeline.save_lora_weights) and its
 check in a plain StableDiffusionPipeline.load_lora_weights."""
@@ -20,9 +20,14 @@ HELDOUT_HOW = ("mean over the eval split's {n} images of the UNet's denoising MS
 
 
 def consolidated_unet(full_state: dict, source: str, spec: dict):
-    """A plain UNet2DConditionModel with the run's LoRA adapter holding a strategy's full state."""
+    """A plain UNet2DConditionModel with the run's LoRA adapter holding a strategy's whole state
+    (every parameter; buffers are the freshly loaded UNet's own)."""
     unet, _ = add_lora(load_unet(source), spec)
-    unet.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in full_state.items()}, strict=True)
+    missing, unexpected = unet.load_state_dict(
+        {k: v.float() if v.is_floating_point() else v for k, v in full_state.items()}, strict=False)
+    missing = sorted(set(missing) - {name for name, _ in unet.named_buffers()})
+    if missing or unexpected:
+        raise ValueError(f"the trained state and the UNet disagree: missing {missing[:3]}, unexpected {unexpected[:3]}")
     return unet.eval()
 
 
@@ -140,7 +145,7 @@ def evaluate_trained(strategy, job: dict) -> dict | None:
         return {"status": "not evaluated", "reason": "memory_budget_gib is set: the whole-UNet evaluation on rank "
                 "0 would count against the per-rank budget this run measures"} if dist.get_rank() == 0 else None
     try:
-        full = strategy.full_state_dict()
+        full = strategy.whole_state()
     except NotImplementedError as exc:  # every rank raises alike
         return {"status": "not evaluated", "reason": str(exc)} if dist.get_rank() == 0 else None
     if dist.get_rank() != 0:
@@ -166,7 +171,7 @@ def export_pass(strategy, job: dict, spec: dict, folder) -> tuple[dict | None, s
 
     started = time.perf_counter()
     try:
-        full = strategy.full_state_dict()
+        full = strategy.whole_state()
     except NotImplementedError as exc:  # every rank raises alike: the native state still counts
         return {"status": "unsupported", "reason": str(exc)}, None
     if dist.get_rank() != 0:
@@ -186,7 +191,7 @@ def export_pass(strategy, job: dict, spec: dict, folder) -> tuple[dict | None, s
 def trained_outputs(validator, strategy):
     """Collective (validation): (the consolidated UNet, its output on the fixed batch) on rank 0,
     (None, None) elsewhere."""
-    full = strategy.full_state_dict()
+    full = strategy.whole_state()
     if validator.rank != 0:
         return None, None
     unet = consolidated_unet(full, validator.job["model_source"], validator.spec)
