@@ -110,7 +110,8 @@ fi
 
 # 3. DEST = the closure, less what the box has (unless KEEP_BOX=1).
 if [ "$DEST" = ".whl" ]; then
-  grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+  exclude=$(git rev-parse --git-path info/exclude 2>/dev/null || echo .git/info/exclude)  # a worktree's .git is a file
+  grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
 fi
 rm -rf "$DEST" && mkdir -p "$DEST" && touch "$DEST/$DEST_STAMP"
 for whl in "$CACHE"/*.whl; do
