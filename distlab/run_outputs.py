@@ -32,8 +32,9 @@ def one_line(metrics: dict) -> str:
     if metrics.get("status") != "ok":
         return f"{metrics['experiment']}: {metrics.get('status')}"
     loss, timing = metrics["loss"], metrics["timing"]["step_time_s"]
+    unit = metrics["throughput"].get("unit", "token")  # the task's: tokens or images
     trained = (metrics.get("eval") or {}).get("trained") or {}
     held_out = f", eval loss {trained['loss']:.3f}" if isinstance(trained.get("loss"), float) else ""
     return (f"{metrics['experiment']}: ok, {len(loss['per_step'])} steps, loss {loss['first']:.3f} -> "
-            f"{loss['last']:.3f}{held_out}, {metrics['throughput']['tokens_per_s']:,.0f} tokens/s "
+            f"{loss['last']:.3f}{held_out}, {metrics['throughput'][f'{unit}s_per_s']:,.0f} {unit}s/s "
             f"(median step {timing['median'] * 1000:.0f} ms), {metrics['wall_seconds_rank0']:.0f} s")

@@ -123,12 +123,13 @@ def probe(model, spec: dict, device) -> dict:
 def memory_capacity(model, spec: dict, free: int) -> int:
     """Samples this rank's free memory holds: activations per sample (distlab.advisor) plus the
     gradient, DDP bucket and AdamW state still to be allocated (16 bytes/trainable param)."""
-    from distlab.advisor import activation_bytes
+    from distlab import advisor
 
-    config = model.config
-    shape = {"hidden_size": config.hidden_size, "num_attention_heads": config.num_attention_heads,
-             "num_hidden_layers": config.num_hidden_layers, "vocab_size": config.vocab_size}
-    per_sample = activation_bytes(shape, 1, spec["seq_len"], spec["precision"])
+    shape = advisor.model_shape(model.config.to_dict())
+    counts = advisor.parameter_counts(shape, spec["lora"] if spec["method"] == "lora" else None)
+    workload = {key: spec[key] for key in ("method", "seq_len", "precision", "lora", "device",
+                                           "activation_checkpointing", "activation_checkpointing_every")}
+    per_sample = advisor.activation_bytes(shape, {**workload, "micro_batch": 1}, counts)  # DDP's, one sample
     to_come = 16 * sum(p.numel() for p in model.parameters() if p.requires_grad)
     return max(0, int((free - to_come) // per_sample))
 

@@ -24,7 +24,7 @@ GRADIENT_SCRIPT = textwrap.dedent("""
     prepared, out, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    blocks = load_blocks(prepared + "/data32", "train")
+    blocks = load_blocks(prepared + "/data32", "train")[:]  # the whole split, as a tensor
     labels = blocks.clone()
     for i in range(len(labels)):
         labels[i, : 3 * (i % 5)] = -100

@@ -305,7 +305,7 @@ class Strategy:
     def whole_state(self) -> dict:
         """Collective: every parameter gathered whole, {name: host copy} on rank 0, {} elsewhere,
         built from state_groups one group at a time. Only for models one process may hold whole
-        (the text-to-image task's UNet, tests); the causal LM streams its state instead."""
+        (a diffusion UNet, tests); the causal LM streams its state instead."""
         return {name: value.clone() for group in self.state_groups() for name, value in group.items()}
 
     # -- checkpoints --------------------------------------------------------------------
