@@ -269,7 +269,8 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
     spec = validator.spec = dict(job["spec"], world_size=world_size)
     strategy, signature = validator.build(spec)
     meta = ckpt.read_meta(job["final"])
-    base = ckpt.base_identity(job["model_source"]) if spec["method"] == "lora" else None  # collective
+    source = job["model_source"]  # LoRA: the frozen base's identity (collective), of the task's weight files
+    base = ckpt.base_identity(source, validator.task.weights_folder(source)) if spec["method"] == "lora" else None
 
     def compatibility():
         ckpt.check_compatible(meta, spec, signature, job["final"])
