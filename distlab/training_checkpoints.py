@@ -71,6 +71,15 @@ class TrainingCheckpoints:
             return info["steps_done"]
         return 0
 
+    # Ray's launcher prunes only once Ray was told of the newer checkpoint (it resumes from the
+    # newest one it knows of, which must still exist).
+    prune_after_save = True
+
+    def prune(self) -> None:
+        """Rank 0 removes all but the newest `checkpoint_keep` periodic checkpoints."""
+        if dist.get_rank() == 0:
+            prune_periodic(self.resume_root, self.spec.get("checkpoint_keep", 1), self.parity_step)
+
     def on_step_end(self, step: int) -> None:
         done = step + 1
         every = self.spec["checkpoint_every"]
@@ -82,8 +91,8 @@ class TrainingCheckpoints:
                                             self.stream, self.records, base=self.base)
                 self.report["periodic_saves"].append({"steps_done": done, "save_seconds": info["save_seconds"],
                                                       "bytes": info.get("bytes")})
-                if dist.get_rank() == 0:
-                    prune_periodic(self.resume_root, self.spec.get("checkpoint_keep", 1), self.parity_step)
+                if self.prune_after_save:
+                    self.prune()
             except NotImplementedError as exc:
                 self.unsupported = str(exc)
                 self._log(f"periodic checkpoints off: {exc}")

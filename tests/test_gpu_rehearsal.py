@@ -124,7 +124,7 @@ def kit(tmp_path_factory):
                 pytest.skip(f"package registry unreachable and nothing cached: {reason}")
         wheels = subprocess.run(["bash", str(WHEELS_SCRIPT)], capture_output=True, text=True, timeout=1800,
                                 env=dict(os.environ, PYTHON=sys.executable, PYTHON_VERSION=BOX_PYTHON,
-                                         CACHE=str(WHEEL_CACHE), DEST=str(carried)))
+                                         DISTLAB_WHEEL_CACHE=str(WHEEL_CACHE), DISTLAB_WHEEL_DEST=str(carried)))
         assert wheels.returncode == 0, wheels.stdout[-3000:] + wheels.stderr[-3000:]
         closure = sorted(WHEEL_CACHE.glob("*.whl"))
         venv = build_box_venv(box_python(), [wheel_name(w) for w in closure if wheel_name(w) in box_has])

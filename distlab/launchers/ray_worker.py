@@ -36,6 +36,7 @@ def _ray_checkpoints_class():
 
     class RayCheckpoints(TrainingCheckpoints):
         run_log = None  # the driver's RunLog actor, set by train_worker
+        prune_after_save = False  # pruned after ray.train.report: Ray resumes from what it was told of
 
         def resume(self) -> int:
             found = ray.train.get_checkpoint()
@@ -86,6 +87,7 @@ def _ray_checkpoints_class():
                 ray.train.report({"steps_done": done, "world_size": dist.get_world_size()},
                                  checkpoint=Checkpoint.from_directory(str(folder)) if dist.get_rank() == 0 else None,
                                  checkpoint_dir_name=f"step-{done:06d}")
+                self.prune()  # now the checkpoint Ray resumes from is the new one
                 if dist.get_rank() == 0:
                     ray.get(self.run_log.add.remote({"event": "checkpoint", "time": time.time(), "steps_done": done,
                                                      "world_size": dist.get_world_size()}))

@@ -121,10 +121,31 @@ def check_export(validator) -> dict:
                    "a 2-step generation of the first sample prompt"}
 
 
+def frozen_base_report(peft_state: dict, base_state: dict) -> dict:
+    """A LoRA UNet's full state against the base UNet's: every base weight bit-identical
+    (torch.equal), none missing, none unknown."""
+    from distlab.lora import base_name
+
+    compared, changed, unknown, adapters = set(), [], [], 0
+    for key, tensor in peft_state.items():
+        name = base_name(key)
+        if name is None:
+            adapters += 1
+        elif name not in base_state:
+            unknown.append(key)
+        else:
+            compared.add(name)
+            if not torch.equal(tensor.detach().cpu(), base_state[name].detach().cpu()):
+                changed.append(name)
+    return {"base_weights_compared": len(compared), "base_weights_changed": changed,
+            "base_weights_missing": sorted(set(base_state) - compared), "unknown_keys": unknown,
+            "adapter_tensors": adapters,
+            "identical": not changed and not unknown and compared == set(base_state)}
+
+
 def lora_base_frozen(unet, source: str, meta: dict, base: dict | None, reload_diff: float) -> dict:
     """The reloaded UNet's frozen weights vs a freshly loaded base UNet: bit for bit (the
     checkpoint's base identity was already checked by compatibility)."""
-    from distlab.lora import frozen_base_report
     from distlab.validate import FAILED, PASSED
 
     report = frozen_base_report(unet.state_dict(), load_unet(source).state_dict())
