@@ -6,7 +6,8 @@ import sys
 
 sys.path.insert(0, workflow.basedir)  # distlab/ works from a checkout without `pip install -e .`
 
-from distlab.config import OPT_IN_STAGES, ConfigError, built_model, load as load_config, validated_experiments
+from distlab.config import OPT_IN_STAGES, ConfigError, built_model, load as load_config
+from distlab.validation_scope import validated_experiments
 from distlab.finetune_config import resolve_epochs
 from distlab.data_checks import datasets_of
 from distlab.tokenizer_checks import tokenizer_source
@@ -327,7 +328,7 @@ def stage_specs(stage):
 def refuse_where_this_machine_cannot(specs, target):
     """Stop before any job when the machine cannot give these experiments what they ask (root
     for network namespaces or CPU budgets), naming the experiment, the field and why."""
-    from distlab.config import machine_refusal
+    from distlab.config_links import machine_refusal
 
     problems = [f"experiment {exp_id}, field '{refused[0]}': {refused[1]}"
                 for exp_id, spec in specs.items() if (refused := machine_refusal(spec))]
@@ -356,7 +357,7 @@ def stage_run_files(stage):
 
 def link_caps():
     """{id label: Mbit/s} of the links stage's caps (link_label: 100m, 1g, free)."""
-    from distlab.config import link_label
+    from distlab.config_links import link_label
 
     return {link_label(spec["link"]["bandwidth_mbit"]): spec["link"]["bandwidth_mbit"]
             for spec in stage_specs("links").values() if spec["link"]}

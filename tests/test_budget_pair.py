@@ -29,7 +29,8 @@ def default_pair():
 
 
 def test_the_default_config_holds_the_budget_pair_on_its_own_built_model():
-    from distlab.config import model_shape, validated_experiments
+    from distlab.config import model_shape
+    from distlab.validation_scope import validated_experiments
     from distlab.report.cards.zero_memory import zero_formula_bytes
 
     config, specs, one, three = default_pair()
