@@ -17,6 +17,7 @@ from distlab.run_layout import RUN_FILES
 from distlab.tasks import task_for
 from distlab.tasks.causal_lm import CausalLM, model_suffix
 from distlab.two_hosts import two_hosts_spec
+from distlab.advisor_box import measured_evidence
 from snakemake.exceptions import WorkflowError
 
 try:
@@ -399,16 +400,3 @@ def two_hosts_input(kind):
                 f"{model_suffix(spec.get('model', 'default'))}.json")
 
     return path
-
-
-def measured_evidence():
-    """The link and unequal cards' card.json of this machine, where they exist (for the advisor)."""
-    import json
-
-    found = {}
-    for name in ("links", "unequal"):
-        path = f"{RESULTS}/{MACHINE}/{name}/card.json"
-        if os.path.isfile(path):
-            with open(path) as fh:
-                found[name] = json.load(fh)
-    return found
