@@ -17,7 +17,7 @@ sys.path.insert(0, str(REPO / "tests"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 WORK = Path(os.environ.get("ADVISOR_CHECK_DIR", "/tmp/distlab-advisor-check"))
 from conftest import build_prepared, resolve, run_experiment
-from distlab import advisor
+from distlab import advisor, advisor_check
 
 root = WORK / "prep"
 if not (root / "model").exists():
@@ -67,7 +67,7 @@ for name in want:
         print(name, "ran in", round(time.time() - t, 1), "s", flush=True)
     m = json.loads(f.read_text())
     m.setdefault("machine", "m"); m.setdefault("experiment", name)
-    rows = advisor.check_against_runs(adv, [m])
+    rows = advisor_check.check_against_runs(adv, [m])
     held = m["memory"]["model_state_bytes_per_rank"]
     for r in rows:
         print(f"{name:18s} est {r['estimated_state_MiB']:8.2f} meas {r['measured_state_MiB']:8.2f} ratio {r['measured/estimated']} {r['verdict']} {r['where']}")

@@ -116,3 +116,18 @@ def box_advice(advice: dict, devices: list[dict], per_sample: float, state_bytes
              "uniform": plan["uniform_micro_batch"],
              "sized": (plan.get("sized_micro_batch") or [None] * len(devices))[i]} for i, d in enumerate(devices)]
     return {"devices": rows, "plan": plan, "reasons": reasons, "evidence": evidence_lines(evidence)}
+
+
+def measured_evidence(machine_dir) -> dict:
+    """The link and unequal cards' card.json of one machine's results folder, where they exist
+    (the advisor quotes them for a box of devices)."""
+    import json
+    import os
+
+    found = {}
+    for name in ("links", "unequal"):
+        path = os.path.join(machine_dir, name, "card.json")
+        if os.path.isfile(path):
+            with open(path) as fh:
+                found[name] = json.load(fh)
+    return found

@@ -18,6 +18,7 @@ import yaml
 from distlab import families
 from distlab import finetune_config
 from distlab import input_checks
+from distlab.config_links import check_unequal_and_link, link_label, machine_refusal, with_link_caps
 from distlab.input_checks import ConfigError
 from distlab.tasks import task_for, task_named, task_names
 
@@ -176,13 +177,6 @@ def experiment_id(spec: dict) -> str:
     return "-".join(parts)
 
 
-def link_label(mbit: float | None) -> str:
-    """100 -> '100m', 1000 -> '1g', 2500 -> '2.5g', None -> 'free' (namespaced, uncapped)."""
-    if mbit is None:
-        return "free"
-    return f"{mbit / 1000:g}g" if mbit >= 1000 else f"{mbit:g}m"
-
-
 def resolve_launcher(spec: dict) -> str:
     if spec["launcher"] != "auto":
         return spec["launcher"]
@@ -237,19 +231,6 @@ def expand_experiments(config: dict, gpu_count: int | None = None) -> dict[str, 
                 raise ConfigError(f"config field '{where}.{refused[0]}': {refused[1]}")
             specs[exp_id] = spec
     return specs
-
-
-def with_link_caps(block: dict, base: dict) -> list[tuple[int, dict]]:
-    """(index in the config, override) of a stage's experiments: each 2+-rank one without a
-    link of its own once per `link_caps_mbit` entry (in that order), when the stage sets it."""
-    caps = block.get("link_caps_mbit")
-    out = []
-    for index, override in enumerate(block.get("experiments", [])):
-        if caps and "link" not in override and override.get("world_size", base["world_size"]) > 1:
-            out += [(index, dict(override, link={"bandwidth_mbit": cap})) for cap in caps]
-        else:
-            out.append((index, override))
-    return out
 
 
 def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> None:
@@ -329,104 +310,6 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
         fail("launcher", f"accelerate launch starts the accelerate strategy (and fsdp with via: accelerate), "
              f"not {spec['strategy']}; use torchrun")
     check_unequal_and_link(spec, fail)
-
-
-def check_unequal_and_link(spec: dict, fail) -> None:
-    """Per-rank batches and threads (unequal devices), and links between namespaced ranks."""
-    world = spec["world_size"]
-    sized, threads, budget = spec["rank_micro_batch"], spec["rank_cpu_threads"], spec["rank_cpu_budget"]
-    if (sized, threads, budget) != (None, None, None) and spec["launcher"] != "torchrun":
-        fail("launcher", "per-rank batches, threads and CPU budgets are set by distlab's torchrun ranks; use "
-             "launcher torchrun")
-    if sized is not None:
-        if spec["strategy"] != "ddp":
-            fail("rank_micro_batch", f"per-rank micro-batches are a DDP feature (each rank's loss weighted by its "
-                 f"share of the batch); {spec['strategy']} splits batches its own way")
-        if spec["sampler"] != "distributed":
-            fail("rank_micro_batch", "per-rank micro-batches split one global batch; they need sampler distributed")
-        if sized != "auto" and len(sized) != world:
-            fail("rank_micro_batch", f"{len(sized)} entries for world_size {world}: one micro-batch per rank")
-        if sized != "auto" and sum(sized) != spec["micro_batch"] * world:
-            fail("rank_micro_batch", f"the ranks' micro-batches sum to {sum(sized)}, but micro_batch x world_size "
-                 f"= {spec['micro_batch'] * world}: keep the global batch of the uniform run")
-    if threads is not None:
-        if spec["device"] != "cpu":
-            fail("rank_cpu_threads", "per-rank thread counts make unequal CPU devices; device must be cpu")
-        if len(threads) != world:
-            fail("rank_cpu_threads", f"{len(threads)} entries for world_size {world}: one thread count per rank")
-    if budget is not None:
-        if spec["device"] != "cpu":
-            fail("rank_cpu_budget", "per-rank CPU budgets make unequal CPU devices; device must be cpu")
-        if len(budget) != world:
-            fail("rank_cpu_budget", f"{len(budget)} entries for world_size {world}: one budget per rank")
-    if spec["link"] is None:
-        return
-    if world < 2:
-        fail("link", "a 1-rank run sends nothing over a link; give it world_size 2 or more, or no link")
-    if spec["launcher"] != "torchrun":
-        fail("link", f"a link runs one torchrun agent per host namespace; launcher {spec['launcher']} is not "
-             "supported (Ray across two namespaced hosts: `snakemake two_hosts`)")
-    if spec["device"] != "cpu":
-        fail("link", "NCCL moves GPU data over PCIe/NVLink/shared memory, which no network namespace shapes: "
-             "links are for CPU ranks (gloo over TCP)")
-
-
-def machine_refusal(spec: dict) -> tuple[str, str] | None:
-    """(field, why) when this machine cannot give the experiment what it asks (network
-    namespaces for a link, cpu cgroups for CPU budgets: root), else None. The default stages
-    are refused when the config loads; the opt-in ones when their target asks for them
-    (rules/common.smk stage_metrics), so that a config naming them still runs elsewhere."""
-    if spec["link"] is not None:
-        from distlab.links import refusal
-
-        if refusal():
-            return "link", f"network namespaces cannot be made here: {refusal()}"
-    if spec["rank_cpu_budget"] is not None:
-        from distlab.cpu_budget import refusal as no_cpu_budget
-
-        if no_cpu_budget():
-            return "rank_cpu_budget", f"CPU budgets cannot be enforced here: {no_cpu_budget()}"
-    return None
-
-
-def validated_experiments(config: dict, specs: dict[str, dict]) -> list[str]:
-    """Ids whose checkpoints get a validation job, per `validation.scope`."""
-    scope = config.get("validation", {}).get("scope", "per_format")
-    if scope == "none":
-        return []
-    if scope == "all":
-        return list(specs)
-    if scope == "sharded":
-        specs = {exp_id: spec for exp_id, spec in specs.items() if shards_checkpoint(spec)}
-    chosen, seen = [], set()
-    # A run held to memory_budget_gib may end as oom and save nothing (its validation would
-    # have nothing to check), so a format is represented by an unbudgeted run where one exists.
-    for exp_id, spec in sorted(specs.items(), key=lambda item: item[1].get("memory_budget_gib") is not None):
-        key = (spec.get("task"), spec["strategy"], spec["method"], spec["launcher"],
-               spec["fsdp"]["via"] if spec["strategy"] == "fsdp" else None)
-        if scope in ("per_format", "sharded"):
-            key += (checkpoint_format(spec),)
-        if key not in seen:
-            seen.add(key)
-            chosen.append(exp_id)
-    return [exp_id for exp_id in specs if exp_id in chosen]
-
-
-def shards_checkpoint(spec: dict) -> bool:
-    """Whether the run's checkpoint holds per-rank shards (validation scope 'sharded')."""
-    return spec["strategy"] in ("fsdp", "tp", "pp") or (
-        spec["strategy"] == "deepspeed" and spec["deepspeed"]["zero_stage"] >= 1)
-
-
-def checkpoint_format(spec: dict) -> tuple:
-    """What changes the checkpoint a run writes (ZeRO stage and offload, FSDP variant, precision)
-    beyond strategy x method x launcher; world size and batch shape do not."""
-    ds, fs = spec["deepspeed"], spec["fsdp"]
-    if spec["strategy"] == "deepspeed":
-        return (spec["precision"], ds["zero_stage"], ds["offload_optimizer"], ds["offload_param"])
-    if spec["strategy"] == "fsdp":
-        return (spec["precision"], fs["reshard_after_forward"], fs["cpu_offload"])
-    return (spec["precision"],)
 
 
 def built_model(config: dict, name: str) -> dict:

@@ -90,7 +90,8 @@ def planned(configfiles: list[str], gpus: int) -> dict:
     Snakemake merges several --configfile)."""
     import yaml
 
-    from distlab.config import _deep_merge, load, validated_experiments
+    from distlab.config import _deep_merge, load
+    from distlab.validation_scope import validated_experiments
 
     merged: dict = {}
     for path in configfiles:

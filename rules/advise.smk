@@ -21,7 +21,7 @@ rule advise:
         cpu_ranks=max([1] + [spec["world_size"] for spec in DEFAULT_SPECS.values()]),
         # The measured cards (`snakemake links`, `unequal`) as evidence, when they exist: their
         # content, not their files, so the default run never asks for those targets.
-        evidence=measured_evidence(),
+        evidence=measured_evidence(f"{RESULTS}/{MACHINE}"),
     log:
         f"{RESULTS}/{MACHINE}/logs/advise.log",
     resources:

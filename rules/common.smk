@@ -6,7 +6,8 @@ import sys
 
 sys.path.insert(0, workflow.basedir)  # distlab/ works from a checkout without `pip install -e .`
 
-from distlab.config import OPT_IN_STAGES, ConfigError, built_model, load as load_config, validated_experiments
+from distlab.config import OPT_IN_STAGES, ConfigError, built_model, load as load_config
+from distlab.validation_scope import validated_experiments
 from distlab.finetune_config import resolve_epochs
 from distlab.data_checks import datasets_of
 from distlab.tokenizer_checks import tokenizer_source
@@ -16,6 +17,7 @@ from distlab.run_layout import RUN_FILES
 from distlab.tasks import task_for
 from distlab.tasks.causal_lm import CausalLM, model_suffix
 from distlab.two_hosts import two_hosts_spec
+from distlab.advisor_box import measured_evidence
 from snakemake.exceptions import WorkflowError
 
 try:
@@ -327,7 +329,7 @@ def stage_specs(stage):
 def refuse_where_this_machine_cannot(specs, target):
     """Stop before any job when the machine cannot give these experiments what they ask (root
     for network namespaces or CPU budgets), naming the experiment, the field and why."""
-    from distlab.config import machine_refusal
+    from distlab.config_links import machine_refusal
 
     problems = [f"experiment {exp_id}, field '{refused[0]}': {refused[1]}"
                 for exp_id, spec in specs.items() if (refused := machine_refusal(spec))]
@@ -356,7 +358,7 @@ def stage_run_files(stage):
 
 def link_caps():
     """{id label: Mbit/s} of the links stage's caps (link_label: 100m, 1g, free)."""
-    from distlab.config import link_label
+    from distlab.config_links import link_label
 
     return {link_label(spec["link"]["bandwidth_mbit"]): spec["link"]["bandwidth_mbit"]
             for spec in stage_specs("links").values() if spec["link"]}
@@ -398,16 +400,3 @@ def two_hosts_input(kind):
                 f"{model_suffix(spec.get('model', 'default'))}.json")
 
     return path
-
-
-def measured_evidence():
-    """The link and unequal cards' card.json of this machine, where they exist (for the advisor)."""
-    import json
-
-    found = {}
-    for name in ("links", "unequal"):
-        path = f"{RESULTS}/{MACHINE}/{name}/card.json"
-        if os.path.isfile(path):
-            with open(path) as fh:
-                found[name] = json.load(fh)
-    return found

@@ -115,10 +115,10 @@ def assert_advisor_estimate_holds(prepared: Path, run: dict, name: str) -> None:
     """The advisor's estimate for a real run's own spec vs the state its rank measured from its
     tensors (distlab.metrics / strategies.deepspeed_state), within advisor.TOLERANCE. Checked
     on the runs the strategy tests already made, so it costs no run of its own."""
-    from distlab import advisor
+    from distlab import advisor, advisor_check
 
     shape = advisor.model_shape(json.loads((prepared / "model" / "config.json").read_text()))
-    (row,) = advisor.check_against_runs({"model": {"shape": shape}}, [dict(run, machine="testbox", experiment=name)])
+    (row,) = advisor_check.check_against_runs({"model": {"shape": shape}}, [dict(run, machine="testbox", experiment=name)])
     assert abs(row["measured/estimated"] - 1) <= advisor.TOLERANCE, row
     assert row["verdict"] == "right" and not row["where"], row
 

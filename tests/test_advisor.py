@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distlab import advisor
+from distlab import advisor, advisor_check
 from distlab.config import load
 
 REPO = Path(__file__).resolve().parent.parent
@@ -139,14 +139,14 @@ def test_estimate_check_says_where_it_was_wrong():
     held = {"params": 4 * psi, "grads": 4 * psi, "grad_buckets": 4 * psi, "optimizer": 8 * psi}
     run = {"machine": "m", "experiment": "e", "status": "ok", "spec": spec,
            "memory": {"model_state_bytes_per_rank": [held], "per_rank": [{}]}}
-    assert advisor.check_against_runs(advice, [run])[0]["verdict"] == "right"
+    assert advisor_check.check_against_runs(advice, [run])[0]["verdict"] == "right"
     held["optimizer"] = 16 * psi  # e.g. an optimizer keeping an extra fp32 copy the formula forgot
-    (row,) = advisor.check_against_runs(advice, [run])
+    (row,) = advisor_check.check_against_runs(advice, [run])
     assert row["verdict"] == "WRONG" and row["where"].startswith("optimizer: estimated")
     # A total within the tolerance does not hide a part that is far off (here params 1.5x,
     # grads 0.5x: the total still matches).
     held.update(optimizer=8 * psi, params=6 * psi, grads=2 * psi)
-    (row,) = advisor.check_against_runs(advice, [run])
+    (row,) = advisor_check.check_against_runs(advice, [run])
     assert row["measured/estimated"] == 1 and row["verdict"] == "WRONG" and row["where"].startswith("params:")
 
 

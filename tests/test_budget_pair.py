@@ -29,7 +29,8 @@ def default_pair():
 
 
 def test_the_default_config_holds_the_budget_pair_on_its_own_built_model():
-    from distlab.config import model_shape, validated_experiments
+    from distlab.config import model_shape
+    from distlab.validation_scope import validated_experiments
     from distlab.report.cards.zero_memory import zero_formula_bytes
 
     config, specs, one, three = default_pair()
@@ -103,9 +104,9 @@ def test_the_pair_plans_its_own_model_eval_and_no_checkpoint_validation(tmp_path
 
 def test_the_advisor_check_leaves_runs_on_a_model_extra_model_out(tmp_path):
     """The advice sizes the base model: its estimate is never set against another model's run."""
-    from distlab import advisor
+    from distlab import advisor_check
 
     _, _, one, three = default_pair()
     runs = _pair(tmp_path, "oom", True, True)
     assert runs[1]["spec"]["model"] == three["model"] != "default"
-    assert advisor.check_against_runs({"model": {"shape": {}}}, runs) == []
+    assert advisor_check.check_against_runs({"model": {"shape": {}}}, runs) == []

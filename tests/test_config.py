@@ -131,7 +131,7 @@ def test_id_is_a_pure_function_of_the_spec():
 
 
 def test_validation_scope_picks_one_experiment_per_strategy_method_and_launcher():
-    from distlab.config import validated_experiments
+    from distlab.validation_scope import validated_experiments
 
     cfg = ddp_config({"world_size": 1, "micro_batch": 8}, {"world_size": 2}, {"world_size": 2, "method": "lora"})
     cfg, specs = load(cfg, gpu_count=0)

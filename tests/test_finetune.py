@@ -49,10 +49,10 @@ def test_activation_checkpointing_keeps_the_losses_and_holds_fewer_activations(r
 
 @pytest.mark.slow
 def test_the_advisor_estimates_the_saved_activations_of_every_mode(prepared, runs):
-    from distlab import advisor
+    from distlab import advisor, advisor_check
 
     shape = advisor.model_shape(json.loads((prepared / "model" / "config.json").read_text()))
-    rows = advisor.check_against_runs({"model": {"shape": shape}},
+    rows = advisor_check.check_against_runs({"model": {"shape": shape}},
                                       [dict(run, machine="testbox", experiment=mode) for mode, run in runs.items()])
     assert len(rows) == 3
     for row in rows:

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import run_experiment
-from distlab import advisor, preset_twins
+from distlab import advisor, advisor_check, preset_twins
 from distlab.config import load
 
 SEQ = 16
@@ -71,7 +71,7 @@ def test_preset_runs_on_cpu_as_its_twin(name, twins, tmp_path):
         assert run["status"] == "ok", (experiment, run.get("error"))
         run.setdefault("machine", "twin")
         run.setdefault("experiment", experiment)
-        (row,) = advisor.check_against_runs({"model": {"shape": shape}}, [run])
+        (row,) = advisor_check.check_against_runs({"model": {"shape": shape}}, [run])
         assert row["verdict"] == "right", row
         print(f"{name} {experiment}: {time.perf_counter() - start:.1f} s, measured/estimated "
               f"{row['measured/estimated']}")

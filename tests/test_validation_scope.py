@@ -7,7 +7,8 @@ from conftest import REPO
 
 
 def test_default_validation_covers_each_zero_stage_offload_and_fsdp_variant_once():
-    from distlab.config import checkpoint_format, load, validated_experiments
+    from distlab.config import load
+    from distlab.validation_scope import checkpoint_format, validated_experiments
 
     cfg, specs = load(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), gpu_count=0)
     chosen = validated_experiments(cfg, specs)

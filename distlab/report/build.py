@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from distlab import advisor as adv
+from distlab import advisor_check
 from distlab import collectives as coll
 from distlab.report.cards import (COMPARED, DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figure, Table, all_cards,
                                   is_busy, spread_caveat)
@@ -78,7 +79,7 @@ def headline(runs: list[dict], advice: dict) -> list[str]:
                      f"{precision}), tokens/s: " + ", ".join(
                          f"{r['experiment']} {r['_throughput']['median']:.0f}" + (" (BUSY)" if is_busy(r) else "")
                          for r in same[:6]) + (f" and {len(same) - 6} more" if len(same) > 6 else "") + ".")
-            picked = [r for r in same if a and adv.estimate_key(r["spec"]) == a["recommendation"]]
+            picked = [r for r in same if a and advisor_check.estimate_key(r["spec"]) == a["recommendation"]]
             if picked and same[0] is not picked[0]:
                 text += (f" The fastest here, {same[0]['experiment']}, ran {same[0]['_throughput']['median'] / picked[0]['_throughput']['median']:.2f}x "
                          f"the best run of the recommended kind ({picked[0]['experiment']}): the "
@@ -86,7 +87,7 @@ def headline(runs: list[dict], advice: dict) -> list[str]:
                          + ("; the spreads overlap, so this machine does not tell them apart."
                             if not clear_winner(same[0], picked[0]) else "."))
         if a:
-            checked = adv.check_against_runs(a, [r for r in runs if r["machine"] == machine])
+            checked = advisor_check.check_against_runs(a, [r for r in runs if r["machine"] == machine])
             if checked:
                 right = sum(c["verdict"] == "right" for c in checked)
                 text += (f" The advisor's memory estimate was right (within {adv.TOLERANCE:.0%}) for {right} of "
@@ -155,7 +156,7 @@ def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
     card.tables.append(Table(f"Estimated memory per device on {machine} ({plan['devices']} device(s), "
                              f"{adv.human(a['usable_bytes_per_device'])} usable each)", frame,
                              " ".join(a["how"].split())))
-    checked = adv.check_against_runs(a, runs)
+    checked = advisor_check.check_against_runs(a, runs)
     if checked:
         wrong = [c for c in checked if c["verdict"] != "right"]
         key = ["experiment", "verdict", "measured/estimated", "where"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from distlab.config import link_label
+from distlab.config_links import link_label
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Goal, Table, comm_ms, \
     metrics_link
 from distlab.report.plots import figure, label_axes, to_png_b64

@@ -1,0 +1,100 @@
+"""The advisor held to measurements: which advisor row a run is (estimate_key), that row's
+estimate for the run's own spec, and the estimate against the run's measured per-rank state
+and saved activations (check_against_runs, used by the report and the tests)."""
+from __future__ import annotations
+
+from distlab.advisor import TOLERANCE, activation_bytes, strategy_state
+from distlab.parameter_counts import parameter_counts
+
+
+def estimate_key(spec: dict) -> str | None:
+    """Which advisor row a run's spec corresponds to (None: no formula for it)."""
+    strategy = spec["strategy"]
+    if strategy in ("ddp", "accelerate"):
+        return "ddp"
+    if strategy == "deepspeed":
+        ds = spec["deepspeed"]
+        stage = ds["zero_stage"]
+        if stage < 3:
+            return ["ddp", "zero1", "zero2"][stage]
+        if ds["offload_param"] != "none":
+            return "zero3-offopt-offparam"
+        return "zero3-offopt" if ds["offload_optimizer"] != "none" else "zero3"
+    if strategy == "fsdp":
+        return "zero3-offopt-offparam" if spec["fsdp"]["cpu_offload"] else "zero3"
+    return strategy if strategy in ("tp", "pp") else None  # formulas of their own, no advisor row
+
+
+def spec_settings(spec: dict) -> dict:
+    settings = {"deepspeed": spec.get("deepspeed"), "fsdp": spec.get("fsdp")}.get(spec["strategy"]) or {}
+    return {**settings, "grad_accum": spec.get("grad_accum", 1)}
+
+
+def estimate_spec(shape: dict, spec: dict) -> dict | None:
+    """The estimate for one run's own spec (its strategy, settings, world size, method,
+    precision): per-rank model state in bytes; None for strategies without a formula."""
+    lora = spec["method"] == "lora"
+    counts = parameter_counts(shape, spec["lora"] if lora else None)
+    state = strategy_state(spec["strategy"], counts, spec["world_size"], spec["precision"], lora,
+                           spec_settings(spec))
+    if state is None:
+        return None
+    act = activation_bytes(shape, spec, counts, strategy=spec["strategy"])
+    device_state = state["params"] + state["grads"] + state["optimizer"] + state["gathered"]
+    return {**state, "model_state_bytes": device_state, "activation_bytes": act, "total_bytes": device_state + act}
+
+
+MEASURED_PARTS = {"params": ("params", "offloaded_params"), "grads": ("grads", "grad_buckets", "offloaded_grads"),
+                  "optimizer": ("optimizer", "offloaded_optimizer")}
+
+
+def check_against_runs(advice: dict, runs: list[dict], tolerance: float = TOLERANCE) -> list[dict]:
+    """The advisor's estimate for each measured run's own spec next to what the run measured."""
+    shape = advice["model"]["shape"]
+    rows = []
+    for run in runs:
+        # The advice sizes the base model: a run on a model.extra model is checked by none of its rows.
+        if run.get("status") != "ok" or not run.get("memory") or run["spec"].get("model", "default") != "default":
+            continue
+        spec = run["spec"]
+        held = (run["memory"].get("model_state_bytes_per_rank") or [None])[0]
+        est = estimate_spec(shape, spec) if held else None
+        if est is None:
+            continue
+        # Measured state counts every tensor the rank holds, wherever it lives (offload included).
+        expected = est["params"] + est["grads"] + est["optimizer"] + est["cpu_offloaded"]
+        measured_parts = {part: sum(held.get(k, 0) or 0 for k in keys) for part, keys in MEASURED_PARTS.items()}
+        measured = sum(measured_parts.values())
+        ratio = measured / expected if expected else None
+        parts = []
+        for part in ("params", "grads", "optimizer"):
+            guess = est[part] + est["cpu_parts"][part]
+            if guess and measured_parts[part] and abs(measured_parts[part] / guess - 1) > tolerance:
+                parts.append(f"{part}: estimated {guess / 2**20:.1f} MiB, "
+                             f"measured {measured_parts[part] / 2**20:.1f} MiB")
+        row = {"machine": run["machine"], "experiment": run["experiment"], "estimate": estimate_key(spec),
+               "estimated_state_MiB": round(expected / 2**20, 2), "measured_state_MiB": round(measured / 2**20, 2),
+               "measured/estimated": round(ratio, 3) if ratio else None,
+               # right only when the total and each part are within the tolerance: a total
+               # that holds while one part is far off is a formula that is wrong somewhere.
+               "verdict": "right" if ratio and abs(ratio - 1) <= tolerance and not parts else "WRONG",
+               "where": "; ".join(parts)}
+        peaks = [m.get("cuda_max_allocated_bytes") for m in run["memory"].get("per_rank", [])]
+        peaks = [p for p in peaks if p]
+        row.update(activation_check(shape, spec, run))
+        row["estimated_peak_MiB"] = round(est["total_bytes"] / 2**20, 1)
+        row["measured_cuda_peak_MiB"] = round(max(peaks) / 2**20, 1) if peaks else None
+        rows.append(row)
+    return rows
+
+
+def activation_check(shape: dict, spec: dict, run: dict) -> dict:
+    """Estimated vs measured activations held at the end of a micro-batch's forward (rank 0's
+    ActivationProbe figure), for data-parallel strategies (every rank runs the whole model)."""
+    measured = ((run["memory"].get("per_rank") or [{}])[0].get("activations") or {}).get("bytes")
+    if spec["strategy"] in ("tp", "pp") or not measured:
+        return {"estimated_activations_MiB": None, "measured_activations_MiB": None}
+    counts = parameter_counts(shape, spec["lora"] if spec["method"] == "lora" else None)
+    est = activation_bytes(shape, spec, counts, strategy=spec["strategy"], part="held_bytes")
+    return {"estimated_activations_MiB": round(est / 2**20, 3), "measured_activations_MiB": round(measured / 2**20, 3),
+            "activations measured/estimated": round(measured / est, 3)}

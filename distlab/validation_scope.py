@@ -1,0 +1,43 @@
+"""Which experiments' checkpoints get a validation job (`validation.scope`), and what makes two
+checkpoints the same format. Light like distlab.config: the Snakefile imports it."""
+from __future__ import annotations
+
+
+def validated_experiments(config: dict, specs: dict[str, dict]) -> list[str]:
+    """Ids whose checkpoints get a validation job, per `validation.scope`."""
+    scope = config.get("validation", {}).get("scope", "per_format")
+    if scope == "none":
+        return []
+    if scope == "all":
+        return list(specs)
+    if scope == "sharded":
+        specs = {exp_id: spec for exp_id, spec in specs.items() if shards_checkpoint(spec)}
+    chosen, seen = [], set()
+    # A run held to memory_budget_gib may end as oom and save nothing (its validation would
+    # have nothing to check), so a format is represented by an unbudgeted run where one exists.
+    for exp_id, spec in sorted(specs.items(), key=lambda item: item[1].get("memory_budget_gib") is not None):
+        key = (spec.get("task"), spec["strategy"], spec["method"], spec["launcher"],
+               spec["fsdp"]["via"] if spec["strategy"] == "fsdp" else None)
+        if scope in ("per_format", "sharded"):
+            key += (checkpoint_format(spec),)
+        if key not in seen:
+            seen.add(key)
+            chosen.append(exp_id)
+    return [exp_id for exp_id in specs if exp_id in chosen]
+
+
+def shards_checkpoint(spec: dict) -> bool:
+    """Whether the run's checkpoint holds per-rank shards (validation scope 'sharded')."""
+    return spec["strategy"] in ("fsdp", "tp", "pp") or (
+        spec["strategy"] == "deepspeed" and spec["deepspeed"]["zero_stage"] >= 1)
+
+
+def checkpoint_format(spec: dict) -> tuple:
+    """What changes the checkpoint a run writes (ZeRO stage and offload, FSDP variant, precision)
+    beyond strategy x method x launcher; world size and batch shape do not."""
+    ds, fs = spec["deepspeed"], spec["fsdp"]
+    if spec["strategy"] == "deepspeed":
+        return (spec["precision"], ds["zero_stage"], ds["offload_optimizer"], ds["offload_param"])
+    if spec["strategy"] == "fsdp":
+        return (spec["precision"], fs["reshard_after_forward"], fs["cpu_offload"])
+    return (spec["precision"],)
