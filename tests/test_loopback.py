@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import sys
 import threading
 import time
 
