@@ -169,13 +169,16 @@ def clear_winner(a: dict, b: dict) -> bool:
     return sa["low"] > sb["high"] or sb["low"] > sa["high"]
 
 
-def load_run(path: str | Path) -> dict:
+def load_run(path: str | Path, named_folder: bool = True) -> dict:
+    """One metrics.json with what beside it the report reads. named_folder: the run sits in
+    <machine>/<experiment>/ (False: the two_hosts target's own fixed folder, still its machine's)."""
     path = Path(path)
     run = read_json(path, "metrics", METRICS_SCHEMA_VERSION)
     if "actual" in run and "as_built" not in run:  # the name results written before 'as_built' used
         run["as_built"] = run.pop("actual")
     check_schema(run, "metrics", path)
-    for field, folder in (("machine", path.parent.parent.name), ("experiment", path.parent.name)):
+    folders = (("machine", path.parent.parent.name), ("experiment", path.parent.name))
+    for field, folder in folders if named_folder else folders[:1]:
         if run[field] != folder:
             raise ResultsError(f"{path}: field '{field}' is {run[field]!r} but the file sits in folder {folder!r}; "
                                f"a run is filed under its own {field}: fix or remove it")
@@ -194,14 +197,14 @@ def load_run(path: str | Path) -> dict:
     return run
 
 
-def load_checked_runs(paths) -> tuple[list[dict], list[dict]]:
+def load_checked_runs(paths, named_folder: bool = True) -> tuple[list[dict], list[dict]]:
     """(runs, rejected): every metrics.json that reads, has this schema version, matches the
     schema (so holds the figures its status promises) and is the only one of its machine and
     experiment; each one that does not is left out as {"path", "reason"}."""
     runs, rejected, seen = [], [], {}
     for path in paths:
         try:
-            run = load_run(path)
+            run = load_run(path, named_folder)
             key = (run["machine"], run["experiment"])
             if key in seen:
                 raise ResultsError(f"{path}: the same experiment of machine '{run['machine']}' as {seen[key]}; "

@@ -10,12 +10,12 @@ from distlab.report.collect import load_checked_runs, summary_frame
 from distlab.report.render import render_html, render_markdown
 
 
-def checked_runs(metrics_paths) -> list[dict]:
+def checked_runs(metrics_paths, named_folder: bool = True) -> list[dict]:
     """The runs that read and hold every figure they promise (collect.load_checked_runs); a
     rejected one is named on stderr, never half-read."""
     import sys
 
-    runs, rejected = load_checked_runs(list(metrics_paths))
+    runs, rejected = load_checked_runs(list(metrics_paths), named_folder)
     for item in rejected:
         print(f"WARNING: left out of the card: {item['reason']}", file=sys.stderr)
     for run in runs:

@@ -75,6 +75,6 @@ def build(run: dict | None, record: dict) -> Card:
 def write_card(metrics_path: str, hosts_path: str, html_path: str, md_path: str) -> None:
     from distlab.report.pages import checked_runs, write_page
 
-    runs = checked_runs([metrics_path])
+    runs = checked_runs([metrics_path], named_folder=False)  # results/<machine>/two-hosts/, not its id
     record = json.loads(open(hosts_path).read())
     write_page(build(runs[0] if runs else None, record), runs, html_path, md_path)
