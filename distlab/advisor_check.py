@@ -53,8 +53,10 @@ def check_against_runs(advice: dict, runs: list[dict], tolerance: float = TOLERA
     shape = advice["model"]["shape"]
     rows = []
     for run in runs:
-        # The advice sizes the base model: a run on a model.extra model is checked by none of its rows.
-        if run.get("status") != "ok" or not run.get("memory") or run["spec"].get("model", "default") != "default":
+        # The advice sizes the base causal LM: a run on a model.extra model, or of another task
+        # (the text-to-image UNet: advise_sd), is checked by none of its rows.
+        if run.get("status") != "ok" or not run.get("memory") or run["spec"].get("model", "default") != "default" \
+                or run["spec"].get("task", "causal-lm") != "causal-lm":
             continue
         spec = run["spec"]
         held = (run["memory"].get("model_state_bytes_per_rank") or [None])[0]
