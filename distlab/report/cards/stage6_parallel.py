@@ -24,16 +24,23 @@ def parallel_runs(runs: list[dict], strategy: str, wrapper: str) -> list[dict]:
             and wrapper in (r.get("as_built") or {}).get("wrappers_found", [])]
 
 
-def ddp_twin(run: dict, runs: list[dict]) -> dict | None:
-    """A DDP run (sampler on) that read the same samples per step as `run`."""
+def same_work(run: dict) -> tuple:
+    """What decides a run's losses beyond its strategy: machine, samples per step, sequence
+    length, seed, steps, optimizer and schedule, precision, method."""
     s = run["spec"]
-    key = (run["machine"], run["throughput"]["samples_per_step"], s["seq_len"], s["seed"], s["steps"], s["lr"],
-           s["precision"], s["method"])
+    return (run["machine"], run["throughput"]["samples_per_step"], s["seq_len"], s["seed"], s["steps"], s["lr"],
+            s.get("lr_schedule"), s.get("lr_warmup_steps"), s.get("max_grad_norm"), s.get("weight_decay"),
+            s["precision"], s["method"])
+
+
+def ddp_twin(run: dict, runs: list[dict]) -> dict | None:
+    """A DDP run (sampler on) that read the same samples per step as `run` and trained them the
+    same way (same_work)."""
+    key = same_work(run)
     for other in runs:
         o = other["spec"]
-        if (other.get("status") == "ok" and o["strategy"] == "ddp" and o["sampler"] == "distributed"
-                and (other["machine"], other["throughput"]["samples_per_step"], o["seq_len"], o["seed"],
-                     o["steps"], o["lr"], o["precision"], o["method"]) == key):
+        if other.get("status") == "ok" and o["strategy"] == "ddp" and o["sampler"] == "distributed" \
+                and same_work(other) == key:
             return other
     return None
 
