@@ -28,19 +28,6 @@ def full_numel(param) -> int:
     return getattr(param, "ds_numel", None) or param.numel()
 
 
-def hidden_size(model_source: str) -> int | None:
-    """The model's hidden size from its config.json (ZeRO-3's "auto" sizes, before the model
-    exists); None where the folder holds no transformers config (a diffusers pipeline: DeepSpeed's
-    own sizes then)."""
-    from pathlib import Path
-
-    from transformers import AutoConfig
-
-    if (Path(model_source) / "model_index.json").is_file():
-        return None
-    return getattr(AutoConfig.from_pretrained(str(model_source)), "hidden_size", None)
-
-
 def skip_inference_shm_op() -> None:
     """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op on its first
     init_distributed (about 3 minutes on a busy 2-core machine). Only its
@@ -101,7 +88,7 @@ class DeepSpeedStrategy(Strategy):
         # zero.Init reads the partitioning, persistence and offload keys only; the live-parameter
         # limits sized from the built model are the engine's (wrap).
         model, self.load_report = self.task.load_partitioned(
-            model_source, deepspeed_config(self.spec, dist.get_world_size(), hidden_size=hidden_size(model_source)),
+            model_source, deepspeed_config(self.spec, dist.get_world_size(), hidden_size=self.task.hidden_size(model_source)),
             dtype, nvme_params=self.spec["deepspeed"]["offload_param"] == "nvme")
         self.partitioned_at_load = all(hasattr(p, "ds_id") for p in model.parameters())
         return model

@@ -89,6 +89,11 @@ class Task:
         """The folder whose *.safetensors hold the trained module's weights (FSDP's sharded load)."""
         return str(source)
 
+    def hidden_size(self, source: str) -> int | None:
+        """The trained module's hidden size, read before it is built (ZeRO-3's "auto" sizes);
+        None: the task has none (DeepSpeed's own sizes then)."""
+        return None
+
     def load_partitioned(self, source: str, ds_config: dict, dtype, nvme_params: bool) -> tuple:
         """(module, load report): the trained module built under deepspeed.zero.Init (ZeRO-3)."""
         raise NotImplementedError

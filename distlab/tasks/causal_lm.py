@@ -81,6 +81,11 @@ class CausalLM(Task):
     check_export = lazy("distlab.validate_ranks:check_export")
     lora_base_frozen = lazy("distlab.validate_ranks:lora_base_frozen")
 
+    def hidden_size(self, source):
+        from transformers import AutoConfig
+
+        return getattr(AutoConfig.from_pretrained(str(source)), "hidden_size", None)
+
     def load_partitioned(self, source, ds_config, dtype, nvme_params):
         from distlab.strategies import deepspeed_load
 
