@@ -91,24 +91,43 @@ def evaluate_forward(strategy, ids, labels) -> dict | None:
     """Collective: held-out loss of the model as the strategy holds it (Strategy.forward_logits:
     still sharded or split, on its device, training precision), micro_batch sequences at a time
     (the batch a rank already trains on, so the evaluation fits wherever training fits). The
-    record on rank 0, None elsewhere. The final eval and eval_every's points (distlab.monitor)."""
+    record on rank 0, None elsewhere. The final eval and eval_every's points (distlab.monitor).
+
+    Data-parallel ranks split the batches (batch i goes to data-parallel rank i mod size) and
+    sum their parts, as they split training batches: the same batches give the same logits
+    wherever they run, so the loss is the one a single rank would find, for 1/size of the work
+    per rank. Where a forward is collective (FSDP, ZeRO: every rank joins each layer's gather),
+    a rank whose batches ran out joins the remaining forwards on a batch it does not count."""
     import torch.distributed as dist
 
     spec = strategy.spec
+    batch = spec["micro_batch"]
+    starts = list(range(0, len(ids), batch))
+    size, rank = strategy.data_parallel_size, strategy.data_parallel_rank
+    mine = starts[rank::size]
+    rounds = -(-len(starts) // size) if strategy.collective_forward else len(mine)
     total, count, error = 0.0, 0, None
-    for start in range(0, len(ids), spec["micro_batch"]):
-        logits = strategy.forward_logits(ids[start:start + spec["micro_batch"]])
-        if logits is not None and error is None:
+    for i in range(rounds):
+        counted = i < len(mine)
+        start = mine[i] if counted else 0
+        logits = strategy.forward_logits(ids[start:start + batch], every_rank=size > 1)
+        if logits is not None and counted and error is None:
             try:
-                part = loss_sum(logits, labels[start:start + spec["micro_batch"]])
+                part = loss_sum(logits, labels[start:start + batch])
                 total, count = total + part[0], count + part[1]
-            except Exception as exc:  # rank 0 only: recorded, the run's training stands
+            except Exception as exc:  # recorded on rank 0, the run's training stands
                 error = f"{type(exc).__name__}: {exc}"[:500]
         del logits
+    if size > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (total, count, error))
+        total, count = sum(p[0] for p in parts), sum(p[1] for p in parts)
+        error = next((p[2] for p in parts if p[2]), None)
     if dist.get_rank() != 0:
         return None
     where = (f"the training model itself ({spec['strategy']}, on {strategy.ctx.device.type}, "
-             f"{spec['precision']}; Strategy.forward_logits)")
+             f"{spec['precision']}; Strategy.forward_logits"
+             + (f", batches split over {size} data-parallel ranks)" if size > 1 else ")"))
     return {"status": "failed", "reason": error} if error else summarize_loss(total, count, len(ids), where)
 
 
@@ -117,13 +136,21 @@ def evaluate_sharded(strategy, job: dict) -> dict | None:
     return evaluate_forward(strategy, *eval_tokens(job["data_dir"]))
 
 
-def evaluate_run(strategy, job: dict) -> dict | None:
+def evaluate_run(strategy, job: dict, last_point: dict | None = None) -> dict | None:
     """Collective (every rank calls it): the trained model on the task's held-out data
     (Task.evaluate_trained; causal LM: evaluate_sharded). Returns {"trained", "base"} on rank 0
-    (base from the base-model rule's file, when the job names one), None on the other ranks."""
+    (base from the base-model rule's file, when the job names one), None on the other ranks.
+
+    last_point: the eval point distlab.monitor took after the last step (every rank holds it).
+    It is that same computation (evaluate_forward on the eval split's tokens, the model as it
+    ended), so it is the trained figure rather than a second pass over the same tokens."""
     import torch.distributed as dist
 
-    trained = strategy.task.evaluate_trained(strategy, job)
+    if last_point is not None and "loss" in last_point:
+        trained = {k: v for k, v in last_point.items() if k not in ("step", "steps_done")}
+        trained["how"] += f" (the eval point after step {last_point['steps_done']}, the last)"
+    else:
+        trained = strategy.task.evaluate_trained(strategy, job)
     if dist.get_rank() != 0:
         return None
     out = {"trained": trained}

@@ -398,3 +398,6 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    from distlab.launchers.process import exit_without_teardown
+
+    exit_without_teardown()  # a finished rank skips the interpreter's teardown (~1.3 s of CPU)

@@ -105,7 +105,8 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     timeline.mark("gather records")
     reset_for_save = start_save_phase(ctx.device)  # the final evaluation, save and export measured alone
     # Collective: the trained model on the held-out data (a timing-only launch, spec launches, skips it).
-    evaluation = None if job.get("timing_only") else evaluate_run(strategy, job)
+    last_point = next((p for p in during["eval_points"] if p["steps_done"] == spec["steps"]), None)
+    evaluation = None if job.get("timing_only") else evaluate_run(strategy, job, last_point)
     timeline.mark("held-out eval")
     out = summarize_run(job, ctx, strategy, prepared, ranks, len(train_data), started) if ctx.is_main else None
     if out is not None:
@@ -165,3 +166,6 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    from distlab.launchers.process import exit_without_teardown
+
+    exit_without_teardown()  # a finished rank skips the interpreter's teardown (~1.3 s of CPU)

@@ -19,9 +19,14 @@ def test_base_eval_is_the_models_mean_loss_on_the_first_eval_blocks(prepared, tm
     assert json.loads((tmp_path / "base.json").read_text())["loss"] == result["loss"]
 
 
-@pytest.mark.parametrize("overrides", [{"strategy": "fsdp", "world_size": 2, "micro_batch": 2}])
+@pytest.mark.parametrize("overrides", [
+    # 16 eval blocks in batches of 6: 3 batches over 2 ranks, so one FSDP rank joins a forward it does not count
+    {"strategy": "fsdp", "world_size": 2, "micro_batch": 6},
+    {"strategy": "ddp", "world_size": 2, "micro_batch": 3},  # each rank its own whole copy: 3 batches each
+])
 def test_sharded_run_is_evaluated_whole_beside_the_base_model(prepared, tmp_path, overrides):
-    """The worker's eval loss is the exported (trained) model's loss on the same tokens."""
+    """The worker's eval loss (batches split over the data-parallel ranks) is the exported
+    (trained) model's loss on the same tokens, evaluated whole in one process."""
     from transformers import AutoModelForCausalLM
 
     from conftest import resolve
@@ -43,6 +48,7 @@ def test_sharded_run_is_evaluated_whole_beside_the_base_model(prepared, tmp_path
     ids, labels = evaluation.eval_tokens(prepared / "data32")
     again = evaluation.evaluate_model(exported, ids, labels)
     assert abs(trained["loss"] - again["loss"]) < 1e-5 and abs(trained["loss"] - base["loss"]) > 1e-4
+    assert trained["tokens"] == again["tokens"] and "split over 2 data-parallel ranks" in trained["how"]
     sentence = evaluation.eval_sentence([metrics])
     assert f"{base['loss']:.3f} -> {trained['loss']:.3f}" in sentence
 

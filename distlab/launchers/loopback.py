@@ -79,6 +79,9 @@ def main() -> None:
     sys.argv = [module] + sys.argv[2:]
     install()
     runpy.run_module(module, run_name="__main__", alter_sys=True)
+    from distlab.launchers.process import exit_without_teardown
+
+    exit_without_teardown()  # the agent's ranks are done and reaped: skip the interpreter's teardown
 
 
 if __name__ == "__main__":

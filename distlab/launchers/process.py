@@ -64,6 +64,21 @@ def die_with_parent(parent: int | None = None, parent_names: str | None = None, 
             os._exit(1)
 
 
+def exit_without_teardown(code: int = 0) -> None:
+    """End a process whose work is done (a rank, a launcher agent) at once: its output flushed,
+    without the interpreter's teardown. Freeing torch's, transformers' and peft's module graphs
+    one object at a time cost a rank about 1.3 s of CPU here (user time of a process that
+    imported them: 5.0 s exiting normally, 3.7 s with os._exit), paid by every rank of every
+    launch; the OS frees the same memory at once. Every file distlab writes is closed by then
+    (trackers close their writers in Trackers.finish)."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_key(job_path: str) -> str:
     """What every launch of one run folder shares: a hash of its job file's absolute path."""
     return hashlib.sha256(os.path.abspath(job_path).encode()).hexdigest()[:16]

@@ -249,13 +249,13 @@ class AccelerateStrategy(Strategy):
     def collective_forward(self) -> bool:
         return self.fsdp  # FSDP's layers are gathered in forward: every rank joins
 
-    def forward_logits(self, input_ids):
+    def forward_logits(self, input_ids, every_rank=False):
         if not self.fsdp:
-            return super().forward_logits(input_ids)
+            return super().forward_logits(input_ids, every_rank)
         from distlab.strategies.fsdp import resharding_after_forward
 
         with resharding_after_forward(self.model, bool(self.spec["fsdp"]["reshard_after_forward"])):
-            return super().forward_logits(input_ids)
+            return super().forward_logits(input_ids, every_rank)
 
     def save_checkpoint(self, path: str) -> None:
         """accelerator.save_state (model safetensors, optimizer, RNG per rank) into `path`, the

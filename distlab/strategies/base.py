@@ -265,11 +265,12 @@ class Strategy:
         """The precision context of an evaluation forward: training's autocast by default."""
         return autocast(self.spec, self.ctx.device)
 
-    def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+    def forward_logits(self, input_ids: torch.Tensor, every_rank: bool = False) -> torch.Tensor | None:
         """Collective: logits of the model as it trains (still sharded, on this rank's device,
         training precision, eval mode, no grad) on rank 0; None elsewhere. Strategies whose
-        ranks each hold the whole model run it on rank 0 alone."""
-        if not self.collective_forward and dist.get_rank() != 0:
+        ranks each hold the whole model run it on rank 0 alone. every_rank: each data-parallel
+        rank passes its own batch and gets its own logits (distlab.evaluation.evaluate_forward)."""
+        if not self.collective_forward and dist.get_rank() != 0 and not every_rank:
             return None
         module = self.model if self.collective_forward else self.unwrapped()
         was_training = module.training
@@ -279,7 +280,7 @@ class Strategy:
                 logits = module(input_ids=input_ids.to(self.ctx.device)).logits
         finally:
             module.train(was_training)
-        return logits if dist.get_rank() == 0 else None
+        return logits if every_rank or dist.get_rank() == 0 else None
 
     def state_groups(self, select=None):
         """Collective generator over the trained parameters, one group at a time (a decoder

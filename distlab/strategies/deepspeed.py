@@ -251,8 +251,8 @@ class DeepSpeedStrategy(Strategy):
     def eval_context(self):
         return contextlib.nullcontext()  # bf16/fp16 are DeepSpeed's module dtype, not autocast
 
-    def forward_logits(self, input_ids):
-        logits = super().forward_logits(input_ids)
+    def forward_logits(self, input_ids, every_rank=False):
+        logits = super().forward_logits(input_ids, every_rank)
         if self.model.zero_optimization_stage() == 3:
             # A forward without its backward leaves ZeRO-3's prefetched partitions in flight;
             # gathering them again (state_groups, the next forward) asserts on them.

@@ -141,9 +141,9 @@ class FSDPStrategy(Strategy):
         # A MixedPrecisionPolicy already casts the gathered parameters (as in forward_backward).
         return contextlib.nullcontext() if self.mixed_precision else super().eval_context()
 
-    def forward_logits(self, input_ids):
+    def forward_logits(self, input_ids, every_rank=False):
         with resharding_after_forward(self.model, self.spec["fsdp"]["reshard_after_forward"]):
-            return super().forward_logits(input_ids)
+            return super().forward_logits(input_ids, every_rank)
 
     def save_checkpoint(self, path: str) -> None:
         dcp_save(self, path)

@@ -222,10 +222,11 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
     # -- the whole model and checkpoints -------------------------------------------------
     collective_forward = True
 
-    def forward_logits(self, input_ids):
+    def forward_logits(self, input_ids, every_rank=False):
         """The stages run one after another on the whole batch (no schedule: nothing to
         overlap without a backward): each sends its activations on, the last sends the logits
-        to rank 0. Transfers are fp32 on the rank's device (NCCL moves device tensors only)."""
+        to rank 0. Transfers are fp32 on the rank's device (NCCL moves device tensors only).
+        every_rank is never asked of PP: its data-parallel size is 1 (ModelParallel)."""
         rank, world, device = dist.get_rank(), dist.get_world_size(), self.ctx.device
         ids = input_ids.to(device)
         was_training = self.model.training
