@@ -22,10 +22,6 @@ from distlab.report.render import render_html, render_markdown
 NO_CLEAR_WINNER = "no clear winner"
 
 
-def _label(run):
-    return f"{run['machine']}/{run['experiment']}"
-
-
 def overview_card(cards: list[Card], runs: list[dict], advice: dict) -> Card:
     import pandas as pd
 
