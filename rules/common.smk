@@ -206,13 +206,15 @@ def shared_metrics():
     return sorted(f for f in found if not os.path.normpath(f).startswith(mine + os.sep))
 
 
+TRAIN_SIDE_FILES = [name for name in RUN_SIDE_FILES if name != "validation.json"]  # rule train writes them
+
+
 def runs_side_files():
     """What the summary and the report read beside each run's metrics.json (RUN_SIDE_FILES: steps,
     devices, the job's benchmark record, run_files/ with its pipeline records and sample grid):
     their scripts read no file they do not declare. This machine's come from rule train
     (validation.json: this_machine_validations); a copied-in machine's are those its folder holds."""
-    from_train = [name for name in RUN_SIDE_FILES if name != "validation.json"]
-    mine = expand(f"{RUN}/{{name}}", experiment=list(DEFAULT_SPECS), name=from_train)
+    mine = expand(f"{RUN}/{{name}}", experiment=list(DEFAULT_SPECS), name=TRAIN_SIDE_FILES)
     beside = [os.path.join(os.path.dirname(m), name) for m in shared_metrics() for name in RUN_SIDE_FILES]
     return mine + [path for path in beside if os.path.exists(path)]
 
@@ -369,8 +371,9 @@ def stage_metrics(stage):
     return metrics
 
 
-def stage_run_files(stage):
-    return lambda wildcards: expand(f"{RUN}/{RUN_FILES}", experiment=list(stage_specs(stage)))
+def stage_side_files(stage):
+    """What an opt-in target's page reads beside each of its stage's runs (rule train's side files)."""
+    return lambda wildcards: expand(f"{RUN}/{{name}}", experiment=list(stage_specs(stage)), name=TRAIN_SIDE_FILES)
 
 
 def link_caps():
