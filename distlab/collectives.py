@@ -214,6 +214,9 @@ def main(argv=None) -> None:
     parser.add_argument("--nccl-skipped", default=None, help="why NCCL is not measured here (plan())")
     args = parser.parse_args(argv)
 
+    from distlab.launchers.process import die_with_parent
+
+    die_with_parent(same_launch=True)  # a rank never outlives its launcher (torchrun)
     import torch
     import torch.distributed as dist
 

@@ -1,8 +1,6 @@
 """The base model: built once with a fixed seed, then loaded like any Hugging Face model."""
 from __future__ import annotations
 
-from pathlib import Path
-
 
 def build_base_model(build: dict, tokenizer, out_dir) -> dict:
     """A small Llama-architecture model saved with save_pretrained (safetensors)."""
@@ -107,8 +105,3 @@ def linear_module_names(model) -> list[str]:
             if isinstance(module, torch.nn.Linear):
                 names.add(name.rsplit(".", 1)[-1])
     return sorted(names)
-
-
-def model_source(config: dict, results_dir: str) -> str:
-    model = config["model"]
-    return model.get("path") or model.get("hub_id") or str(Path(results_dir) / "prep" / "model")

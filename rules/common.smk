@@ -13,7 +13,7 @@ from distlab.data_checks import datasets_of
 from distlab.tokenizer_checks import tokenizer_source
 from distlab.hardware import gpu_count, machine_tag
 from distlab.results_lock import ResultsFolderBusy, hold_for_workflow
-from distlab.run_layout import RUN_FILES
+from distlab.run_layout import KUBERAY_CHECKS, MACHINE_FILES, RUN_FILES, RUN_SIDE_FILES
 from distlab.tasks import task_for
 from distlab.tasks.causal_lm import CausalLM, model_suffix
 from distlab.two_hosts import two_hosts_spec
@@ -195,11 +195,6 @@ def this_machine_metrics():
     return expand(f"{RUN}/metrics.json", experiment=list(DEFAULT_SPECS))
 
 
-def this_machine_run_files():
-    """Each run's run_files/ (configs the launch generated, pipeline records): the report reads them."""
-    return expand(f"{RUN}/{RUN_FILES}", experiment=list(DEFAULT_SPECS))
-
-
 def shared_metrics():
     """metrics.json of every machine folder already under results/ (or extra_results):
     copying another machine's folder in makes the summary and report include it."""
@@ -209,6 +204,30 @@ def shared_metrics():
         found += glob.glob(os.path.join(root, "*", "*", "metrics.json"))
     mine = os.path.normpath(os.path.join(RESULTS, MACHINE))
     return sorted(f for f in found if not os.path.normpath(f).startswith(mine + os.sep))
+
+
+TRAIN_SIDE_FILES = [name for name in RUN_SIDE_FILES if name != "validation.json"]  # rule train writes them
+
+
+def runs_side_files():
+    """What the summary and the report read beside each run's metrics.json (RUN_SIDE_FILES: steps,
+    devices, the job's benchmark record, run_files/ with its pipeline records and sample grid):
+    their scripts read no file they do not declare. This machine's come from rule train
+    (validation.json: this_machine_validations); a copied-in machine's are those its folder holds."""
+    mine = expand(f"{RUN}/{{name}}", experiment=list(DEFAULT_SPECS), name=TRAIN_SIDE_FILES)
+    beside = [os.path.join(os.path.dirname(m), name) for m in shared_metrics() for name in RUN_SIDE_FILES]
+    return mine + [path for path in beside if os.path.exists(path)]
+
+
+def shared_machine_files():
+    """A copied-in machine's hardware.json, collectives.json, advice*.json (MACHINE_FILES) and its
+    results folder's kuberay/checks.json, those present: the report reads them. This machine's come
+    from their rules (hardware, collectives_outputs, advice_outputs, sd_advice_outputs, kuberay_outputs)."""
+    machines = sorted({os.path.dirname(os.path.dirname(m)) for m in shared_metrics()})
+    roots = {os.path.normpath(os.path.dirname(d)) for d in machines} - {os.path.normpath(RESULTS)}
+    found = [os.path.join(d, name) for d in machines for name in MACHINE_FILES]
+    found += [os.path.join(root, KUBERAY_CHECKS) for root in sorted(roots)]
+    return [path for path in found if os.path.isfile(path)]
 
 
 def report_outputs():
@@ -352,8 +371,9 @@ def stage_metrics(stage):
     return metrics
 
 
-def stage_run_files(stage):
-    return lambda wildcards: expand(f"{RUN}/{RUN_FILES}", experiment=list(stage_specs(stage)))
+def stage_side_files(stage):
+    """What an opt-in target's page reads beside each of its stage's runs (rule train's side files)."""
+    return lambda wildcards: expand(f"{RUN}/{{name}}", experiment=list(stage_specs(stage)), name=TRAIN_SIDE_FILES)
 
 
 def link_caps():

@@ -30,7 +30,7 @@ rule link_collectives:
 rule links:
     input:
         metrics=stage_metrics("links"),
-        run_files=stage_run_files("links"),
+        beside=stage_side_files("links"),  # steps, devices, run_files/ ...: the page reads them
         collectives=expand(f"{RESULTS}/{MACHINE}/links/collectives-{{cap}}.json", cap=list(LINK_CAPS)),
     output:
         html=f"{RESULTS}/{MACHINE}/links/index.html",
@@ -50,6 +50,7 @@ rule links:
 rule unequal:
     input:
         metrics=stage_metrics("unequal"),
+        beside=stage_side_files("unequal"),  # steps, devices, run_files/ ...: the page reads them
     output:
         html=f"{RESULTS}/{MACHINE}/unequal/index.html",
         readme=f"{RESULTS}/{MACHINE}/unequal/README.md",

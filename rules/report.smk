@@ -8,6 +8,7 @@ rule summary:
         shared=shared_metrics(),
         # checkpoint_validation is read from these: declared, so the summary waits for them.
         validations=this_machine_validations(),
+        beside=runs_side_files(),  # steps, devices, run_files/ ...: scripts/summary.py reads no other file
     output:
         csv=report(
             f"{RESULTS}/summary.csv",
@@ -31,8 +32,10 @@ rule report:
     input:
         summary=f"{RESULTS}/summary.csv",
         metrics=this_machine_metrics() + shared_metrics(),
-        run_files=this_machine_run_files(),
+        beside=runs_side_files(),  # steps, devices, run_files/ ...: scripts/report.py reads no other file
         validations=this_machine_validations(),
+        hardware=f"{RESULTS}/{MACHINE}/hardware.json",
+        shared_machines=shared_machine_files(),
         collectives=collectives_outputs(),
         advice=advice_outputs(),
         sd_advice=sd_advice_outputs(),  # read by the text-to-image card, beside its runs

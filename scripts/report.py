@@ -1,14 +1,14 @@
 """Rule report: the milestone report (HTML with embedded plots, and Markdown), from the runs
-the summary accepted (distlab.report.collect.load_checked_runs names the others)."""
+the summary accepted (distlab.report.collect.load_checked_runs names the others), reading no
+file the rule does not declare."""
 import sys
 
-from distlab.report.build import build_report
-from distlab.report.collect import load_checked_runs
+from distlab.report.build import report_rule
+from distlab.report.inputs import declared_inputs
 from distlab.rule_log import logged
 
 with logged(snakemake):
-    runs, rejected = load_checked_runs(list(snakemake.input.metrics))
-    left_out = build_report([run["_path"] for run in runs], snakemake.output.html, snakemake.output.readme,
-                            advice_paths=list(snakemake.input.advice), left_out=rejected)
+    left_out = report_rule(snakemake.input.metrics, snakemake.input.advice, declared_inputs(snakemake.input),
+                           snakemake.output.html, snakemake.output.readme)
     for item in left_out:
         print(f"WARNING: left out of the report: {item['reason']}", file=sys.stderr)

@@ -6,10 +6,12 @@ import sys
 
 from distlab.evaluation import eval_columns
 from distlab.report.collect import load_checked_runs, spreadsheet_safe, summary_frame
+from distlab.report.inputs import declared_inputs
 from distlab.rule_log import logged
 
 with logged(snakemake):
-    runs, rejected = load_checked_runs(list(snakemake.input.mine) + list(snakemake.input.shared))
+    runs, rejected = load_checked_runs(list(snakemake.input.mine) + list(snakemake.input.shared),
+                                       declared=declared_inputs(snakemake.input))  # it reads no other file
     for item in rejected:
         print(f"WARNING: left out of the summary: {item['reason']}", file=sys.stderr)
     with open(snakemake.output.rejected, "w") as fh:

@@ -218,14 +218,19 @@ def test_a_configfile_with_a_yaml_syntax_error_is_named_by_distlab_check_config(
 
 
 def test_a_new_strategy_is_its_module_and_its_name_in_the_schema(monkeypatch):
-    """ARCHITECTURE.md's walk-through: a strategy module with STRATEGY, its name in the schema
-    enum, and a run finds it; nothing else to register. Every shipped name resolves the same way."""
+    """ARCHITECTURE.md's walk-through for a strategy with no settings: a strategy module with
+    STRATEGY and its name in the schema enum; a run finds it and a config using it expands (id,
+    launcher, validation scope, no advisor formula) with nothing else edited. Every shipped name
+    resolves the same way."""
     import sys
     import types
 
     from distlab import config as config_module
     from distlab import strategies
+    from distlab.advisor import strategy_state
+    from distlab.advisor_check import estimate_key
     from distlab.strategies.base import Strategy
+    from distlab.validation_scope import checkpoint_format, shards_checkpoint, validated_experiments
 
     for name in strategies.strategy_names():
         found = strategies.get_strategy_class(name)
@@ -246,6 +251,14 @@ def test_a_new_strategy_is_its_module_and_its_name_in_the_schema(monkeypatch):
 
     monkeypatch.setattr(config_module, "load_schema", schema_with_mine)
     assert strategies.strategy_for({"strategy": "mine"}) is MineStrategy
+    config, specs = load(ddp_config({"strategy": "mine", "world_size": 2}), gpu_count=0)
+    (spec,) = specs.values()
+    assert (spec["id"], spec["launcher"]) == ("mine-full-w2-mb4-ga1", "torchrun")
+    assert validated_experiments(config, specs) == [spec["id"]]
+    assert checkpoint_format(spec) == (spec["precision"],) and not shards_checkpoint(spec)
+    # No advisor formula: estimate_spec gives None, so advisor_check skips its runs.
+    assert estimate_key(spec) is None
+    assert strategy_state("mine", {"total": 10, "trainable": 10}, 2, "fp32", False) is None
     with pytest.raises(NotImplementedError, match=r"strategy 'nope' is not implemented.*'mine'"):
         strategies.get_strategy_class("nope")
 

@@ -48,6 +48,23 @@ def reaper(tmp_path):
         proc.kill()
 
 
+def start_snakemake(workdir) -> subprocess.Popen:
+    """`snakemake --cores 2` on workdir/Snakefile, in the background."""
+    return subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "2", "-d", str(workdir),
+                             "-s", str(workdir / "Snakefile")], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def sigkill_leaves_nothing(smk: subprocess.Popen, workdir) -> None:
+    """SIGKILL snakemake (no cleanup can run); within 30 s nothing naming workdir is left running."""
+    smk.send_signal(signal.SIGKILL)
+    smk.wait()
+    deadline = time.monotonic() + 30
+    while survivors(str(workdir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not survivors(str(workdir))
+
+
 def test_a_timeout_kills_every_rank_of_the_launch(tmp_path, reaper):
     from distlab.launchers.process import run_ranks
     from distlab.launchers.torchrun import torchrun_command
@@ -90,10 +107,7 @@ def test_sigkill_of_snakemake_leaves_no_launcher_or_rank_running(prepared, tmp_p
             log: "train.log"
             script: "train.py"
     """))
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    smk = subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "2", "-d", str(tmp_path),
-                            "-s", str(tmp_path / "Snakefile")], env=env, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+    smk = start_snakemake(tmp_path)
     job_path = str((run_dir / "job.json").resolve())
     deadline = time.monotonic() + 240
     while len([p for p in survivors(job_path) if "distlab.worker" in p]) < 2:
@@ -101,12 +115,29 @@ def test_sigkill_of_snakemake_leaves_no_launcher_or_rank_running(prepared, tmp_p
         assert time.monotonic() < deadline, "the ranks never started"
         time.sleep(0.5)
     assert (run_dir / "steps.jsonl").exists() is False  # mid-run, nothing finished
-    smk.send_signal(signal.SIGKILL)
-    smk.wait()
-    deadline = time.monotonic() + 30
-    while survivors(str(tmp_path)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not survivors(str(tmp_path))
+    sigkill_leaves_nothing(smk, tmp_path)
+
+
+def test_sigkill_of_snakemake_leaves_no_collective_benchmark_rank_running(tmp_path, reaper):
+    """Rule collectives' script starts its ranks as training does (run_ranks): a SIGKILLed
+    snakemake takes the script, torchrun and the benchmark's ranks down with it."""
+    plan = {"world_size": 2, "device": "cpu", "gpus": 0, "nccl_skipped": None, "min_bytes": 1024,
+            "max_bytes": 1024, "factor": 4, "iters": 10**8, "warmup": 1}  # would run for hours
+    (tmp_path / "Snakefile").write_text(textwrap.dedent(f"""
+        rule collectives:
+            output: "{tmp_path}/out/collectives.json"  # absolute: the ranks' command lines name tmp_path
+            params: plan={plan!r}, machine="testbox"
+            log: "collectives.log"
+            script: "{REPO}/scripts/collectives.py"
+    """))
+    smk = start_snakemake(tmp_path)
+    deadline = time.monotonic() + 240
+    while len([p for p in survivors(str(tmp_path)) if "distlab.collectives" in p and "loopback" not in p]) < 2:
+        assert smk.poll() is None, (tmp_path / "collectives.log").read_text()
+        assert time.monotonic() < deadline, "the ranks never started"
+        time.sleep(0.2)
+    sigkill_leaves_nothing(smk, tmp_path)
+    assert not (tmp_path / "out" / "collectives.json").exists()
 
 
 def test_a_second_launch_refuses_while_processes_of_the_first_still_run(tmp_path, reaper):

@@ -151,3 +151,54 @@ def test_overview_counts_a_stage_whose_bonus_goals_only_partly_ran():
                                      Goal("bonus", "b", NOT_RUN), Goal("bonus", "c", NOT_RUN)])
     row = overview_card([card], [], {}).tables[0].frame.iloc[0]
     assert row["minimal"] == PASSED and row["bonus"] == "1 of 3 passed"
+
+
+def _as_machine(folder: Path, machine: str) -> None:
+    """A copied-in machine folder: every JSON file that names its machine names `machine`."""
+    for path in folder.rglob("*.json"):
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and data.get("machine") == MACHINE:
+            path.write_text(json.dumps(dict(data, machine=machine)))
+
+
+def test_the_report_reads_only_what_its_rule_declares(finished_pipeline, tmp_path, monkeypatch):
+    """Rule report's inputs (as Snakemake resolves them) cover every file the report opens, for
+    this machine's runs and a copied-in machine's; and every file beside a run is read, so no
+    declaration is missing (a file the rule does not declare is not read at all)."""
+    import builtins
+    import io
+    import shutil
+
+    from distlab.report.build import report_rule
+    from distlab.report.inputs import declared_inputs
+    from distlab.run_layout import MACHINE_FILES, RUN_SIDE_FILES
+
+    work, cfg = finished_pipeline
+    results = tmp_path / "results"
+    shutil.copytree(work / "results", results, ignore=shutil.ignore_patterns("checkpoint", "report", "tracking"))
+    shutil.copytree(results / MACHINE, results / "otherbox")
+    _as_machine(results / "otherbox", "otherbox")
+    plan = snakemake(tmp_path, "-n", "results/report/index.html", config=cfg).stdout
+    (line,) = re.findall(r"rule report:\n\s+input: (.*)\n", plan)
+    inputs = [str(tmp_path / p) for p in line.split(", ")]
+    read = []
+
+    def recording_open(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, Path)) and "r" in mode and str(file).startswith(str(results)):
+            read.append(str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    real_open = io.open
+    monkeypatch.setattr(io, "open", recording_open)
+    monkeypatch.setattr(builtins, "open", recording_open)
+    report_rule([p for p in inputs if p.endswith("/metrics.json")], [str(results / MACHINE / "advice.json")],
+                declared_inputs(inputs), tmp_path / "out" / "index.html", tmp_path / "out" / "README.md")
+    monkeypatch.undo()
+    declared = declared_inputs(inputs)
+    assert [p for p in read if not any(str(d) in declared for d in (Path(p), *Path(p).parents))] == []
+    beside = [run / name for machine in (MACHINE, "otherbox") for run in (results / machine).iterdir()
+              if (run / "metrics.json").is_file() for name in RUN_SIDE_FILES if (run / name).is_file()]
+    machine_files = [results / m / name for m in (MACHINE, "otherbox") for name in MACHINE_FILES]
+    present = [str(p) for p in beside + machine_files if p.is_file()]
+    assert len(present) >= 2 * 2 * 3 + 2 * 3  # steps, devices, benchmark of 2 runs, 3 machine files, twice
+    assert [p for p in present if p not in read] == []

@@ -192,9 +192,10 @@ def run_tree(cmd: list[str], env: dict, stdout, timeout: float | None, marker: s
 
 
 def run_ranks(cmd: list[str], env: dict, log_path: str | None, timeout: float | None,
-              marker: str | None = None) -> None:
+              marker: str | None = None, what: str = "training ranks") -> None:
     """Run a launcher (torchrun, accelerate launch, a Ray driver) to completion; its output
-    goes to log_path. A non-zero exit or the timeout raises with the log's last lines."""
+    goes to log_path (None: this process's stdout). A non-zero exit or the timeout raises with
+    the log's last lines, naming `what` ran."""
     log = open(log_path, "a") if log_path else None
     try:
         if log:
@@ -205,17 +206,18 @@ def run_ranks(cmd: list[str], env: dict, log_path: str | None, timeout: float | 
         if log:
             log.close()
     if status != 0:
-        raise launch_failure(status, timeout, log_path)
+        raise launch_failure(status, timeout, log_path, what)
 
 
-def launch_failure(status: int | None, timeout: float | None, log_path: str | None) -> RuntimeError:
+def launch_failure(status: int | None, timeout: float | None, log_path: str | None,
+                   what: str = "training ranks") -> RuntimeError:
     """The error of a launch that ended with `status` (None: killed at the timeout)."""
     tail = ""
     if log_path:
         tail = "".join(Path(log_path).read_text().splitlines(keepends=True)[-40:])
-    what = f"were killed with their launcher after the {timeout} s timeout" if status is None else \
+    how = f"were killed with their launcher after the {timeout} s timeout" if status is None else \
         f"exited with status {status}"
-    return RuntimeError(f"training ranks {what}; last log lines:\n{tail}")
+    return RuntimeError(f"{what} {how}; last log lines:\n{tail}")
 
 
 def run_trees(cmds: list[list[str]], env: dict, stdout, timeout: float | None, marker: str | None = None) -> int | None:

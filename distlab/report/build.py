@@ -13,16 +13,13 @@ from distlab import collectives as coll
 from distlab.report.cards import (COMPARED, DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figure, Table, all_cards,
                                   is_busy, spread_caveat)
 from distlab.report.cards.checkpoint_table import checkpoint_card
-from distlab.report.collect import (COLLECTIVES_SCHEMA_VERSION, HARDWARE_SCHEMA_VERSION, ResultsError, clear_winner,
-                                    load_runs, machine_files, read_json, summary_frame, unit_of)
+from distlab.report.collect import (COLLECTIVES_SCHEMA_VERSION, HARDWARE_SCHEMA_VERSION, ResultsError,
+                                    attach_machine_records, clear_winner, load_checked_runs, load_runs,
+                                    machine_files, read_json, summary_frame, unit_of)
 from distlab.report.plots import bandwidth_curves, loss_panels, ranking
 from distlab.report.render import render_html, render_markdown
 
 NO_CLEAR_WINNER = "no clear winner"
-
-
-def _label(run):
-    return f"{run['machine']}/{run['experiment']}"
 
 
 def overview_card(cards: list[Card], runs: list[dict], advice: dict) -> Card:
@@ -347,17 +344,20 @@ def left_out_card(left_out: list[dict]) -> Card | None:
     return card
 
 
-def build_report(metrics_paths, html_path, md_path, advice_paths=(), left_out=None) -> list[dict]:
+def build_report(metrics_paths, html_path, md_path, advice_paths=(), left_out=None, declared=None) -> list[dict]:
     """Write both pages; returns the files left out ({"path", "reason"}): `left_out` (the runs
-    the summary refused) and the machine files that failed their schema here."""
+    the summary refused) and the machine files that failed their schema here. declared: the
+    rule's inputs (distlab.report.inputs), the only files read."""
     left_out = list(left_out or [])
-    runs = load_runs(metrics_paths)
+    runs = load_runs(metrics_paths, declared)
     for run in runs:
         run["_dir"] = os.path.abspath(run["_dir"])
     frame = summary_frame(runs)
-    hardware = machine_files(runs, "hardware.json", HARDWARE_SCHEMA_VERSION, left_out)
-    bench = machine_files(runs, "collectives.json", COLLECTIVES_SCHEMA_VERSION, left_out)
-    advice = machine_files(runs, "advice.json", 1, left_out)  # other machines' advice comes with their folders
+    hardware = machine_files(runs, "hardware.json", HARDWARE_SCHEMA_VERSION, left_out, declared)
+    bench = machine_files(runs, "collectives.json", COLLECTIVES_SCHEMA_VERSION, left_out, declared)
+    # other machines' advice comes with their folders
+    advice = machine_files(runs, "advice.json", 1, left_out, declared)
+    attach_machine_records(runs, left_out, declared)
     for path in advice_paths:
         try:
             a = read_json(path, "advice", 1, "advice")
@@ -380,3 +380,11 @@ def build_report(metrics_paths, html_path, md_path, advice_paths=(), left_out=No
     with open(md_path, "w") as fh:
         fh.write(render_markdown(sections, frame, out_dir, versions))
     return left_out
+
+
+def report_rule(metrics_paths, advice_paths, declared, html_path, md_path) -> list[dict]:
+    """Rule report (scripts/report.py): the runs the summary accepts, reading only the rule's
+    declared inputs (`declared`, distlab.report.inputs); returns what was left out."""
+    runs, rejected = load_checked_runs(list(metrics_paths), declared=declared)
+    return build_report([run["_path"] for run in runs], html_path, md_path, advice_paths=list(advice_paths),
+                        left_out=rejected, declared=declared)

@@ -2,9 +2,12 @@
 
 A run is results/<machine>/<experiment>/: metrics.json, and when present steps.jsonl (per
 step times), validation.json (checkpoint checks), devices.json (GPU ids it held) and
-run_files/pipeline-rank<r>.json (pipeline records). Machine-level files sit next to the runs:
-hardware.json, collectives.json, advice.json. Every one of them is checked against the JSON
-Schema of the fields the summary and the report read (results_schema.yaml: types, finite and
+run_files/pipeline-rank<r>.json (pipeline records), benchmark.tsv (the train job's wall time) and
+the text-to-image sample grid. Machine-level files sit next to the runs: hardware.json,
+collectives.json, advice.json, advice-sd.json; kuberay/checks.json in the results folder. A rule
+passes its declared inputs (`declared`): a file it did not declare is not read, so every file the
+summary and the report read is an input of their rule (rules/common.smk). Every one of them is
+checked against the JSON Schema of the fields the summary and the report read (results_schema.yaml: types, finite and
 positive figures, name patterns), and `machine`/`experiment` must equal their folders' names
 (a copied-in folder cannot file runs under another machine). A run whose files do not pass
 is named and left out of the summary and the report (load_checked_runs), a machine file
@@ -18,7 +21,8 @@ import statistics
 from pathlib import Path
 
 from distlab.metrics import METRICS_SCHEMA_VERSION
-from distlab.run_layout import run_files_dir
+from distlab.report.inputs import job_wall_seconds, readable
+from distlab.run_layout import KUBERAY_CHECKS, run_files_dir
 
 VALIDATION_SCHEMA_VERSION = 1
 COLLECTIVES_SCHEMA_VERSION = 1
@@ -169,9 +173,10 @@ def clear_winner(a: dict, b: dict) -> bool:
     return sa["low"] > sb["high"] or sb["low"] > sa["high"]
 
 
-def load_run(path: str | Path, named_folder: bool = True) -> dict:
-    """One metrics.json with what beside it the report reads. named_folder: the run sits in
-    <machine>/<experiment>/ (False: the two_hosts target's own fixed folder, still its machine's)."""
+def load_run(path: str | Path, named_folder: bool = True, declared: frozenset[str] | None = None) -> dict:
+    """One metrics.json with what beside it the summary and the report read (only the files in
+    `declared`, when given): cards read these fields and open no file. named_folder: the run sits
+    in <machine>/<experiment>/ (False: the two_hosts target's own fixed folder, still its machine's)."""
     path = Path(path)
     run = read_json(path, "metrics", METRICS_SCHEMA_VERSION)
     if "actual" in run and "as_built" not in run:  # the name results written before 'as_built' used
@@ -185,26 +190,33 @@ def load_run(path: str | Path, named_folder: bool = True) -> dict:
     run["_path"] = str(path)
     run["_dir"] = str(path.parent)
     steps = path.parent / "steps.jsonl"
-    run["_steps"] = read_steps(steps) if steps.is_file() else []
+    run["_steps"] = read_steps(steps) if readable(steps, declared) else []
     validation = path.parent / "validation.json"
     run["_validation"] = read_json(validation, "validation", VALIDATION_SCHEMA_VERSION, "validation") \
-        if validation.is_file() else None
+        if readable(validation, declared) else None
     devices = path.parent / "devices.json"
-    run["_devices"] = read_json(devices, "devices", None, "devices") if devices.is_file() else None
-    for record in sorted(run_files_dir(path.parent).glob("pipeline-rank*.json")):  # the parallel card reads them
-        read_json(record, "pipeline record", None, "pipeline_record")
+    run["_devices"] = read_json(devices, "devices", None, "devices") if readable(devices, declared) else None
+    run["_pipeline_records"] = [read_json(record, "pipeline record", None, "pipeline_record")  # the parallel card's
+                                for record in sorted(run_files_dir(path.parent).glob("pipeline-rank*.json"))
+                                if readable(record, declared)]
+    wall = path.parent / "benchmark.tsv"
+    run["_job_wall_s"] = job_wall_seconds(wall) if readable(wall, declared) else None
+    samples = ((run.get("eval") or {}).get("trained") or {}).get("samples") or {}
+    grid = path.parent / samples.get("path", "run_files/samples.png")  # the text-to-image card shows it
+    run["_samples_png"] = grid.read_bytes() if samples and readable(grid, declared) else None
     run["_throughput"] = throughput_stats(run) if run["status"] == "ok" else None
     return run
 
 
-def load_checked_runs(paths, named_folder: bool = True) -> tuple[list[dict], list[dict]]:
+def load_checked_runs(paths, named_folder: bool = True, declared: frozenset[str] | None = None) \
+        -> tuple[list[dict], list[dict]]:
     """(runs, rejected): every metrics.json that reads, has this schema version, matches the
     schema (so holds the figures its status promises) and is the only one of its machine and
     experiment; each one that does not is left out as {"path", "reason"}."""
     runs, rejected, seen = [], [], {}
     for path in paths:
         try:
-            run = load_run(path, named_folder)
+            run = load_run(path, named_folder, declared)
             key = (run["machine"], run["experiment"])
             if key in seen:
                 raise ResultsError(f"{path}: the same experiment of machine '{run['machine']}' as {seen[key]}; "
@@ -217,8 +229,8 @@ def load_checked_runs(paths, named_folder: bool = True) -> tuple[list[dict], lis
     return runs, rejected
 
 
-def load_runs(paths) -> list[dict]:
-    runs = [load_run(p) for p in paths]
+def load_runs(paths, declared: frozenset[str] | None = None) -> list[dict]:
+    runs = [load_run(p, declared=declared) for p in paths]
     check_unique(runs)
     return runs
 
@@ -234,14 +246,15 @@ def check_unique(runs: list[dict]) -> None:
         seen[key] = run["_path"]
 
 
-def machine_files(runs: list[dict], name: str, version: int, rejected: list | None = None) -> dict[str, dict]:
+def machine_files(runs: list[dict], name: str, version: int | None, rejected: list | None = None,
+                  declared: frozenset[str] | None = None) -> dict[str, dict]:
     """{machine: parsed <machine folder>/<name>} for every machine that has one that passes
     its schema (with the machine it names equal to its folder's); the others are named in
     `rejected` ({"path", "reason"}) and left out."""
     out, tried = {}, set()
     for run in runs:
         path = Path(run["_dir"]).parent / name
-        if run["machine"] in tried or not path.is_file():
+        if run["machine"] in tried or not readable(path, declared):
             continue
         tried.add(run["machine"])
         try:
@@ -255,6 +268,26 @@ def machine_files(runs: list[dict], name: str, version: int, rejected: list | No
             continue
         out[run["machine"]] = data
     return out
+
+
+def attach_machine_records(runs: list[dict], rejected: list | None = None,
+                           declared: frozenset[str] | None = None) -> None:
+    """What a card reads beyond a run's own folder, read once per file and handed over on the run:
+    `_sd_advice` (its machine's advice-sd.json, rule advise_sd) and `_kuberay` ((path, record) of
+    its results folder's kuberay/checks.json, rule kuberay); None when absent or refused."""
+    sd_advice = machine_files(runs, "advice-sd.json", None, rejected, declared)
+    checks: dict[Path, tuple | None] = {}
+    for run in runs:
+        run["_sd_advice"] = sd_advice.get(run["machine"])
+        path = Path(run["_dir"]).parent.parent / KUBERAY_CHECKS
+        if path not in checks:
+            checks[path] = None
+            if readable(path, declared):
+                try:
+                    checks[path] = (path, read_json(path, "kuberay checks", 1, "kuberay_checks"))
+                except ResultsError:  # the card says the checks were not run
+                    pass
+        run["_kuberay"] = checks[path]
 
 
 def _get(run, *keys, default=None):

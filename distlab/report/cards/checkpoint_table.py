@@ -4,9 +4,7 @@ size and save/load seconds. Not a stage card: build.py places it after the stage
 """
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Goal, Table
 
@@ -14,14 +12,9 @@ TITLE = "Checkpoints users can trust"
 
 
 def validation_of(run: dict) -> dict | None:
-    """The run's validation.json next to its metrics.json, or None when validation has not run."""
-    path = Path(run["_dir"], "validation.json")
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except ValueError:
-        return {"passed": False, "status": "unreadable", "checks": {}, "reason": f"{path} is not valid JSON"}
+    """The run's validation.json (read by collect.load_run, a declared input), or None when
+    validation has not run."""
+    return run.get("_validation")
 
 
 def _cell(check: dict | None, passed_text) -> str:

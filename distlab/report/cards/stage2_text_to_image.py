@@ -9,7 +9,6 @@ read from the runs' metrics.json, run_files/samples.png and validation.json.
 from __future__ import annotations
 
 import base64
-import json
 from pathlib import Path
 
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Goal, Table, metrics_link
@@ -108,7 +107,7 @@ def grid_goal(card: Card, ok: list[dict]) -> None:
     for run in ok:
         samples = ((run.get("eval") or {}).get("trained") or {}).get("samples") or {}
         png = Path(run["_dir"]) / samples.get("path", "run_files/samples.png")
-        if samples and png.is_file():
+        if samples and run.get("_samples_png"):  # read by collect.load_run
             shown.append((run, samples, png))
     if not shown:
         card.goals.append(Goal("minimal", text, NOT_RUN if not ok else FAILED,
@@ -117,7 +116,7 @@ def grid_goal(card: Card, ok: list[dict]) -> None:
     for run, samples, png in shown[:GRIDS_SHOWN]:
         card.figures.append(Figure(
             f"{run['machine']}/{run['experiment']}: base (top) vs tuned (bottom)",
-            base64.b64encode(png.read_bytes()).decode(),
+            base64.b64encode(run["_samples_png"]).decode(),
             f"prompts {samples['prompts']}, seeds {samples['seeds']}, {samples['steps']} steps of "
             f"{samples['scheduler']}, guidance {samples['guidance_scale']}, {samples['resolution']} px. {samples['how']}"))
     card.goals.append(Goal("minimal", text, PASSED,
@@ -147,16 +146,15 @@ def count(n: int) -> str:
 
 
 def advisor_tables(card: Card, runs: list[dict]) -> None:
-    """advice-sd.json (rule advise_sd) of each machine with text-to-image runs."""
+    """advice-sd.json (rule advise_sd; collect.attach_machine_records reads it) of each machine with
+    text-to-image runs."""
     import pandas as pd
 
     from distlab.advisor import human
 
-    for machine_dir in sorted({Path(r["_dir"]).parent for r in runs}):
-        path = machine_dir / "advice-sd.json"
-        if not path.is_file():
+    for machine, advice in sorted({r["machine"]: r.get("_sd_advice") for r in runs}.items()):
+        if not advice:
             continue
-        advice = json.loads(path.read_text())
         plan = advice["devices"]
         rows = [{"model": m["model"], "denoiser": m["denoiser"], "parameters": count(m["denoiser_params"]),
                  "frozen (text encoders, VAE)": count(sum(m["frozen_params"].values())),
@@ -164,7 +162,7 @@ def advisor_tables(card: Card, runs: list[dict]) -> None:
                  "activations (mb 1)": human(m["activation_bytes"]) if m["activation_bytes"] else m["activations_how"],
                  "DDP / device": human(m["ddp_bytes"]), f"sharded over {m['devices']} / device": human(m["sharded_bytes"]),
                  "advice": m["recommendation"], "roadmap": m["roadmap"]} for m in advice["models"]]
-        card.tables.append(Table(f"Advisor for text-to-image LoRA on {machine_dir.name} ({plan['devices']} device(s), "
+        card.tables.append(Table(f"Advisor for text-to-image LoRA on {machine} ({plan['devices']} device(s), "
                                  f"{human(advice['usable_bytes_per_device'])} usable each: {plan['source']})",
                                  pd.DataFrame(rows), " ".join(advice["how"].split())))
 

@@ -6,9 +6,7 @@ Everything comes from the runs' metrics.json (what fully_shard really did is und
 """
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 from distlab.evaluation import eval_sentence
 from distlab.report.cards import (DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, is_busy, load_cell,
@@ -43,10 +41,7 @@ def sharding_text(run: dict) -> str:
 
 
 def validation(run: dict) -> dict | None:
-    if "_validation" in run:
-        return run["_validation"]
-    path = Path(run["_dir"], "validation.json")
-    return json.loads(path.read_text()) if path.is_file() else None
+    return run.get("_validation")  # validation.json, read by collect.load_run (a declared input)
 
 
 def global_batch(run: dict) -> int:

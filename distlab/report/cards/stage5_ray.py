@@ -2,14 +2,11 @@
 KubeRay manifests, and what Ray costs against torchrun on the same experiment."""
 from __future__ import annotations
 
-import csv
 import json
-import math
-from pathlib import Path
 
 from distlab.evaluation import eval_sentence
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, metrics_link
-from distlab.report.collect import ResultsError, clear_winner, read_json
+from distlab.report.collect import clear_winner
 from distlab.report.plots import figure, loss_curves, to_png_b64
 
 # Spec fields that may differ between a Ray run and its torchrun twin.
@@ -27,17 +24,8 @@ def twin_key(run):
 
 
 def benchmark_seconds(run) -> float | None:
-    """Wall time of the whole Snakemake job (benchmark: directive), when it was recorded."""
-    path = Path(run["_dir"], "benchmark.tsv")
-    if not path.is_file():
-        return None
-    try:
-        with open(path) as fh:
-            rows = list(csv.DictReader(fh, delimiter="\t"))
-        seconds = float(rows[0]["s"]) if rows else None
-    except (OSError, ValueError, KeyError, TypeError, csv.Error):  # a copied-in file of another shape
-        return None
-    return seconds if seconds is not None and math.isfinite(seconds) and seconds > 0 else None
+    """Wall time of the whole Snakemake job (benchmark: directive, read by collect.load_run), when recorded."""
+    return run.get("_job_wall_s")
 
 
 def overhead_rows(runs):
@@ -70,15 +58,9 @@ def overhead_rows(runs):
 
 
 def kuberay_record(runs):
-    """results/kuberay/checks.json next to the machine folders of the runs (rule kuberay)."""
-    for run in runs:
-        path = Path(run["_dir"]).parent.parent / "kuberay" / "checks.json"
-        if path.is_file():
-            try:
-                return path, read_json(path, "kuberay checks", 1, "kuberay_checks")
-            except ResultsError:
-                continue
-    return None, None
+    """(path, record) of results/kuberay/checks.json next to the runs' machine folders (rule kuberay;
+    collect.attach_machine_records reads it), or (None, None)."""
+    return next((run["_kuberay"] for run in runs if run.get("_kuberay")), (None, None))
 
 
 def elastic_figure(runs):
