@@ -9,6 +9,7 @@ from distlab.rule_log import logged
 with logged(snakemake):
     runs, rejected = load_checked_runs(list(snakemake.input.metrics))
     left_out = build_report([run["_path"] for run in runs], snakemake.output.html, snakemake.output.readme,
-                            advice_paths=list(snakemake.input.advice), left_out=rejected)
+                            advice_paths=list(snakemake.input.advice),
+                            left_out=list(snakemake.params.ignored) + rejected)
     for item in left_out:
         print(f"WARNING: left out of the report: {item['reason']}", file=sys.stderr)
