@@ -18,7 +18,10 @@ from distlab.tasks.causal_lm import CausalLM, model_suffix
 from distlab.two_hosts import two_hosts_spec
 from distlab.advisor_box import measured_evidence
 from distlab.report.collect import shared_metrics_paths
+from distlab.sharing import private_files
 from snakemake.exceptions import WorkflowError
+
+private_files()  # before anything is written: no file of results/ is world-readable (distlab.sharing)
 
 try:
     config, SPECS = load_config(config, probe=True)  # results_dir writable, Ray heads reachable
