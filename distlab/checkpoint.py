@@ -24,6 +24,8 @@ Where checkpoints live, under results/<machine>/<experiment>/:
                           step N). Deliberately NOT a declared output: Snakemake deletes a failed
                           job's outputs, and these must survive a killed job so the rerun resumes
                           from them. Removed when the job ends; step N moves into checkpoint/.
+    refused-checkpoints/  resume checkpoints a launch refused, moved here with the reason, never
+                          deleted by distlab (distlab.training_checkpoints.set_aside).
 
 Loading never unpickles arbitrary objects: tensors come from safetensors or
 torch.load(weights_only=True), everything else is JSON; the libraries' own loaders (DeepSpeed,
@@ -301,22 +303,40 @@ def save_checkpoint(dest, strategy, ctx, job: dict, signature: dict, steps_done:
     return info
 
 
-def load_checkpoint(src, strategy, ctx, signature: dict, stream=None, verify: bool = True,
-                    allow_world_size: bool = False, base: dict | None = None) -> dict:
-    """Collective. Check manifest and identity (LoRA: `base`, this run's base_identity, against the
-    one saved), load the native state, then (when `stream` is given and the world size is the
-    saved one) the trainer state. Returns steps_done, records and load seconds."""
-    import torch.distributed as dist
-
+def check_loadable(src, spec: dict, signature: dict, verify: bool = True, allow_world_size: bool = False,
+                   base: dict | None = None, trainer_world_size: int | None = None) -> dict:
+    """The checks load_checkpoint makes before it changes any state: manifest, identity (LoRA:
+    `base`, this run's base_identity, against the one saved) and, for the trainer state, the
+    world size it was saved at. Returns the checkpoint's metadata; every refusal is a
+    CheckpointError (a metadata file of another shape too, not a KeyError)."""
     src = Path(src)
     if verify:
         check_manifest(src)
     meta = read_meta(src)
-    check_compatible(meta, ctx.spec, signature, src, allow_world_size=allow_world_size)
-    check_base(meta, base, src)
-    if stream is not None and meta["world_size"] != dist.get_world_size():
+    try:
+        check_compatible(meta, spec, signature, src, allow_world_size=allow_world_size)
+        check_base(meta, base, src)
+        saved_world = meta["world_size"]
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise CheckpointCorrupt(f"{src / META}: not the metadata of a distlab checkpoint "
+                                f"({type(exc).__name__}: {exc})") from None
+    if trainer_world_size is not None and saved_world != trainer_world_size:
         raise CheckpointMismatch(f"checkpoint {src}: trainer state is per rank of a world of "
-                                 f"{meta['world_size']}; this run has {dist.get_world_size()}")
+                                 f"{saved_world}; this run has {trainer_world_size}")
+    return meta
+
+
+def load_checkpoint(src, strategy, ctx, signature: dict, stream=None, verify: bool = True,
+                    allow_world_size: bool = False, base: dict | None = None) -> dict:
+    """Collective. check_loadable, then load the native state, then (when `stream` is given and
+    the world size is the saved one) the trainer state. Returns steps_done, records and load seconds."""
+    import torch.distributed as dist
+
+    src = Path(src)
+    meta = check_loadable(src, ctx.spec, signature, verify, allow_world_size, base,
+                          dist.get_world_size() if stream is not None else None)
     dist.barrier()
     t0 = time.perf_counter()
     with weights_only_loads():  # DeepSpeed's and DCP's own loaders would unpickle anything

@@ -384,6 +384,7 @@ def check_config(config: dict) -> None:
     for name in task_names():  # a task's own config block: its model folder, its data files
         task_named(name).check_config(config)
     for index, extra in enumerate(config["extra_results"]):
+        input_checks.refuse_wildcard_braces(f"extra_results[{index}]", extra)
         if not os.path.isdir(extra):
             raise ConfigError(f"config field 'extra_results[{index}]': folder '{extra}' does not exist")
 

@@ -280,9 +280,11 @@ def measure_cpu_matmul_peak(threads: int, size: int = 1024, seconds: float = 1.5
 
 def describe(configured_tag: str | None, probe: bool = True) -> dict:
     found = gpus()
-    info = {"schema_version": 1, "machine": machine_tag(configured_tag), "hostname": socket.gethostname(),
+    info = {"schema_version": 1, "machine": machine_tag(configured_tag),
             "platform": platform.platform(), "python": platform.python_version(), "cpu": cpu_info(),
             "gpus": found, "gpu_count": len(found)}
+    if not configured_tag:  # the tag is derived from the host name anyway; a set `machine:` keeps it out
+        info["hostname"] = socket.gethostname()
     if probe:
         info["cpu_peak"] = {
             "per_thread": measure_cpu_matmul_peak(1),

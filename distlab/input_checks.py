@@ -6,7 +6,7 @@ here, and each error names the config field and the file:
 - numbers: finite, and whole where the schema says integer (JSON Schema counts 2.0 as an
   integer and NaN as a number; `world_size: 2.0` and `lr: .nan` are refused here);
 - results_dir: not empty, not a system or shared folder, not the project or its sources,
-  no unexpanded '~', writable; `machine` not a name the results
+  no unexpanded '~', no '{' or '}' (wildcards to Snakemake), writable; `machine` not a name the results
   folder already uses for something else;
 - model folders: config.json parses (file and line named), no custom code (auto_map), every
   parameter of the architecture stored with its shape (distlab.model_files);
@@ -83,12 +83,21 @@ def check_config_syntax(path: str | os.PathLike) -> None:
             raise WorkflowError(str(error)) from None
 
 
+def refuse_wildcard_braces(field: str, folder: str) -> None:
+    """Snakemake reads '{...}' in a path as a wildcard: a results folder named so would stop the
+    workflow with an error that names no folder."""
+    if "{" in str(folder) or "}" in str(folder):
+        raise ConfigError(f"config field '{field}': '{folder}' holds '{{' or '}}', which Snakemake reads as a "
+                          "wildcard in every path under it; rename the folder")
+
+
 def check_results_dir(results_dir: str, probe: bool = False) -> None:
     if not str(results_dir).strip():
         raise ConfigError("config field 'results_dir': empty; name a folder (e.g. results)")
     if str(results_dir).strip().startswith("~"):
         raise ConfigError(f"config field 'results_dir': '{results_dir}': '~' is not expanded here (it would make a "
                           "folder named '~'); write the full path")
+    refuse_wildcard_braces("results_dir", results_dir)
     folder = Path(results_dir).resolve()
     shared = folder == Path("/") or folder == Path.home() or any(folder == Path(s) for s in SHARED_FOLDERS)
     if shared or any(folder == Path(s) or Path(s) in folder.parents for s in SYSTEM_FOLDERS):

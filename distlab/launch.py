@@ -12,6 +12,7 @@ from pathlib import Path
 from distlab.launchers import get_launcher
 from distlab.launchers.process import refuse_if_running
 from distlab.run_layout import run_files_dir
+from distlab.sharing import portable
 
 
 def job_file(job: dict) -> str:
@@ -68,7 +69,7 @@ def write_oom_metrics(job: dict) -> bool:
                                   + "; ".join(f"rank {r['rank']}: {r['error']}" for r in records)}}
     else:
         (run_dir / "steps.jsonl").write_text("")
-    written.write_text(json.dumps(metrics, indent=1))
+    written.write_text(json.dumps(portable(metrics), indent=1))
     for path in run_dir.glob("oom-rank*.json"):
         path.unlink()
     return True
@@ -90,7 +91,7 @@ def assigned_gpus(job: dict):
     previous = os.environ.get("CUDA_VISIBLE_DEVICES")
     with allocate(spec["world_size"], lock_dir) as ids:
         Path(job["run_dir"], "devices.json").write_text(json.dumps(
-            {"cuda_visible_devices": ids, "inherited": previous, "lock_dir": lock_dir,
+            {"cuda_visible_devices": ids, "inherited": previous, "lock_dir": portable(lock_dir),
              "how": "exclusive fcntl locks, one per GPU, held while the ranks ran (distlab.gpu_alloc)"}))
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
         try:
@@ -131,6 +132,8 @@ def launch(job: dict, log_path: str | None = None, timeout: float | None = None)
         if write_oom_metrics(job):
             return "oom"
         raise
+    finally:  # read by the ranks while they ran; kept, as shared results, without this checkout's paths
+        Path(job_path).write_text(json.dumps(portable(job), indent=1))
     metrics = Path(job["run_dir"]) / "metrics.json"
     if not metrics.is_file():
         raise RuntimeError(f"the ranks exited cleanly but wrote no {metrics}")

@@ -13,8 +13,10 @@ def logged(snakemake):
     """Redirect stdout/stderr (Python and child processes) to snakemake.log[0]. The script
     dies with Snakemake (PR_SET_PDEATHSIG): a SIGKILLed snakemake leaves no job running."""
     from distlab.launchers.process import die_with_parent
+    from distlab.sharing import private_files
 
     die_with_parent(parent_names="snakemake")
+    private_files()  # as the Snakemake process that started it, also where a cluster started it
     path = snakemake.log[0]
     os.environ["DISTLAB_JOB_THREADS"] = str(snakemake.threads)  # the job's cores, for its CUDA ranks
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

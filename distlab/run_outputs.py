@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from distlab.sharing import portable
+
 
 def nan_to_none(value):
     if isinstance(value, float) and value != value:
@@ -24,7 +26,9 @@ def write_outputs(run_dir: str, summary) -> None:
         for row in steps:
             fh.write(json.dumps(row) + "\n")
     # Strict JSON (no NaN): a figure that was not measured is null, with its reason beside it.
-    (run / "metrics.json").write_text(json.dumps(nan_to_none(metrics), indent=1, default=str))
+    # Paths of the checkout and home folder relative (distlab.sharing): the file is shared.
+    metrics = portable(json.loads(json.dumps(nan_to_none(metrics), default=str)))
+    (run / "metrics.json").write_text(json.dumps(metrics, indent=1))
 
 
 def one_line(metrics: dict) -> str:

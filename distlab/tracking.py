@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -131,6 +132,11 @@ class Trackers:
     def finish(self) -> dict:
         if self.writer is not None:
             self.writer.close()
+            # TensorBoard names its file events.out.tfevents.<time>.<host>.<pid>.<n>: the machine
+            # tag in place of the host (distlab.sharing); TensorBoard reads any *tfevents* file.
+            host = socket.gethostname()
+            for path in Path(self.writer.log_dir).glob(f"events.out.tfevents.*.{host}.*"):
+                path.rename(path.with_name(path.name.replace(f".{host}.", f".{self.machine}.", 1)))
         if self.client is not None:
             self.client.set_terminated(self.run_id, "FINISHED")
         return self.where

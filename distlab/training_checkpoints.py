@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -45,26 +46,50 @@ class TrainingCheckpoints:
             print(f"checkpoint: {message}", flush=True)
 
     def resume(self) -> int:
-        """Steps already done: those of the newest resume/ checkpoint that loads, else 0."""
-        if not self.enabled or not self.resume_root.is_dir():
+        """Steps already done: those of the newest resume/ checkpoint that loads, else 0.
+
+        A checkpoint is never deleted for being refused: it moves into refused-checkpoints/ with
+        its reason (set_aside), named in this launch's log and in every later one's. Refused
+        before anything was loaded from it (altered or truncated files, another config, model or
+        world size): the next older one is tried, else training starts from step 0. Failed while
+        loading (its state may be half in the model): the run stops naming it; the rerun resumes
+        from an older one or starts fresh, and never meets it again. LoRA adapters of another
+        base stop the run and stay where they are (BaseMismatch)."""
+        if not self.enabled:
             return 0
+        if dist.get_rank() == 0:
+            for earlier in refused_earlier(self.resume_root.parent):
+                print(f"checkpoint: {earlier}", flush=True)
         found = sorted(p for p in self.resume_root.glob("step-*") if p.name.split("-")[1].isdigit())
         for path in reversed(found):
             try:
-                info = ckpt.load_checkpoint(path, self.strategy, self.ctx, self.signature, stream=self.stream,
-                                            base=self.base)
+                ckpt.check_loadable(path, self.spec, self.signature, base=self.base,
+                                    trainer_world_size=dist.get_world_size())
             except ckpt.BaseMismatch as exc:
                 # Hours of adapters are not thrown away for a base that changed under them: the
                 # run stops, naming both bases; the user restores the base or removes resume/.
                 self._log(f"refusing to resume from {path}: {exc}")
                 raise
             except ckpt.CheckpointError as exc:
-                self._log(f"not resuming from {path}: {exc}")
-                self.report["skipped"].append(str(exc))
-                dist.barrier()
-                if dist.get_rank() == 0:
-                    shutil.rmtree(path)  # unusable for this config; a fresh save replaces it
+                dist.barrier()  # every rank has read it
+                kept = set_aside(path, str(exc)) if dist.get_rank() == 0 else None
+                self._log(f"not resuming from {path}: {exc}; kept as {kept}")
+                self.report["skipped"].append(f"{exc} (kept as {kept})")
                 continue
+            try:
+                info = ckpt.load_checkpoint(path, self.strategy, self.ctx, self.signature, stream=self.stream,
+                                            verify=False, base=self.base)
+            except Exception as exc:
+                from distlab.memory import is_out_of_memory
+
+                if is_out_of_memory(exc):
+                    raise
+                reason = f"{type(exc).__name__}: {exc}"[:1000]
+                kept = set_aside(path, f"loading it failed: {reason}")  # the rank that failed: it may be alone
+                raise ResumeFailed(f"resuming from {path} failed while loading it ({reason}); the model may hold "
+                                   f"part of it, so this launch stops. It was moved to {kept} (kept, not deleted): "
+                                   f"rerun the job and it resumes from an older checkpoint in {self.resume_root} "
+                                   "or, with none left, trains from step 0") from exc
             self.records[:] = info["records"]
             self.report["resumed_from_steps"] = info["steps_done"]
             self._log(f"resumed from {path} ({info['steps_done']} steps done)")
@@ -138,6 +163,48 @@ class TrainingCheckpoints:
 
 
 FAILED = "FAILED.json"  # in checkpoint/ when the final save failed (its error inside)
+# <run_dir>/refused-checkpoints/: resume checkpoints a launch refused, kept (never deleted by distlab)
+# with one line each in REFUSED.jsonl (what, where it went, why, when).
+REFUSED_DIR = "refused-checkpoints"
+REFUSED_LOG = "REFUSED.jsonl"
+
+
+class ResumeFailed(RuntimeError):
+    """A resume checkpoint that failed while loading: the launch stops; it was moved aside."""
+
+
+def set_aside(path: Path, reason: str) -> Path:
+    """Move a refused resume checkpoint to <run_dir>/refused-checkpoints/<name>.refused-<UTC time>
+    and note why; returns where it went (where another rank already moved it, that place)."""
+    folder = path.parent.parent / REFUSED_DIR
+    folder.mkdir(exist_ok=True)
+    when = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    kept = folder / f"{path.name}.refused-{when}"
+    try:
+        os.rename(path, kept)
+    except FileNotFoundError:  # another rank of this launch moved it first
+        moved = sorted(folder.glob(f"{path.name}.refused-*"))
+        return moved[-1] if moved else kept
+    with open(folder / REFUSED_LOG, "a") as fh:
+        fh.write(json.dumps({"checkpoint": str(path), "kept_as": str(kept), "reason": reason, "time": when}) + "\n")
+    return kept
+
+
+def refused_earlier(run_dir: Path) -> list[str]:
+    """One line per refused checkpoint still kept in refused-checkpoints/ (a later launch names
+    them: the launch that refused one may have been a failed job whose log is gone)."""
+    log = run_dir / REFUSED_DIR / REFUSED_LOG
+    lines = []
+    for line in log.read_text().splitlines() if log.is_file() else []:
+        try:
+            entry = json.loads(line)
+            kept = Path(entry["kept_as"])
+        except (ValueError, TypeError, KeyError):
+            continue
+        if kept.is_dir():
+            lines.append(f"{entry['checkpoint']} was refused by an earlier launch ({entry['time']}): "
+                         f"{entry['reason']}; kept as {entry['kept_as']}: delete it once you no longer need it")
+    return lines
 
 
 def prune_periodic(resume_root: Path, keep: int, parity_step: int | None) -> list[str]:

@@ -188,7 +188,12 @@ def _run_phase(job: dict, folder: Path, log_path, timeout) -> dict:
     locks = lock_dir_for(Path(job["run_dir"]).resolve().parent.parent)
     with assigned_gpus({"spec": spec, "run_dir": str(folder), "gpu_lock_dir": locks}):
         cmd, env = phase_command(spec, job_path, folder)
-        _wait(cmd, env, log, timeout)
+        try:
+            _wait(cmd, env, log, timeout)
+        finally:  # kept beside the run's results: without this checkout's paths (distlab.sharing)
+            from distlab.sharing import portable
+
+            job_path.write_text(json.dumps(portable(json.loads(job_path.read_text()))))
     return json.loads(out.read_text()) if out.is_file() else {}
 
 

@@ -142,12 +142,14 @@ def main(argv=None) -> None:
     import faulthandler
 
     from distlab.launchers.process import die_with_parent
+    from distlab.sharing import private_files
 
     # A rank killed by a signal from native code (SIGABRT: "terminate called without an active
     # exception", seen twice under load, cause unknown) leaves every thread's Python stack in its log.
     faulthandler.enable()
 
     die_with_parent(same_launch=True)  # a rank never outlives its launcher
+    private_files()  # what this rank writes under results/ is not world-readable (distlab.sharing)
     job = json.loads(Path(args.job).read_text())
     try:
         summary = run_rank(job)

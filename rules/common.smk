@@ -1,6 +1,5 @@
 # Helpers shared by the rules (no rules here). The config is validated and expanded
 # into one resolved spec per experiment before any job can start.
-import glob
 import os
 import sys
 
@@ -18,7 +17,11 @@ from distlab.tasks import task_for
 from distlab.tasks.causal_lm import CausalLM, model_suffix
 from distlab.two_hosts import two_hosts_spec
 from distlab.advisor_box import measured_evidence
+from distlab.report.collect import shared_metrics_paths
+from distlab.sharing import private_files
 from snakemake.exceptions import WorkflowError
+
+private_files()  # before anything is written: no file of results/ is world-readable (distlab.sharing)
 
 try:
     config, SPECS = load_config(config, probe=True)  # results_dir writable, Ray heads reachable
@@ -195,15 +198,17 @@ def this_machine_metrics():
     return expand(f"{RUN}/metrics.json", experiment=list(DEFAULT_SPECS))
 
 
+# metrics.json of every machine folder already under results/ (or extra_results): copying another
+# machine's folder in makes the summary and report include it. A folder whose name Snakemake would
+# read as a wildcard is ignored, named here and in the summary's and report's files left out.
+SHARED_METRICS, IGNORED_RESULTS = shared_metrics_paths([RESULTS] + list(config["extra_results"]),
+                                                       os.path.join(RESULTS, MACHINE))
+for _ignored in IGNORED_RESULTS:
+    print(f"WARNING: {_ignored['reason']}", file=sys.stderr)
+
+
 def shared_metrics():
-    """metrics.json of every machine folder already under results/ (or extra_results):
-    copying another machine's folder in makes the summary and report include it."""
-    roots = [RESULTS] + list(config["extra_results"])
-    found = []
-    for root in roots:
-        found += glob.glob(os.path.join(root, "*", "*", "metrics.json"))
-    mine = os.path.normpath(os.path.join(RESULTS, MACHINE))
-    return sorted(f for f in found if not os.path.normpath(f).startswith(mine + os.sep))
+    return SHARED_METRICS
 
 
 TRAIN_SIDE_FILES = [name for name in RUN_SIDE_FILES if name != "validation.json"]  # rule train writes them

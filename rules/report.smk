@@ -17,6 +17,8 @@ rule summary:
             labels={"table": "all runs"},
         ),
         rejected=f"{RESULTS}/summary-rejected.json",
+    params:
+        ignored=IGNORED_RESULTS,  # folders that cannot be inputs, named beside the files left out
     log:
         f"{RESULTS}/logs/summary.log",
     resources:
@@ -53,6 +55,8 @@ rule report:
             category="Report",
             labels={"page": "milestones (markdown)"},
         ),
+    params:
+        ignored=IGNORED_RESULTS,
     log:
         f"{RESULTS}/logs/report.log",
     resources:

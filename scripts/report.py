@@ -9,6 +9,7 @@ from distlab.rule_log import logged
 
 with logged(snakemake):
     left_out = report_rule(snakemake.input.metrics, snakemake.input.advice, declared_inputs(snakemake.input),
-                           snakemake.output.html, snakemake.output.readme)
+                           snakemake.output.html, snakemake.output.readme,
+                           ignored=list(snakemake.params.ignored))
     for item in left_out:
         print(f"WARNING: left out of the report: {item['reason']}", file=sys.stderr)

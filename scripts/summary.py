@@ -12,6 +12,7 @@ from distlab.rule_log import logged
 with logged(snakemake):
     runs, rejected = load_checked_runs(list(snakemake.input.mine) + list(snakemake.input.shared),
                                        declared=declared_inputs(snakemake.input))  # it reads no other file
+    rejected = list(snakemake.params.ignored) + rejected
     for item in rejected:
         print(f"WARNING: left out of the summary: {item['reason']}", file=sys.stderr)
     with open(snakemake.output.rejected, "w") as fh:

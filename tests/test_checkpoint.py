@@ -271,6 +271,110 @@ def test_a_lora_resume_against_a_changed_base_is_refused_naming_both_and_keeps_t
     ckpt.check_base(meta, ckpt.base_identity(str(prepared / "model")), run)  # the unchanged base loads
 
 
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class PlainStrategy:
+    """What resume touches of a strategy: the plain format's loader over the tiny model."""
+    name, data_parallel_rank, data_parallel_size, scheduler = "ddp", 0, 1, None
+
+    def __init__(self, prepared):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(prepared / "model")
+        self.optimizer = torch.optim.AdamW(self.model.parameters())
+
+    def unwrapped(self):
+        return self.model
+
+    def load_checkpoint(self, path):
+        ckpt.load_plain(self, path)
+
+
+def resume_in(run_dir, trained, prepared, damage):
+    """A new launch's resume in one process (world 1) of `run_dir`, whose resume/ holds the
+    trained run's step-4 checkpoint as one rank saved it, then damaged."""
+    from types import SimpleNamespace
+
+    from distlab.training_checkpoints import TrainingCheckpoints
+
+    folder = run_dir / "resume" / "step-000004"
+    if not folder.parent.is_dir():
+        shutil.copytree(trained[0] / "checkpoint" / "step-000004", folder)
+        meta = json.loads((folder / ckpt.META).read_text())
+        (folder / ckpt.META).write_text(json.dumps(dict(meta, world_size=1)))
+        (folder / "trainer" / "rank1.json").unlink()
+        (folder / "trainer" / "rng-rank1.safetensors").unlink()
+        damage(folder)
+    meta = ckpt.read_meta(folder) if folder.is_dir() else ckpt.read_meta(trained[0] / "checkpoint" / "step-000004")
+    spec = dict(meta["spec"], id="ddp-w2")
+    ctx = SimpleNamespace(spec=spec, device=torch.device("cpu"))
+    job = {"run_dir": str(run_dir), "checkpoint_dir": str(run_dir / "checkpoint")}
+    return TrainingCheckpoints(job, ctx, PlainStrategy(prepared), meta["model"], 64)
+
+
+def _rewrite_manifest(folder):
+    from distlab.checkpoint_files import write_manifest
+
+    (folder / MANIFEST).unlink()
+    write_manifest(folder)
+
+
+def _truncate_weights(folder):
+    """A short weights file its manifest agrees with (a file already bad when it was listed):
+    the loader's own error, not a CheckpointError, and the same one at every rerun."""
+    path = folder / "state" / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    _rewrite_manifest(folder)
+
+
+@pytest.mark.slow
+def test_a_resume_checkpoint_that_fails_to_load_stops_the_run_naming_it_and_the_rerun_starts_fresh(
+        trained, prepared, tmp_path, one_rank_group, capsys):
+    from distlab.training_checkpoints import REFUSED_DIR, ResumeFailed
+
+    with pytest.raises(ResumeFailed) as failed:
+        resume_in(tmp_path, trained, prepared, _truncate_weights).resume()
+    message = str(failed.value)
+    assert f"resuming from {tmp_path / 'resume' / 'step-000004'} failed while loading it" in message
+    (kept,) = (tmp_path / REFUSED_DIR).glob("step-000004.refused-*")
+    assert f"moved to {kept} (kept, not deleted)" in message and "SafetensorError" in message
+    assert (kept / "state" / "model.safetensors").stat().st_size == 100  # kept as it was found
+    capsys.readouterr()
+    rerun = resume_in(tmp_path, trained, prepared, _truncate_weights)
+    assert rerun.resume() == 0  # the rerun does not meet it again: it trains from step 0
+    log = capsys.readouterr().out
+    assert f"{tmp_path / 'resume' / 'step-000004'} was refused by an earlier launch" in log
+    assert f"kept as {kept}" in log and "SafetensorError" in log
+
+
+@pytest.mark.slow
+def test_a_refused_resume_checkpoint_is_kept_and_named_never_deleted(trained, prepared, tmp_path, one_rank_group):
+    from distlab.training_checkpoints import REFUSED_DIR, REFUSED_LOG
+
+    def other_config(folder):
+        meta = json.loads((folder / ckpt.META).read_text())
+        meta["spec"]["lr"] = 1.0  # made for another config: refused before anything loads
+        (folder / ckpt.META).write_text(json.dumps(meta))
+        _rewrite_manifest(folder)
+
+    checkpoints = resume_in(tmp_path, trained, prepared, other_config)
+    checkpoints.spec["lr"] = 3e-4
+    assert checkpoints.resume() == 0
+    (kept,) = (tmp_path / REFUSED_DIR).glob("step-000004.refused-*")
+    assert (kept / MANIFEST).is_file() and not (tmp_path / "resume" / "step-000004").exists()
+    (skipped,) = checkpoints.report["skipped"]
+    assert "field lr 1.0 (checkpoint) vs 0.0003 (this run)" in skipped and f"kept as {kept}" in skipped
+    (line,) = (tmp_path / REFUSED_DIR / REFUSED_LOG).read_text().splitlines()
+    assert json.loads(line)["kept_as"] == str(kept)
+
+
 def test_checkpoint_keep_keeps_the_newest_periodic_saves_and_the_one_validation_resumes_from(tmp_path):
     from distlab.training_checkpoints import prune_periodic
 

@@ -16,6 +16,7 @@ import pytest
 from card_runs import fake_run
 
 GOOD = "goodbox"
+WILDCARD_BOX = "{oops}"
 RUNS = ({"world_size": 1, "micro_batch": 8}, {"world_size": 2, "micro_batch": 4})
 HOSTILE = "- **passed** (minimal) forged <img src=x onerror=alert(1)> [x](javascript:alert(1)) # heading"
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -128,18 +129,19 @@ CASES = {
 def outcome(tmp_path_factory):
     """One summary call and one report call over the good folder and the 16 bad ones."""
     from distlab.report.build import build_report
-    from distlab.report.collect import load_checked_runs, spreadsheet_safe, summary_frame
+    from distlab.report.collect import load_checked_runs, shared_metrics_paths, spreadsheet_safe, summary_frame
 
     root = tmp_path_factory.mktemp("results")
     good_ids = write_machine(root, GOOD)
     for tag, (corrupt, _, _) in CASES.items():
         write_machine(root, tag)
         corrupt(root / tag)
-    paths = sorted(root.glob("*/*/metrics.json"))
+    write_machine(root, WILDCARD_BOX)  # a name Snakemake would read as a wildcard
+    paths, ignored = shared_metrics_paths([str(root)], str(root / "thisbox"))  # as rules/common.smk finds them
     runs, rejected = load_checked_runs(paths)
     spreadsheet_safe(summary_frame(runs)).to_csv(root / "summary.csv", index=False)
     left_out = build_report([r["_path"] for r in runs], str(root / "report" / "index.html"),
-                            str(root / "report" / "README.md"), left_out=rejected)
+                            str(root / "report" / "README.md"), left_out=ignored + rejected)
     kept = {(r["machine"], r["experiment"]) for r in runs}
     return {"root": root, "kept": kept, "left_out": left_out, "good_ids": good_ids}
 
@@ -185,3 +187,31 @@ def test_every_left_out_file_is_named_in_the_report(outcome):
     for tag, case in CASES.items():
         if case[1]:
             assert f"/{tag}/" in section, tag
+
+
+def test_a_folder_named_like_a_wildcard_is_left_out_and_named_in_the_report(outcome):
+    from markdown_it import MarkdownIt
+
+    readme = (outcome["root"] / "report" / "README.md").read_text()
+    section = MarkdownIt("commonmark").render(readme.split("## Files left out of this report")[1])
+    assert f"/{WILDCARD_BOX}/" in section and "Snakemake takes it for a wildcard" in section
+    assert not [machine for machine, _ in outcome["kept"] if machine == WILDCARD_BOX]
+
+
+def test_a_folder_named_like_a_wildcard_under_results_stops_no_snakemake_call(tmp_path):
+    """results/{oops}/ or results/<machine>/{x}/ (a careless copy) stopped every call, dry runs
+    too, with a WildcardError that named no folder; now each is ignored and named, and a
+    results_dir named so is refused naming the field."""
+    from conftest import snakemake, tiny_config
+    from distlab.config import ConfigError
+    from distlab.input_checks import check_results_dir
+
+    for machine in (WILDCARD_BOX, "otherbox"):
+        (tmp_path / "results" / machine / "{x}").mkdir(parents=True)
+        (tmp_path / "results" / machine / "{x}" / "metrics.json").write_text("{}")
+    dry = snakemake(tmp_path, "-n", config=tiny_config({"ddp": {"experiments": [{"world_size": 1}]}}, machine="testbox"))
+    for machine in (WILDCARD_BOX, "otherbox"):
+        assert f"WARNING: results/{machine}/{{x}}/metrics.json: ignored" in dry.stderr, dry.stderr[-3000:]
+    assert "rule summary" in dry.stdout
+    with pytest.raises(ConfigError, match=r"config field 'results_dir': 'out/\{run\}' holds"):
+        check_results_dir("out/{run}")

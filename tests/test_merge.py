@@ -9,11 +9,15 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import re
 import shutil
+import socket
+import stat
+from pathlib import Path
 
 import pytest
 
-from conftest import snakemake
+from conftest import REPO, snakemake
 
 pytest_plugins = ["report_fixtures"]
 MACHINE = "testbox"
@@ -113,3 +117,44 @@ def test_untrustworthy_results_from_other_machines_are_named_and_left_out(workco
         path = f"results/{tag}/{run}/metrics.json"  # the workflow's relative path
         assert path in rejected and reason in rejected[path], rejected
     assert "left out of the report" in (results / "logs" / "report.log").read_text()
+
+
+# Copied in by report_fixtures.seed_prepared (by this process), not written by the workflow.
+SEEDED = ("prep/tokenizer", "prep/data", "prep/model", f"{MACHINE}/hardware.json")
+
+
+def _text(path):
+    try:
+        return path.read_text()
+    except (UnicodeDecodeError, ValueError):
+        return None  # binary (weights, optimizer state, sqlite): no text to scan
+
+
+def test_a_machine_folder_names_no_host_or_local_path_and_no_other_user_can_read_results(finished_pipeline):
+    """A real run with `machine:` set, as a user shares it: no text file of results/<machine>/
+    holds this host's name (nor any file name), none but the logs (the machine's own
+    diagnostics) holds the checkout's, working folder's or home folder's absolute path, and
+    nothing the workflow wrote under results/ (prep's files included) is readable by others."""
+    work, _ = finished_pipeline
+    results = work / "results"
+    host = re.compile(r"(?<![A-Za-z0-9])" + re.escape(socket.gethostname()) + r"(?![A-Za-z0-9])")
+    local = [f"{REPO}/", f"{work}/", f"{Path.home()}/"]
+    named, located = [], []
+    for path in sorted((results / MACHINE).rglob("*")):
+        if host.search(path.name):
+            named.append(str(path))
+        text = _text(path) if path.is_file() else None
+        if text is None:
+            continue
+        if host.search(text):
+            named.append(str(path))
+        if not path.name.endswith(".log") and any(prefix in text for prefix in local):
+            located.append(str(path))
+    assert not named, named
+    assert not located, located
+    seeded = [results / name for name in SEEDED]
+    readable = [f"{oct(p.stat().st_mode & 0o777)} {p}" for p in sorted(results.rglob("*"))
+                if p.stat().st_mode & stat.S_IRWXO and not any(p == s or s in p.parents for s in seeded)
+                and p not in (results / "prep", results / MACHINE)]  # made by the seeding too
+    assert not readable, readable
+    assert any(p.is_file() for p in (results / "prep" / "eval").iterdir())  # prep's own files were checked

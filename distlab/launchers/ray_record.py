@@ -13,7 +13,7 @@ def attempts_from_events(events: list[dict]) -> list[dict]:
             current = {"world_size": event["world_size"], "start_step": event["start_step"],
                        "resumed": event["resumed"], "ranks": {}}
             attempts.append(current)
-        current["ranks"][event["rank"]] = {k: event[k] for k in ("node_id", "node_ip", "hostname", "pid")}
+        current["ranks"][event["rank"]] = {k: event[k] for k in ("node_id", "node_ip", "pid")}
         for key in ("from_world_size", "earlier_losses"):
             if key in event:
                 current[key] = event[key]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -18,8 +17,9 @@ from pathlib import Path
 def node_identity() -> dict:
     import ray
 
+    # No host name: results/<machine>/ carries the configured tag only (distlab.sharing).
     return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
-            "hostname": socket.gethostname(), "pid": os.getpid()}
+            "pid": os.getpid()}
 
 
 def _ray_checkpoints_class():
@@ -121,7 +121,9 @@ def train_worker(config: dict):
     import torch
 
     from distlab import worker
+    from distlab.sharing import private_files
 
+    private_files()  # a worker on a node `ray start` began writes as the ranks do (distlab.sharing)
     job = dict(config["job"])
     spec = dict(job["spec"])
     # An elastic group may hold fewer than max_workers: the rank code checks the world size

@@ -382,9 +382,10 @@ def build_report(metrics_paths, html_path, md_path, advice_paths=(), left_out=No
     return left_out
 
 
-def report_rule(metrics_paths, advice_paths, declared, html_path, md_path) -> list[dict]:
+def report_rule(metrics_paths, advice_paths, declared, html_path, md_path, ignored=()) -> list[dict]:
     """Rule report (scripts/report.py): the runs the summary accepts, reading only the rule's
-    declared inputs (`declared`, distlab.report.inputs); returns what was left out."""
+    declared inputs (`declared`, distlab.report.inputs); returns what was left out (`ignored`:
+    results folders the workflow could not read, distlab.report.collect.shared_metrics_paths)."""
     runs, rejected = load_checked_runs(list(metrics_paths), declared=declared)
     return build_report([run["_path"] for run in runs], html_path, md_path, advice_paths=list(advice_paths),
-                        left_out=rejected, declared=declared)
+                        left_out=list(ignored) + rejected, declared=declared)

@@ -16,7 +16,9 @@ likewise (machine_files), never a crash or a partial row.
 from __future__ import annotations
 
 import functools
+import glob
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -206,6 +208,26 @@ def load_run(path: str | Path, named_folder: bool = True, declared: frozenset[st
     run["_samples_png"] = grid.read_bytes() if samples and readable(grid, declared) else None
     run["_throughput"] = throughput_stats(run) if run["status"] == "ok" else None
     return run
+
+
+def shared_metrics_paths(roots, mine: str) -> tuple[list[str], list[dict]]:
+    """(paths, ignored): metrics.json of every machine folder under `roots` but this machine's
+    own (`mine`, <results>/<machine>), and those ignored as {"path", "reason"}: a path holding
+    '{' or '}' (a folder like results/{x}/ copied in by mistake) cannot be a rule's input, as
+    Snakemake reads it as a wildcard and stops every call with an error that names no folder."""
+    found = []
+    for root in roots:
+        found += glob.glob(os.path.join(glob.escape(root), "*", "*", "metrics.json"))
+    mine = os.path.normpath(mine)
+    paths, ignored = [], []
+    for path in sorted(f for f in found if not os.path.normpath(f).startswith(mine + os.sep)):
+        if "{" in path or "}" in path:
+            ignored.append({"path": path, "reason": f"{path}: ignored: a folder name with '{{' or '}}' cannot be "
+                                                    "read by the workflow (Snakemake takes it for a wildcard); "
+                                                    "rename or remove the folder"})
+        else:
+            paths.append(path)
+    return paths, ignored
 
 
 def load_checked_runs(paths, named_folder: bool = True, declared: frozenset[str] | None = None) \
