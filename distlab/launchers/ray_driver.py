@@ -244,4 +244,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main()  # results written and ray.shutdown() done (ray_cluster)
+    from distlab.launchers.process import exit_without_teardown
+
+    exit_without_teardown()  # skip the interpreter's teardown of torch, transformers and Ray
