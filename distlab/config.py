@@ -9,6 +9,7 @@ expansion into specs it guards (the schema file holds the types, this module the
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 from pathlib import Path
@@ -84,8 +85,17 @@ OPT_IN_STAGES = ("links", "unequal")
 
 
 def load_schema() -> dict:
-    with open(SCHEMA_PATH) as fh:
-        return yaml.safe_load(fh)
+    """config/schema.yaml (a copy: callers may change theirs). Parsed once per process and file
+    version: expanding the default config asks for it ~170 times (each experiment's task and
+    strategy names), which cost 8 s of YAML parsing in every `snakemake` call and test."""
+    path = Path(SCHEMA_PATH)
+    return copy.deepcopy(_parsed_schema(str(path), path.stat().st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed_schema(path: str, version: int) -> dict:
+    with open(path) as fh:
+        return yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml where built
 
 
 def _deep_merge(base: dict, override: dict) -> dict:
