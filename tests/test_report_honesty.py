@@ -58,6 +58,22 @@ def test_the_loss_parity_sentence_follows_the_measured_gap(tmp_path):
     assert "earlier trial" not in close + far  # no anecdote: only what these runs measured
 
 
+def test_zero_is_compared_only_with_a_ddp_run_that_trained_the_same_way(tmp_path):
+    """A DDP run with a cosine schedule and clipping is no twin for a constant-LR ZeRO run: its
+    loss gap would be the recipe's (the default report once said 'DeepSpeed did NOT reproduce DDP')."""
+    from card_runs import fake_run
+    from distlab.report.cards.stage3_deepspeed import ddp_parity
+
+    zero = fake_run(tmp_path / "z", {"strategy": "deepspeed", "world_size": 2, "micro_batch": 2, "grad_accum": 2,
+                                     "deepspeed": {"zero_stage": 3}}, "deepspeed",
+                    as_built={"deepspeed": {"basic_optimizer": "AdamW"}})
+    same = fake_run(tmp_path / "d", {"strategy": "ddp", "world_size": 2, "micro_batch": 4})
+    cosine = fake_run(tmp_path / "c", {"strategy": "ddp", "world_size": 2, "micro_batch": 4, "lr_schedule": "cosine",
+                                       "lr_warmup_steps": 2, "max_grad_norm": 1.0}, losses=(3.0, 2.9, 2.8))
+    assert [r["DDP run"] for r in ddp_parity([zero], [cosine, same])] == [same["experiment"]]
+    assert ddp_parity([zero], [cosine]) == []
+
+
 def test_a_checkpoint_goal_names_only_the_checks_every_checkpoint_passed(tmp_path):
     from distlab.report.cards.checkpoint_table import checkpoint_card
 
