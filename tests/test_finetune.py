@@ -114,8 +114,10 @@ def test_progress_and_eval_points_reach_the_job_log_and_the_last_is_the_final_ev
     points = run["eval"]["during_training"]
     assert [p["steps_done"] for p in points] == [5, 10, 15, 20]
     assert len(re.findall(r"eval: after \d+ steps held-out loss", log)) == 4
-    # The eval point after the last step is the final eval: one pass, not two, over the same tokens.
-    assert points[-1]["loss"] == pytest.approx(run["eval"]["trained"]["loss"], abs=1e-5)
+    # The eval point after the last step is the final eval: one pass, not two, over the same
+    # tokens, and the final eval says which point it is.
+    assert points[-1]["loss"] == run["eval"]["trained"]["loss"]
+    assert "(the eval point after step 20, the last)" in run["eval"]["trained"]["how"]
     assert points[0]["loss"] > points[-1]["loss"]
 
 

@@ -74,6 +74,29 @@ def test_zero_is_compared_only_with_a_ddp_run_that_trained_the_same_way(tmp_path
     assert ddp_parity([zero], [cosine]) == []
 
 
+def test_fsdp_and_tensor_parallel_losses_are_set_beside_ddp_only_when_the_recipe_and_model_match(tmp_path):
+    """One rule (report/cards/parity.py) picks the DDP twin for stages 3, 4 and 6: a run on another
+    model or recipe is no twin, so its gap is never reported as the strategy's."""
+    from card_runs import fake_run
+    from distlab.report.cards.parity import ddp_twin, gap_sentence, parity_rows
+
+    recipe = {"lr_schedule": "cosine", "lr_warmup_steps": 2, "max_grad_norm": 1.0}
+    fsdp = fake_run(tmp_path / "f", {"strategy": "fsdp", "world_size": 2, "micro_batch": 2, "grad_accum": 2, **recipe},
+                    "fsdp", losses=(3.0, 2.5000004, 2.0))
+    tp = fake_run(tmp_path / "t", {"strategy": "tp", "world_size": 2, "micro_batch": 8, **recipe}, "parallel")
+    tp["throughput"]["samples_per_step"] = 8  # every TP rank sees the whole batch (data-parallel size 1)
+    ddp = fake_run(tmp_path / "d", {"strategy": "ddp", "world_size": 2, "micro_batch": 4, **recipe})
+    bigger = dict(fake_run(tmp_path / "b", {"strategy": "ddp", "world_size": 2, "micro_batch": 4, **recipe}),
+                  parameters={"total": 2000, "trainable": 2000})
+    rows = parity_rows([fsdp], [bigger, ddp, fsdp], "FSDP run")
+    assert [(r["DDP run"], r["steps compared"]) for r in rows] == [(ddp["experiment"], 3)]
+    assert abs(float(rows[0]["max |loss diff|"]) - 4e-7) < 1e-8
+    assert "FSDP sharding left fp32 training unchanged" in gap_sentence(rows, "FSDP run", "FSDP sharding", "FSDP")
+    assert ddp_twin(tp, [bigger]) is None and ddp_twin(tp, [bigger, ddp]) is ddp
+    constant = fake_run(tmp_path / "c", {"strategy": "fsdp", "world_size": 2, "micro_batch": 2, "grad_accum": 2}, "fsdp")
+    assert parity_rows([constant], [ddp], "FSDP run") == []
+
+
 def test_a_checkpoint_goal_names_only_the_checks_every_checkpoint_passed(tmp_path):
     from distlab.report.cards.checkpoint_table import checkpoint_card
 

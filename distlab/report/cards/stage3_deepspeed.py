@@ -5,14 +5,12 @@ from __future__ import annotations
 from distlab.evaluation import eval_sentence
 from distlab.report.cards import (COMPARED, DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, load_cell,
                                   metrics_link, noise_cause, ok_runs, phase_peak_table)
+from distlab.report.cards.parity import NOT_COMPARED, gap_sentence, parity_rows
 from distlab.report.cards.zero_memory import GAP_LIMIT, MIB, gap_note, memory_figure, memory_rows
 from distlab.report.plots import loss_curves
 
 GOAL_TABLE = "ZeRO stage memory table, measured vs formula (ZeRO on 2+ devices, memory measured)"
 GOAL_BUDGET = "ZeRO-3 ran what a single device could not, under the same per-rank memory budget"
-# Max |loss diff| vs DDP below which the card says ZeRO left fp32 training unchanged (float
-# summation order moves the loss by ~1e-6 here); above it the card says it did not.
-PARITY_TOLERANCE = 1e-4
 GOAL_OFFLOAD = "Offload slowdown measured (same model and batch, with and without offload)"
 
 
@@ -115,51 +113,17 @@ def offload_goal(plain: dict, off: dict) -> Goal:
     return Goal("bonus", GOAL_OFFLOAD, PASSED, text, links)
 
 
-def recipe(run: dict) -> tuple:
-    """What decides a run's losses step by step beyond its strategy: machine, seed, data, global
-    batch, model, precision and the optimization recipe (LR, its schedule and warm-up, clipping,
-    weight decay; the step count too where the schedule depends on it)."""
-    s = run["spec"]
-    schedule = s.get("lr_schedule") or "constant"
-    return (run["machine"], s["seed"], s["seq_len"], s["precision"], s["lr"], s["weight_decay"], s["method"],
-            run["throughput"]["samples_per_step"], run["parameters"]["total"], schedule, s.get("lr_warmup_steps") or 0,
-            s.get("max_grad_norm") or 0.0, None if schedule == "constant" else s["steps"])
-
-
 def ddp_parity(ds_runs: list[dict], runs: list[dict]) -> list[dict]:
-    """Loss vs a DDP run that trained the same samples the same way (recipe)."""
-    ddp = [r for r in runs if r.get("status") == "ok" and r["spec"]["strategy"] == "ddp"
-           and r["spec"]["sampler"] == "distributed"]
-    rows = []
-    for run in ds_runs:
-        s = run["spec"]
-        for base in ddp:
-            if recipe(base) != recipe(run):
-                continue
-            a, z = base["loss"]["per_step"], run["loss"]["per_step"]
-            n = min(len(a), len(z))
-            rows.append({"DeepSpeed run": run["experiment"], "DDP run": base["experiment"], "steps compared": n,
-                         "max |loss diff|": f"{max(abs(x - y) for x, y in zip(a[:n], z[:n])):.2e}",
-                         "optimizer": run["as_built"]["deepspeed"]["basic_optimizer"], "precision": s["precision"]})
-            break
-    return rows
+    """Loss vs a DDP run that trained the same samples the same way (parity.ddp_twin)."""
+    rows = parity_rows(ds_runs, runs, "DeepSpeed run")
+    optimizer = {r["experiment"]: r["as_built"]["deepspeed"]["basic_optimizer"] for r in ds_runs}
+    return [dict(row, optimizer=optimizer[row["DeepSpeed run"]]) for row in rows]
 
 
 def parity_note(parity: list[dict]) -> str:
     """What the measured loss gaps vs DDP show, run by run (no claim beyond them)."""
-    worst = max(parity, key=lambda r: float(r["max |loss diff|"]))
-    gap = float(worst["max |loss diff|"])
-    over = [r["DeepSpeed run"] for r in parity if float(r["max |loss diff|"]) > PARITY_TOLERANCE]
-    steps = min(r["steps compared"] for r in parity)
-    head = (f"Loss parity: the largest gap vs DDP is {gap:.1e} ({worst['DeepSpeed run']} vs {worst['DDP run']}) "
-            f"over {steps}+ steps of {len(parity)} run(s). ")
-    if not over:
-        return head + (f"Every run is within {PARITY_TOLERANCE:g} of DDP: on these runs ZeRO sharding"
-                       f"{' and offload' if any('off' in r['DeepSpeed run'] for r in parity) else ''} left "
-                       f"{'fp32 ' if all(r.get('precision') == 'fp32' for r in parity) else ''}training unchanged "
-                       "up to float summation order.")
-    return head + (f"{len(over)} run(s) differ from DDP by more than {PARITY_TOLERANCE:g} ({', '.join(over)}): "
-                   "on these runs DeepSpeed did NOT reproduce DDP's training.")
+    offload = " and offload" if any("off" in r["DeepSpeed run"] for r in parity) else ""
+    return gap_sentence(parity, "DeepSpeed run", f"ZeRO sharding{offload}", "DeepSpeed")
 
 
 def build(runs: list[dict]) -> Card:
@@ -231,9 +195,7 @@ def build(runs: list[dict]) -> Card:
     if parity:
         card.notes.append(parity_note(parity))
     elif ds_runs:
-        card.notes.append("Loss parity not compared: no DDP run (sampler on) trained the same samples the same way "
-                          "(seed, data, global batch, model, precision, LR schedule and warm-up, clipping, weight "
-                          "decay), so a loss gap would measure the recipe, not ZeRO.")
+        card.notes.append(NOT_COMPARED.format(what="ZeRO"))
     if ds_runs:
         unmeasured = [r for r in ds_runs if r["timing"]["comm_inflight_s_per_step"]["median"] is None]
         card.notes.append("DeepSpeed's engine owns gradient accumulation (engine.backward scales by 1/GAS, "

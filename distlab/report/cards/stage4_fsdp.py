@@ -11,6 +11,7 @@ import os
 from distlab.evaluation import eval_sentence
 from distlab.report.cards import (DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, is_busy, load_cell,
                                   metrics_link, noise_cause, ok_runs, phase_peak_table, tokens_per_s)
+from distlab.report.cards.parity import NOT_COMPARED, gap_sentence, parity_rows
 from distlab.report.collect import clear_winner
 from distlab.report.plots import loss_curves, to_png_b64
 
@@ -241,6 +242,13 @@ def build(runs: list[dict]) -> Card:
         card.tables.append(phase_peak_table(fsdp, "Per-rank peak memory: load, training and save phases"))
         card.figures.append(Figure("Loss curves", loss_curves(fsdp, "Stage 4 loss"),
                                    "mean training loss over data-parallel ranks per optimizer step"))
+        parity = parity_rows(fsdp, runs, "FSDP run")
+        if parity:
+            card.tables.append(Table("Loss vs DDP (same seed, data, global batch, recipe)", pd.DataFrame(parity),
+                                     "max absolute difference of the mean training loss per optimizer step"))
+            card.notes.append(gap_sentence(parity, "FSDP run", "FSDP sharding", "FSDP"))
+        else:
+            card.notes.append(NOT_COMPARED.format(what="FSDP"))
     unmeasured = [r for r in fsdp if r["timing"]["comm_inflight_s_per_step"]["median"] is None]
     if unmeasured:
         card.notes.append(f"Communication time was not measured for {len(unmeasured)} of {len(fsdp)} FSDP run(s) "

@@ -1,7 +1,7 @@
 """Stage 6 - tensor and pipeline parallel: the model itself split across ranks.
 
-Loss is compared with a DDP run that read the same samples per step (same machine, global
-batch, seq_len, seed, steps); the pipeline bubble is the per-rank measurement the pipeline
+Loss is compared with a DDP run that read the same samples per step and trained them the same
+way (distlab.report.cards.parity); the pipeline bubble is the per-rank measurement the pipeline
 strategy wrote (run_files/pipeline-rank<r>.json) next to the formula (p-1)/(m+p-1).
 """
 from __future__ import annotations
@@ -10,6 +10,7 @@ import statistics
 
 from distlab.evaluation import eval_sentence
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, metrics_link, ok_runs
+from distlab.report.cards.parity import ddp_twin, loss_gap
 from distlab.report.plots import figure, loss_curves, to_png_b64
 
 # Same data, seed and global batch in fp32: only float reduction order differs. Measured
@@ -20,33 +21,6 @@ LOSS_TOLERANCE = 1e-3
 def parallel_runs(runs: list[dict], strategy: str, wrapper: str) -> list[dict]:
     return [r for r in ok_runs(runs, "parallel") if r["spec"]["strategy"] == strategy
             and wrapper in (r.get("as_built") or {}).get("wrappers_found", [])]
-
-
-def same_work(run: dict) -> tuple:
-    """What decides a run's losses beyond its strategy: machine, samples per step, sequence
-    length, seed, steps, optimizer and schedule, precision, method."""
-    s = run["spec"]
-    return (run["machine"], run["throughput"]["samples_per_step"], s["seq_len"], s["seed"], s["steps"], s["lr"],
-            s.get("lr_schedule"), s.get("lr_warmup_steps"), s.get("max_grad_norm"), s.get("weight_decay"),
-            s["precision"], s["method"])
-
-
-def ddp_twin(run: dict, runs: list[dict]) -> dict | None:
-    """A DDP run (sampler on) that read the same samples per step as `run` and trained them the
-    same way (same_work)."""
-    key = same_work(run)
-    for other in runs:
-        o = other["spec"]
-        if other.get("status") == "ok" and o["strategy"] == "ddp" and o["sampler"] == "distributed" \
-                and same_work(other) == key:
-            return other
-    return None
-
-
-def loss_gap(run: dict, baseline: dict) -> float:
-    pairs = [(a, b) for a, b in zip(run["loss"]["per_step"], baseline["loss"]["per_step"])
-             if a is not None and b is not None]
-    return max(abs(a - b) for a, b in pairs) if pairs else float("nan")
 
 
 def bubble_records(run: dict) -> list[dict]:
@@ -67,13 +41,13 @@ def parity_goal(tp: list[dict], pp: list[dict], runs: list[dict], rows: list[dic
         twin = ddp_twin(run, runs)
         if twin is None:
             continue
-        gap = loss_gap(run, twin)
+        gap, _ = loss_gap(run, twin)
         compared.append((run, twin, gap))
         rows.append({"experiment": run["experiment"], "DDP run": twin["experiment"], "steps": len(run["loss"]["per_step"]),
                      "max |loss - DDP loss|": f"{gap:.2e}", "last loss": round(run["loss"]["last"], 4),
                      "DDP last loss": round(twin["loss"]["last"], 4)})
     if not compared:
-        return Goal("bonus", text, NOT_RUN, "no DDP run with the same machine, global batch, seq_len, seed and steps")
+        return Goal("bonus", text, NOT_RUN, "no DDP run that read the same samples and trained them the same way (parity.training_recipe)")
     worst = max(compared, key=lambda c: c[2])
     status = PASSED if worst[2] < LOSS_TOLERANCE else FAILED
     return Goal("bonus", text, status,

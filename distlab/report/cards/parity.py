@@ -1,0 +1,69 @@
+"""Which DDP run another strategy's losses can be set beside: one that read the same samples and
+trained them the same way. Stages 3, 4 and 6 all ask this; one rule answers it, so no card
+compares a run with a DDP run of another recipe and reports the recipe's gap as the strategy's."""
+from __future__ import annotations
+
+# Max |loss diff| vs DDP below which a card says sharding left fp32 training unchanged (float
+# summation order moves the loss by ~1e-6 here); above it the card says it did not.
+PARITY_TOLERANCE = 1e-4
+NOT_COMPARED = ("Loss parity not compared: no DDP run (sampler on) trained the same samples the same way (seed, "
+                "data, global batch, model, precision, LR schedule and warm-up, clipping, weight decay), so a "
+                "loss gap would measure the recipe, not {what}.")
+
+
+def training_recipe(run: dict) -> tuple:
+    """What decides a run's losses step by step beyond its strategy: machine, seed, data, global
+    batch, model, precision, method and the optimization recipe (LR, its schedule and warm-up,
+    clipping, weight decay; the step count too where the schedule depends on it)."""
+    s = run["spec"]
+    schedule = s.get("lr_schedule") or "constant"
+    return (run["machine"], s["seed"], s.get("dataset"), s["seq_len"], s["precision"], s["lr"], s.get("weight_decay"),
+            s["method"], run["throughput"]["samples_per_step"], run["parameters"]["total"], schedule,
+            s.get("lr_warmup_steps") or 0, s.get("max_grad_norm") or 0.0,
+            None if schedule == "constant" else s["steps"])
+
+
+def ddp_twin(run: dict, runs: list[dict]) -> dict | None:
+    """The first finished DDP run (DistributedSampler on) with `run`'s training recipe."""
+    key = training_recipe(run)
+    for other in runs:
+        o = other["spec"]
+        if other is not run and other.get("status") == "ok" and o["strategy"] == "ddp" \
+                and o["sampler"] == "distributed" and training_recipe(other) == key:
+            return other
+    return None
+
+
+def loss_gap(run: dict, baseline: dict) -> tuple[float, int]:
+    """Largest per-step |loss difference| over the steps both recorded, and how many."""
+    pairs = [(a, b) for a, b in zip(run["loss"]["per_step"], baseline["loss"]["per_step"])
+             if a is not None and b is not None]
+    return (max(abs(a - b) for a, b in pairs) if pairs else float("nan")), len(pairs)
+
+
+def parity_rows(runs: list[dict], everyone: list[dict], label: str) -> list[dict]:
+    """One row per run that has a DDP twin: the twin, steps compared, the largest gap."""
+    rows = []
+    for run in runs:
+        twin = ddp_twin(run, everyone)
+        if twin is not None:
+            gap, steps = loss_gap(run, twin)
+            rows.append({label: run["experiment"], "DDP run": twin["experiment"], "steps compared": steps,
+                         "max |loss diff|": f"{gap:.2e}", "precision": run["spec"]["precision"]})
+    return rows
+
+
+def gap_sentence(rows: list[dict], label: str, sharding: str, library: str) -> str:
+    """What the measured loss gaps vs DDP show, run by run (no claim beyond them)."""
+    worst = max(rows, key=lambda r: float(r["max |loss diff|"]))
+    gap = float(worst["max |loss diff|"])
+    over = [r[label] for r in rows if float(r["max |loss diff|"]) > PARITY_TOLERANCE]
+    steps = min(r["steps compared"] for r in rows)
+    head = (f"Loss parity: the largest gap vs DDP is {gap:.1e} ({worst[label]} vs {worst['DDP run']}) "
+            f"over {steps}+ steps of {len(rows)} run(s). ")
+    if not over:
+        fp32 = "fp32 " if all(r.get("precision") == "fp32" for r in rows) else ""
+        return head + (f"Every run is within {PARITY_TOLERANCE:g} of DDP: on these runs {sharding} left {fp32}"
+                       "training unchanged up to float summation order.")
+    return head + (f"{len(over)} run(s) differ from DDP by more than {PARITY_TOLERANCE:g} ({', '.join(over)}): "
+                   f"on these runs {library} did NOT reproduce DDP's training.")
