@@ -105,6 +105,21 @@ def test_the_trackers_stores_name_no_local_path_user_or_host(finished):
         assert not re.search(rf"\b{re.escape(host)}\b", path.name + text)
 
 
+def test_what_distlab_writes_into_the_logs_names_no_local_absolute_path(finished):
+    work, _ = finished
+    paths = local_paths(work)
+    launches, leaks = [], []
+    for log in (work / "results").rglob("*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            launch = line.startswith("$ ")
+            launches += [line] if launch else []
+            # Libraries' own warnings point into their installed sources: left as they print them.
+            if any(p in line for p in paths) and (launch or "site-packages/" not in line):
+                leaks.append(f"{log.relative_to(work)}: {line}")
+    assert len(launches) >= 2  # the collective benchmark's and each validation's launch lines
+    assert leaks == []
+
+
 def test_benchmark_and_log_recorded_for_training_jobs(finished):
     run = finished[0] / "results" / MACHINE / "ddp-full-w1-mb8-ga1"
     assert (run / "benchmark.tsv").read_text().startswith("s\t")
