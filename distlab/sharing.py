@@ -7,8 +7,11 @@ extra_results) carry what was measured, not who measured it where:
 - with `machine:` set, no file names this host (hardware.json keeps `hostname` only when the
   tag itself is derived from it), nor TensorBoard's event file names;
 - paths of the checkout, the working folder and the home folder are written relative to them
-  (portable) in metrics.json, job.json and the Accelerate config's rerun line. Logs are the
-  machine's own diagnostics and keep what the libraries print.
+  (portable) in metrics.json, job.json, the Accelerate config's rerun line, the MLflow store and
+  TensorBoard's hparams (distlab.tracking), and in what distlab itself writes into logs: `$ ...`
+  launch lines, its messages, logging records and failure tracebacks (distlab.rule_log). What
+  libraries and child processes print into a log stays as they print it;
+- Ray nodes are named by host label, never by address (distlab.launchers.ray_record).
 """
 from __future__ import annotations
 

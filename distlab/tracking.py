@@ -8,6 +8,13 @@
                                         3.x refuses a bare ./mlruns file store):
                                         `mlflow ui --backend-store-uri sqlite:///<that file>`
 
+What the store and the event files hold travels with results/<machine>/ (distlab.sharing): no
+path of this checkout, working folder or home folder (the spec's paths written relative, as in
+metrics.json), no user or host name (mlflow.user and mlflow.source.name are set to "distlab").
+MLflow writes any local artifact location as an absolute path, so the store's locations are
+`mlflow-artifacts:/...` URIs instead: the ones `mlflow server`/`mlflow ui` writes itself, resolved
+by whichever server opens the store (its --artifacts-destination); distlab logs no artifacts.
+
 One MLflow experiment per machine (distlab/<machine>), one MLflow run per launch of an
 experiment (run name = experiment id; the spec as its parameters), written with MlflowClient's
 log_batch: one transaction per flush. The store is shared by every job of the machine, like
@@ -27,6 +34,10 @@ import time
 from pathlib import Path
 
 SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "images_per_s", "memory_bytes", "step_time_s")
+# Where the store's experiments keep artifacts: MLflow's server-resolved scheme (see above).
+ARTIFACTS = "mlflow-artifacts:/"
+# The run's user and source in MLflow's own tags: what ran it, not who or from where.
+ANONYMOUS_TAGS = {"mlflow.user": "distlab", "mlflow.source.name": "distlab"}
 
 
 def tracking_dir(job: dict) -> Path:
@@ -65,6 +76,17 @@ def mlflow_uri(root: Path) -> str:
     return f"sqlite:///{(root / 'mlflow.db').resolve()}"
 
 
+def create_store(root: Path) -> None:
+    """Make the machine's store with `mlflow-artifacts:/` as its default artifact root (under
+    the store lock): a store MlflowClient creates records ./mlruns of the working folder, as an
+    absolute path, for its Default experiment."""
+    if (root / "mlflow.db").exists():
+        return
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    SqlAlchemyStore(mlflow_uri(root), ARTIFACTS)._dispose_engine()
+
+
 class Trackers:
     """The trackers a spec's `tracking` names, started on rank 0 (the caller's duty)."""
 
@@ -74,7 +96,9 @@ class Trackers:
         self.machine = Path(job["run_dir"]).resolve().parent.name
         self.writer = self.client = self.run_id = None
         self.where = {}
-        params = flat_params(spec)
+        from distlab.sharing import portable
+
+        params = flat_params(portable(spec))  # what it says in metrics.json: no local absolute path
         if "tensorboard" in spec["tracking"]:
             from torch.utils.tensorboard import SummaryWriter
             from torch.utils.tensorboard.summary import hparams
@@ -92,13 +116,14 @@ class Trackers:
 
             name = f"distlab/{self.machine}"
             with _store_lock(self.root):
+                create_store(self.root)
                 self.client = MlflowClient(tracking_uri=mlflow_uri(self.root))
                 found = self.client.get_experiment_by_name(name)
                 experiment = found.experiment_id if found else self.client.create_experiment(
-                    name, artifact_location=(self.root / "mlflow-artifacts").resolve().as_uri())
+                    name, artifact_location=f"{ARTIFACTS}{name}")
                 self._close_stale_runs(experiment, spec["id"])
                 self.run_id = self.client.create_run(experiment, run_name=spec["id"], tags={
-                    "distlab.experiment": spec["id"], "distlab.machine": self.machine,
+                    **ANONYMOUS_TAGS, "distlab.experiment": spec["id"], "distlab.machine": self.machine,
                     "distlab.resumed_from_step": str(start_step)}).info.run_id
             items = [Param(k, str(v)) for k, v in params.items()]
             for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters per batch

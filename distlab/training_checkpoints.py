@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from distlab import checkpoint as ckpt
 from distlab.loop import IndexStream
+from distlab.sharing import portable
 
 
 class TrainingCheckpoints:
@@ -43,7 +44,7 @@ class TrainingCheckpoints:
 
     def _log(self, message: str) -> None:
         if dist.get_rank() == 0:
-            print(f"checkpoint: {message}", flush=True)
+            print(f"checkpoint: {portable(message)}", flush=True)
 
     def resume(self) -> int:
         """Steps already done: those of the newest resume/ checkpoint that loads, else 0.
@@ -59,7 +60,7 @@ class TrainingCheckpoints:
             return 0
         if dist.get_rank() == 0:
             for earlier in refused_earlier(self.resume_root.parent):
-                print(f"checkpoint: {earlier}", flush=True)
+                print(f"checkpoint: {portable(earlier)}", flush=True)
         found = sorted(p for p in self.resume_root.glob("step-*") if p.name.split("-")[1].isdigit())
         for path in reversed(found):
             try:
@@ -186,7 +187,8 @@ def set_aside(path: Path, reason: str) -> Path:
         moved = sorted(folder.glob(f"{path.name}.refused-*"))
         return moved[-1] if moved else kept
     with open(folder / REFUSED_LOG, "a") as fh:
-        fh.write(json.dumps({"checkpoint": str(path), "kept_as": str(kept), "reason": reason, "time": when}) + "\n")
+        fh.write(json.dumps(portable({"checkpoint": str(path), "kept_as": str(kept), "reason": reason,
+                                      "time": when})) + "\n")
     return kept
 
 
@@ -198,7 +200,7 @@ def refused_earlier(run_dir: Path) -> list[str]:
     for line in log.read_text().splitlines() if log.is_file() else []:
         try:
             entry = json.loads(line)
-            kept = Path(entry["kept_as"])
+            kept = run_dir / REFUSED_DIR / Path(entry["kept_as"]).name  # written relative (portable)
         except (ValueError, TypeError, KeyError):
             continue
         if kept.is_dir():

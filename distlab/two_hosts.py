@@ -104,7 +104,9 @@ def run_two_hosts(job: dict, bandwidth_mbit: float | None, log_path: str, timeou
         # for 2 workers again; it retries with what is there when that start times out (60 s
         # by default: most of the run's wall time here).
         os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")
-        job = dict(job, driver_inside=hosts.inside(0, []))
+        # The driver labels each rank's host by these names, never by address (ray_record).
+        job = dict(job, driver_inside=hosts.inside(0, []),
+                   host_names={hosts.address(i): name for i, name in enumerate(HOST_NAMES)})
         before = hosts.counters()
         namespaces = dict(hosts.namespaces)  # recorded: a check can see that they are gone afterwards
 

@@ -215,9 +215,10 @@ def phase_command(spec: dict, job_path: Path, folder: Path) -> tuple[list[str], 
 
 def _wait(cmd: list[str], env: dict, log, timeout) -> None:
     try:
-        print(f"$ {' '.join(cmd)}", file=log or sys.stdout, flush=True)
         # The launcher and every rank die with the job, and all of them on a timeout.
-        from distlab.launchers.process import run_tree
+        from distlab.launchers.process import launch_line, run_tree
+
+        print(launch_line(cmd), end="", file=log or sys.stdout, flush=True)
 
         if run_tree(cmd, env, log, timeout, marker=cmd[-1]) is None:
             print(f"validation ranks killed after the {timeout} s timeout", file=log or sys.stdout, flush=True)

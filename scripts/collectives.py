@@ -6,7 +6,7 @@ from distlab.collectives import command_args
 from distlab.gpu_alloc import allocate, lock_dir_for
 from distlab.launchers import loopback
 from distlab.launchers.environment import BASE_ENV
-from distlab.launchers.process import run_ranks
+from distlab.launchers.process import launch_line, run_ranks
 from distlab.launchers.torchrun import torchrun_command
 from distlab.rule_log import logged
 
@@ -15,7 +15,7 @@ with logged(snakemake):
     out = snakemake.output[0]
     cmd = torchrun_command(plan["world_size"], "distlab.collectives", *command_args(plan, out, snakemake.params.machine))
     env = dict(os.environ, **BASE_ENV, **loopback.environment(), OMP_NUM_THREADS="1")
-    print("$ " + " ".join(cmd), flush=True)
+    print(launch_line(cmd), end="", flush=True)
 
     def start_ranks():
         # No timeout, as for training: the rule's runtime is the scheduler's. Output goes to the rule's log.

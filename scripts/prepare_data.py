@@ -4,12 +4,13 @@ import shutil
 
 from distlab.data import build_dataset, load_rows, load_tokenizer
 from distlab.rule_log import logged
+from distlab.sharing import portable
 
 with logged(snakemake):
     data = snakemake.params.data
     out_dir = snakemake.output[0]
     tokenizer = load_tokenizer(snakemake.params.tokenizer, snakemake.params.model_config)
-    print(f"tokenizer: {snakemake.params.tokenizer} ({type(tokenizer).__name__}, {len(tokenizer)} tokens, "
+    print(f"tokenizer: {portable(snakemake.params.tokenizer)} ({type(tokenizer).__name__}, {len(tokenizer)} tokens, "
           f"eos {tokenizer.eos_token_id})")
     # load_dataset's and map's Arrow caches live in a scratch folder beside the output, removed after.
     cache = out_dir.rstrip("/") + ".cache"

@@ -69,6 +69,57 @@ def test_every_runs_curves_are_in_tensorboard_and_the_machines_mlflow_store(fini
         assert [m.value for m in history] == pytest.approx(losses, rel=1e-12) and logged.info.status == "FINISHED"
 
 
+def local_paths(work) -> list[str]:
+    """What results meant to be shared must not name: the working folder, the checkout, the home folder."""
+    import os
+
+    from conftest import REPO
+
+    return [str(work.resolve()), str(REPO), os.path.expanduser("~")]
+
+
+def test_the_trackers_stores_name_no_local_path_user_or_host(finished):
+    import getpass
+    import socket
+    import sqlite3
+
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    work, _ = finished
+    paths, user, host = local_paths(work), getpass.getuser(), socket.gethostname()
+    store = work / "results" / MACHINE / "tracking" / "mlflow.db"
+    assert not [p for p in paths if p.encode() in store.read_bytes()]
+    with sqlite3.connect(store) as db:  # every text the store holds, table by table
+        tables = [row[0] for row in db.execute("select name from sqlite_master where type = 'table'")]
+        cells = [(t, v) for t in tables for row in db.execute(f"select * from '{t}'") for v in row if isinstance(v, str)]
+        tags = dict(db.execute("select key, value from tags"))
+    assert {t: v for t, v in cells if v == user or re.search(rf"\b{re.escape(host)}\b", v)} == {}
+    assert tags["mlflow.user"] == tags["mlflow.source.name"] == "distlab"
+    assert {v for t, v in cells if t == "experiments" and ":/" in v} == {"mlflow-artifacts:/0",
+                                                                         f"mlflow-artifacts:/distlab/{MACHINE}"}
+    events = list((work / "results" / MACHINE).glob("*/run_files/tensorboard/*tfevents*"))
+    assert len(events) == 2
+    for path in events:
+        text = "".join(str(event) for event in EventFileLoader(str(path)).Load())
+        assert "hparams" in text and not [p for p in paths if p in text or p.encode() in path.read_bytes()]
+        assert not re.search(rf"\b{re.escape(host)}\b", path.name + text)
+
+
+def test_what_distlab_writes_into_the_logs_names_no_local_absolute_path(finished):
+    work, _ = finished
+    paths = local_paths(work)
+    launches, leaks = [], []
+    for log in (work / "results").rglob("*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            launch = line.startswith("$ ")
+            launches += [line] if launch else []
+            # Libraries' own warnings point into their installed sources: left as they print them.
+            if any(p in line for p in paths) and (launch or "site-packages/" not in line):
+                leaks.append(f"{log.relative_to(work)}: {line}")
+    assert len(launches) >= 2  # the collective benchmark's and each validation's launch lines
+    assert leaks == []
+
+
 def test_benchmark_and_log_recorded_for_training_jobs(finished):
     run = finished[0] / "results" / MACHINE / "ddp-full-w1-mb8-ga1"
     assert (run / "benchmark.tsv").read_text().startswith("s\t")

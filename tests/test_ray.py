@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -92,15 +93,35 @@ def test_two_node_ray_run_puts_one_rank_on_each_node_and_records_where(two_node_
     run_dir, metrics = two_node_run
     ray = metrics["ray"]
     assert metrics["spec"]["ray"]["address"] == "env"  # from profiles/ray-head, resolved from RAY_ADDRESS
-    assert metrics["status"] == "ok" and ray["launcher"] == "ray" and ray["cluster"]["address"] == cluster.address
+    assert metrics["status"] == "ok" and ray["launcher"] == "ray" and ray["cluster"]["address_from"] == "RAY_ADDRESS"
     assert ray["world_size"] == 2 and metrics["as_built"]["world_size"] == 2
     assert metrics["as_built"]["outer_wrapper"] == "DistributedDataParallel" and metrics["as_built"]["backend"] == "gloo"
     alive = {n["node_id"] for n in ray["nodes_in_cluster"] if n["alive"]}
     assert len(alive) == 2
     assert {r["node_id"] for r in ray["ranks"]} == alive, ray["ranks"]  # one rank per node, both recorded
+    # Both nodes run on 127.0.0.1: one host, labelled as the head's (no address is written).
+    assert ray["cluster"]["head_host"] == "host-1" and {r["host"] for r in ray["ranks"]} == {"host-1"}
     assert ray["distinct_nodes"] == 2 and ray["restarts"] == 0
     assert [c["steps_done"] for c in ray["checkpoints"]] == [2, 4, 6]  # each reported to Ray
     assert len((run_dir / "steps.jsonl").read_text().splitlines()) == SHORT["steps"]
+
+
+IPV4 = re.compile(rb"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?![\d.])")
+
+
+@pytest.mark.slow
+def test_a_ray_runs_shared_results_carry_host_labels_not_node_addresses(two_node_run):
+    from distlab.report.cards.stage5_ray import build
+
+    run_dir, metrics = two_node_run
+    results = run_dir.parent.parent
+    # Every file distlab wrote under results/ but the logs (Ray's own messages print addresses).
+    found = {str(p.relative_to(results)): IPV4.findall(p.read_bytes()) for p in results.rglob("*")
+             if p.is_file() and p.suffix != ".log"}
+    assert not {name: hits for name, hits in found.items() if hits}
+    run = dict(metrics, machine="testbox", experiment=run_dir.name, _dir=str(run_dir))
+    (placement,) = [note for note in build([run]).notes if ": rank 0 -> node" in note]
+    assert placement.count("on host-1") == 2, placement  # the card still says where each rank ran
 
 
 @pytest.mark.slow

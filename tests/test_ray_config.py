@@ -1,6 +1,8 @@
 """Ray settings: bad ones stop the workflow with the field named; the card reads records."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import resolve, tiny_config
@@ -59,3 +61,19 @@ def test_ray_card_sets_ray_beside_its_torchrun_twin_and_counts_only_recorded_eve
                    attempts=[{"start_step": 0, "world_size": 2}, {"start_step": 4, "world_size": 1}])
     goals = {g.text.split(" (")[0]: g.status for g in build([resized]).goals}
     assert goals["Elastic resize observed"] == "passed" and goals["Fault recovered"] == "not run"
+
+
+def test_ray_records_name_each_ranks_host_by_a_label_the_driver_gives_never_by_its_address():
+    from distlab.launchers.ray_record import attempts_from_events, host_labels, labelled
+
+    nodes = [{"node_id": "b", "node_ip": "192.168.1.7", "head": False}, {"node_id": "a", "node_ip": "10.1.2.3", "head": True}]
+    events = [{"event": "rank_started", "time": t, "rank": r, "world_size": 2, "start_step": 0, "resumed": False,
+               "node_id": n, "node_ip": ip, "pid": 100 + r}
+              for t, r, n, ip in [(2, 1, "c", "172.16.0.9"), (1, 0, "a", "10.1.2.3")]]
+    labels = host_labels(nodes, events)
+    assert labels == {"10.1.2.3": "host-1", "192.168.1.7": "host-2", "172.16.0.9": "host-3"}  # the head's first
+    (attempt,) = attempts_from_events([labelled(e, labels) for e in events])
+    assert [(r["rank"], r["node_id"], r["host"]) for r in attempt["ranks"]] == [(0, "a", "host-1"), (1, "c", "host-3")]
+    assert "node_ip" not in json.dumps(attempt) and "10.1.2.3" not in json.dumps(attempt)
+    named = host_labels(nodes, events, {"10.1.2.3": "home-pc", "192.168.1.7": "cloud-box"})
+    assert named == {"10.1.2.3": "home-pc", "192.168.1.7": "cloud-box", "172.16.0.9": "host-3"}

@@ -19,7 +19,7 @@ import sys
 import time
 
 from distlab.launchers.environment import rank_environment
-from distlab.launchers.process import launch_failure, run_trees
+from distlab.launchers.process import launch_failure, launch_line, run_trees
 from distlab.links import INTERFACE, LinkedHosts
 from distlab.run_layout import run_files_dir
 
@@ -50,7 +50,7 @@ def run_on_link(hosts: LinkedHosts, module: str, args: list[str], env: dict, log
     log = open(log_path, "a") if log_path else None
     try:
         if log:
-            log.write("".join("$ " + " ".join(cmd) + "\n" for cmd in commands))
+            log.write("".join(launch_line(cmd) for cmd in commands))
             log.flush()
         status = run_trees(commands, link_environment(env), log, timeout, marker)
     finally:

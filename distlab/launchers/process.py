@@ -191,6 +191,14 @@ def run_tree(cmd: list[str], env: dict, stdout, timeout: float | None, marker: s
             signal.signal(signal.SIGTERM, previous)
 
 
+def launch_line(cmd: list[str]) -> str:
+    """The `$ ...` line a log gets for a command distlab starts: with the paths of this checkout,
+    the working folder and the home folder written relative to them (distlab.sharing)."""
+    from distlab.sharing import portable
+
+    return "$ " + portable(" ".join(cmd)) + "\n"
+
+
 def run_ranks(cmd: list[str], env: dict, log_path: str | None, timeout: float | None,
               marker: str | None = None, what: str = "training ranks") -> None:
     """Run a launcher (torchrun, accelerate launch, a Ray driver) to completion; its output
@@ -199,7 +207,7 @@ def run_ranks(cmd: list[str], env: dict, log_path: str | None, timeout: float | 
     log = open(log_path, "a") if log_path else None
     try:
         if log:
-            log.write("$ " + " ".join(cmd) + "\n")
+            log.write(launch_line(cmd))
             log.flush()
         status = run_tree(cmd, env, log, timeout, marker)
     finally:

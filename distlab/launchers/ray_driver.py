@@ -38,6 +38,7 @@ from distlab.launchers.process import run_ranks
 from distlab.launchers.ray_record import earlier_rows, ray_record
 
 PRIVATE_TEMP_DIR_ENV = "DISTLAB_RAY_TEMP_DIR"
+HEAD_RESOURCE = "node:__internal_head__"  # the resource Ray gives its head node only
 
 # -- configuration -------------------------------------------------------------------------
 def resolve_address(spec: dict) -> str | None:
@@ -105,7 +106,9 @@ def ray_cluster(spec: dict):
     address = resolve_address(spec)
     if address:
         ray.init(address=address)
-        cluster = {"mode": "existing cluster", "address": address}
+        # Not the address itself: shared results name no machine of the cluster (ray_record).
+        cluster = {"mode": "existing cluster",
+                   "address_from": "RAY_ADDRESS" if spec["ray"]["address"] == "env" else "ray.address"}
     else:
         cpus = spec["world_size"] * spec["cpu_threads_per_rank"]
         gpus = spec["world_size"] if spec["device"] == "cuda" else 0
@@ -135,7 +138,9 @@ def private_instance_environment(folder: str) -> dict:
 def cluster_nodes() -> list[dict]:
     import ray
 
+    # node_ip becomes a host label before anything is written (ray_record.host_labels).
     return [{"node_id": n["NodeID"], "node_ip": n["NodeManagerAddress"], "alive": n["Alive"],
+             "head": HEAD_RESOURCE in n["Resources"],
              "resources": {k: v for k, v in n["Resources"].items() if not k.startswith("node:")}}
             for n in ray.nodes()]
 
@@ -188,7 +193,7 @@ def write_results(job: dict, outcome: dict, cluster: dict) -> None:
     returned = outcome["result"].return_value
     metrics, steps = returned["metrics"], returned["steps"]
     group_spec = metrics["spec"]
-    record = ray_record(outcome, cluster)
+    record = ray_record(outcome, cluster, job.get("host_names"))
     record["final_group"] = {"world_size": group_spec["world_size"], "untimed_steps": group_spec["untimed_steps"],
                              "start_step": record["attempts"][-1]["start_step"] if record["attempts"] else 0}
     # steps.jsonl keeps the rows of the world size the timing is about; the loss curve spans all.

@@ -17,7 +17,8 @@ from pathlib import Path
 def node_identity() -> dict:
     import ray
 
-    # No host name: results/<machine>/ carries the configured tag only (distlab.sharing).
+    # No host name; the IP address reaches only the driver, which writes a host label in its
+    # place (ray_record.host_labels): results/<machine>/ names no machine (distlab.sharing).
     return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
             "pid": os.getpid()}
 

@@ -158,7 +158,8 @@ def build(runs: list[dict]) -> Card:
                           f"on {worst['machine']}, and the step-time spreads "
                           f"{'overlap (no clear difference at this noise)' if worst['verdict'] == 'no clear difference' else 'do not overlap'}.")
     for run in ray:
-        placement = ", ".join(f"rank {r['rank']} -> node {r['node_id'][:8]} ({r['node_ip']})"
+        # Hosts by label (host-1: the Ray head's); records of older versions had none.
+        placement = ", ".join(f"rank {r['rank']} -> node {r['node_id'][:8]} on {r.get('host', 'an unrecorded host')}"
                               for r in run["ray"]["ranks"])
         card.notes.append(f"{run['experiment']}: {placement}.")
     if ray:

@@ -9,10 +9,6 @@ from distlab.report.cards import FAILED, PASSED, Card, Figure, Goal, Table, metr
 from distlab.report.cards.stage5_ray import elastic_figure
 
 
-def host_of(hosts: list[dict], ip: str) -> str:
-    return next((h["name"] for h in hosts if h["address"] == ip), ip)
-
-
 def build(run: dict | None, record: dict) -> Card:
     import pandas as pd
 
@@ -24,7 +20,8 @@ def build(run: dict | None, record: dict) -> Card:
         return card
     ray = run["ray"]
     attempts = ray["attempts"]
-    both = [a for a in attempts if len({r["node_ip"] for r in a["ranks"]}) == len(hosts)]
+    # Each rank's host by the name the run gave it (metrics.json ray block: no addresses).
+    both = [a for a in attempts if {r["host"] for r in a["ranks"]} == {h["name"] for h in hosts}]
     card.goals.append(Goal("minimal", "A Ray Train run across two hosts, each with its own address", PASSED if both
                            else FAILED, f"{run['experiment']}: {len(both)} of {len(attempts)} worker group(s) had a "
                            f"rank on each of {names}; Ray head on {hosts[0]['name']}, worker node on "
@@ -42,12 +39,12 @@ def build(run: dict | None, record: dict) -> Card:
         end = nxt["start_step"] if nxt else steps
         rows.append({"group": i + 1, "workers": attempt["world_size"], "steps": f"{attempt['start_step']}-{end - 1}",
                      "resumed": attempt["resumed"],
-                     "ranks": ", ".join(f"rank {r['rank']} on {host_of(hosts, r['node_ip'])}" for r in attempt["ranks"])})
-        for name in {host_of(hosts, r["node_ip"]) for r in attempt["ranks"]}:
+                     "ranks": ", ".join(f"rank {r['rank']} on {r['host']}" for r in attempt["ranks"])})
+        for name in {r["host"] for r in attempt["ranks"]}:
             part[name]["worker groups"] += 1
             part[name]["steps trained"] += end - attempt["start_step"]
     card.tables.append(Table("Worker groups", pd.DataFrame(rows),
-                             "from the workers' own start records (node IP of each rank); a group resumes from the "
+                             "from the workers' own start records (each rank's host); a group resumes from the "
                              "newest checkpoint Ray hands back"))
     link = {h["host"]: h for h in record["link"]["per_host"]}
     card.tables.append(Table("Each host's part (both machines, one run)", pd.DataFrame([
