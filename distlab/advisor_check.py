@@ -5,29 +5,20 @@ from __future__ import annotations
 
 from distlab.advisor import TOLERANCE, activation_bytes, strategy_state
 from distlab.parameter_counts import parameter_counts
+from distlab.strategies.settings import registered
 
 
 def estimate_key(spec: dict) -> str | None:
-    """Which advisor row a run's spec corresponds to (None: no formula for it)."""
-    strategy = spec["strategy"]
-    if strategy in ("ddp", "accelerate"):
-        return "ddp"
-    if strategy == "deepspeed":
-        ds = spec["deepspeed"]
-        stage = ds["zero_stage"]
-        if stage < 3:
-            return ["ddp", "zero1", "zero2"][stage]
-        if ds["offload_param"] != "none":
-            return "zero3-offopt-offparam"
-        return "zero3-offopt" if ds["offload_optimizer"] != "none" else "zero3"
-    if strategy == "fsdp":
-        return "zero3-offopt-offparam" if spec["fsdp"]["cpu_offload"] else "zero3"
-    return strategy if strategy in ("tp", "pp") else None  # formulas of their own, no advisor row
+    """Which advisor row a run's spec corresponds to (None: no formula for it); tp and pp have
+    formulas of their own and no advisor row (the strategy's settings file)."""
+    settings = registered().get(spec["strategy"])
+    return settings.advisor_row(spec) if settings else None
 
 
 def spec_settings(spec: dict) -> dict:
-    settings = {"deepspeed": spec.get("deepspeed"), "fsdp": spec.get("fsdp")}.get(spec["strategy"]) or {}
-    return {**settings, "grad_accum": spec.get("grad_accum", 1)}
+    """What a strategy's memory formula reads: its settings block and grad_accum."""
+    settings = spec.get(spec["strategy"]) if spec["strategy"] in registered() else None
+    return {**(settings or {}), "grad_accum": spec.get("grad_accum", 1)}
 
 
 def estimate_spec(shape: dict, spec: dict) -> dict | None:
