@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from distlab.advisor import TOLERANCE, activation_bytes, strategy_state
 from distlab.parameter_counts import parameter_counts
-from distlab.strategies.settings import registered
+from distlab.strategies.settings import data_parallel, registered
 
 
 def estimate_key(spec: dict) -> str | None:
@@ -85,7 +85,7 @@ def activation_check(shape: dict, spec: dict, run: dict) -> dict:
     """Estimated vs measured activations held at the end of a micro-batch's forward (rank 0's
     ActivationProbe figure), for data-parallel strategies (every rank runs the whole model)."""
     measured = ((run["memory"].get("per_rank") or [{}])[0].get("activations") or {}).get("bytes")
-    if spec["strategy"] in ("tp", "pp") or not measured:
+    if not data_parallel(spec) or not measured:
         return {"estimated_activations_MiB": None, "measured_activations_MiB": None}
     counts = parameter_counts(shape, spec["lora"] if spec["method"] == "lora" else None)
     est = activation_bytes(shape, spec, counts, strategy=spec["strategy"], part="held_bytes")

@@ -30,6 +30,8 @@ class StrategySettings:
     defaults: dict | None = None
     #: What `launcher: auto` starts the strategy's ranks with.
     launcher: str = "torchrun"
+    #: Whether each rank reads its own samples (False: the ranks split the model and read the same ones).
+    data_parallel: bool = True
 
     def runs_as(self, spec: dict) -> str:
         """The strategy module that runs the spec (FSDP through Accelerate is Accelerate's)."""
@@ -84,6 +86,8 @@ class ModelParallelSettings(StrategySettings):
     say how (distlab.families), LoRA is refused, and each rank's checkpoint is a shard. Their
     memory formulas are their own (no advisor row)."""
 
+    data_parallel = False
+
     def check(self, spec, config, fail, shape):
         if spec.get("model", "default") == "default":  # model.extra entries are built Llamas
             families.check(spec, config, fail)  # family x strategy, from the model folder's own config
@@ -123,6 +127,12 @@ def _discover(path: tuple[str, ...]) -> dict[str, StrategySettings]:
 
 def settings_for(spec: dict) -> StrategySettings:
     return registered()[spec["strategy"]]
+
+
+def data_parallel(spec: dict) -> bool:
+    """Whether the spec's ranks read different samples (a strategy no longer registered: yes)."""
+    known = registered().get(spec["strategy"])
+    return known.data_parallel if known else True
 
 
 def strategy_defaults() -> dict:
