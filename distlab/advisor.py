@@ -37,16 +37,17 @@ Memory = model state + activations, per device:
   the layer backward recomputes on top), checked against each run's measured saved-tensor
   bytes. When the workload fits only with activation checkpointing, the advice says which.
 
-Over ~300 lines on purpose: the per-strategy byte formulas serve both the recommendation
-and the estimate-vs-measured check below, which must read the same formulas; the parameter
+Each strategy's byte formula lives beside it (`model_state` in
+distlab/strategies/<name>_settings.py); the recommendation and the estimate-vs-measured check
+(distlab.advisor_check) read the same formulas through `strategy_state`; the parameter
 counting they rest on is distlab.parameter_counts.
 """
 from __future__ import annotations
 
 import copy
-import math
 
-from distlab.parameter_counts import model_shape, parameter_counts, sharded_counts
+from distlab.parameter_counts import model_shape, parameter_counts
+from distlab.strategies.settings import registered
 
 GIB = 2**30
 # measured / estimated model state a run may be off by and still be called right (report too).
@@ -71,10 +72,6 @@ def human(nbytes: float) -> str:
     return f"{nbytes / scale:.1f} {unit}"
 
 
-def precision_layout(precision: str) -> str:
-    return "fp32" if precision == "fp32" else "mixed"
-
-
 # The strategy (and settings) each advisor row stands for, as distlab runs it.
 ROW_SPEC = {"ddp": ("ddp", {}), "zero1": ("deepspeed", {"zero_stage": 1}), "zero2": ("deepspeed", {"zero_stage": 2}),
             "zero3": ("deepspeed", {"zero_stage": 3}),
@@ -83,89 +80,15 @@ ROW_SPEC = {"ddp": ("ddp", {}), "zero1": ("deepspeed", {"zero_stage": 1}), "zero
                                                     "offload_param": "cpu"})}
 
 
-def zero3_settings(settings: dict, counts: dict) -> dict:
-    """The persistence threshold and live limit a ZeRO-3 run of these settings gets: its
-    zero3_profile sized from the model (strategies.deepspeed_config.zero3_limits), zero_config
-    over it, DeepSpeed's defaults for what neither sets."""
-    from distlab.strategies.deepspeed_config import zero3_limits
-
-    out = {"stage3_param_persistence_threshold": 100_000, "stage3_max_live_parameters": 1_000_000_000}
-    out.update(zero3_limits(settings.get("zero3_profile", "auto"), counts.get("per_layer"), counts.get("hidden_size")))
-    out.update({k: v for k, v in (settings.get("zero_config") or {}).items() if k in out})
-    return out
-
-
 def strategy_state(strategy: str, counts: dict, n: int, precision: str, lora: bool, settings: dict | None = None,
                    ) -> dict | None:
     """Bytes one rank holds for weights, gradients (DDP's buckets included) and optimizer,
-    and what of it sits in CPU RAM, as distlab's `strategy` allocates it (module docstring).
-    None: no formula (a pipeline-parallel model without layers, tensor parallel without a plan)."""
-    settings = settings or {}
-    psi = counts["total"]
-    t = counts["trainable"] if lora else psi
-    mixed = precision_layout(precision) == "mixed"
-    cpu = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
-    gathered = 0.0
-    if strategy in ("ddp", "accelerate"):
-        buckets = 4 * t if strategy == "ddp" or n > 1 else 0.0
-        frozen_bytes = 2 if lora and precision == "bf16" else 4  # strategies.base.frozen_base_dtype
-        held = {"params": frozen_bytes * (psi - t) + 4 * t, "grads": 4 * t + buckets, "optimizer": 8 * t}
-    elif strategy == "deepspeed":
-        w = 2 if mixed else 4
-        stage = settings.get("zero_stage", 0)
-        if stage == 0:
-            held = {"params": w * psi, "grads": w * t, "optimizer": (12 if mixed else 8) * t}
-        elif stage < 3:
-            # ZeRO-1 reduce-scatters at the accumulation boundary: whole gradients live only
-            # between the micro-batches of an accumulated step.
-            whole = stage == 1 and settings.get("grad_accum", 1) > 1
-            held = {"params": w * psi, "grads": w * t / (1 if whole else n), "optimizer": 12 * t / n}
-        else:
-            p_local, t_local = sharded_counts(counts, n, "zero3")
-            # Parameters up to the persistence threshold stay whole on every rank beside their
-            # partition; the auto profile keeps a model under its live limit gathered whole.
-            limits = zero3_settings(settings, counts)
-            persistent = sum(math.prod(shape) for shape, _ in counts.get("_shapes", [])
-                             if math.prod(shape) <= limits["stage3_param_persistence_threshold"])
-            held = {"params": w * (p_local + persistent), "grads": w * t_local, "optimizer": 12 * t / n}
-            whole = psi <= limits["stage3_max_live_parameters"]
-            gathered = w * (psi - persistent if whole else counts["largest_unit"])
-            if settings.get("offload_optimizer", "none") != "none":
-                cpu["optimizer"] = held.pop("optimizer")
-                cpu["grads"] = 4 * t / n  # the fp32 gradient partition the CPU optimizer steps on
-                held["optimizer"] = 0.0
-            if settings.get("offload_param", "none") != "none":
-                cpu["params"], held["params"] = held["params"], 0.0
-    elif strategy == "fsdp":
-        p_local, t_local = sharded_counts(counts, n, "fsdp")
-        held = {"params": 4 * p_local, "grads": 4 * t_local, "optimizer": 8 * t_local}
-        gathered = (2 if mixed else 4) * counts["largest_unit"]
-        if settings.get("cpu_offload"):
-            cpu, held = held, {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
-    elif strategy == "pp":
-        # Rank 0 = the first stage: the input embedding and its run of decoder layers
-        # (strategies.pp.split_layers); LoRA's adapters sit in the layers.
-        layers = counts.get("layers")
-        if not layers:
-            return None
-        first = math.ceil(layers / n)
-        adapters = t * first / layers if lora else 0.0
-        mine = counts["embedding"] + first * counts["per_layer"] + adapters
-        mine_t = adapters if lora else mine
-        held = {"params": 4 * mine, "grads": 4 * mine_t, "optimizer": 8 * mine_t}
-    elif strategy == "tp":
-        # Full fine-tuning only (strategies.tp); the split linears are sharded, the rest
-        # (embedding, head, norms) replicated; rank 0 holds the larger piece of an uneven split.
-        split = counts.get("_tp_split")
-        if split is None:
-            return None
-        whole = sum(math.prod(shape) for shape, _ in split)
-        local = sum(math.ceil(shape[dim] / n) * (math.prod(shape) // shape[dim]) for shape, dim in split)
-        mine = psi - whole + local
-        held = {"params": 4 * mine, "grads": 4 * mine, "optimizer": 8 * mine}
-    else:
-        return None
-    return {**held, "gathered": gathered, "cpu_offloaded": sum(cpu.values()), "cpu_parts": cpu}
+    and what of it sits in CPU RAM, as distlab's `strategy` allocates it (module docstring; the
+    formula is the strategy's own, in distlab/strategies/<name>_settings.py).
+    None: no formula (a strategy without one, a pipeline-parallel model without layers, tensor
+    parallel without a plan)."""
+    known = registered().get(strategy)
+    return known.model_state(counts, n, precision, lora, settings or {}) if known else None
 
 
 def model_state(key: str, counts: dict, n: int, precision: str, lora: bool, grad_accum: int = 1) -> dict:
@@ -185,7 +108,8 @@ def activation_bytes(shape: dict, workload: dict, counts: dict, mode: str | None
     from distlab.activations import estimate_activations
 
     mode = workload.get("activation_checkpointing", "none") if mode is None else mode
-    module = strategy == "deepspeed" or (strategy == "fsdp" and workload.get("device") == "cuda")
+    known = registered().get(strategy)
+    module = bool(known and known.module_precision(workload))
     matmul = counts["total"] - (0 if shape.get("tie_word_embeddings") else counts["embedding"])
     return estimate_activations(shape, workload["micro_batch"], workload["seq_len"], workload["precision"], mode,
                                 workload.get("activation_checkpointing_every", 2),

@@ -5,29 +5,20 @@ from __future__ import annotations
 
 from distlab.advisor import TOLERANCE, activation_bytes, strategy_state
 from distlab.parameter_counts import parameter_counts
+from distlab.strategies.settings import data_parallel, registered
 
 
 def estimate_key(spec: dict) -> str | None:
-    """Which advisor row a run's spec corresponds to (None: no formula for it)."""
-    strategy = spec["strategy"]
-    if strategy in ("ddp", "accelerate"):
-        return "ddp"
-    if strategy == "deepspeed":
-        ds = spec["deepspeed"]
-        stage = ds["zero_stage"]
-        if stage < 3:
-            return ["ddp", "zero1", "zero2"][stage]
-        if ds["offload_param"] != "none":
-            return "zero3-offopt-offparam"
-        return "zero3-offopt" if ds["offload_optimizer"] != "none" else "zero3"
-    if strategy == "fsdp":
-        return "zero3-offopt-offparam" if spec["fsdp"]["cpu_offload"] else "zero3"
-    return strategy if strategy in ("tp", "pp") else None  # formulas of their own, no advisor row
+    """Which advisor row a run's spec corresponds to (None: no formula for it); tp and pp have
+    formulas of their own and no advisor row (the strategy's settings file)."""
+    settings = registered().get(spec["strategy"])
+    return settings.advisor_row(spec) if settings else None
 
 
 def spec_settings(spec: dict) -> dict:
-    settings = {"deepspeed": spec.get("deepspeed"), "fsdp": spec.get("fsdp")}.get(spec["strategy"]) or {}
-    return {**settings, "grad_accum": spec.get("grad_accum", 1)}
+    """What a strategy's memory formula reads: its settings block and grad_accum."""
+    settings = spec.get(spec["strategy"]) if spec["strategy"] in registered() else None
+    return {**(settings or {}), "grad_accum": spec.get("grad_accum", 1)}
 
 
 def estimate_spec(shape: dict, spec: dict) -> dict | None:
@@ -94,7 +85,7 @@ def activation_check(shape: dict, spec: dict, run: dict) -> dict:
     """Estimated vs measured activations held at the end of a micro-batch's forward (rank 0's
     ActivationProbe figure), for data-parallel strategies (every rank runs the whole model)."""
     measured = ((run["memory"].get("per_rank") or [{}])[0].get("activations") or {}).get("bytes")
-    if spec["strategy"] in ("tp", "pp") or not measured:
+    if not data_parallel(spec) or not measured:
         return {"estimated_activations_MiB": None, "measured_activations_MiB": None}
     counts = parameter_counts(shape, spec["lora"] if spec["method"] == "lora" else None)
     est = activation_bytes(shape, spec, counts, strategy=spec["strategy"], part="held_bytes")

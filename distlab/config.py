@@ -4,7 +4,9 @@ Imported by the Snakefile at parse time, so it must stay light: no torch, no tra
 (a no-op `snakemake` rerun has to answer in well under two seconds).
 
 Longer than ~300 lines on purpose: every semantic rule of the schema sits beside the
-expansion into specs it guards (the schema file holds the types, this module the relations).
+expansion into specs it guards (the schema file holds the types, this module the relations),
+except a strategy's own settings: their defaults, id part and refusals sit beside the strategy
+(distlab/strategies/<name>_settings.py), read here through distlab.strategies.settings.
 """
 from __future__ import annotations
 
@@ -16,11 +18,12 @@ from pathlib import Path
 
 import yaml
 
-from distlab import families
 from distlab import finetune_config
 from distlab import input_checks
 from distlab.config_links import check_unequal_and_link, link_label, machine_refusal, with_link_caps
 from distlab.input_checks import ConfigError
+from distlab.strategies import strategy_key
+from distlab.strategies.settings import registered, schema_mismatch, settings_for, strategy_defaults
 from distlab.tasks import task_for, task_named, task_names
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"
@@ -67,16 +70,20 @@ EXPERIMENT_DEFAULTS: dict = {
     "export": {"merge": False, "max_shard_size": "5GB"},
     "memory_budget_gib": None,
     "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": None},
-    "deepspeed": {"zero_stage": 2, "offload_optimizer": "none", "offload_param": "none", "nvme_path": None,
-                  "optimizer_impl": "torch", "zero3_profile": "auto"},
-    "fsdp": {"reshard_after_forward": True, "cpu_offload": False, "via": "native"},
-    "pp": {"schedule": "gpipe", "microbatches": 4},
+    **strategy_defaults(),  # each strategy's own block (`deepspeed`, `fsdp`, `pp`): strategies/<name>_settings.py
     "ray": {"address": None, "min_workers": None, "max_failures": 0, "storage_path": None, "resize_interval_s": 60.0},
     "link": None,
     "rank_micro_batch": None,
     "rank_cpu_threads": None,
     "rank_cpu_budget": None,
 }
+
+
+def experiment_defaults() -> dict:
+    """EXPERIMENT_DEFAULTS with the settings of every strategy registered now (one added after
+    this module was imported comes last)."""
+    return {**EXPERIMENT_DEFAULTS, **strategy_defaults()}
+
 
 # Roadmap order; the report shows stages in this order.
 STAGE_ORDER = ["ddp", "accelerate", "deepspeed", "fsdp", "ray", "parallel", "links", "unequal"]
@@ -111,6 +118,9 @@ def _deep_merge(base: dict, override: dict) -> dict:
 def validate_schema(config: dict) -> dict:
     """Validate against config/schema.yaml and fill the schema's defaults (in place)."""
     schema = load_schema()
+    mismatch = schema_mismatch(schema)  # a strategy added without its schema entry, or the reverse
+    if mismatch:
+        raise ConfigError(f"{SCHEMA_PATH}: {mismatch}")
     # Strict types: JSON Schema alone counts 2.0 as an integer and NaN as a number.
     errors = sorted(input_checks.StrictValidator(schema).iter_errors(config), key=lambda e: list(e.path))
     if errors:
@@ -136,31 +146,7 @@ def _fill_defaults(instance, schema):
 
 def variant(spec: dict) -> str:
     """The strategy-specific part of an experiment id (e.g. `z3-offopt`)."""
-    strategy = spec["strategy"]
-    if strategy == "deepspeed":
-        ds = spec["deepspeed"]
-        parts = [f"z{ds['zero_stage']}"]
-        if ds["offload_optimizer"] != "none":
-            parts.append(f"offopt{'' if ds['offload_optimizer'] == 'cpu' else '.nvme'}")
-        if ds["offload_param"] != "none":
-            parts.append(f"offparam{'' if ds['offload_param'] == 'cpu' else '.nvme'}")
-        if ds["optimizer_impl"] == "deepspeed":
-            parts.append("dsadam")
-        if ds["zero3_profile"] == "lean":
-            parts.append("lean")
-        return "-".join(parts)
-    if strategy == "fsdp":
-        fs = spec["fsdp"]
-        # "fullshard", not "full": the method part of the id is already "full"/"lora".
-        parts = ["fullshard" if fs["reshard_after_forward"] else "gradop"]
-        if fs["cpu_offload"]:
-            parts.append("offload")
-        if fs["via"] == "accelerate":
-            parts.append("acc")
-        return "-".join(parts)
-    if strategy == "pp":
-        return f"{spec['pp']['schedule']}-m{spec['pp']['microbatches']}"
-    return ""
+    return settings_for(spec).variant(spec)
 
 
 def experiment_id(spec: dict) -> str:
@@ -190,12 +176,12 @@ def experiment_id(spec: dict) -> str:
 def resolve_launcher(spec: dict) -> str:
     if spec["launcher"] != "auto":
         return spec["launcher"]
-    return "accelerate" if accelerate_runs(spec) else "torchrun"
+    return registered()[strategy_key(spec)].launcher
 
 
 def accelerate_runs(spec: dict) -> bool:
     """Experiments the Accelerate strategy runs: its own, and FSDP requested through it."""
-    return spec["strategy"] == "accelerate" or (spec["strategy"] == "fsdp" and spec["fsdp"]["via"] == "accelerate")
+    return strategy_key(spec) == "accelerate"
 
 
 def expand_experiments(config: dict, gpu_count: int | None = None) -> dict[str, dict]:
@@ -208,7 +194,7 @@ def expand_experiments(config: dict, gpu_count: int | None = None) -> dict[str, 
 
         gpu_count = detect()
     defaults = finetune_config.layer(config.get("defaults", {}), "defaults")
-    base = _deep_merge(finetune_config.over(EXPERIMENT_DEFAULTS, defaults), defaults)
+    base = _deep_merge(finetune_config.over(experiment_defaults(), defaults), defaults)
     specs: dict[str, dict] = {}
     stages = config.get("stages", {})
     for stage in STAGE_ORDER:
@@ -263,41 +249,7 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
         fail("seq_len", f"sequence length {spec['seq_len']} exceeds the model's max_position_embeddings ({max_pos})")
     if spec["device"] == "cuda" and gpu_count < spec["world_size"] and spec["launcher"] != "ray":
         fail("device", f"cuda with world_size {spec['world_size']} needs that many GPUs; {gpu_count} found")
-    if spec["strategy"] == "deepspeed":
-        ds = spec["deepspeed"]
-        if ds["offload_param"] != "none" and ds["zero_stage"] != 3:
-            fail("deepspeed.offload_param", "parameter offload needs zero_stage 3")
-        if ds["offload_optimizer"] != "none" and ds["zero_stage"] == 0:
-            fail("deepspeed.offload_optimizer", "optimizer offload needs zero_stage 1, 2 or 3")
-        if ds["zero3_profile"] != "auto" and ds["zero_stage"] != 3:
-            fail("deepspeed.zero3_profile", f"{ds['zero3_profile']} sets ZeRO-3's gathered parameters: needs zero_stage 3")
-        if "nvme" in (ds["offload_optimizer"], ds["offload_param"]) and not ds["nvme_path"]:
-            fail("deepspeed.nvme_path", "NVMe offload needs a nvme_path folder")
-    if model == "default":  # model.extra entries are built Llamas (checked in check_config)
-        families.check(spec, config, fail)  # family x strategy, from the model folder's own config
-    if spec["strategy"] in ("tp", "pp") and spec["method"] != "full":
-        fail("method", f"{spec['strategy']} runs full fine-tuning only (LoRA would wrap the split layers)")
-    if spec["strategy"] == "tp":
-        heads = model_shape(config, spec).get("num_attention_heads")
-        kv_heads = model_shape(config, spec).get("num_key_value_heads", heads)
-        for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
-            if count is not None and count % spec["world_size"]:
-                fail("world_size", f"tensor parallel degree {spec['world_size']} does not divide the model's "
-                     f"{name} ({count})")
-    if spec["strategy"] == "pp":
-        layers = model_shape(config, spec).get("num_hidden_layers")
-        if layers is not None and layers < spec["world_size"]:
-            fail("world_size", f"pipeline of {spec['world_size']} stages needs at least that many decoder "
-                 f"layers; the model has {layers}")
-        if spec["world_size"] > 1 and model_shape(config, spec).get("tie_word_embeddings"):
-            fail("world_size", "pipeline stages cannot share the tied input/output embedding of this model "
-                 "(tie_word_embeddings true); use world_size 1 or an untied model")
-        if spec["micro_batch"] % spec["pp"]["microbatches"]:
-            fail("pp.microbatches", f"micro_batch {spec['micro_batch']} must divide into "
-                 f"{spec['pp']['microbatches']} pipeline micro-batches")
-    if spec["fsdp"]["via"] == "accelerate" and spec["strategy"] == "fsdp" and spec["device"] != "cuda":
-        fail("fsdp.via", "FSDP through Accelerate is a CUDA path (on CPU Accelerate wraps DDP instead); "
-             "use via: native")
+    settings_for(spec).check(spec, config, fail, model_shape(config, spec))  # the strategy's own refusals
     if spec["export"]["merge"] and spec["method"] != "lora":
         fail("export.merge", "merging applies to LoRA adapters; a full fine-tune's export is the whole model already")
     if spec["precision"] == "fp16" and spec["device"] == "cpu":

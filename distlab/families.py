@@ -20,8 +20,8 @@ whole and run every causal-LM family transformers ships (tests/test_families.py)
 not checked here, so a config without tp/pp never imports transformers at parse time.
 
 The model distlab builds itself (`model.build`) is a Llama, whose shape checks live in
-distlab/config.py; this module reads folders given by `model.path`, and only for tp and pp
-experiments: importing transformers (and torch with it) costs seconds at Snakefile parse
+distlab/config.py and the tp/pp settings (distlab/strategies/tp_settings.py, pp_settings.py);
+this module reads folders given by `model.path`, and only for tp and pp experiments: importing transformers (and torch with it) costs seconds at Snakefile parse
 time, paid once per process (the config is cached per folder).
 """
 from __future__ import annotations
@@ -119,7 +119,8 @@ def refusal(folder: str, strategy: str, world_size: int) -> str | None:
 
 
 def check(spec: dict, config: dict, fail) -> None:
-    """Config-time gate (distlab/config.py): fail('strategy', why) for a refused combination."""
+    """Config-time gate (distlab.strategies.settings.ModelParallelSettings.check, for tp and pp):
+    fail('strategy', why) for a refused combination."""
     folder = config.get("model", {}).get("path")
     if spec["strategy"] not in ("tp", "pp") or not folder or not (Path(folder) / "config.json").is_file():
         return  # the built Llama (checked in config.py) or a hub id (read when the job loads it)

@@ -12,6 +12,7 @@ import math
 import warnings
 
 from distlab.input_checks import ConfigError
+from distlab.strategies.settings import data_parallel
 
 LENGTH_KEYS = ("steps", "epochs", "max_tokens")
 LR_WARMUP_KEYS = ("lr_warmup_steps", "lr_warmup_ratio")
@@ -57,7 +58,7 @@ def over(base: dict, keys: dict) -> dict:
 
 def data_parallel_size(spec: dict) -> int:
     """Ranks that read different samples: tensor- and pipeline-parallel ranks read the same ones."""
-    return 1 if spec["strategy"] in ("tp", "pp") else spec["world_size"]
+    return spec["world_size"] if data_parallel(spec) else 1
 
 
 def resolve_length(spec: dict, train_blocks: int | None = None) -> dict:

@@ -2,6 +2,9 @@
 checkpoints the same format. Light like distlab.config: the Snakefile imports it."""
 from __future__ import annotations
 
+from distlab.strategies import strategy_key
+from distlab.strategies.settings import settings_for
+
 
 def validated_experiments(config: dict, specs: dict[str, dict]) -> list[str]:
     """Ids whose checkpoints get a validation job, per `validation.scope`."""
@@ -16,8 +19,7 @@ def validated_experiments(config: dict, specs: dict[str, dict]) -> list[str]:
     # A run held to memory_budget_gib may end as oom and save nothing (its validation would
     # have nothing to check), so a format is represented by an unbudgeted run where one exists.
     for exp_id, spec in sorted(specs.items(), key=lambda item: item[1].get("memory_budget_gib") is not None):
-        key = (spec.get("task"), spec["strategy"], spec["method"], spec["launcher"],
-               spec["fsdp"]["via"] if spec["strategy"] == "fsdp" else None)
+        key = (spec.get("task"), spec["strategy"], spec["method"], spec["launcher"], strategy_key(spec))
         if scope in ("per_format", "sharded"):
             key += (checkpoint_format(spec),)
         if key not in seen:
@@ -28,16 +30,11 @@ def validated_experiments(config: dict, specs: dict[str, dict]) -> list[str]:
 
 def shards_checkpoint(spec: dict) -> bool:
     """Whether the run's checkpoint holds per-rank shards (validation scope 'sharded')."""
-    return spec["strategy"] in ("fsdp", "tp", "pp") or (
-        spec["strategy"] == "deepspeed" and spec["deepspeed"]["zero_stage"] >= 1)
+    return settings_for(spec).shards_checkpoint(spec)
 
 
 def checkpoint_format(spec: dict) -> tuple:
     """What changes the checkpoint a run writes (ZeRO stage and offload, FSDP variant, precision)
-    beyond strategy x method x launcher; world size and batch shape do not."""
-    ds, fs = spec["deepspeed"], spec["fsdp"]
-    if spec["strategy"] == "deepspeed":
-        return (spec["precision"], ds["zero_stage"], ds["offload_optimizer"], ds["offload_param"])
-    if spec["strategy"] == "fsdp":
-        return (spec["precision"], fs["reshard_after_forward"], fs["cpu_offload"])
-    return (spec["precision"],)
+    beyond strategy x method x launcher; world size and batch shape do not (each strategy's
+    settings file says which of its settings do)."""
+    return settings_for(spec).checkpoint_format(spec)

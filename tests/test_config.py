@@ -217,50 +217,136 @@ def test_a_configfile_with_a_yaml_syntax_error_is_named_by_distlab_check_config(
     assert f"{default}: ok" in err.out
 
 
-def test_a_new_strategy_is_its_module_and_its_name_in_the_schema(monkeypatch):
-    """ARCHITECTURE.md's walk-through for a strategy with no settings: a strategy module with
-    STRATEGY and its name in the schema enum; a run finds it and a config using it expands (id,
-    launcher, validation scope, no advisor formula) with nothing else edited. Every shipped name
-    resolves the same way."""
+def test_the_schema_names_exactly_the_strategies_with_settings_files_and_ranks_find_them_without_it(monkeypatch):
+    """config/schema.yaml's strategy enum is checked against distlab/strategies/*_settings.py
+    (each strategy with settings has their block), and a rank finds its class from those files,
+    not from the schema."""
+    from distlab import config as config_module
+    from distlab import strategies
+    from distlab.strategies.base import Strategy
+    from distlab.strategies.settings import schema_mismatch
+
+    schema = config_module.load_schema()
+    assert set(schema["$defs"]["experiment"]["properties"]["strategy"]["enum"]) == set(strategies.strategy_names())
+    assert schema_mismatch(schema) is None
+    for name in strategies.strategy_names():
+        found = strategies.get_strategy_class(name)
+        assert issubclass(found, Strategy) and found.name == name, name
+    # A name in the enum without a settings file (or the reverse) stops every config.
+    schema["$defs"]["experiment"]["properties"]["strategy"]["enum"].append("horovod")
+    monkeypatch.setattr(config_module, "load_schema", lambda: schema)
+    with pytest.raises(ConfigError, match=r"schema.yaml: its strategy enum .*'horovod'.* differs from the "
+                                          r"strategies in distlab/strategies/\*_settings.py"):
+        load(ddp_config({}), gpu_count=0)
+    # Ranks never read the schema to find their class.
+    monkeypatch.setattr(config_module, "load_schema", lambda: pytest.fail("a rank read config/schema.yaml"))
+    assert strategies.strategy_for({"strategy": "fsdp", "fsdp": {"via": "accelerate"}}).name == "accelerate"
+
+
+MINE_MODULE = """
+from distlab.strategies.base import Strategy
+
+
+class MineStrategy(Strategy):
+    name = "mine"
+
+
+STRATEGY = MineStrategy
+"""
+MINE_SETTINGS = """
+from distlab.strategies.settings import StrategySettings, state
+
+
+class MineSettings(StrategySettings):
+    name = "mine"
+    defaults = {"chunks": 2}
+
+    def variant(self, spec):
+        return f"c{spec['mine']['chunks']}"
+
+    def check(self, spec, config, fail, shape):
+        if spec["micro_batch"] % spec["mine"]["chunks"]:
+            fail("mine.chunks", f"micro_batch {spec['micro_batch']} does not split into {spec['mine']['chunks']} chunks")
+
+    def shards_checkpoint(self, spec):
+        return True
+
+    def checkpoint_format(self, spec):
+        return (spec["precision"], spec["mine"]["chunks"])
+
+    def advisor_row(self, spec):
+        return "mine"
+
+    def model_state(self, counts, n, precision, lora, settings):
+        return state({"params": 4 * counts["total"] / n, "grads": 0.0, "optimizer": 0.0})
+
+
+SETTINGS = MineSettings()
+"""
+MINE_CARD = """
+from distlab.report.cards import Card
+
+
+def build(runs):
+    return Card(9, "Mine", notes=[f"{sum(r['spec']['strategy'] == 'mine' for r in runs)} mine run(s)"])
+"""
+
+
+def test_a_new_strategy_with_a_setting_is_its_files_its_schema_entry_and_a_report_card(tmp_path, monkeypatch):
+    """ARCHITECTURE.md's walk-through: a strategy with a setting of its own (`mine: {chunks}`)
+    is its module, its settings file, its name and block in the schema, and a report card, as
+    files; nothing of distlab is edited (its folders only gain files, here through the
+    packages' search paths). Config expansion, the id, the checks, the launcher, the validation
+    scope, the advisor and a rank's lookup all pick it up."""
     import sys
-    import types
+
+    import yaml
 
     from distlab import config as config_module
     from distlab import strategies
     from distlab.advisor import strategy_state
     from distlab.advisor_check import estimate_key
-    from distlab.strategies.base import Strategy
+    from distlab.report import cards
     from distlab.validation_scope import checkpoint_format, shards_checkpoint, validated_experiments
 
-    for name in strategies.strategy_names():
-        found = strategies.get_strategy_class(name)
-        assert issubclass(found, Strategy) and found.name == name, name
-
-    class MineStrategy(Strategy):
-        name = "mine"
-
-    module = types.ModuleType("distlab.strategies.mine")
-    module.STRATEGY = MineStrategy
-    monkeypatch.setitem(sys.modules, "distlab.strategies.mine", module)
-    real_schema = config_module.load_schema
-
-    def schema_with_mine():
-        schema = real_schema()
-        schema["$defs"]["experiment"]["properties"]["strategy"]["enum"].append("mine")
-        return schema
-
-    monkeypatch.setattr(config_module, "load_schema", schema_with_mine)
-    assert strategies.strategy_for({"strategy": "mine"}) is MineStrategy
-    config, specs = load(ddp_config({"strategy": "mine", "world_size": 2}), gpu_count=0)
-    (spec,) = specs.values()
-    assert (spec["id"], spec["launcher"]) == ("mine-full-w2-mb4-ga1", "torchrun")
-    assert validated_experiments(config, specs) == [spec["id"]]
-    assert checkpoint_format(spec) == (spec["precision"],) and not shards_checkpoint(spec)
-    # No advisor formula: estimate_spec gives None, so advisor_check skips its runs.
-    assert estimate_key(spec) is None
-    assert strategy_state("mine", {"total": 10, "trainable": 10}, 2, "fp32", False) is None
-    with pytest.raises(NotImplementedError, match=r"strategy 'nope' is not implemented.*'mine'"):
-        strategies.get_strategy_class("nope")
+    (tmp_path / "strategies").mkdir()
+    (tmp_path / "strategies" / "mine.py").write_text(MINE_MODULE)
+    (tmp_path / "strategies" / "mine_settings.py").write_text(MINE_SETTINGS)
+    (tmp_path / "cards").mkdir()
+    (tmp_path / "cards" / "stage9_mine.py").write_text(MINE_CARD)
+    schema = config_module.load_schema()
+    experiment = schema["$defs"]["experiment"]["properties"]
+    experiment["strategy"]["enum"].append("mine")
+    experiment["mine"] = {"type": "object", "additionalProperties": False,
+                          "properties": {"chunks": {"type": "integer", "minimum": 1}}}
+    (tmp_path / "schema.yaml").write_text(yaml.safe_dump(schema))
+    monkeypatch.setattr(config_module, "SCHEMA_PATH", tmp_path / "schema.yaml")
+    monkeypatch.setattr(strategies, "__path__", [*strategies.__path__, str(tmp_path / "strategies")])
+    monkeypatch.setattr(cards, "__path__", [*cards.__path__, str(tmp_path / "cards")])
+    added = ("distlab.strategies.mine", "distlab.strategies.mine_settings", "distlab.report.cards.stage9_mine")
+    try:
+        assert strategies.strategy_for({"strategy": "mine"}).__name__ == "MineStrategy"
+        config, specs = load(ddp_config({"strategy": "mine", "world_size": 2}), gpu_count=0)
+        (spec,) = specs.values()
+        assert spec["mine"] == {"chunks": 2}  # its default
+        assert (spec["id"], spec["launcher"]) == ("mine-c2-full-w2-mb4-ga1", "torchrun")
+        assert validated_experiments(config, specs) == [spec["id"]]
+        (spec,) = load(ddp_config({"strategy": "mine", "mine": {"chunks": 4}}), gpu_count=0)[1].values()
+        assert spec["id"] == "mine-c4-full-w1-mb4-ga1"
+        with pytest.raises(ConfigError, match=r"'stages.ddp.experiments\[0\].mine.chunks': micro_batch 4 does not "
+                                              r"split into 3 chunks"):
+            load(ddp_config({"strategy": "mine", "mine": {"chunks": 3}}), gpu_count=0)
+        with pytest.raises(ConfigError, match=r"'stages.ddp.experiments.0.mine.chunks': 0 is less than"):
+            load(ddp_config({"strategy": "mine", "mine": {"chunks": 0}}), gpu_count=0)
+        assert checkpoint_format(spec) == (spec["precision"], 4) and shards_checkpoint(spec)
+        assert estimate_key(spec) == "mine"
+        assert strategy_state("mine", {"total": 10, "trainable": 10}, 2, "fp32", False)["params"] == 20
+        run = {"spec": spec, "stage": "mine", "status": "failed", "experiment": spec["id"], "machine": "m"}
+        (card,) = [c for c in cards.all_cards([run]) if c.number == 9]  # discovered beside the others
+        assert card.notes == ["1 mine run(s)"]
+    finally:
+        for name in added:
+            sys.modules.pop(name, None)
 
 
 def test_epochs_or_max_tokens_replace_the_steps_they_inherit_and_resolve_to_optimizer_steps(tmp_path):

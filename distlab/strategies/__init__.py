@@ -1,24 +1,24 @@
 """Strategies: the strategy `<name>` is the `STRATEGY` class of distlab/strategies/<name>.py,
 imported only when a run asks for it (parsing the Snakefile never imports torch or
-DeepSpeed). config/schema.yaml's strategy enum is the list of names a config may use, so a
-new strategy is its module, its name in that enum, and a report card (ARCHITECTURE.md)."""
+DeepSpeed), with its settings beside it in distlab/strategies/<name>_settings.py (torch-free:
+the config layer reads them, distlab/strategies/settings.py). The settings files are the list
+of strategies: a rank finds its class without reading config/schema.yaml, whose strategy enum
+must name the same ones (ARCHITECTURE.md, how to add a strategy)."""
 from __future__ import annotations
 
 from distlab.registry import load
+from distlab.strategies.settings import registered
 
 
 def strategy_names() -> list[str]:
-    """The strategy enum of config/schema.yaml."""
-    from distlab.config import load_schema
-
-    return list(load_schema()["$defs"]["experiment"]["properties"]["strategy"]["enum"])
+    """Every strategy with a settings file, by name."""
+    return list(registered())
 
 
 def strategy_key(spec: dict) -> str:
     """Which module runs a spec: FSDP requested through Accelerate is Accelerate's to run."""
-    if spec["strategy"] == "fsdp" and spec.get("fsdp", {}).get("via") == "accelerate":
-        return "accelerate"
-    return spec["strategy"]
+    settings = registered().get(spec["strategy"])
+    return settings.runs_as(spec) if settings else spec["strategy"]
 
 
 def strategy_for(spec: dict):

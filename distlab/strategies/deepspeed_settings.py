@@ -1,0 +1,106 @@
+"""DeepSpeed ZeRO's settings (the spec's `deepspeed:` block): defaults, refusals, id part,
+checkpoint format and memory formula. The JSON config built from them is deepspeed_config.py."""
+from __future__ import annotations
+
+import math
+
+from distlab.parameter_counts import sharded_counts
+from distlab.strategies.settings import StrategySettings, precision_layout, state
+
+
+def zero3_settings(settings: dict, counts: dict) -> dict:
+    """The persistence threshold and live limit a ZeRO-3 run of these settings gets: its
+    zero3_profile sized from the model (strategies.deepspeed_config.zero3_limits), zero_config
+    over it, DeepSpeed's defaults for what neither sets."""
+    from distlab.strategies.deepspeed_config import zero3_limits
+
+    out = {"stage3_param_persistence_threshold": 100_000, "stage3_max_live_parameters": 1_000_000_000}
+    out.update(zero3_limits(settings.get("zero3_profile", "auto"), counts.get("per_layer"), counts.get("hidden_size")))
+    out.update({k: v for k, v in (settings.get("zero_config") or {}).items() if k in out})
+    return out
+
+
+class DeepSpeedSettings(StrategySettings):
+    name = "deepspeed"
+    defaults = {"zero_stage": 2, "offload_optimizer": "none", "offload_param": "none", "nvme_path": None,
+                "optimizer_impl": "torch", "zero3_profile": "auto"}
+
+    def variant(self, spec):
+        ds = spec["deepspeed"]
+        parts = [f"z{ds['zero_stage']}"]
+        if ds["offload_optimizer"] != "none":
+            parts.append(f"offopt{'' if ds['offload_optimizer'] == 'cpu' else '.nvme'}")
+        if ds["offload_param"] != "none":
+            parts.append(f"offparam{'' if ds['offload_param'] == 'cpu' else '.nvme'}")
+        if ds["optimizer_impl"] == "deepspeed":
+            parts.append("dsadam")
+        if ds["zero3_profile"] == "lean":
+            parts.append("lean")
+        return "-".join(parts)
+
+    def check(self, spec, config, fail, shape):
+        ds = spec["deepspeed"]
+        if ds["offload_param"] != "none" and ds["zero_stage"] != 3:
+            fail("deepspeed.offload_param", "parameter offload needs zero_stage 3")
+        if ds["offload_optimizer"] != "none" and ds["zero_stage"] == 0:
+            fail("deepspeed.offload_optimizer", "optimizer offload needs zero_stage 1, 2 or 3")
+        if ds["zero3_profile"] != "auto" and ds["zero_stage"] != 3:
+            fail("deepspeed.zero3_profile", f"{ds['zero3_profile']} sets ZeRO-3's gathered parameters: needs zero_stage 3")
+        if "nvme" in (ds["offload_optimizer"], ds["offload_param"]) and not ds["nvme_path"]:
+            fail("deepspeed.nvme_path", "NVMe offload needs a nvme_path folder")
+
+    def shards_checkpoint(self, spec):
+        return spec["deepspeed"]["zero_stage"] >= 1
+
+    def checkpoint_format(self, spec):
+        ds = spec["deepspeed"]
+        return (spec["precision"], ds["zero_stage"], ds["offload_optimizer"], ds["offload_param"])
+
+    def advisor_row(self, spec):
+        ds = spec["deepspeed"]
+        stage = ds["zero_stage"]
+        if stage < 3:
+            return ["ddp", "zero1", "zero2"][stage]
+        if ds["offload_param"] != "none":
+            return "zero3-offopt-offparam"
+        return "zero3-offopt" if ds["offload_optimizer"] != "none" else "zero3"
+
+    def module_precision(self, workload):
+        return True
+
+    def model_state(self, counts, n, precision, lora, settings):
+        """Module in bf16/fp16 when precision asks (adapters included), else fp32 (w = 2 or 4):
+        gradients w*T; Adam 8*T plus an fp32 master partition 4*T (ZeRO 1-3: 12*T/N); ZeRO-0 fp32
+        keeps no master. ZeRO-1 shards the optimizer, ZeRO-2 + gradients, ZeRO-3 + weights."""
+        psi = counts["total"]
+        t = counts["trainable"] if lora else psi
+        mixed = precision_layout(precision) == "mixed"
+        w = 2 if mixed else 4
+        stage = settings.get("zero_stage", 0)
+        if stage == 0:
+            return state({"params": w * psi, "grads": w * t, "optimizer": (12 if mixed else 8) * t})
+        if stage < 3:
+            # ZeRO-1 reduce-scatters at the accumulation boundary: whole gradients live only
+            # between the micro-batches of an accumulated step.
+            whole = stage == 1 and settings.get("grad_accum", 1) > 1
+            return state({"params": w * psi, "grads": w * t / (1 if whole else n), "optimizer": 12 * t / n})
+        p_local, t_local = sharded_counts(counts, n, "zero3")
+        # Parameters up to the persistence threshold stay whole on every rank beside their
+        # partition; the auto profile keeps a model under its live limit gathered whole.
+        limits = zero3_settings(settings, counts)
+        persistent = sum(math.prod(shape) for shape, _ in counts.get("_shapes", [])
+                         if math.prod(shape) <= limits["stage3_param_persistence_threshold"])
+        held = {"params": w * (p_local + persistent), "grads": w * t_local, "optimizer": 12 * t / n}
+        cpu = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+        whole = psi <= limits["stage3_max_live_parameters"]
+        gathered = w * (psi - persistent if whole else counts["largest_unit"])
+        if settings.get("offload_optimizer", "none") != "none":
+            cpu["optimizer"] = held.pop("optimizer")
+            cpu["grads"] = 4 * t / n  # the fp32 gradient partition the CPU optimizer steps on
+            held["optimizer"] = 0.0
+        if settings.get("offload_param", "none") != "none":
+            cpu["params"], held["params"] = held["params"], 0.0
+        return state(held, gathered, cpu)
+
+
+SETTINGS = DeepSpeedSettings()

@@ -1,0 +1,43 @@
+"""Pipeline parallel's settings (the spec's `pp:` block): defaults, refusals, id part and
+memory formula."""
+from __future__ import annotations
+
+import math
+
+from distlab.strategies.settings import ModelParallelSettings, state
+
+
+class PPSettings(ModelParallelSettings):
+    name = "pp"
+    defaults = {"schedule": "gpipe", "microbatches": 4}
+
+    def variant(self, spec):
+        return f"{spec['pp']['schedule']}-m{spec['pp']['microbatches']}"
+
+    def check_shape(self, spec, fail, shape):
+        layers = shape.get("num_hidden_layers")
+        if layers is not None and layers < spec["world_size"]:
+            fail("world_size", f"pipeline of {spec['world_size']} stages needs at least that many decoder "
+                 f"layers; the model has {layers}")
+        if spec["world_size"] > 1 and shape.get("tie_word_embeddings"):
+            fail("world_size", "pipeline stages cannot share the tied input/output embedding of this model "
+                 "(tie_word_embeddings true); use world_size 1 or an untied model")
+        if spec["micro_batch"] % spec["pp"]["microbatches"]:
+            fail("pp.microbatches", f"micro_batch {spec['micro_batch']} must divide into "
+                 f"{spec['pp']['microbatches']} pipeline micro-batches")
+
+    def model_state(self, counts, n, precision, lora, settings):
+        """Rank 0 = the first stage: the input embedding and its run of decoder layers
+        (strategies.pp.split_layers); LoRA's adapters sit in the layers."""
+        layers = counts.get("layers")
+        if not layers:
+            return None
+        t = counts["trainable"] if lora else counts["total"]
+        first = math.ceil(layers / n)
+        adapters = t * first / layers if lora else 0.0
+        mine = counts["embedding"] + first * counts["per_layer"] + adapters
+        mine_t = adapters if lora else mine
+        return state({"params": 4 * mine, "grads": 4 * mine_t, "optimizer": 8 * mine_t})
+
+
+SETTINGS = PPSettings()

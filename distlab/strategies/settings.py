@@ -1,0 +1,156 @@
+"""What the config layer, the validation scope and the advisor know of a strategy, without
+importing torch: its settings' defaults, their checks, the experiment-id part they make, what
+of them changes the checkpoint, and its memory formula.
+
+Each strategy `<name>` keeps these beside its module, in distlab/strategies/<name>_settings.py,
+as `SETTINGS = <StrategySettings subclass instance>`. The registry is those files, found by
+their names (a directory listing: no schema read, no torch): the Snakefile's config expansion
+(distlab.config), distlab.validation_scope, the advisor and every rank (distlab.strategies.
+strategy_for) read strategies through it. config/schema.yaml's strategy enum must name the
+same strategies and hold a block for each one's settings (`schema_mismatch`, checked when a
+config is validated).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import pkgutil
+
+from distlab import families
+
+SUFFIX = "_settings"
+
+
+class StrategySettings:
+    """A strategy with no settings of its own: subclasses override what theirs change."""
+
+    name: str = ""
+    #: The spec's `<name>:` block as every experiment inherits it (None: the strategy has none).
+    defaults: dict | None = None
+    #: What `launcher: auto` starts the strategy's ranks with.
+    launcher: str = "torchrun"
+    #: Whether each rank reads its own samples (False: the ranks split the model and read the same ones).
+    data_parallel: bool = True
+
+    def runs_as(self, spec: dict) -> str:
+        """The strategy module that runs the spec (FSDP through Accelerate is Accelerate's)."""
+        return self.name
+
+    def variant(self, spec: dict) -> str:
+        """The strategy-specific part of the experiment id (e.g. `z3-offopt`); "" for none."""
+        return ""
+
+    def check(self, spec: dict, config: dict, fail, shape: dict) -> None:
+        """fail(field, why) for settings this strategy refuses; `shape` is the model's config
+        (distlab.config.model_shape)."""
+
+    def shards_checkpoint(self, spec: dict) -> bool:
+        """Whether the run's checkpoint holds per-rank shards (validation scope 'sharded')."""
+        return False
+
+    def checkpoint_format(self, spec: dict) -> tuple:
+        """What of the spec changes the checkpoint a run writes, beyond strategy x method x
+        launcher (world size and batch shape do not)."""
+        return (spec["precision"],)
+
+    def advisor_row(self, spec: dict) -> str | None:
+        """The advisor row (distlab.advisor.ROW_ORDER, or a formula of its own) a run's spec
+        corresponds to; None: the advisor has no formula for it and checks none of its runs."""
+        return None
+
+    def model_state(self, counts: dict, n: int, precision: str, lora: bool, settings: dict) -> dict | None:
+        """Bytes one of n ranks holds (`state(...)`), as this strategy allocates them
+        (distlab.advisor's docstring); settings: the spec's block and grad_accum. None: no formula."""
+        return None
+
+    def module_precision(self, workload: dict) -> bool:
+        """True when the strategy keeps the module itself in bf16/fp16 (no autocast copies of
+        the matmul weights): what the advisor's activation estimate counts."""
+        return False
+
+
+def state(held: dict, gathered: float = 0.0, cpu: dict | None = None) -> dict:
+    """A model_state result: bytes held on the device per part, the transient gathered copy,
+    and what sits in CPU RAM."""
+    cpu = cpu or {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    return {**held, "gathered": gathered, "cpu_offloaded": sum(cpu.values()), "cpu_parts": cpu}
+
+
+def precision_layout(precision: str) -> str:
+    return "fp32" if precision == "fp32" else "mixed"
+
+
+class ModelParallelSettings(StrategySettings):
+    """Tensor and pipeline parallel: the ranks split the model itself, so the model family must
+    say how (distlab.families), LoRA is refused, and each rank's checkpoint is a shard. Their
+    memory formulas are their own (no advisor row)."""
+
+    data_parallel = False
+
+    def check(self, spec, config, fail, shape):
+        if spec.get("model", "default") == "default":  # model.extra entries are built Llamas
+            families.check(spec, config, fail)  # family x strategy, from the model folder's own config
+        if spec["method"] != "full":
+            fail("method", f"{spec['strategy']} runs full fine-tuning only (LoRA would wrap the split layers)")
+        self.check_shape(spec, fail, shape)
+
+    def check_shape(self, spec: dict, fail, shape: dict) -> None:
+        """fail(field, why) for a model shape the split cannot take."""
+
+    def shards_checkpoint(self, spec):
+        return True
+
+    def advisor_row(self, spec):
+        return self.name
+
+
+def registered() -> dict[str, StrategySettings]:
+    """{name: settings} of every distlab/strategies/<name>_settings.py, by name."""
+    from distlab import strategies
+
+    return _discover(tuple(strategies.__path__))
+
+
+@functools.lru_cache(maxsize=4)
+def _discover(path: tuple[str, ...]) -> dict[str, StrategySettings]:
+    found = {}
+    for info in sorted(pkgutil.iter_modules(list(path)), key=lambda m: m.name):
+        if info.name.endswith(SUFFIX):
+            settings = importlib.import_module(f"distlab.strategies.{info.name}").SETTINGS
+            if settings.name != info.name[:-len(SUFFIX)]:
+                raise ValueError(f"distlab/strategies/{info.name}.py: SETTINGS.name is '{settings.name}', "
+                                 f"its file names '{info.name[:-len(SUFFIX)]}'")
+            found[settings.name] = settings
+    return found
+
+
+def settings_for(spec: dict) -> StrategySettings:
+    return registered()[spec["strategy"]]
+
+
+def data_parallel(spec: dict) -> bool:
+    """Whether the spec's ranks read different samples (a strategy no longer registered: yes)."""
+    known = registered().get(spec["strategy"])
+    return known.data_parallel if known else True
+
+
+def strategy_defaults() -> dict:
+    """Every strategy's settings block, as each experiment inherits it (deep copies)."""
+    return {name: copy.deepcopy(s.defaults) for name, s in registered().items() if s.defaults is not None}
+
+
+def schema_mismatch(schema: dict) -> str | None:
+    """Why config/schema.yaml's experiment does not match the registered strategies (its
+    strategy enum names exactly them; each one's settings have a block with their keys), or None."""
+    experiment = schema["$defs"]["experiment"]["properties"]
+    enum, known = set(experiment["strategy"]["enum"]), registered()
+    if enum != set(known):
+        return (f"its strategy enum {sorted(enum)} differs from the strategies in distlab/strategies/"
+                f"*{SUFFIX}.py {sorted(known)}")
+    for name, s in known.items():
+        block = set(experiment.get(name, {}).get("properties", {}))
+        if s.defaults is not None and not set(s.defaults) <= block:
+            return (f"strategy '{name}' has settings {sorted(s.defaults)} but the experiment's '{name}' block "
+                    f"declares {sorted(block)}")
+    return None
