@@ -89,8 +89,9 @@ def evaluate_base(model_source: str, data_dir, out_path, threads: int | None = N
 
 def evaluate_forward(strategy, ids, labels) -> dict | None:
     """Collective: held-out loss of the model as the strategy holds it (Strategy.forward_logits:
-    still sharded or split, on its device, training precision), micro_batch sequences at a time
-    (the batch a rank already trains on, so the evaluation fits wherever training fits). The
+    still sharded or split, on its device, training precision), eval_batch_size sequences at a
+    time (the micro-batch, or more where their no-grad forward holds less than training keeps for
+    one micro-batch, so the evaluation fits wherever training fits). The
     record on rank 0, None elsewhere. The final eval and eval_every's points (distlab.monitor).
 
     Data-parallel ranks split the batches (batch i goes to data-parallel rank i mod size) and
@@ -101,9 +102,10 @@ def evaluate_forward(strategy, ids, labels) -> dict | None:
     import torch.distributed as dist
 
     spec = strategy.spec
-    batch = spec["micro_batch"]
-    starts = list(range(0, len(ids), batch))
     size, rank = strategy.data_parallel_size, strategy.data_parallel_rank
+    batch = eval_batch_size(spec, getattr(strategy.unwrapped(), "config", None), ids.shape,
+                            size == dist.get_world_size())
+    starts = list(range(0, len(ids), batch))
     mine = starts[rank::size]
     rounds = -(-len(starts) // size) if strategy.collective_forward else len(mine)
     total, count, error = 0.0, 0, None
@@ -126,9 +128,34 @@ def evaluate_forward(strategy, ids, labels) -> dict | None:
     if dist.get_rank() != 0:
         return None
     where = (f"the training model itself ({spec['strategy']}, on {strategy.ctx.device.type}, "
-             f"{spec['precision']}; Strategy.forward_logits"
+             f"{spec['precision']}; Strategy.forward_logits, {batch} sequences a forward"
              + (f", batches split over {size} data-parallel ranks)" if size > 1 else ")"))
     return {"status": "failed", "reason": error} if error else summarize_loss(total, count, len(ids), where)
+
+
+def eval_batch_size(spec: dict, config, shape, data_parallel: bool) -> int:
+    """Sequences per eval forward: the micro-batch, times how many sequences' no-grad forward
+    holds no more than autograd keeps for one sequence in training (fp32 bytes per sequence,
+    from the model's config):
+      no grad:  S*(3V + 3I + A*S)     logits, their fp32 copy and log-softmax; one layer's MLP
+                                      (gate, up, product) and attention scores at a time
+      training: S*(2V + L*(4H + 3I))  a lower bound of what backward needs: logits and their
+                                      log-softmax; per layer norm outputs, attention output,
+                                      residual, MLP gate, up and product
+    S tokens, V vocabulary, H hidden, I MLP width, A heads, L layers. A forward of ZeRO-3 or
+    FSDP gathers its parameters whatever the batch, so fewer forwards cost fewer gathers (the
+    stage-3 budget run: 8 forwards a rank at micro-batch 1 -> 2). Kept at the micro-batch with
+    activation checkpointing (training keeps far less) and where ranks split the model (TP, PP)."""
+    micro = spec["micro_batch"]
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers")
+    if not data_parallel or spec["activation_checkpointing"] != "none" or \
+            not all(isinstance(getattr(config, f, None), int) for f in fields):
+        return micro
+    blocks, seq = shape[0], shape[1]
+    v, h, i, a, layers = (getattr(config, f) for f in fields)
+    no_grad, training = seq * (3 * v + 3 * i + a * seq), seq * (2 * v + layers * (4 * h + 3 * i))
+    per_rank = -(-blocks // max(1, spec["world_size"]))
+    return max(micro, min(micro * (training // no_grad), per_rank))
 
 
 def evaluate_sharded(strategy, job: dict) -> dict | None:

@@ -371,6 +371,17 @@ def check_at_other_world_size(validator: ValidationRank, world_size: int) -> Non
         validator.record("reshard", validator.checks["reshard"])
 
 
+def check_export_meanwhile_import(validator: ValidationRank, job: dict) -> None:
+    """Before the phases: rank 0 checks the export (first: before this process loads anything
+    else), while the other ranks import the model's code (transformers' modeling module, peft),
+    which rank 0's check imports first thing. Otherwise they sat at the barrier through the
+    check and then started those ~2 s of imports, one rank after the other."""
+    if validator.rank == 0 and any(name == "same" for name, _ in job["plan"]):
+        validator.guarded("export", lambda: validator.task.check_export(validator))
+    else:
+        validator.task.import_code(job["model_source"], validator.spec["method"] == "lora")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--job", required=True, help="validator job file written by validate_run")
@@ -383,8 +394,7 @@ def main(argv=None) -> None:
 
     started = time.time()
     validator = ValidationRank(job)
-    if validator.rank == 0 and any(name == "same" for name, _ in job["plan"]):
-        validator.guarded("export", lambda: validator.task.check_export(validator))  # first: before this process loads anything else
+    check_export_meanwhile_import(validator, job)
     dist.barrier()
     for index, (name, world_size) in enumerate(job["plan"]):
         if index and not validator.shrink_to_one_rank():

@@ -113,3 +113,18 @@ def test_trainer_state_is_json_and_safetensors_so_a_pickle_there_is_refused(tmp_
     with pytest.raises(Exception):
         ckpt._restore_trainer_state(tmp_path, 0, torch.device("cpu"), None)
     assert not (tmp_path / "marker").exists()
+
+
+def test_loading_a_checkpoint_of_another_strategy_does_not_import_deepspeed(tmp_path):
+    """DeepSpeed's data classes are allow-listed only where DeepSpeed is loaded (its engine is
+    the only reader of its checkpoints): validating a DDP/FSDP checkpoint spent ~1 s of CPU
+    importing DeepSpeed (and, through it, MLflow) for nothing."""
+    import subprocess
+    import sys
+
+    torch.save({"weight": torch.ones(2)}, tmp_path / "state.pt")
+    code = ("import sys, torch\nfrom distlab.safe_load import weights_only_loads\n"
+            f"with weights_only_loads():\n    torch.load({str(tmp_path / 'state.pt')!r})\n"
+            "print(sorted(m for m in ('deepspeed', 'mlflow') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -64,3 +64,25 @@ def test_summary_gets_each_runs_base_and_trained_eval_loss():
     frame = eval_columns(pd.DataFrame([{"machine": "m", "experiment": "b"}, {"machine": "m", "experiment": "a"}]), runs)
     assert frame["eval_loss"].tolist()[1] == 7.0 and pd.isna(frame["eval_loss"].tolist()[0])
     assert frame["eval_loss_base"].tolist() == [8.0, 8.0] and frame["eval_perplexity"].tolist()[1] == 1096.6
+
+
+def test_an_eval_forward_takes_more_sequences_only_where_their_no_grad_forward_fits_what_training_keeps():
+    from types import SimpleNamespace
+
+    from distlab.evaluation import eval_batch_size
+
+    def llama(v, h, i, a, layers):
+        return SimpleNamespace(vocab_size=v, hidden_size=h, intermediate_size=i, num_attention_heads=a,
+                               num_hidden_layers=layers)
+
+    budget, default = llama(4096, 768, 2048, 12, 10), llama(4096, 256, 688, 4, 4)
+    spec = {"micro_batch": 1, "world_size": 2, "activation_checkpointing": "none"}
+    k = eval_batch_size(spec, budget, (16, 128), True)
+    assert k == 5  # the stage-3 budget model: 2 forwards a rank instead of 8
+    # what k sequences hold without grad <= what one trained sequence keeps for backward
+    assert k * 128 * (3 * 4096 + 3 * 2048 + 12 * 128) <= 128 * (2 * 4096 + 10 * (4 * 768 + 3 * 2048))
+    assert eval_batch_size(dict(spec, micro_batch=4), default, (16, 128), True) == 4  # default model: unchanged
+    assert eval_batch_size(dict(spec, activation_checkpointing="full"), budget, (16, 128), True) == 1
+    assert eval_batch_size(spec, budget, (16, 128), False) == 1  # TP / PP ranks split the model
+    assert eval_batch_size(spec, SimpleNamespace(vocab_size=4096), (16, 128), True) == 1  # unknown shape
+    assert eval_batch_size(spec, budget, (4, 128), True) == 2  # never more than a rank's share

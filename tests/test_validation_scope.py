@@ -25,3 +25,24 @@ def test_default_validation_covers_each_zero_stage_offload_and_fsdp_variant_once
     assert {specs[i]["strategy"] for i in chosen} >= {"ddp", "accelerate", "deepspeed", "fsdp", "tp", "pp"}
     assert any(specs[i]["launcher"] == "ray" for i in chosen)
     assert any(specs[i]["method"] == "lora" for i in chosen)
+
+
+def test_while_rank_0_checks_the_export_the_other_ranks_import_the_model_code():
+    """A validation launch's ranks do not wait idle through rank 0's export check and only
+    then import transformers' modeling code one after another: they import it meanwhile."""
+    from types import SimpleNamespace
+
+    from distlab.validate_ranks import check_export_meanwhile_import
+
+    def run(rank: int, plan: list) -> list:
+        calls = []
+        task = SimpleNamespace(check_export=lambda v: calls.append(("export", v.rank)),
+                               import_code=lambda source, lora: calls.append(("import", source, lora)))
+        validator = SimpleNamespace(rank=rank, task=task, spec={"method": "lora"},
+                                    guarded=lambda name, check: (calls.append(name), check()))
+        check_export_meanwhile_import(validator, {"plan": plan, "model_source": "base"})
+        return calls
+
+    assert run(0, [["same", 2], ["reshard", 1]]) == ["export", ("export", 0)]
+    assert run(1, [["same", 2], ["reshard", 1]]) == [("import", "base", True)]
+    assert run(0, [["reshard", 2]]) == [("import", "base", True)]  # no export check in this launch
