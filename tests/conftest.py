@@ -36,14 +36,28 @@ def tiny_config(stages: dict, **top) -> dict:
 SHARED_GROUPS = {"pipeline": {"test_pipeline", "test_report", "test_bad_input", "test_browser", "test_merge"}}
 
 
+# The longest groups go first (wall seconds of each on a quiet 2-core run, 2026-12-03, before
+# this session's cuts: 422, 240, 230, 170, 150, 125, 110, 100). With --no-loadscope-reorder
+# (pyproject.toml's addopts) xdist hands groups to idle workers in collection order; by default
+# it would sort them by their number of tests, which put these few-test groups last (two_hosts
+# 53rd of 61), one running alone at the end while the other worker idled (21 min 48 s).
+LONGEST_FIRST = ["test_memory_sharded", "test_ray", "test_two_hosts", "pipeline", "test_text_to_image",
+                 "test_gpu_rehearsal", "test_deepspeed", "test_checkpoint_faults"]
+
+
 # tryfirst: xdist's own collection hook turns the xdist_group marker into the scheduling key,
 # so the markers must be on the items before it runs.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    groups = {}
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
         group = next((name for name, modules in SHARED_GROUPS.items() if module in modules), module)
         item.add_marker(pytest.mark.xdist_group(group))
+        groups[item.nodeid] = group
+    # Stable: the tests of one module keep their order.
+    items.sort(key=lambda item: LONGEST_FIRST.index(groups[item.nodeid]) if groups[item.nodeid] in LONGEST_FIRST
+               else len(LONGEST_FIRST))
 
 
 @pytest.fixture(scope="session")
@@ -67,6 +81,15 @@ def build_prepared(root: Path) -> Path:
     info["cpu_peak"] = {"per_thread": hardware.measure_cpu_matmul_peak(1, size=256, seconds=0.2)}
     (root / "hardware.json").write_text(json.dumps(info))
     return root
+
+
+def seed_hardware(prepared: Path, workdir: Path, machine: str) -> None:
+    """The session's hardware.json as the workflow's in `workdir`: its rule (a probe and a ~5 s
+    matmul peak on every core) does not run again."""
+    import shutil
+
+    (workdir / "results" / machine).mkdir(parents=True, exist_ok=True)
+    shutil.copy(prepared / "hardware.json", workdir / "results" / machine / "hardware.json")
 
 
 def resolve(overrides: dict, stage: str = "ddp", **defaults) -> dict:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import snakemake, tiny_config
+from conftest import seed_hardware, snakemake, tiny_config
 
 MACHINE = "testbox"  # the machine tag of the `prepared` hardware.json
 # The 1-rank run's length is in epochs (0.01 of the 6438 train blocks: 804 micro-batches of 8
@@ -33,8 +33,7 @@ def seed_prepared(prepared: Path, work: Path) -> None:
     shutil.copytree(prepared / "tokenizer", prep / "tokenizer")
     shutil.copytree(prepared / "data32", prep / "data" / "seq32")
     shutil.copytree(prepared / "model", prep / "model")
-    (work / "results" / MACHINE).mkdir(parents=True)
-    shutil.copy(prepared / "hardware.json", work / "results" / MACHINE / "hardware.json")
+    seed_hardware(prepared, work, MACHINE)
 
 
 @pytest.fixture(scope="session")

@@ -31,14 +31,17 @@ def mapped_files() -> set[str]:
             if line.split()[-1].endswith(".safetensors")}
 
 
-def test_loading_a_ranks_part_unmaps_the_safetensors_after_each_layer(prepared, monkeypatch):
+def test_loading_a_ranks_part_unmaps_the_safetensors_after_each_layer(prepared, monkeypatch, tmp_path):
     import json
+    import shutil
 
     from distlab.partial_load import WeightFiles, empty_model, load_held_weights
 
     closes = []
     original = WeightFiles.close
-    folder = str(prepared / "model")
+    # A private copy: an earlier test of this worker process may still map the session model's
+    # file, and only this load's own mapping is the one to see go.
+    folder = str(shutil.copytree(prepared / "model", tmp_path / "model"))
 
     def recording_close(self):
         # (open handles, file mapped before the close, mapped after it)
@@ -47,9 +50,9 @@ def test_loading_a_ranks_part_unmaps_the_safetensors_after_each_layer(prepared, 
         closes.append((handles, before, any(folder in path for path in mapped_files())))
 
     monkeypatch.setattr(WeightFiles, "close", recording_close)
-    model = empty_model(str(prepared / "model"))
+    model = empty_model(folder)
     loaded = load_held_weights(model, "cpu")
-    layers = json.loads((prepared / "model" / "config.json").read_text())["num_hidden_layers"]
+    layers = json.loads((tmp_path / "model" / "config.json").read_text())["num_hidden_layers"]
     assert loaded == 4 * sum(p.numel() for p in model.parameters())
     # One file, mapped while each layer is read and unmapped after it (and after the rest).
     assert closes == [(1, True, False)] * (layers + 1), closes

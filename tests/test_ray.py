@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, resolve, run_experiment, snakemake, tiny_config
+from conftest import REPO, resolve, run_experiment, seed_hardware, snakemake, tiny_config
 
 from distlab.launchers.ray_nodes import RayNodes
 from distlab.two_hosts import newest_checkpoint_world
@@ -71,6 +71,7 @@ def two_node_run(prepared, cluster, tmp_path_factory):
     """The pipeline itself, pointed at the cluster: `RAY_ADDRESS=... snakemake --profile
     profiles/ray-head`, reusing the prepared tokenizer and model (same data, same weights)."""
     workdir = tmp_path_factory.mktemp("two-node")
+    seed_hardware(prepared, workdir, "testbox")
     config = tiny_config({"ray": {"experiments": [{"world_size": 2, "launcher": "ray", **SHORT}]}}, machine="testbox")
     config["data"]["tokenizer"] = str(prepared / "tokenizer")
     config["model"]["path"] = str(prepared / "model")

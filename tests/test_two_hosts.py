@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import snakemake, tiny_config
+from conftest import seed_hardware, snakemake, tiny_config
 
 from distlab import links
 
@@ -17,6 +17,7 @@ def two_hosts(prepared, tmp_path_factory):
     """The pipeline's own target on the tiny model: 32 sequences per rank per step, a checkpoint
     every 10 steps, long enough that the 1-worker group still trains when the node is back."""
     workdir = tmp_path_factory.mktemp("two-hosts")
+    seed_hardware(prepared, workdir, "testbox")
     config = tiny_config({"ddp": {"experiments": [{"world_size": 1}]}}, machine="testbox",
                          two_hosts={"bandwidth_mbit": None,
                                     "experiment": {"micro_batch": 32, "steps": 300, "checkpoint_every": 10}})

@@ -150,6 +150,7 @@ def fit(job: dict) -> dict:
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     spec = job["spec"]
     # Ray workers run in their own working directory: hand them absolute paths (a hub id
@@ -157,7 +158,10 @@ def fit(job: dict) -> dict:
     job = dict(job, **{key: os.path.abspath(job[key]) for key in
                        ("run_dir", "data_dir", "hardware_json", "checkpoint_dir", "model_source")
                        if job.get(key) and (key != "model_source" or os.path.exists(job[key]))})
-    run_log = _run_log_class().remote()
+    # On the driver's own node: placed anywhere, it can land on a worker node that leaves the
+    # elastic run (two_hosts stops cloud-box), and the events die with it.
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    run_log = _run_log_class().options(scheduling_strategy=here).remote()
     counts, resources = scaling(spec)
     scaling_config = ScalingConfig(num_workers=counts, use_gpu=spec["device"] == "cuda",
                                    resources_per_worker=resources,
