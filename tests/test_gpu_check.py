@@ -13,10 +13,12 @@ from distlab.config import ConfigError, load
 GPU_CONFIG = REPO / "config" / "gpu_check.yaml"
 
 
-def test_kit_says_in_one_line_that_there_is_no_gpu_and_fails():
-    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "/tmp/unused-gpu-check-out"],
+def test_kit_says_in_one_line_that_there_is_no_gpu_and_fails(tmp_path):
+    # No carried wheels (a checkout may hold a .whl/ built for the GPU box's Python): the answer
+    # must come from the GPU check, not from pip refusing another Python's wheels.
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES="", KIT_WHEELS=str(tmp_path / "no-wheels")))
     out = (proc.stdout + proc.stderr).strip().splitlines()
     assert proc.returncode == 2
     assert len(out) == 1 and "no CUDA GPU" in out[0]
