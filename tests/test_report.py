@@ -196,6 +196,8 @@ def test_the_report_reads_only_what_its_rule_declares(finished_pipeline, tmp_pat
     monkeypatch.undo()
     declared = declared_inputs(inputs)
     assert [p for p in read if not any(str(d) in declared for d in (Path(p), *Path(p).parents))] == []
+    metrics = [p for p in read if p.endswith("/metrics.json")]
+    assert metrics and len(metrics) == len(set(metrics)), "each run's metrics.json is read once"
     beside = [run / name for machine in (MACHINE, "otherbox") for run in (results / machine).iterdir()
               if (run / "metrics.json").is_file() for name in RUN_SIDE_FILES if (run / name).is_file()]
     machine_files = [results / m / name for m in (MACHINE, "otherbox") for name in MACHINE_FILES]

@@ -345,11 +345,16 @@ def left_out_card(left_out: list[dict]) -> Card | None:
 
 
 def build_report(metrics_paths, html_path, md_path, advice_paths=(), left_out=None, declared=None) -> list[dict]:
-    """Write both pages; returns the files left out ({"path", "reason"}): `left_out` (the runs
+    """Write both pages from these metrics.json files (write_report says what it returns)."""
+    return write_report(load_runs(metrics_paths, declared), html_path, md_path, advice_paths, left_out, declared)
+
+
+def write_report(runs: list[dict], html_path, md_path, advice_paths=(), left_out=None, declared=None) -> list[dict]:
+    """Write both pages from runs already loaded (each metrics.json is read once, by
+    collect.load_run); returns the files left out ({"path", "reason"}): `left_out` (the runs
     the summary refused) and the machine files that failed their schema here. declared: the
     rule's inputs (distlab.report.inputs), the only files read."""
     left_out = list(left_out or [])
-    runs = load_runs(metrics_paths, declared)
     for run in runs:
         run["_dir"] = os.path.abspath(run["_dir"])
     frame = summary_frame(runs)
@@ -387,5 +392,5 @@ def report_rule(metrics_paths, advice_paths, declared, html_path, md_path, ignor
     declared inputs (`declared`, distlab.report.inputs); returns what was left out (`ignored`:
     results folders the workflow could not read, distlab.report.collect.shared_metrics_paths)."""
     runs, rejected = load_checked_runs(list(metrics_paths), declared=declared)
-    return build_report([run["_path"] for run in runs], html_path, md_path, advice_paths=list(advice_paths),
+    return write_report(runs, html_path, md_path, advice_paths=list(advice_paths),
                         left_out=list(ignored) + rejected, declared=declared)
