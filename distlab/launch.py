@@ -51,6 +51,7 @@ def write_oom_metrics(job: dict) -> bool:
     save had already written its figures (distlab.worker): they are kept, its checkpoint
     recorded as failed."""
     from distlab.metrics import METRICS_SCHEMA_VERSION, library_versions
+    from distlab.run_outputs import write_metrics
 
     run_dir = Path(job["run_dir"])
     records = [json.loads(p.read_text()) for p in sorted(run_dir.glob("oom-rank*.json"))]
@@ -69,7 +70,7 @@ def write_oom_metrics(job: dict) -> bool:
                                   + "; ".join(f"rank {r['rank']}: {r['error']}" for r in records)}}
     else:
         (run_dir / "steps.jsonl").write_text("")
-    written.write_text(json.dumps(portable(metrics), indent=1))
+    write_metrics(run_dir, metrics)
     for path in run_dir.glob("oom-rank*.json"):
         path.unlink()
     return True

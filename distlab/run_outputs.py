@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from distlab.sharing import portable
@@ -25,10 +26,19 @@ def write_outputs(run_dir: str, summary) -> None:
     with open(run / "steps.jsonl", "w") as fh:
         for row in steps:
             fh.write(json.dumps(row) + "\n")
-    # Strict JSON (no NaN): a figure that was not measured is null, with its reason beside it.
-    # Paths of the checkout and home folder relative (distlab.sharing): the file is shared.
+    write_metrics(run, metrics)
+
+
+def write_metrics(run_dir, metrics: dict) -> None:
+    """The one writer of a run's metrics.json (rank 0, the Ray driver, launch's oom record).
+    Strict JSON (no NaN): a figure that was not measured is null, with its reason beside it.
+    Paths of the checkout and home folder relative (distlab.sharing): the file is shared.
+    Written beside and renamed over the old one, so a reader never sees half a file."""
     metrics = portable(json.loads(json.dumps(nan_to_none(metrics), default=str)))
-    (run / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    path = Path(run_dir) / "metrics.json"
+    partial = path.with_name("metrics.json.partial")
+    partial.write_text(json.dumps(metrics, indent=1))
+    os.replace(partial, path)
 
 
 def one_line(metrics: dict) -> str:

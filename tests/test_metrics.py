@@ -96,3 +96,25 @@ def test_a_machine_without_an_nvidia_driver_has_no_gpus_but_a_broken_driver_is_a
     monkeypatch.setattr(pynvml, "nvmlInit", broken)
     with pytest.raises(RuntimeError, match="NVML"):
         hardware.gpu_count()
+
+
+def test_a_metrics_write_that_fails_halfway_leaves_the_previous_record_whole(tmp_path, monkeypatch):
+    """metrics.json is written beside and renamed over (run_outputs.write_metrics, its one
+    writer): a full disk or a kill mid-write never leaves half a file where a record was."""
+    import json
+    from pathlib import Path
+
+    from distlab.run_outputs import write_outputs
+
+    write_outputs(str(tmp_path), ({"status": "ok", "loss": 1.5}, []))
+    real_write = Path.write_text
+
+    def half_then_full_disk(self, text, *args, **kwargs):
+        real_write(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_then_full_disk)
+    with pytest.raises(OSError):
+        write_outputs(str(tmp_path), ({"status": "oom", "loss": float("nan")}, []))
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "metrics.json").read_text()) == {"status": "ok", "loss": 1.5}
