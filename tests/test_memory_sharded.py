@@ -242,7 +242,7 @@ def test_the_advisor_estimates_each_runs_checkpoint_bytes(big, runs, full_runs):
 
 @pytest.mark.slow
 def test_the_advisors_rank_0_save_memory_bounds_what_the_final_save_added_to_rank_0s_peak(big, runs, full_runs):
-    """The advice says the final save holds one layer in fp32 and the recorded logits beyond the
+    """The advice says the final save holds two layers in fp32 and the recorded logits beyond the
     training state: rank 0's save-phase peak minus its training-phase peak is at most that
     (+TOLERANCE). It is a bound, not a prediction: measured here, ZeRO-3 (LoRA) adds about the
     whole estimate (the layer it gathers for the export sits on top of the forward's live ones),
