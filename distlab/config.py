@@ -92,11 +92,16 @@ OPT_IN_STAGES = ("links", "unequal")
 
 
 def load_schema() -> dict:
-    """config/schema.yaml (a copy: callers may change theirs). Parsed once per process and file
-    version: expanding the default config asks for it ~170 times (each experiment's task and
-    strategy names), which cost 8 s of YAML parsing in every `snakemake` call and test."""
+    """config/schema.yaml (a copy: callers may change theirs)."""
+    return copy.deepcopy(schema_read_only())
+
+
+def schema_read_only() -> dict:
+    """config/schema.yaml, parsed once per process and file version, shared: never change it.
+    Expanding the default config asks for it ~170 times (each experiment's task names), which
+    cost 8 s of YAML parsing in every `snakemake` call and test, then 0.07 s of copies."""
     path = Path(SCHEMA_PATH)
-    return copy.deepcopy(_parsed_schema(str(path), path.stat().st_mtime_ns))
+    return _parsed_schema(str(path), path.stat().st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=4)

@@ -16,9 +16,9 @@ DEFAULT_TASK = "causal-lm"
 
 def task_names() -> list[str]:
     """The task enum of config/schema.yaml."""
-    from distlab.config import load_schema
+    from distlab.config import schema_read_only
 
-    return list(load_schema()["$defs"]["experiment"]["properties"]["task"]["enum"])
+    return list(schema_read_only()["$defs"]["experiment"]["properties"]["task"]["enum"])
 
 
 def task_named(name: str):
