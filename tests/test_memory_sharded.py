@@ -93,11 +93,10 @@ def runs(big, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def full_runs(big, tmp_path_factory):
-    """Full fine-tuning at 309M: DDP at 1 rank, FSDP and ZeRO-3 at 2; each checkpoint is
+    """Full fine-tuning at 309M: DDP at 1 and 2 ranks, FSDP and ZeRO-3 at 2; each checkpoint is
     deleted once its metrics are read (the tests need its recorded bytes, not its files)."""
     out = tmp_path_factory.mktemp("big-full-runs")
     specs = at_two_ranks(FULL)
-    del specs["ddp-w2"]
     specs["ddp"] = resolve({"strategy": "ddp", "world_size": 1, "micro_batch": 2, **FULL})
     result = {}
     for name, spec in specs.items():
