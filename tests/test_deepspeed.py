@@ -23,12 +23,12 @@ ZERO_VARIANTS = {
 }
 # Median-free guard on speed: each variant's fastest timed step within this many times DDP's
 # fastest (the least load-sensitive figure of a run). On the tests' model a step is mostly
-# per-module overhead: ZeRO-3 ran 4.4-5.9x DDP here (FSDP 2.3-3.3x); the regression this
-# guards against took 16x. The lean ZeRO-3 profile is left out: it trades speed for memory
-# by design (one layer live, nothing persistent; 7.1-7.8x quiet, 12.3x on a busy CI box),
-# and its configuration is what test_the_deepspeed_config_on_disk_is_the_one_the_engine_used
-# holds it to.
-STEP_FACTOR = 10
+# per-module overhead: ZeRO-3 ran 4.4-5.9x DDP here quiet (FSDP 2.3-3.3x); the regression
+# this guards against took 16x. A busy CI box stretched a ratio 1.6x (lean: 7.1-7.8x quiet,
+# 12.3x there), hence 12, not 10. The lean ZeRO-3 profile is left out: it trades speed for
+# memory by design (one layer live, nothing persistent), and its configuration is what
+# test_the_deepspeed_config_on_disk_is_the_one_the_engine_used holds it to.
+STEP_FACTOR = 12
 SPEED_GUARDED = [name for name, ds in ZERO_VARIANTS.items() if ds.get("zero3_profile") != "lean"]
 
 
