@@ -1,13 +1,14 @@
 """distlab's DDP step time vs transformers.Trainer on the same work, at 1 and 2 ranks, and what
-distlab's fixed 1 MiB glibc mmap threshold (distlab.memory.return_freed_host_memory) costs.
+distlab's fixed glibc mmap threshold (distlab.memory.return_freed_host_memory) costs.
 
     python benchmarks/trainer_parity.py [--rounds 3] [--worlds 1,2] [--steps 30] [--warmup 5]
 
 Arms, each a separate launch per round, in an order rotated every round (reversed every other):
-  distlab            the pipeline's DDP (distlab.launch), as shipped (fixed 1 MiB threshold)
+  distlab            the pipeline's DDP (distlab.launch), as shipped (fixed 2 MiB threshold)
+  distlab-1MiB       the same with DISTLAB_MMAP_THRESHOLD=1048576 (the threshold before 2026-12-03)
   distlab-dynamic    the same with DISTLAB_MMAP_THRESHOLD=0 (glibc's dynamic threshold)
   trainer            benchmarks/trainer_run.py under torchrun: Trainer, glibc's dynamic threshold
-  trainer-1MiB       the same with MALLOC_MMAP_THRESHOLD_=1048576 (glibc's own tunable: distlab's setting)
+  trainer-1MiB       the same with MALLOC_MMAP_THRESHOLD_=1048576 (glibc's own tunable)
 Same model (the default config's built model), data, batch order, micro-batch (8 at 1 rank,
 4 at 2: global batch 8), one thread per rank, AdamW, no clipping. Per round, the ratio of each
 arm's median step time to Trainer's in the same round; reported: the median of those ratios
@@ -29,21 +30,25 @@ sys.path.insert(0, str(REPO))
 from bench_common import round_order, rounds_parser  # noqa: E402
 from ddp_vs_bare import prepared  # noqa: E402  (the default config's data and model, built here)
 
-ARMS = ("distlab", "distlab-dynamic", "trainer", "trainer-1MiB")
+ARMS = ("distlab", "distlab-1MiB", "distlab-dynamic", "trainer", "trainer-1MiB")
+THRESHOLDS = {"distlab-1MiB": 1 << 20, "distlab-dynamic": 0}  # DISTLAB_MMAP_THRESHOLD per arm
 
 
-def run_distlab(spec, data, model, hw, run_dir, dynamic: bool) -> dict:
+def run_distlab(spec, data, model, hw, run_dir, threshold: int | None) -> dict:
+    """One distlab launch; threshold: DISTLAB_MMAP_THRESHOLD (None: as shipped)."""
     from distlab.launch import launch
 
     job = {"spec": spec, "run_dir": str(run_dir), "data_dir": str(data), "model_source": str(model),
            "hardware_json": str(hw), "env_allowlist": [], "checkpoint_dir": None}
-    saved = os.environ.get("DISTLAB_MMAP_THRESHOLD")
-    os.environ["DISTLAB_MMAP_THRESHOLD"] = "0" if dynamic else str(1 << 20)
+    saved = os.environ.pop("DISTLAB_MMAP_THRESHOLD", None)
+    if threshold is not None:
+        os.environ["DISTLAB_MMAP_THRESHOLD"] = str(threshold)
     try:
         launch(job, log_path=str(run_dir) + ".log", timeout=1200)
     finally:
-        os.environ.pop("DISTLAB_MMAP_THRESHOLD") if saved is None else os.environ.update(
-            DISTLAB_MMAP_THRESHOLD=saved)
+        os.environ.pop("DISTLAB_MMAP_THRESHOLD", None)
+        if saved is not None:
+            os.environ["DISTLAB_MMAP_THRESHOLD"] = saved
     m = json.loads((run_dir / "metrics.json").read_text())
     return {"median_step_s": m["timing"]["step_time_s"]["median"], "losses": m["loss"]["per_step"],
             "noise": m["noise"]}
@@ -88,7 +93,7 @@ def main():
                 for arm in round_order(arms, r):
                     where = root / f"w{world}-r{r}-{arm}"
                     if arm.startswith("distlab"):
-                        run = run_distlab(spec, data, model, hw, where, dynamic=arm == "distlab-dynamic")
+                        run = run_distlab(spec, data, model, hw, where, THRESHOLDS.get(arm))
                     else:
                         run = run_trainer(world, micro, args, data, model, Path(str(where) + ".json"),
                                           fixed=arm == "trainer-1MiB")
