@@ -34,6 +34,7 @@ ARMS = ("distlab", "distlab-dynamic", "trainer", "trainer-1MiB")
 
 def run_distlab(spec, data, model, hw, run_dir, dynamic: bool) -> dict:
     from distlab.launch import launch
+    from distlab.run_outputs import read_run_record
 
     job = {"spec": spec, "run_dir": str(run_dir), "data_dir": str(data), "model_source": str(model),
            "hardware_json": str(hw), "env_allowlist": [], "checkpoint_dir": None}
@@ -44,7 +45,7 @@ def run_distlab(spec, data, model, hw, run_dir, dynamic: bool) -> dict:
     finally:
         os.environ.pop("DISTLAB_MMAP_THRESHOLD") if saved is None else os.environ.update(
             DISTLAB_MMAP_THRESHOLD=saved)
-    m = json.loads((run_dir / "metrics.json").read_text())
+    m = read_run_record(run_dir / "metrics.json").to_dict()
     return {"median_step_s": m["timing"]["step_time_s"]["median"], "losses": m["loss"]["per_step"],
             "noise": m["noise"]}
 
