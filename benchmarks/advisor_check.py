@@ -18,6 +18,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 WORK = Path(os.environ.get("ADVISOR_CHECK_DIR", "/tmp/distlab-advisor-check"))
 from conftest import build_prepared, resolve, run_experiment
 from distlab import advisor, advisor_check
+from distlab.run_outputs import read_run_record
 
 root = WORK / "prep"
 if not (root / "model").exists():
@@ -65,8 +66,7 @@ for name in want:
         except Exception as e:
             print(name, "FAILED", e); continue
         print(name, "ran in", round(time.time() - t, 1), "s", flush=True)
-    m = json.loads(f.read_text())
-    m.setdefault("machine", "m"); m.setdefault("experiment", name)
+    m = read_run_record(f).to_dict()
     rows = advisor_check.check_against_runs(adv, [m])
     held = m["memory"]["model_state_bytes_per_rank"]
     for r in rows:

@@ -38,11 +38,12 @@ def prepared(root: Path, seq_len: int) -> tuple[Path, Path, Path]:
 
 def run_distlab(spec, data, model, hw, run_dir):
     from distlab.launch import launch
+    from distlab.run_outputs import read_run_record
 
     job = {"spec": spec, "run_dir": str(run_dir), "data_dir": str(data), "model_source": str(model),
            "hardware_json": str(hw), "env_allowlist": [], "checkpoint_dir": None}
     launch(job, log_path=str(run_dir) + ".log", timeout=600)
-    return json.loads((run_dir / "metrics.json").read_text())["throughput"]["tokens_per_s"]
+    return read_run_record(run_dir / "metrics.json").data["throughput"]["tokens_per_s"]
 
 
 def run_bare(args, data, model, out):

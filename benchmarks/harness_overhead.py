@@ -49,6 +49,7 @@ def prepare(root: Path) -> tuple[dict, dict, Path]:
 
 def run_job(spec: dict, root: Path, run_dir: Path) -> dict:
     from distlab.launch import launch
+    from distlab.run_outputs import read_run_record
     from distlab.validate import validate_run
 
     job = {"spec": spec, "run_dir": str(run_dir), "data_dir": str(root / "data"), "model_source": str(root / "model"),
@@ -57,7 +58,7 @@ def run_job(spec: dict, root: Path, run_dir: Path) -> dict:
     start = time.perf_counter()
     launch(job, log_path=str(run_dir) + ".log", timeout=1800)
     wall = time.perf_counter() - start
-    metrics = json.loads((run_dir / "metrics.json").read_text())
+    metrics = read_run_record(run_dir / "metrics.json").to_dict()
     start = time.perf_counter()
     validation = validate_run(run_dir, str(root / "model"), str(root / "data"), run_dir / "validation.json",
                               log_path=str(run_dir) + "-validate.log")

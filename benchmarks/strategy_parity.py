@@ -76,12 +76,13 @@ def prepare(root: Path, seq_len: int, models: list[str]) -> tuple[Path, Path, di
 
 def launch_once(spec: dict, data: Path, model: Path, hw: Path, run_dir: Path) -> dict:
     from distlab.launch import launch
+    from distlab.run_outputs import read_run_record
 
     job = {"spec": spec, "run_dir": str(run_dir), "data_dir": str(data), "model_source": str(model),
            "hardware_json": str(hw), "env_allowlist": [], "checkpoint_dir": None}
     start = time.perf_counter()
     launch(job, log_path=str(run_dir) + ".log", timeout=3600)
-    metrics = json.loads((run_dir / "metrics.json").read_text())
+    metrics = read_run_record(run_dir / "metrics.json").to_dict()
     return {"tokens_per_s": metrics["throughput"]["tokens_per_s"],
             "median_step_s": metrics["timing"]["step_time_s"]["median"], "losses": metrics["loss"]["per_step"],
             "noise": metrics["noise"], "launch_wall_s": time.perf_counter() - start}

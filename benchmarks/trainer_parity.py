@@ -37,6 +37,7 @@ THRESHOLDS = {"distlab-1MiB": 1 << 20, "distlab-dynamic": 0}  # DISTLAB_MMAP_THR
 def run_distlab(spec, data, model, hw, run_dir, threshold: int | None) -> dict:
     """One distlab launch; threshold: DISTLAB_MMAP_THRESHOLD (None: as shipped)."""
     from distlab.launch import launch
+    from distlab.run_outputs import read_run_record
 
     job = {"spec": spec, "run_dir": str(run_dir), "data_dir": str(data), "model_source": str(model),
            "hardware_json": str(hw), "env_allowlist": [], "checkpoint_dir": None}
@@ -49,7 +50,7 @@ def run_distlab(spec, data, model, hw, run_dir, threshold: int | None) -> dict:
         os.environ.pop("DISTLAB_MMAP_THRESHOLD", None)
         if saved is not None:
             os.environ["DISTLAB_MMAP_THRESHOLD"] = saved
-    m = json.loads((run_dir / "metrics.json").read_text())
+    m = read_run_record(run_dir / "metrics.json").to_dict()
     return {"median_step_s": m["timing"]["step_time_s"]["median"], "losses": m["loss"]["per_step"],
             "noise": m["noise"]}
 

@@ -51,7 +51,7 @@ def write_oom_metrics(job: dict) -> bool:
     save had already written its figures (distlab.worker): they are kept, its checkpoint
     recorded as failed."""
     from distlab.metrics import METRICS_SCHEMA_VERSION, library_versions
-    from distlab.run_outputs import write_metrics
+    from distlab.run_outputs import read_run_record, write_metrics
 
     run_dir = Path(job["run_dir"])
     records = [json.loads(p.read_text()) for p in sorted(run_dir.glob("oom-rank*.json"))]
@@ -64,7 +64,7 @@ def write_oom_metrics(job: dict) -> bool:
                "memory_budget_gib": spec["memory_budget_gib"], "versions": library_versions()}
     written = run_dir / "metrics.json"
     if written.is_file():  # this launch's figures, written before its final save (launch removed older ones)
-        trained = json.loads(written.read_text())
+        trained = read_run_record(written).to_dict()
         metrics = {**trained, **metrics, "oom_phase": "final save",
                    "checkpoint": {"status": "failed", "error": "out of memory during the final save: "
                                   + "; ".join(f"rank {r['rank']}: {r['error']}" for r in records)}}

@@ -11,11 +11,11 @@ losses did not do the same work: the run fails.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 from distlab.run_layout import run_files_dir
+from distlab.run_outputs import read_run_record, write_metrics
 
 # Float summation order only (the same seed, data and world size): identical here to ~1e-6.
 LOSS_TOLERANCE = 1e-5
@@ -29,8 +29,7 @@ def summary_of(metrics: dict) -> dict:
 
 def repeat_launches(job: dict, run_launcher, log_path: str | None, timeout: float | None) -> list[dict]:
     run_dir = Path(job["run_dir"])
-    path = run_dir / "metrics.json"
-    first = json.loads(path.read_text())
+    first = read_run_record(run_dir / "metrics.json").to_dict()
     launches = [summary_of(first)]
     for k in range(2, job["spec"]["launches"] + 1):
         folder = run_dir / f"launch-{k}"
@@ -41,7 +40,7 @@ def repeat_launches(job: dict, run_launcher, log_path: str | None, timeout: floa
         job_path = folder / "job.json"
         job_path.write_text(json.dumps(again, indent=1))
         run_launcher(again, str(job_path.resolve()), log_path, timeout)
-        metrics = json.loads((folder / "metrics.json").read_text())
+        metrics = read_run_record(folder / "metrics.json").to_dict()
         gap = max(abs(a - b) for a, b in zip(first["loss"]["per_step"], metrics["loss"]["per_step"]))
         if gap > LOSS_TOLERANCE:
             raise RuntimeError(f"launch {k} of {job['spec']['id']} reached other losses (max gap {gap:.2e} > "
@@ -49,7 +48,5 @@ def repeat_launches(job: dict, run_launcher, log_path: str | None, timeout: floa
         launches.append(summary_of(metrics))
         shutil.rmtree(folder)
     first["launches"] = launches
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(first, indent=1))
-    os.replace(tmp, path)
+    write_metrics(run_dir, first)
     return launches

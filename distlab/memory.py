@@ -45,6 +45,8 @@ from pathlib import Path
 
 import torch
 
+from distlab.memory_phases import rank_phase_peaks
+
 OOM_EXIT_CODE = 75
 GIB = 2**30
 
@@ -339,29 +341,3 @@ def record_oom(job: dict, error: BaseException) -> None:
               "error": (str(error).splitlines() or [""])[0][:500], "memory": memory}
     Path(job["run_dir"], f"oom-rank{rank}.json").write_text(json.dumps(record))
 
-
-PHASES = ("load_phase", "training_phase", "save_phase")
-
-
-def rank_phase_peaks(rank: dict) -> dict:
-    """One rank's peak per phase (bytes, None where not recorded): CUDA reserved, else RSS."""
-    out = {}
-    for phase in PHASES:
-        record = rank.get(phase) or {}
-        value = record.get("cuda_max_reserved_bytes")
-        out[phase] = value if value is not None else record.get("rss_peak_bytes")
-    return out
-
-
-def phase_peaks(run: dict) -> dict:
-    """Largest rank's load-, training- and save-phase peaks of a run's metrics (bytes; None for
-    runs recorded before the phases were measured): CUDA allocator reserved bytes, else RSS."""
-    per_rank = ((run.get("memory") or {}).get("per_rank")) or []
-    out = {}
-    for phase in PHASES:
-        records = [m.get(phase) or {} for m in per_rank]
-        cuda = [r["cuda_max_reserved_bytes"] for r in records if r.get("cuda_max_reserved_bytes") is not None]
-        rss = [r["rss_peak_bytes"] for r in records if r.get("rss_peak_bytes") is not None]
-        out[phase] = max(cuda) if cuda else (max(rss) if rss else None)
-        out[f"{phase}_what"] = "torch.cuda.max_memory_reserved" if cuda else "VmHWM (peak RSS)"
-    return out

@@ -66,8 +66,10 @@ def verdict(result: dict, spec: dict) -> dict:
 def validate_run(run_dir, model_source: str, data_dir: str, out_path, log_path=None, timeout: float = 600) -> dict:
     from distlab.checkpoint_files import verify_manifest
 
+    from distlab.run_outputs import read_run_record
+
     run_dir = Path(run_dir)
-    metrics = json.loads((run_dir / "metrics.json").read_text())
+    metrics = read_run_record(run_dir / "metrics.json").to_dict()
     spec = metrics["spec"]
     result = {"schema_version": VALIDATION_SCHEMA_VERSION, "experiment": spec["id"], "passed": False,
               "status": None, "checks": {}}

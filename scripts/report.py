@@ -8,8 +8,8 @@ from distlab.report.inputs import declared_inputs
 from distlab.rule_log import logged
 
 with logged(snakemake):
-    left_out = report_rule(snakemake.input.metrics, snakemake.input.advice, declared_inputs(snakemake.input),
-                           snakemake.output.html, snakemake.output.readme,
+    left_out = report_rule(snakemake.input.metrics, snakemake.input.summary, snakemake.input.advice,
+                           declared_inputs(snakemake.input), snakemake.output.html, snakemake.output.readme,
                            ignored=list(snakemake.params.ignored))
     for item in left_out:
         print(f"WARNING: left out of the report: {item['reason']}", file=sys.stderr)

@@ -5,7 +5,8 @@ import os
 from pathlib import Path
 
 from distlab.launch import rule_job
-from distlab.report.cards.two_hosts import write_card
+from distlab.report.inputs import declared_inputs
+from distlab.report.pages import two_hosts_page
 from distlab.rule_log import logged
 from distlab.two_hosts import run_two_hosts
 
@@ -14,4 +15,5 @@ with logged(snakemake):
     job = rule_job(snakemake, run_dir)
     record = run_two_hosts(job, snakemake.params.bandwidth_mbit, log_path=None, timeout=snakemake.params.timeout_s)
     Path(snakemake.output.hosts).write_text(json.dumps(record, indent=1))
-    write_card(snakemake.output.metrics, snakemake.output.hosts, snakemake.output.html, snakemake.output.readme)
+    out = snakemake.output  # the page reads this job's own records, not a benchmark.tsv of an earlier run
+    two_hosts_page(out.metrics, out.hosts, out.html, out.readme, declared_inputs([out.metrics, out.steps, out.hosts]))

@@ -1,11 +1,15 @@
 """Run records for card tests, shaped like a real metrics.json (keys as distlab.worker
 writes them) with every figure chosen by the test: a card's sentences can then be checked
-against the numbers they claim to come from, without training anything."""
+against the numbers they claim to come from, without training anything. Each goes through the
+one writer and the one reader of metrics.json (distlab.run_outputs), as a real run does."""
 from __future__ import annotations
 
 import copy
 
 from conftest import resolve
+
+from distlab.metrics import METRICS_SCHEMA_VERSION
+from distlab.run_outputs import read_run_record, write_metrics
 
 _TIMING = {"n": 4, "median": 0.1, "min": 0.09, "max": 0.12, "p25": 0.095, "p75": 0.11}
 
@@ -19,8 +23,8 @@ def fake_run(run_dir, overrides: dict, stage: str = "ddp", *, as_built: dict | N
     timing = dict(_TIMING, median=step_median_s, p25=step_median_s * 0.95, p75=step_median_s * 1.1)
     tokens_per_step = spec["micro_batch"] * spec["grad_accum"] * world * spec["seq_len"]
     run_dir.mkdir(parents=True, exist_ok=True)
-    return {
-        "experiment": spec["id"], "stage": stage, "machine": "testbox", "status": status, "spec": spec,
+    write_metrics(run_dir, {
+        "schema_version": METRICS_SCHEMA_VERSION, "experiment": spec["id"], "stage": stage, "machine": "testbox", "status": status, "spec": spec,
         "as_built": {"strategy": spec["strategy"], "outer_wrapper": "DistributedDataParallel",
                    "wrappers_found": ["DistributedDataParallel"], "world_size": world, "backend": "gloo",
                    "data_parallel_size": world, "device": "cpu", **(as_built or {})},
@@ -40,5 +44,7 @@ def fake_run(run_dir, overrides: dict, stage: str = "ddp", *, as_built: dict | N
         "noise": None if others_cores is None else {
             "busy": others_cores > max(0, 2 - world) + 0.2, "others_cores": others_cores, "machine_cores": 2,
             "free_cores": max(0, 2 - world), "load_avg_1min": [1.0, 1.0]},
-        "_dir": str(run_dir), "_steps": [], "_validation": None, "_throughput": None,
-    }
+    })
+    # What collect.load_run adds beside the file, left empty: each test sets what it checks.
+    run = read_run_record(run_dir / "metrics.json").to_dict()
+    return dict(run, _dir=str(run_dir), _steps=[], _validation=None, _throughput=None)

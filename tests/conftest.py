@@ -104,15 +104,17 @@ def resolve(overrides: dict, stage: str = "ddp", **defaults) -> dict:
 
 
 def run_experiment(prepared: Path, run_dir: Path, spec: dict, checkpoint: bool = True) -> dict:
-    """Run one experiment through distlab.launch (real ranks); returns its metrics."""
+    """Run one experiment through distlab.launch (real ranks); returns its metrics (as the one
+    reader, run_outputs.read_run_record, reads them)."""
     from distlab.launch import launch
+    from distlab.run_outputs import read_run_record
 
     job = {"spec": spec, "run_dir": str(run_dir), "data_dir": str(prepared / f"data{spec['seq_len']}"),
            "model_source": str(prepared / "model"), "hardware_json": str(prepared / "hardware.json"),
            "env_allowlist": ["OMP_NUM_THREADS"],
            "checkpoint_dir": str(run_dir / "checkpoint") if checkpoint else None}
     launch(job, log_path=str(run_dir / "train.log"), timeout=300)
-    return json.loads((run_dir / "metrics.json").read_text())
+    return read_run_record(run_dir / "metrics.json").to_dict()
 
 
 def snakemake(workdir: Path, *args: str, config: dict | None = None, check: bool = True, timeout: int = 900,
@@ -149,12 +151,12 @@ def assert_advisor_estimate_holds(prepared: Path, run: dict, name: str) -> None:
 def load_filed(run_dir, scratch) -> dict:
     """collect.load_run of a test's run folder, copied under <scratch>/<machine>/<experiment> as a
     results folder files it (load_run refuses a run outside its own machine and experiment folders)."""
-    import json
     import shutil
 
     from distlab.report.collect import load_run
+    from distlab.run_outputs import read_run_record
 
-    metrics = json.loads((Path(run_dir) / "metrics.json").read_text())
-    dest = Path(scratch) / metrics["machine"] / metrics["experiment"]
+    record = read_run_record(Path(run_dir) / "metrics.json")
+    dest = Path(scratch) / record.machine / record.experiment
     shutil.copytree(run_dir, dest, dirs_exist_ok=True)
     return load_run(dest / "metrics.json")

@@ -15,6 +15,8 @@ import pytest
 
 from card_runs import fake_run
 
+from distlab.run_outputs import write_metrics
+
 GOOD = "goodbox"
 WILDCARD_BOX = "{oops}"
 RUNS = ({"world_size": 1, "micro_batch": 8}, {"world_size": 2, "micro_batch": 4})
@@ -32,9 +34,8 @@ def write_machine(root, machine: str) -> list[str]:
         run_dir = folder / run["experiment"]
         run_dir.mkdir(parents=True)
         metrics = {k: v for k, v in run.items() if not k.startswith("_")}
-        metrics.update(schema_version=_metrics_version(), machine=machine,
-                       versions={"python": "3.11", "torch": "2.13.0"})
-        (run_dir / "metrics.json").write_text(json.dumps(metrics))
+        metrics.update(machine=machine, versions={"python": "3.11", "torch": "2.13.0"})
+        write_metrics(run_dir, metrics)  # the one writer of metrics.json
         (run_dir / "steps.jsonl").write_text("".join(json.dumps({"step": i, "loss": 3.0 - i / 10,
                                                                  "step_time_s": 0.1, "warmup": i < 2}) + "\n"
                                                      for i in range(6)))
@@ -55,12 +56,6 @@ def write_machine(root, machine: str) -> list[str]:
         "estimates": [{"strategy": "ddp", "params": 1, "grads": 1, "optimizer": 1, "gathered": 0,
                        "activation_bytes": 1, "total_bytes": 4, "cpu_offloaded": 0}]}))
     return ids
-
-
-def _metrics_version():
-    from distlab.metrics import METRICS_SCHEMA_VERSION
-
-    return METRICS_SCHEMA_VERSION
 
 
 def edit_json(path, change):
@@ -140,7 +135,7 @@ def outcome(tmp_path_factory):
     paths, ignored = shared_metrics_paths([str(root)], str(root / "thisbox"))  # as rules/common.smk finds them
     runs, rejected = load_checked_runs(paths)
     spreadsheet_safe(summary_frame(runs)).to_csv(root / "summary.csv", index=False)
-    left_out = build_report([r["_path"] for r in runs], str(root / "report" / "index.html"),
+    left_out = build_report([r["_path"] for r in runs], root / "summary.csv", str(root / "report" / "index.html"),
                             str(root / "report" / "README.md"), left_out=ignored + rejected)
     kept = {(r["machine"], r["experiment"]) for r in runs}
     return {"root": root, "kept": kept, "left_out": left_out, "good_ids": good_ids}

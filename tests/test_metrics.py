@@ -118,3 +118,32 @@ def test_a_metrics_write_that_fails_halfway_leaves_the_previous_record_whole(tmp
         write_outputs(str(tmp_path), ({"status": "oom", "loss": float("nan")}, []))
     monkeypatch.undo()
     assert json.loads((tmp_path / "metrics.json").read_text()) == {"status": "ok", "loss": 1.5}
+
+
+def test_metrics_json_reads_back_through_its_one_reader_as_written_and_read_only(tmp_path):
+    """run_outputs.read_run_record, the one reader: what write_metrics wrote comes back with
+    its typed fields and the whole file read-only; another schema version or a missing field is
+    refused with the file and the field named."""
+    import json
+    import re
+
+    from distlab.metrics import METRICS_SCHEMA_VERSION
+    from distlab.run_outputs import ResultsError, read_run_record, write_metrics
+
+    written = {"schema_version": METRICS_SCHEMA_VERSION, "experiment": "ddp-x", "machine": "box", "stage": "ddp",
+               "status": "ok", "spec": {"world_size": 2}, "loss": {"per_step": [3.0, float("nan")]}}
+    write_metrics(tmp_path, written)
+    record = read_run_record(tmp_path / "metrics.json")
+    assert (record.experiment, record.machine, record.stage, record.status) == ("ddp-x", "box", "ddp", "ok")
+    assert record.spec["world_size"] == 2 and record.data["loss"]["per_step"] == (3.0, None)
+    with pytest.raises(TypeError):
+        record.data["spec"]["world_size"] = 1
+    copy = record.to_dict()
+    copy["spec"]["world_size"] = 1  # a fresh, mutable copy; the record stays as read
+    assert record.spec["world_size"] == 2 and copy["loss"]["per_step"] == [3.0, None]
+    path = tmp_path / "metrics.json"
+    for change, words in (({"schema_version": 99}, "metrics schema_version 99"),
+                          ({"stage": None}, "field 'stage'"), ({"spec": [1]}, "field 'spec': not an object")):
+        path.write_text(json.dumps({**written, **change}))
+        with pytest.raises(ResultsError, match=re.escape(f"{path}: {words}")):
+            read_run_record(path)

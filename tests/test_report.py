@@ -191,13 +191,15 @@ def test_the_report_reads_only_what_its_rule_declares(finished_pipeline, tmp_pat
     real_open = io.open
     monkeypatch.setattr(io, "open", recording_open)
     monkeypatch.setattr(builtins, "open", recording_open)
-    report_rule([p for p in inputs if p.endswith("/metrics.json")], [str(results / MACHINE / "advice.json")],
+    (summary,) = [p for p in inputs if p.endswith("/summary.csv")]
+    report_rule([p for p in inputs if p.endswith("/metrics.json")], summary, [str(results / MACHINE / "advice.json")],
                 declared_inputs(inputs), tmp_path / "out" / "index.html", tmp_path / "out" / "README.md")
     monkeypatch.undo()
     declared = declared_inputs(inputs)
     assert [p for p in read if not any(str(d) in declared for d in (Path(p), *Path(p).parents))] == []
     metrics = [p for p in read if p.endswith("/metrics.json")]
     assert metrics and len(metrics) == len(set(metrics)), "each run's metrics.json is read once"
+    assert read.count(summary) == 1, "summary.csv is read, not recomputed"
     beside = [run / name for machine in (MACHINE, "otherbox") for run in (results / machine).iterdir()
               if (run / "metrics.json").is_file() for name in RUN_SIDE_FILES if (run / name).is_file()]
     machine_files = [results / m / name for m in (MACHINE, "otherbox") for name in MACHINE_FILES]

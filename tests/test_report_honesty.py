@@ -262,16 +262,15 @@ def test_the_zero3_trade_says_when_the_lean_profile_saved_no_memory(tmp_path):
     assert "slower" not in faster and "0.80x the step time" in faster
 
 
-# Calls that read the file system. The opt-in targets' own pages (links, unequal, two_hosts:
-# rules/links.smk) are not the milestone report.
+# Calls that read the file system.
 FILE_ACCESS = {"open", "read_text", "read_bytes", "is_file", "exists", "glob", "rglob", "iterdir", "listdir",
                "scandir", "read_json", "read_steps", "load_run", "load_runs", "machine_files", "read_csv"}
-OPT_IN_PAGES = {"links", "unequal", "two_hosts"}
 
 
 def test_no_report_card_opens_a_file():
-    """A card is a function of the runs it is handed: collect.load_run and attach_machine_records
-    read the files rule report declares, so a card cannot read one the rule never declared."""
+    """A card is a function of the runs it is handed: collect.load_run and the report's door
+    (build.read_inputs, pages.py for the opt-in targets' pages) read the files their rule
+    declares, so a card cannot read one the rule never declared."""
     import ast
     from pathlib import Path
 
@@ -279,11 +278,68 @@ def test_no_report_card_opens_a_file():
 
     opened = []
     for path in sorted(Path(cards.__file__).parent.glob("*.py")):
-        if path.stem in OPT_IN_PAGES:
-            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call):
                 name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
                 if name in FILE_ACCESS:
                     opened.append(f"{path.name}:{node.lineno} {name}()")
     assert opened == []
+
+
+# Built and rendered in a fresh interpreter: runs written and read back through distlab.run_outputs
+# first, then every open() recorded while the report is built from them in memory.
+IN_MEMORY_REPORT = """
+import builtins, io, json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from card_runs import fake_run
+
+root = Path(sys.argv[1])
+runs = [fake_run(root / "a", {"world_size": 1, "micro_batch": 8}),
+        fake_run(root / "b", {"world_size": 2, "micro_batch": 4}),
+        fake_run(root / "c", {"strategy": "deepspeed", "world_size": 2, "micro_batch": 4,
+                              "deepspeed": {"zero_stage": 3}}, "deepspeed", as_built={"deepspeed": {"zero_stage": 3}}),
+        fake_run(root / "d", {"strategy": "fsdp", "world_size": 2, "micro_batch": 4}, "fsdp",
+                 as_built={"outer_wrapper": "FSDPModule", "wrappers_found": ["FSDPModule"]})]
+for run in runs:  # the load, training and save peaks distlab.memory records per rank
+    for rank in run["memory"]["per_rank"]:
+        rank.update({phase: {"rss_peak_bytes": 2**20} for phase in ("load_phase", "training_phase", "save_phase")})
+opened, real_open = [], io.open
+
+def recording_open(file, *args, **kwargs):
+    if str(file).startswith(str(root)):
+        opened.append(str(file))
+    return real_open(file, *args, **kwargs)
+
+builtins.open = io.open = recording_open
+from distlab.report.build import ReportInputs, report_sections
+from distlab.report.cards import links, two_hosts, unequal
+from distlab.report.render import render_html, render_markdown
+
+sections = report_sections(ReportInputs(runs, [{"machine": r["machine"]} for r in runs]))
+pages = [unequal.build(runs)[0], links.build(runs, {})[0], two_hosts.build(None, {"hosts": [{"name": "head", "address": "a"}, {"name": "node", "address": "b"}]})]
+html = render_html(sections + pages, runs, str(root), "")
+markdown = render_markdown(sections + pages, runs, str(root), "")
+print(json.dumps({"opened": opened, "torch": sorted(m for m in sys.modules if m.split(".")[0] == "torch"),
+                  "titles": [c.title for c in sections], "figures": html.count("data:image/png"),
+                  "tables": [t.title for c in sections for t in c.tables]}))
+"""
+
+
+def test_the_report_is_built_from_its_inputs_alone_without_torch(tmp_path):
+    """The report's door reads; its cards are functions of what it hands them: built in memory
+    from runs (every stage card, the checkpoint table, ranking, loss, the opt-in pages' cards),
+    nothing under the results folder is opened and torch is never imported. (The advisor card's
+    estimate check counts parameters on torch's meta device: the one exception, with advice.)"""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    proc = subprocess.run([sys.executable, "-c", IN_MEMORY_REPORT, str(tmp_path), str(tests)],
+                          capture_output=True, text=True, timeout=300, cwd=tests.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["opened"] == [] and out["torch"] == []
+    assert "Strategy ranking across all runs" in out["titles"] and out["figures"] >= 3

@@ -1,25 +1,29 @@
 """The milestone report: where you stand (overview), what to run next (advisor), one card per
-roadmap stage, then what spans stages: strategy ranking, machines side by side, collective
-bandwidth with the data-parallel break-even batch, loss curves. Self-contained HTML (plots
-embedded, readable on a phone, printable) and Markdown (distlab.report.render).
+roadmap stage, then what spans stages (distlab.report.cards.across): strategy ranking, machines
+side by side, collective bandwidth with the data-parallel break-even batch, loss curves.
+Self-contained HTML (plots embedded, readable on a phone, printable) and Markdown
+(distlab.report.render).
+
+Its door is read_inputs: every file the report shows is read there, once, and only when rule
+report declares it (distlab.report.inputs); the cards are functions of ReportInputs and open no
+file (tests/test_report_honesty.py).
 """
 from __future__ import annotations
 
+import csv
 import os
+from dataclasses import dataclass, field
 
 from distlab import advisor as adv
 from distlab import advisor_check
-from distlab import collectives as coll
-from distlab.report.cards import (COMPARED, DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figure, Table, all_cards,
-                                  is_busy, spread_caveat)
+from distlab.report.cards import (COMPARED, DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Table, all_cards, is_busy)
+from distlab.report.cards.across import (card_noting_missing, collectives_card, loss_card, machines_card,
+                                         ranking_card)
 from distlab.report.cards.checkpoint_table import checkpoint_card
 from distlab.report.collect import (COLLECTIVES_SCHEMA_VERSION, HARDWARE_SCHEMA_VERSION, ResultsError,
                                     attach_machine_records, clear_winner, load_checked_runs, load_runs,
-                                    machine_files, read_json, summary_frame, unit_of)
-from distlab.report.plots import bandwidth_curves, loss_panels, ranking
+                                    machine_files, read_json, unit_of)
 from distlab.report.render import render_html, render_markdown
-
-NO_CLEAR_WINNER = "no clear winner"
 
 
 def overview_card(cards: list[Card], runs: list[dict], advice: dict) -> Card:
@@ -110,14 +114,6 @@ def busy_note(runs: list[dict]) -> str:
             "on a quiet machine before comparing speeds.")
 
 
-def card_noting_missing(number: int, title: str, source: dict, missing: str) -> Card:
-    """A card whose input file may be absent: then it says which file and which rule."""
-    card = Card(number, title)
-    if not source:
-        card.notes.append(missing)
-    return card
-
-
 def advisor_card(advice: dict, runs: list[dict], left_out: list[dict] | None = None) -> Card:
     card = card_noting_missing(90, "Advisor: what to run on this hardware", advice,
                                "No advice.json found (rule `advise`); run `snakemake advise`.")
@@ -177,155 +173,6 @@ def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
                           "base model the advice sizes: model.extra).")
 
 
-def ranking_card(runs: list[dict]) -> Card:
-    import pandas as pd
-
-    card = Card(91, "Strategy ranking across all runs")
-    # Tokens/s only: a text-to-image run's images/s is ranked on its own card.
-    ok = [r for r in runs if r.get("_throughput") and r["spec"]["sampler"] == "distributed" and unit_of(r) == "token"]
-    if not ok:
-        card.notes.append("No successful run yet.")
-        return card
-    skipped = [r["experiment"] for r in runs if r.get("_throughput") and r["spec"]["sampler"] != "distributed"]
-    if skipped:
-        card.notes.append(f"Left out: {', '.join(sorted(set(skipped)))} (no DistributedSampler: its ranks read the "
-                          "same samples, so its tokens/s counts duplicates).")
-    for machine in sorted({r["machine"] for r in ok}):
-        mine = sorted((r for r in ok if r["machine"] == machine), key=lambda r: -r["_throughput"]["median"])
-        rows = []
-        for i, run in enumerate(mine):
-            t, nxt = run["_throughput"], mine[i + 1] if i + 1 < len(mine) else None
-            versus = "" if nxt is None else ("faster" if clear_winner(run, nxt) else NO_CLEAR_WINNER)
-            rows.append({"rank": i + 1, "experiment": run["experiment"], "stage": run["stage"],
-                         "tokens/s": round(t["median"], 1), "spread": f"{t['low']:.1f}-{t['high']:.1f}",
-                         "timed steps": t.get("timed_steps"),
-                         "vs next": versus, "ranks": run["as_built"]["world_size"],
-                         "wrapped by": run["as_built"].get("outer_wrapper"),
-                         "checkpoint check": run.get("_validation") and
-                         ("passed" if run["_validation"].get("passed") else "failed") or "-"})
-        hows = sorted({r["_throughput"]["how"] for r in mine})
-        # One sentence when every run was timed alike; else the per-run count is the column.
-        timing = hows[0] if len(hows) == 1 else ("median tokens/s over each run's timed steps (column 'timed "
-                                                 "steps'), spread from the step-time interquartile range, or "
-                                                 "the min-max of its windows where spec 'repeats' asks")
-        how = (f"{timing}; tokens = every rank's tokens per optimizer step; device "
-               f"{mine[0]['spec']['device']}; torch {mine[0]['versions'].get('torch')}. Runs of different "
-               f"global batch or method are not like-for-like: read the ranking with the stage cards. The {spread_caveat(mine)}.")
-        card.tables.append(Table(f"{machine}: fastest first", pd.DataFrame(rows), how))
-        card.figures.append(Figure(f"{machine}: tokens/s by run", ranking(
-            [{"label": r["experiment"], **r["_throughput"]} for r in mine], f"{machine}: tokens/s"), how))
-    return card
-
-
-def machines_card(runs: list[dict], hardware: dict) -> Card | None:
-    import pandas as pd
-
-    machines = sorted({r["machine"] for r in runs})
-    if len(machines) < 2:
-        return None
-    card = Card(92, "Machines side by side")
-    rows = {}
-    for run in (r for r in runs if unit_of(r) == "token"):  # tokens/s cells; images/s are on their card
-        t = run.get("_throughput")
-        cell = f"{t['median']:.1f} ({t['low']:.1f}-{t['high']:.1f})" if t else run.get("status")
-        rows.setdefault(run["experiment"], {"experiment": run["experiment"]})[run["machine"]] = cell
-    for experiment, row in rows.items():
-        pair = [r for r in runs if r["experiment"] == experiment and r.get("_throughput")]
-        if len(pair) >= 2:
-            best = max(pair, key=lambda r: r["_throughput"]["median"])
-            others = [r for r in pair if r is not best]
-            row["faster"] = best["machine"] if all(clear_winner(best, o) for o in others) else NO_CLEAR_WINNER
-    card.tables.append(Table("tokens/s per experiment and machine (median, spread)",
-                             pd.DataFrame(list(rows.values())),
-                             f"each cell measured on that machine; 'no clear winner' when the spreads overlap; "
-                             f"{spread_caveat(runs)}"))
-    hw = [{"machine": m, "cpu": h.get("cpu", {}).get("model"), "cores": h.get("cpu", {}).get("usable_cores"),
-           "gpus": ", ".join(g["name"] for g in h.get("gpus", [])) or "none"} for m, h in sorted(hardware.items())]
-    if hw:
-        card.tables.append(Table("Hardware", pd.DataFrame(hw), "from each machine's hardware.json"))
-    return card
-
-
-def collectives_card(bench: dict, runs: list[dict]) -> Card:
-    import pandas as pd
-
-    card = card_noting_missing(93, "Communication: collective bandwidth and when N ranks beat 1", bench,
-                               "No collectives.json (rule `collectives`); the benchmark has not run.")
-    if not bench:
-        return card
-    series, rows = [], []
-    for machine, result in sorted(bench.items()):
-        n = result["world_size"]
-        for backend in sorted({r["backend"] for r in result["results"]}):
-            for op in coll.OPS:
-                ok = [r for r in result["results"] if r["backend"] == backend and r["op"] == op and r["status"] == "ok"]
-                bad = [r for r in result["results"] if r["backend"] == backend and r["op"] == op
-                       and r["status"] != "ok"]
-                if bad:
-                    card.notes.append(f"{machine} {backend} {op}: {bad[0]['status']} ({bad[0].get('reason')})")
-                if not ok:
-                    continue
-                series.append({"label": f"{machine} {backend} {op}", "sizes": [r["size_bytes"] for r in ok],
-                               "busbw": [r["busbw_bytes_per_s"] for r in ok]})
-                for r in ok:
-                    rows.append({"machine": machine, "backend": backend, "op": op, "ranks": n, "bytes": r["size_bytes"],
-                                 "time us": round(r["time_s_median"] * 1e6, 1),
-                                 "algbw GB/s": round(r["algbw_bytes_per_s"] / 1e9, 3),
-                                 "busbw GB/s": round(r["busbw_bytes_per_s"] / 1e9, 3)})
-        card.notes.extend(break_even_notes(machine, result, runs))
-    how = next(iter(bench.values()))["how"] + ". " + " ".join(
-        f"{m}: {r['world_size']} ranks, {r['device']}, {r.get('threads_per_rank')} thread(s)/rank, torch "
-        f"{r['versions'].get('torch')}." for m, r in sorted(bench.items()))
-    card.figures.append(Figure("Bus bandwidth vs message size",
-                               bandwidth_curves(series, "bus bandwidth (nccl-tests busbw)"), how))
-    card.tables.append(Table("Measured collectives", pd.DataFrame(rows), how))
-    return card
-
-
-def break_even_notes(machine: str, result: dict, runs: list[dict]) -> list[str]:
-    """The global batch above which N data-parallel ranks beat one, from measured numbers."""
-    n = result["world_size"]
-    singles = [r for r in runs if r["machine"] == machine and r.get("status") == "ok" and r["stage"] == "ddp"
-               and r["as_built"]["world_size"] == 1 and unit_of(r) == "token"]
-    if not singles:
-        return [f"{machine}: no 1-rank DDP run, so no break-even batch (needs its compute time per sample)."]
-    one = singles[0]
-    backend = "nccl" if result["device"] == "cuda" else "gloo"
-    grad_bytes = one["parameters"]["trainable"] * 4  # fp32 gradients (autocast keeps fp32 weights)
-    allreduce = coll.time_at(result, "all_reduce", backend, grad_bytes)
-    if allreduce is None:
-        return [f"{machine}: no {backend} all-reduce measurement, so no break-even batch."]
-    per_sample = one["timing"]["step_time_s"]["median"] / one["throughput"]["samples_per_step"]
-    b_star = coll.break_even_global_batch(per_sample, allreduce, n)
-    text = (f"{machine}: one sample costs {per_sample * 1e3:.1f} ms of compute ({one['experiment']}, median step / "
-            f"samples per step); all-reducing the {grad_bytes / 2**20:.1f} MiB of gradients over {n} ranks costs "
-            f"{allreduce * 1e3:.1f} ms ({backend}, interpolated from the benchmark). With no overlap, {n} ranks "
-            f"beat 1 once the global batch exceeds B* = a*N/(c*(N-1)) = {b_star:.1f} samples (upper bound: DDP "
-            "overlaps the all-reduce with backward).")
-    peers = [r for r in runs if r["machine"] == machine and r.get("status") == "ok" and r["stage"] == "ddp"
-             and unit_of(r) == "token" and r["as_built"]["world_size"] == n and r["spec"]["sampler"] == "distributed"
-             and r["throughput"]["samples_per_step"] == one["throughput"]["samples_per_step"]]
-    if peers:
-        speed = peers[0]["throughput"]["tokens_per_s"] / one["throughput"]["tokens_per_s"]
-        batch = one["throughput"]["samples_per_step"]
-        text += (f" Measured at global batch {batch}: {n} ranks ran {speed:.2f}x the 1-rank tokens/s "
-                 f"({peers[0]['experiment']}); the estimate predicted {'a speedup' if batch > b_star else 'no speedup'}.")
-    return [text]
-
-
-def loss_card(runs: list[dict]) -> Card:
-    card = Card(94, "Loss curves per stage")
-    by_stage = {}
-    for run in runs:
-        if run.get("status") == "ok":  # a text-to-image run's loss (a denoising MSE) gets a panel of its own
-            task = run["spec"].get("task", "causal-lm")
-            by_stage.setdefault(run["stage"] if task == "causal-lm" else f"{run['stage']} ({task})", []).append(run)
-    if by_stage:
-        card.figures.append(Figure("Loss per optimizer step, one panel per stage", loss_panels(by_stage),
-                                   "mean training loss over data-parallel ranks per optimizer step, warm-up included"))
-    return card
-
-
 def _versions(runs: list[dict]) -> str:
     seen = {}
     for run in runs:
@@ -344,20 +191,33 @@ def left_out_card(left_out: list[dict]) -> Card | None:
     return card
 
 
-def build_report(metrics_paths, html_path, md_path, advice_paths=(), left_out=None, declared=None) -> list[dict]:
-    """Write both pages from these metrics.json files (write_report says what it returns)."""
-    return write_report(load_runs(metrics_paths, declared), html_path, md_path, advice_paths, left_out, declared)
+@dataclass
+class ReportInputs:
+    """Everything the milestone report shows, read once at its door (read_inputs): the cards
+    are functions of this and open no file."""
+    runs: list[dict]  # collect.load_run: each metrics.json with the declared files beside it
+    summary: list[dict]  # summary.csv's rows (rule summary), for the header's run count and machines
+    hardware: dict = field(default_factory=dict)  # {machine: hardware.json}
+    collectives: dict = field(default_factory=dict)  # {machine: collectives.json}
+    advice: dict = field(default_factory=dict)  # {machine: advice.json}
+    left_out: list[dict] = field(default_factory=list)  # files not trusted, {"path", "reason"}
 
 
-def write_report(runs: list[dict], html_path, md_path, advice_paths=(), left_out=None, declared=None) -> list[dict]:
-    """Write both pages from runs already loaded (each metrics.json is read once, by
-    collect.load_run); returns the files left out ({"path", "reason"}): `left_out` (the runs
-    the summary refused) and the machine files that failed their schema here. declared: the
-    rule's inputs (distlab.report.inputs), the only files read."""
+def read_summary(path) -> list[dict]:
+    """summary.csv's rows (rule summary wrote them from the same runs): the report does not
+    recompute the table it depends on."""
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def read_inputs(runs: list[dict], summary_path, advice_paths=(), left_out=None, declared=None) -> ReportInputs:
+    """The report's door: the runs already loaded (collect.load_run reads each metrics.json
+    once), summary.csv, and every machine-level file, read once; `declared`: the rule's inputs
+    (distlab.report.inputs), the only files read. A machine file that fails its schema is named
+    in left_out (after the runs the summary refused) and left out."""
     left_out = list(left_out or [])
     for run in runs:
         run["_dir"] = os.path.abspath(run["_dir"])
-    frame = summary_frame(runs)
     hardware = machine_files(runs, "hardware.json", HARDWARE_SCHEMA_VERSION, left_out, declared)
     bench = machine_files(runs, "collectives.json", COLLECTIVES_SCHEMA_VERSION, left_out, declared)
     # other machines' advice comes with their folders
@@ -370,27 +230,47 @@ def write_report(runs: list[dict], html_path, md_path, advice_paths=(), left_out
             left_out.append({"path": str(path), "reason": str(error)})
             continue
         advice[os.path.basename(os.path.dirname(os.path.abspath(path)))] = a
+    return ReportInputs(runs, read_summary(summary_path), hardware, bench, advice, left_out)
+
+
+def report_sections(inputs: ReportInputs) -> list[Card]:
+    """The report's cards, in order, from its inputs alone (a card whose source file failed
+    adds it to inputs.left_out, named on the last card)."""
+    runs, advice = inputs.runs, inputs.advice
     stage_cards = all_cards(runs)
-    advisor = advisor_card(advice, runs, left_out)
+    advisor = advisor_card(advice, runs, inputs.left_out)
     sections = [overview_card(stage_cards, runs, advice), advisor, *stage_cards,
                 checkpoint_card(runs),
-                ranking_card(runs), machines_card(runs, hardware), collectives_card(bench, runs), loss_card(runs),
-                left_out_card(left_out)]
-    sections = [s for s in sections if s is not None]
+                ranking_card(runs), machines_card(runs, inputs.hardware), collectives_card(inputs.collectives, runs),
+                loss_card(runs), left_out_card(inputs.left_out)]
+    return [s for s in sections if s is not None]
+
+
+def write_report(inputs: ReportInputs, html_path, md_path) -> list[dict]:
+    """Write both pages; returns the files left out ({"path", "reason"})."""
+    sections = report_sections(inputs)
     out_dir = os.path.dirname(os.path.abspath(html_path))
     os.makedirs(out_dir, exist_ok=True)
-    versions = _versions(runs)
+    versions = _versions(inputs.runs)
     with open(html_path, "w") as fh:
-        fh.write(render_html(sections, frame, out_dir, versions))
+        fh.write(render_html(sections, inputs.summary, out_dir, versions))
     with open(md_path, "w") as fh:
-        fh.write(render_markdown(sections, frame, out_dir, versions))
-    return left_out
+        fh.write(render_markdown(sections, inputs.summary, out_dir, versions))
+    return inputs.left_out
 
 
-def report_rule(metrics_paths, advice_paths, declared, html_path, md_path, ignored=()) -> list[dict]:
+def build_report(metrics_paths, summary_path, html_path, md_path, advice_paths=(), left_out=None,
+                 declared=None) -> list[dict]:
+    """Write both pages from these metrics.json files and their summary.csv (write_report says
+    what it returns)."""
+    inputs = read_inputs(load_runs(metrics_paths, declared), summary_path, advice_paths, left_out, declared)
+    return write_report(inputs, html_path, md_path)
+
+
+def report_rule(metrics_paths, summary_path, advice_paths, declared, html_path, md_path, ignored=()) -> list[dict]:
     """Rule report (scripts/report.py): the runs the summary accepts, reading only the rule's
     declared inputs (`declared`, distlab.report.inputs); returns what was left out (`ignored`:
     results folders the workflow could not read, distlab.report.collect.shared_metrics_paths)."""
     runs, rejected = load_checked_runs(list(metrics_paths), declared=declared)
-    return write_report(runs, html_path, md_path, advice_paths=list(advice_paths),
-                        left_out=list(ignored) + rejected, declared=declared)
+    inputs = read_inputs(runs, summary_path, list(advice_paths), list(ignored) + rejected, declared)
+    return write_report(inputs, html_path, md_path)

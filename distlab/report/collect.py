@@ -22,25 +22,17 @@ import os
 import statistics
 from pathlib import Path
 
-from distlab.metrics import METRICS_SCHEMA_VERSION
 from distlab.report.inputs import job_wall_seconds, readable
 from distlab.run_layout import KUBERAY_CHECKS, run_files_dir
+from distlab.run_outputs import MAX_RESULTS_FILE_BYTES, ResultsError, parse_json, read_json_object, read_run_record
 
 VALIDATION_SCHEMA_VERSION = 1
 COLLECTIVES_SCHEMA_VERSION = 1
 HARDWARE_SCHEMA_VERSION = 1
 
 
-# Larger than any results file distlab writes (a metrics.json of 100k steps is ~3 MB): such a
-# file is refused before it is read into memory.
-MAX_RESULTS_FILE_BYTES = 64 << 20
 # The JSON Schema kind of each machine-level file.
 MACHINE_FILE_KINDS = {"hardware.json": "hardware", "collectives.json": "collectives", "advice.json": "advice"}
-
-
-class ResultsError(ValueError):
-    """A results file that cannot be trusted (corrupt, another schema version, a field of the
-    wrong type or out of range), with the file named."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -73,28 +65,10 @@ def check_schema(data, kind: str, path) -> None:
                            "fix or remove the file")
 
 
-def _parse(text: str, path, what: str):
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise ResultsError(f"{path}: {what} is nested too deeply to be a distlab file; fix or remove it") from None
-
-
 def read_json(path: Path, what: str, version: int | None, kind: str | None = None) -> dict:
     """A results file as a dict: readable, a JSON object, of this schema version and (kind)
     matching its JSON Schema."""
-    try:
-        if Path(path).stat().st_size > MAX_RESULTS_FILE_BYTES:
-            raise ResultsError(f"{path}: {what} file is larger than {MAX_RESULTS_FILE_BYTES >> 20} MB, which no "
-                               "distlab file is; fix or remove it")
-        data = _parse(Path(path).read_text(), path, f"{what} file")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ResultsError(f"{path}: unreadable {what} file ({exc}); fix or remove it") from None
-    if not isinstance(data, dict):
-        raise ResultsError(f"{path}: {what} file is not a JSON object; fix or remove it")
-    if version is not None and data.get("schema_version") != version:
-        raise ResultsError(f"{path}: {what} schema_version {data.get('schema_version')!r}, this distlab reads "
-                           f"{version}; refusing to mix it into the report")
+    data = read_json_object(path, what, version)
     if kind is not None:
         check_schema(data, kind, path)
     return data
@@ -108,7 +82,7 @@ def read_steps(path: Path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            row = _parse(line, path, f"line {number}")
+            row = parse_json(line, path, f"line {number}")
         except json.JSONDecodeError as exc:
             raise ResultsError(f"{path}: line {number} is not a step record ({exc}); fix or remove the file") \
                 from None
@@ -180,9 +154,7 @@ def load_run(path: str | Path, named_folder: bool = True, declared: frozenset[st
     `declared`, when given): cards read these fields and open no file. named_folder: the run sits
     in <machine>/<experiment>/ (False: the two_hosts target's own fixed folder, still its machine's)."""
     path = Path(path)
-    run = read_json(path, "metrics", METRICS_SCHEMA_VERSION)
-    if "actual" in run and "as_built" not in run:  # the name results written before 'as_built' used
-        run["as_built"] = run.pop("actual")
+    run = read_run_record(path).to_dict()  # the one reader of metrics.json
     check_schema(run, "metrics", path)
     folders = (("machine", path.parent.parent.name), ("experiment", path.parent.name))
     for field, folder in folders if named_folder else folders[:1]:
@@ -329,7 +301,7 @@ def validation_status(run: dict) -> str | None:
 
 
 def summary_row(run: dict) -> dict:
-    from distlab.memory import phase_peaks
+    from distlab.memory_phases import phase_peaks
 
     spec = run["spec"]
     step = _get(run, "timing", "step_time_s", default={}) or {}

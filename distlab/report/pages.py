@@ -1,21 +1,24 @@
 """A page of its own for the opt-in targets (`snakemake links`, `unequal`, `two_hosts`): their
 card, rendered like the milestone report (HTML with plots, and Markdown), with every run it
-used in the table at the end."""
+used in the table at the end. This module is their door: it reads the files the target's rule
+declares and hands the cards (distlab/report/cards/links.py, unequal.py, two_hosts.py) what
+they build from; a card opens no file."""
 from __future__ import annotations
 
+import json
 import os
 
 from distlab.report.cards import Card
-from distlab.report.collect import load_checked_runs, summary_frame
+from distlab.report.collect import load_checked_runs, read_json
 from distlab.report.render import render_html, render_markdown
 
 
-def checked_runs(metrics_paths, named_folder: bool = True) -> list[dict]:
-    """The runs that read and hold every figure they promise (collect.load_checked_runs); a
-    rejected one is named on stderr, never half-read."""
+def checked_runs(metrics_paths, named_folder: bool = True, declared: frozenset[str] | None = None) -> list[dict]:
+    """The runs that read and hold every figure they promise (collect.load_checked_runs), with
+    only the `declared` files beside them read; a rejected one is named on stderr, never half-read."""
     import sys
 
-    runs, rejected = load_checked_runs(list(metrics_paths), named_folder)
+    runs, rejected = load_checked_runs(list(metrics_paths), named_folder, declared)
     for item in rejected:
         print(f"WARNING: left out of the card: {item['reason']}", file=sys.stderr)
     for run in runs:
@@ -24,12 +27,57 @@ def checked_runs(metrics_paths, named_folder: bool = True) -> list[dict]:
 
 
 def write_page(card: Card, runs: list[dict], html_path: str, md_path: str) -> None:
-    frame = summary_frame(runs)
+    rows = [{"machine": run["machine"]} for run in runs]  # the header's run count and machines
     out_dir = os.path.dirname(os.path.abspath(html_path))
     os.makedirs(out_dir, exist_ok=True)
     versions = "; ".join(sorted({f"torch {r['versions'].get('torch')}, ray {r['versions'].get('ray')}"
                                  for r in runs if r.get("versions")}))
     with open(html_path, "w") as fh:
-        fh.write(render_html([card], frame, out_dir, versions, title=f"distlab: {card.title}"))
+        fh.write(render_html([card], rows, out_dir, versions, title=f"distlab: {card.title}"))
     with open(md_path, "w") as fh:
-        fh.write(render_markdown([card], frame, out_dir, versions, title=f"distlab: {card.title}"))
+        fh.write(render_markdown([card], rows, out_dir, versions, title=f"distlab: {card.title}"))
+
+
+def write_evidence(evidence: dict, html_path: str, json_path: str) -> None:
+    """card.json: what the advisor cites from an opt-in card, with the page it came from."""
+    evidence["card"] = os.path.abspath(html_path)
+    with open(json_path, "w") as fh:
+        json.dump(evidence, fh, indent=1)
+
+
+def links_page(metrics_paths, collectives_paths, html_path: str, md_path: str, json_path: str,
+               declared: frozenset[str] | None = None) -> None:
+    """Rule links: the stage `links` runs and the collectives measured at each link cap."""
+    from distlab.config_links import link_label
+    from distlab.report.cards import links
+
+    runs = checked_runs(metrics_paths, declared=declared)
+    collectives = {}
+    for path in collectives_paths:
+        result = read_json(path, "link collectives", None)
+        collectives[link_label(result["link"]["bandwidth_mbit"])] = result
+    card, evidence = links.build(runs, collectives)
+    write_page(card, runs, html_path, md_path)
+    write_evidence(evidence, html_path, json_path)
+
+
+def unequal_page(metrics_paths, html_path: str, md_path: str, json_path: str,
+                 declared: frozenset[str] | None = None) -> None:
+    """Rule unequal: uniform against sized batches on ranks of unequal speed."""
+    from distlab.report.cards import unequal
+
+    runs = checked_runs(metrics_paths, declared=declared)
+    card, evidence = unequal.build(runs)
+    write_page(card, runs, html_path, md_path)
+    write_evidence(evidence, html_path, json_path)
+
+
+def two_hosts_page(metrics_path: str, hosts_path: str, html_path: str, md_path: str,
+                   declared: frozenset[str] | None = None) -> None:
+    """Rule two_hosts: its one run (in results/<machine>/two-hosts/, not a folder named by its
+    id) and the hosts record (which host ran which rank)."""
+    from distlab.report.cards import two_hosts
+
+    runs = checked_runs([metrics_path], named_folder=False, declared=declared)
+    record = read_json(hosts_path, "hosts record", None)
+    write_page(two_hosts.build(runs[0] if runs else None, record), runs, html_path, md_path)

@@ -60,14 +60,16 @@ def folded(text: str, tag: str = "p", css: str = "") -> str:
             f"<p>{html.escape(text)}</p></details>")
 
 
-def render_html(sections: list[Card], frame, out_dir: str, versions: str, title: str = "distlab milestone report") -> str:
-    machines = ", ".join(sorted(set(frame["machine"]))) if len(frame) else "none"
+def render_html(sections: list[Card], summary: list[dict], out_dir: str, versions: str,
+                title: str = "distlab milestone report") -> str:
+    """summary: one row per run with its machine (summary.csv's rows), for the header."""
+    machines = ", ".join(sorted({row["machine"] for row in summary})) if summary else "none"
     nav = " ".join(f"<a href='#s{c.number}'>{html.escape(c.title.split(' - ')[0])}</a>" for c in sections)
     parts = ["<!doctype html><html lang='en'><head><meta charset='utf-8'>",
              "<meta name='viewport' content='width=device-width, initial-scale=1'><link rel='icon' href='data:,'>",
              f"<title>{html.escape(title)}</title><style>{CSS}</style></head><body>",
              f"<h1>{html.escape(title)}</h1>",
-             f"<p class='how'>Built {datetime.datetime.now().isoformat(timespec='seconds')} from {len(frame)} run(s) "
+             f"<p class='how'>Built {datetime.datetime.now().isoformat(timespec='seconds')} from {len(summary)} run(s) "
              f"on machine(s): {html.escape(machines)}. Every figure is measured by the pipeline; each says how. "
              f"{html.escape(versions)}</p><nav>{nav}</nav>"]
     for card in sections:
@@ -124,10 +126,10 @@ def _table_markdown(frame) -> str:
         return frame.to_string(index=False)
 
 
-def render_markdown(sections: list[Card], frame, out_dir: str, versions: str,
+def render_markdown(sections: list[Card], summary: list[dict], out_dir: str, versions: str,
                     title: str = "distlab milestone report") -> str:
     lines = [f"# {title}", "",
-             f"{len(frame)} run(s); open index.html for the plots. Every figure is measured by the pipeline. "
+             f"{len(summary)} run(s); open index.html for the plots. Every figure is measured by the pipeline. "
              f"{md(versions)}", ""]
     for card in sections:
         lines += [f"## {md(card.title)}", ""]

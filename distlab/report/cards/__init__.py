@@ -128,7 +128,7 @@ def phase_peak_table(runs: list[dict], title: str, extra=None) -> Table:
     """Load, training and save peaks of every rank of `runs` (MiB); extra(run) adds columns."""
     import pandas as pd
 
-    from distlab.memory import PHASES, rank_phase_peaks
+    from distlab.memory_phases import PHASES, rank_phase_peaks
 
     rows = []
     for run in runs:

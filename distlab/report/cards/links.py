@@ -3,9 +3,6 @@ several speeds, each rank on a host of its own (distlab/links.py). Not a `stage*
 milestone report does not show it; its own page does, and the advisor cites its card.json."""
 from __future__ import annotations
 
-import json
-import os
-
 from distlab.config_links import link_label
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Goal, Table, comm_ms, \
     metrics_link
@@ -188,17 +185,3 @@ def build(runs: list[dict], collectives: dict) -> tuple[Card, dict]:
         "the same strategy lands for a device that much faster.")
     return card, evidence
 
-
-def write_card(metrics_paths, collectives_paths, html_path: str, md_path: str, json_path: str) -> None:
-    from distlab.report.pages import checked_runs, write_page
-
-    runs = checked_runs(metrics_paths)
-    collectives = {}
-    for path in collectives_paths:
-        result = json.loads(open(path).read())
-        collectives[link_label(result["link"]["bandwidth_mbit"])] = result
-    card, evidence = build(runs, collectives)
-    write_page(card, runs, html_path, md_path)
-    evidence["card"] = os.path.abspath(html_path)
-    with open(json_path, "w") as fh:
-        json.dump(evidence, fh, indent=1)

@@ -107,7 +107,7 @@ def peak_mib(run: dict) -> tuple[float | None, str]:
 def phase_columns(run: dict) -> dict:
     """Load-phase (process start -> first step), training-phase and save-phase (final eval,
     save, export) peaks of the largest rank."""
-    from distlab.memory import PHASES, phase_peaks
+    from distlab.memory_phases import PHASES, phase_peaks
 
     peaks = phase_peaks(run)
     return {f"{phase.split('_')[0]} peak / rank (MiB)": round(peaks[phase] / MIB, 1) if peaks[phase] is not None

@@ -3,8 +3,6 @@ which rank in every worker group, what each host did and sent, and the node leav
 rejoining. Not a `stage*` module: the milestone report does not show it; its page does."""
 from __future__ import annotations
 
-import json
-
 from distlab.report.cards import FAILED, PASSED, Card, Figure, Goal, Table, metrics_link
 from distlab.report.cards.stage5_ray import elastic_figure
 
@@ -68,10 +66,3 @@ def build(run: dict | None, record: dict) -> Card:
                       "the CPU and disk are shared, so this shows the mechanics of two machines, not a real WAN.")
     return card
 
-
-def write_card(metrics_path: str, hosts_path: str, html_path: str, md_path: str) -> None:
-    from distlab.report.pages import checked_runs, write_page
-
-    runs = checked_runs([metrics_path], named_folder=False)  # results/<machine>/two-hosts/, not its id
-    record = json.loads(open(hosts_path).read())
-    write_page(build(runs[0] if runs else None, record), runs, html_path, md_path)

@@ -4,7 +4,6 @@ own page shows it, and the advisor cites its card.json."""
 from __future__ import annotations
 
 import json
-import os
 
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Goal, Table, metrics_link
 from distlab.report.collect import clear_winner
@@ -108,13 +107,3 @@ def build(runs: list[dict]) -> tuple[Card, dict]:
                       "cgroup) or fewer threads (rank_cpu_threads); on GPUs, cards of different speed and memory.")
     return card, evidence
 
-
-def write_card(metrics_paths, html_path: str, md_path: str, json_path: str) -> None:
-    from distlab.report.pages import checked_runs, write_page
-
-    runs = checked_runs(metrics_paths)
-    card, evidence = build(runs)
-    write_page(card, runs, html_path, md_path)
-    evidence["card"] = os.path.abspath(html_path)
-    with open(json_path, "w") as fh:
-        json.dump(evidence, fh, indent=1)
