@@ -108,6 +108,7 @@ def full_runs(big, tmp_path_factory):
 def oom_run(big, out) -> dict:
     """The 1-rank DDP run under the budget FSDP's 2 ranks fit: it ends oom (no checkpoint)."""
     from distlab.launch import launch
+    from distlab.run_outputs import read_run_record
 
     result = {}
     over = resolve({"strategy": "ddp", "world_size": 1, "micro_batch": 2, "memory_budget_gib": BUDGET_GIB, **LORA})
@@ -115,7 +116,7 @@ def oom_run(big, out) -> dict:
            "model_source": str(big / "model"), "hardware_json": str(big / "hardware.json"), "env_allowlist": [],
            "checkpoint_dir": None}
     result["ddp-budget-status"] = launch(job, log_path=str(out / "ddp-budget.log"), timeout=600)
-    result["ddp-budget"] = json.loads((out / "ddp-budget" / "metrics.json").read_text())
+    result["ddp-budget"] = read_run_record(out / "ddp-budget" / "metrics.json").to_dict()
     return result
 
 
