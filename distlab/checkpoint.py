@@ -42,6 +42,7 @@ from pathlib import Path
 
 from distlab.checkpoint_files import (FORMAT_VERSION, atomic_dir, dir_bytes, fsync_tree, replace_dir, verify_manifest,
                                       write_manifest)
+from distlab.errors import BaseMismatch, CheckpointCorrupt, CheckpointError, CheckpointMismatch
 from distlab.safe_load import weights_only_loads
 from distlab.trainer_state import restore_trainer_state as _restore_trainer_state
 from distlab.trainer_state import save_trainer_state as _save_trainer_state
@@ -58,22 +59,6 @@ NON_TRAJECTORY_FIELDS = ("id", "stage", "checkpoint_every", "checkpoint_keep", "
 # Fault-injection hook for tests: "<experiment id>:<rank>:<steps done>" SIGKILLs that rank
 # right after that step (and after any checkpoint saved at it).
 FAULT_ENV = "DISTLAB_FAULT_KILL"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that must not be loaded; the message says why and names the file or field."""
-
-
-class CheckpointCorrupt(CheckpointError):
-    """A file is missing, truncated or altered (the manifest names it)."""
-
-
-class CheckpointMismatch(CheckpointError):
-    """Made for another model, config or world size."""
-
-
-class BaseMismatch(CheckpointMismatch):
-    """LoRA adapters saved for another base model than this run's."""
 
 
 class SaveFailed(RuntimeError):

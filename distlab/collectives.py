@@ -59,6 +59,30 @@ def command_args(plan: dict, out: str, machine: str) -> list[str]:
     return args + (["--nccl-skipped", plan["nccl_skipped"]] if plan.get("nccl_skipped") else [])
 
 
+def rank_spec(plan: dict) -> dict:
+    """The benchmark's ranks as the rank service starts them (distlab.launchers.ranks):
+    torchrun, one thread each (the rule's `threads` is one core per rank)."""
+    return {"world_size": plan["world_size"], "device": plan["device"], "cpu_threads_per_rank": 1,
+            "launcher": "torchrun"}
+
+
+def run_benchmark(plan: dict, out: str, machine: str, timeout: float | None = None) -> None:
+    """Rule collectives: start the benchmark's ranks on this machine through the service
+    training and validation use (they die with this process, and all of them on a timeout),
+    holding the GPUs the plan measures from the lock folder of the results folder `out` is in
+    (<results>/<machine>/collectives.json). Their output goes to this process's stdout."""
+    from distlab.gpu_alloc import lock_dir_for
+    from distlab.launch import assigned_gpus
+    from distlab.launchers.ranks import start_ranks
+
+    spec, where = rank_spec(plan), os.path.abspath(out)
+    with assigned_gpus({"spec": spec, "gpu_lock_dir": lock_dir_for(os.path.dirname(os.path.dirname(where)))}) as ids:
+        if ids:
+            print(f"GPUs held: {ids}", flush=True)
+        start_ranks(spec, "distlab.collectives", command_args(plan, out, machine), where, None, timeout,
+                    what="collective benchmark ranks")
+
+
 def skipped_rows(reason: str) -> list[dict]:
     return [{"backend": "nccl", "device": "cuda", "op": op, "status": "skipped", "reason": reason} for op in OPS]
 

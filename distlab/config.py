@@ -345,9 +345,12 @@ def check_config(config: dict) -> None:
         raise ConfigError("config field 'data.hf_name': source 'hf' needs a dataset name")
     if data["tokenizer"] and not os.path.exists(data["tokenizer"]):
         raise ConfigError(f"config field 'data.tokenizer': '{data['tokenizer']}' does not exist")
-    from distlab.data_checks import check_data  # data files readable with their fields; tokenizer fits the model
+    from distlab.data_checks import check_data, check_experiment_datasets  # files readable with their fields
+    from distlab.tokenizer_checks import check_tokenizer  # the tokenizer fits the model
 
     check_data(config)
+    check_tokenizer(config)
+    check_experiment_datasets(config)
     for name in task_names():  # a task's own config block: its model folder, its data files
         task_named(name).check_config(config)
     for index, extra in enumerate(config["extra_results"]):

@@ -22,6 +22,7 @@ from pathlib import Path
 from distlab.data_checks import builder_for
 from distlab.data_formats import BUILT_CHAT_TEMPLATE, DOCUMENT_END, IGNORE, encoder_for
 from distlab.prep_progress import TokenizeProgress, summary
+from distlab.tokenizer_checks import load_tokenizer  # noqa: F401 (data prep's, and callers' data.load_tokenizer)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
 DATA_INFO = "distlab_data.json"  # written beside the Arrow splits: tokenizer identity, token counts
@@ -175,56 +176,6 @@ def train_tokenizer(texts, vocab_size: int, out_dir: str | os.PathLike):
     wrapped.chat_template = BUILT_CHAT_TEMPLATE  # chat/instruction data render through it
     wrapped.save_pretrained(str(out_dir))
     return wrapped
-
-
-def load_tokenizer(path: str | os.PathLike, model_config: str | os.PathLike | None = None):
-    """A tokenizer folder (or hub id), or a tokenizer.json: with a tokenizer_config.json beside
-    it that folder is loaded; a bare one takes EOS/BOS/PAD from the model's config.json ids."""
-    from transformers import PreTrainedTokenizerFast
-
-    path = Path(path)
-    if path.is_file() and (path.parent / "tokenizer_config.json").is_file():
-        path = path.parent
-    if path.is_file():
-        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path))
-    elif _generic_fast_folder(path):
-        # The class AutoTokenizer would pick for this folder, loaded without importing
-        # AutoTokenizer: that import brings in torch (3-5 s of CPU for a data-prep job).
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
-    else:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    if model_config is not None:
-        from distlab.tokenizer_checks import _as_list, compare_with_model, model_special_ids
-
-        model_cfg = json.loads(Path(model_config).read_text())
-        for role, value in model_special_ids(model_cfg).items():
-            if value is not None and getattr(tokenizer, f"{role}_token_id") is None:
-                setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(_as_list(value)[0]))
-        ids = {role: getattr(tokenizer, f"{role}_token_id") for role in ("eos", "bos", "pad")}
-        compare_with_model(ids, max(tokenizer.get_vocab().values()), model_cfg, str(path), str(model_config))
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer {path} names no EOS token (a bare tokenizer.json has none, and no model "
-                         "config.json gives an eos_token_id): documents could not be separated; give the "
-                         "tokenizer's folder (with tokenizer_config.json) or a model.path whose config.json names "
-                         "eos_token_id")
-    return tokenizer
-
-
-GENERIC_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")  # transformers' class for any tokenizer.json
-
-
-def _generic_fast_folder(path: Path) -> bool:
-    """A local folder whose tokenizer_config.json names the generic fast class and that holds
-    no model config.json (which AutoTokenizer would also read): the built tokenizer's folder."""
-    config = path / "tokenizer_config.json"
-    if not (config.is_file() and (path / "tokenizer.json").is_file()) or (path / "config.json").exists():
-        return False
-    try:
-        return json.loads(config.read_text()).get("tokenizer_class") in GENERIC_FAST
-    except (OSError, ValueError):
-        return False
 
 
 def tokenizer_identity(tokenizer, source, saved_dir: Path) -> dict:

@@ -1,6 +1,6 @@
 """Data inputs checked at config time, before any job starts (a bad file found inside a job
-would cost the prepared data it replaces): every data file, and the tokenizer against the
-model it feeds.
+would cost the prepared data it replaces): every data file and every experiment's dataset
+name (the tokenizer against the model it feeds: distlab.tokenizer_checks).
 
 Imported by the Snakefile through distlab.config, so it stays light: json, csv and the
 `tokenizers` library (Rust, ~20 ms to import), never torch or transformers.
@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from distlab.config import ConfigError
+from distlab.errors import ConfigError
 
 SAMPLE_ROWS = 200  # rows per file whose fields are checked
 CHUNK_BYTES = 4 << 20
@@ -245,7 +245,9 @@ def check_data_file(name: str, cfg: dict, where: str) -> None:
 
 
 def check_data(config: dict) -> None:
-    """Every dataset's files, and the tokenizer against the model (config time)."""
+    """Every dataset's files and its source against its format (config time). The tokenizer
+    is checked next (distlab.tokenizer_checks.check_tokenizer, by distlab.config), then
+    check_experiment_datasets."""
     data = config["data"]
     for name, cfg in datasets_of(data).items():
         prefix = "data" if name == "default" else f"data.extra.{name}"
@@ -260,9 +262,11 @@ def check_data(config: dict) -> None:
         if cfg["source"] == "python-docs-instructions" and cfg["format"] != "instruction":
             raise ConfigError(f"config field '{prefix}.format': python-docs-instructions rows are "
                               "instructions; set format: instruction")
-    from distlab.tokenizer_checks import check_tokenizer
 
-    check_tokenizer(config)
+
+def check_experiment_datasets(config: dict) -> None:
+    """Every experiment's `dataset` names one of the data block's datasets."""
+    data = config["data"]
     for stage, block in (config.get("stages") or {}).items():
         for index, exp in enumerate((block or {}).get("experiments") or []):
             chosen = exp.get("dataset", (config.get("defaults") or {}).get("dataset", "default"))

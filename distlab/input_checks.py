@@ -26,6 +26,8 @@ from pathlib import Path
 import jsonschema
 import yaml
 
+from distlab.errors import ConfigError
+
 # Folders under results_dir that are not machine folders.
 RESERVED_MACHINE_NAMES = {"prep", "report", "logs", "kuberay", ".gpu-locks"}
 # Never write results into these (or at the root itself).
@@ -39,10 +41,6 @@ SOURCE_FOLDERS = (".git", ".ci", "benchmarks", "config", "distlab", "envs", "pro
                   "tests")
 WEIGHT_PATTERNS = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "*.pt", "*.pth")
 RAY_PROBE_TIMEOUT_S = 5.0
-
-
-class ConfigError(ValueError):
-    """A config problem, with the offending field (and file) named in the message."""
 
 
 def _strict_integer(checker, instance) -> bool:

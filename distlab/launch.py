@@ -79,7 +79,8 @@ def write_oom_metrics(job: dict) -> bool:
 @contextlib.contextmanager
 def assigned_gpus(job: dict):
     """CUDA runs hold their own disjoint GPUs (distlab.gpu_alloc) while the ranks run; every
-    launcher's rank environment inherits CUDA_VISIBLE_DEVICES, and devices.json records it."""
+    launcher's rank environment inherits CUDA_VISIBLE_DEVICES, and devices.json records it.
+    Training, validation and the collective benchmark (gpu_lock_dir given, no run_dir) hold them here."""
     spec = job["spec"]
     # On an existing Ray cluster, Ray places the ranks and assigns their GPUs.
     if spec["device"] != "cuda" or (spec.get("launcher") == "ray" and spec.get("ray", {}).get("address")):
@@ -91,9 +92,10 @@ def assigned_gpus(job: dict):
     lock_dir = job.get("gpu_lock_dir") or lock_dir_for(Path(job["run_dir"]).resolve().parent.parent)
     previous = os.environ.get("CUDA_VISIBLE_DEVICES")
     with allocate(spec["world_size"], lock_dir) as ids:
-        Path(job["run_dir"], "devices.json").write_text(json.dumps(
-            {"cuda_visible_devices": ids, "inherited": previous, "lock_dir": portable(lock_dir),
-             "how": "exclusive fcntl locks, one per GPU, held while the ranks ran (distlab.gpu_alloc)"}))
+        if job.get("run_dir"):  # a run's record (the collective benchmark has no run folder)
+            Path(job["run_dir"], "devices.json").write_text(json.dumps(
+                {"cuda_visible_devices": ids, "inherited": previous, "lock_dir": portable(lock_dir),
+                 "how": "exclusive fcntl locks, one per GPU, held while the ranks ran (distlab.gpu_alloc)"}))
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
         try:
             yield ids

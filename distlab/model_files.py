@@ -23,7 +23,7 @@ import os
 import struct
 from pathlib import Path
 
-from distlab.input_checks import ConfigError
+from distlab.errors import ConfigError
 
 ELEMENTS_SLACK = 16  # 4-bit weights packed into int32 hold 8 per element; a little more for scales
 HEADER_LIMIT = 100 << 20  # safetensors' own limit on a header's length

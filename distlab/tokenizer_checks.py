@@ -3,15 +3,17 @@
 A model folder as users bring it holds its own tokenizer: its ids, vocabulary and special
 tokens are the model's. The data must be encoded with it (a tokenizer trained on the corpus
 is only for the model the pipeline builds). One function loads it, at config time and in the
-data-prep job alike (distlab.data.load_tokenizer, through transformers): a tokenizer that
+data-prep job alike (load_tokenizer here, through transformers; data prep imports it): a tokenizer that
 transformers extends on load (a Qwen2-type folder gains `<|endoftext|>` as one more id) is
 decided the same way in both places. The comparison with the model is compare_with_model.
 """
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
-from distlab.config import ConfigError
+from distlab.errors import ConfigError
 
 SPECIAL_ROLES = ("eos", "bos", "pad")
 
@@ -58,8 +60,6 @@ def check_tokenizer(config: dict) -> None:
         return  # trained by the pipeline, or loaded from the hub by id (nothing on disk to read)
     field = "data.tokenizer" if data.get("tokenizer") else "model.path"
     model_config = str(Path(model["path"]) / "config.json") if model.get("path") else None
-    from distlab.data import load_tokenizer
-
     try:
         tokenizer = load_tokenizer(source, model_config)
     except ConfigError:
@@ -100,3 +100,51 @@ def check_streamed_text_pieces(config: dict, tokenizer, tok_field: str, source: 
                           f"tokenizer of '{tok_field}' ({source}) encodes pieces differently from the whole "
                           "text (it prepends a space marker to every call, as SentencePiece does); give the "
                           "data as JSON lines, one document per row, instead of .txt")
+
+
+def load_tokenizer(path: str | os.PathLike, model_config: str | os.PathLike | None = None):
+    """A tokenizer folder (or hub id), or a tokenizer.json: with a tokenizer_config.json beside
+    it that folder is loaded; a bare one takes EOS/BOS/PAD from the model's config.json ids."""
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(path)
+    if path.is_file() and (path.parent / "tokenizer_config.json").is_file():
+        path = path.parent
+    if path.is_file():
+        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path))
+    elif _generic_fast_folder(path):
+        # The class AutoTokenizer would pick for this folder, loaded without importing
+        # AutoTokenizer: that import brings in torch (3-5 s of CPU for a data-prep job).
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if model_config is not None:
+        model_cfg = json.loads(Path(model_config).read_text())
+        for role, value in model_special_ids(model_cfg).items():
+            if value is not None and getattr(tokenizer, f"{role}_token_id") is None:
+                setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(_as_list(value)[0]))
+        ids = {role: getattr(tokenizer, f"{role}_token_id") for role in ("eos", "bos", "pad")}
+        compare_with_model(ids, max(tokenizer.get_vocab().values()), model_cfg, str(path), str(model_config))
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {path} names no EOS token (a bare tokenizer.json has none, and no model "
+                         "config.json gives an eos_token_id): documents could not be separated; give the "
+                         "tokenizer's folder (with tokenizer_config.json) or a model.path whose config.json names "
+                         "eos_token_id")
+    return tokenizer
+
+
+GENERIC_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")  # transformers' class for any tokenizer.json
+
+
+def _generic_fast_folder(path: Path) -> bool:
+    """A local folder whose tokenizer_config.json names the generic fast class and that holds
+    no model config.json (which AutoTokenizer would also read): the built tokenizer's folder."""
+    config = path / "tokenizer_config.json"
+    if not (config.is_file() and (path / "tokenizer.json").is_file()) or (path / "config.json").exists():
+        return False
+    try:
+        return json.loads(config.read_text()).get("tokenizer_class") in GENERIC_FAST
+    except (OSError, ValueError):
+        return False

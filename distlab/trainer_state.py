@@ -11,6 +11,8 @@ import json
 import random
 from pathlib import Path
 
+from distlab.errors import CheckpointMismatch
+
 
 def save_trainer_state(root: Path, rank: int, device: torch.device, steps_done: int, stream, records,
                        scheduler=None) -> None:
@@ -55,8 +57,6 @@ def restore_trainer_state(root: Path, rank: int, device: torch.device, stream, s
         scheduler.load_state_dict(state["lr_scheduler"])
     records = replay_samples(stream, state["records"])
     if stream.state() != state["stream"]:
-        from distlab.checkpoint import CheckpointMismatch
-
         raise CheckpointMismatch(f"checkpoint {root}: replaying {len(records)} steps of the sampler ends at "
                                  f"{stream.state()}, the saved data position is {state['stream']}")
     return state["steps_done"], records

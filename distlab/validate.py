@@ -12,7 +12,6 @@ and writes results/<machine>/<experiment>/validation.json:
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 VALIDATION_SCHEMA_VERSION = 1
@@ -173,7 +172,10 @@ def _write(path, result: dict) -> dict:
 
 def _run_phase(job: dict, folder: Path, log_path, timeout) -> dict:
     """Start one launch's ranks; returns the checks rank 0 recorded (partial if they died)."""
+    from distlab.gpu_alloc import lock_dir_for
     from distlab.launch import assigned_gpus
+    from distlab.launchers.ranks import start_ranks
+    from distlab.sharing import portable
 
     folder.mkdir(exist_ok=True)
     out = folder / "checks.json"
@@ -183,47 +185,12 @@ def _run_phase(job: dict, folder: Path, log_path, timeout) -> dict:
     # The ranks' run_dir is this launch's folder: what strategies and launchers write there
     # (accelerate config, devices.json) must not overwrite the training run's files.
     job_path.write_text(json.dumps(dict(job, out=str(out), run_dir=str(folder))))
-    log = open(log_path, "a") if log_path else None
     # The GPUs are held for this launch only, from the same lock folder training used.
-    from distlab.gpu_alloc import lock_dir_for
-
     locks = lock_dir_for(Path(job["run_dir"]).resolve().parent.parent)
     with assigned_gpus({"spec": spec, "run_dir": str(folder), "gpu_lock_dir": locks}):
-        cmd, env = phase_command(spec, job_path, folder)
-        try:
-            _wait(cmd, env, log, timeout)
+        try:  # under the launcher the experiment trained with (distlab.launchers.ranks.rank_command)
+            start_ranks(spec, "distlab.validate_ranks", ["--job", str(job_path)], job_path, log_path, timeout,
+                        run_dir=folder, what="validation ranks", check=False)  # what they recorded decides
         finally:  # kept beside the run's results: without this checkout's paths (distlab.sharing)
-            from distlab.sharing import portable
-
             job_path.write_text(json.dumps(portable(json.loads(job_path.read_text()))))
     return json.loads(out.read_text()) if out.is_file() else {}
-
-
-def phase_command(spec: dict, job_path: Path, folder: Path) -> tuple[list[str], dict]:
-    """The launcher the experiment trained under (accelerate launch checks its own config file),
-    else torchrun; Ray-launched runs validate under torchrun, the same process group."""
-    if spec["launcher"] == "accelerate":
-        from distlab.launchers.accelerate import accelerate_command, launch_environment, write_accelerate_config
-        from distlab.run_layout import run_files_dir
-
-        config = write_accelerate_config(spec, run_files_dir(folder), str(job_path))
-        return accelerate_command(str(config), str(job_path), "distlab.validate_ranks"), launch_environment(spec)
-    from distlab.launchers.environment import single_node_environment
-    from distlab.launchers.torchrun import torchrun_command
-
-    return (torchrun_command(spec["world_size"], "distlab.validate_ranks", "--job", str(job_path)),
-            single_node_environment(spec))
-
-
-def _wait(cmd: list[str], env: dict, log, timeout) -> None:
-    try:
-        # The launcher and every rank die with the job, and all of them on a timeout.
-        from distlab.launchers.process import launch_line, run_tree
-
-        print(launch_line(cmd), end="", file=log or sys.stdout, flush=True)
-
-        if run_tree(cmd, env, log, timeout, marker=cmd[-1]) is None:
-            print(f"validation ranks killed after the {timeout} s timeout", file=log or sys.stdout, flush=True)
-    finally:
-        if log:
-            log.close()

@@ -3,15 +3,15 @@ of a capped link (distlab/links.py), one torchrun agent per host."""
 import json
 import os
 
-from distlab.collectives import command_args
-from distlab.launchers.environment import BASE_ENV
+from distlab.collectives import command_args, rank_spec
+from distlab.launchers.environment import rank_environment
 from distlab.launchers.linked import run_on_link
 from distlab.links import LinkedHosts
 from distlab.rule_log import logged
 
 with logged(snakemake):
     plan, out = dict(snakemake.params.plan), snakemake.output[0]
-    env = dict(os.environ, **BASE_ENV, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # gloo on CPU tensors
+    env = rank_environment(rank_spec(plan))  # the rank service's rules; gloo on CPU tensors (plan device cpu)
     with LinkedHosts(plan["world_size"], snakemake.params.bandwidth_mbit) as hosts:
         link = run_on_link(hosts, "distlab.collectives", command_args(plan, os.path.abspath(out), snakemake.params.machine),
                            env, None, timeout=snakemake.params.timeout_s)  # output: the rule log (fd 1)

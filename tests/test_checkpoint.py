@@ -14,6 +14,7 @@ from distlab import checkpoint as ckpt
 from distlab.checkpoint_files import MANIFEST, sha256_file, verify_manifest
 from distlab.loop import IndexStream
 from distlab.validate import validate_run
+from test_hygiene import python_process, reaper, sigkill_leaves_nothing, wait_for_ranks  # noqa: F401 (a fixture)
 
 
 TUNED = {"lr_schedule": "cosine", "lr_warmup_steps": 2, "max_grad_norm": 1.0}
@@ -161,6 +162,19 @@ def test_checkpoint_from_a_different_model_is_refused_naming_the_difference(trai
     spec = resolve({"world_size": 2, "micro_batch": 4, "checkpoint_every": 2})
     with pytest.raises(ckpt.CheckpointMismatch, match="different model.*hidden_size 64 .*vs 128"):
         ckpt.check_compatible(meta, spec, other, "final")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("reaper")
+def test_validation_ranks_die_with_the_process_that_started_them(trained, prepared, tmp_path):
+    """SIGKILL of the validating process (no clean-up runs) takes its launcher and ranks down."""
+    run = tmp_path / "copy"
+    shutil.copytree(trained[0], run, ignore=shutil.ignore_patterns("validation-work"))
+    args = [str(run), str(prepared / "model"), str(prepared / "data32"), str(tmp_path / "validation.json")]
+    validating = python_process(f"from distlab.validate import validate_run; validate_run(*{args!r})")
+    wait_for_ranks(validating, str(run), "distlab.validate_ranks")
+    sigkill_leaves_nothing(validating, run)
+    assert not (tmp_path / "validation.json").exists()
 
 
 def logits_of(model, batch):

@@ -55,6 +55,20 @@ def start_snakemake(workdir) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def python_process(code: str) -> subprocess.Popen:
+    """`python -c code` in the background, importing this checkout's distlab."""
+    return subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO)))
+
+
+def wait_for_ranks(parent: subprocess.Popen, marker: str, module: str, log=None, count: int = 2) -> None:
+    """Until `count` ranks of `module` (not their launcher) naming marker run, while parent does."""
+    deadline = time.monotonic() + 240
+    while len([p for p in survivors(marker) if module in p and "loopback" not in p]) < count:
+        assert parent.poll() is None, log.read_text() if log else "the process starting the ranks ended"
+        assert time.monotonic() < deadline, "the ranks never started"
+        time.sleep(0.2)
+
+
 def sigkill_leaves_nothing(smk: subprocess.Popen, workdir) -> None:
     """SIGKILL snakemake (no cleanup can run); within 30 s nothing naming workdir is left running."""
     smk.send_signal(signal.SIGKILL)
@@ -65,9 +79,8 @@ def sigkill_leaves_nothing(smk: subprocess.Popen, workdir) -> None:
     assert not survivors(str(workdir))
 
 
-def test_a_timeout_kills_every_rank_of_the_launch(tmp_path, reaper):
-    from distlab.launchers.process import run_ranks
-    from distlab.launchers.torchrun import torchrun_command
+def test_a_timeout_kills_every_rank_of_the_launch(tmp_path, reaper, monkeypatch):
+    from distlab.launchers.ranks import start_ranks
 
     # Ranks that never end and never ask to die with their parent: only killing the tree
     # reaches them (torchrun starts each in its own session).
@@ -76,14 +89,43 @@ def test_a_timeout_kills_every_rank_of_the_launch(tmp_path, reaper):
         pathlib.Path(sys.argv[-1], f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
         time.sleep(600)
     """))
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}", OMP_NUM_THREADS="1")
-    command = torchrun_command(2, "sleepy_rank", str(tmp_path))
-    with pytest.raises(RuntimeError, match="killed with their launcher after the 20 s timeout"):
-        run_ranks(command, env, str(tmp_path / "launch.log"), timeout=20)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{REPO}")
+    spec = {"world_size": 2, "device": "cpu", "cpu_threads_per_rank": 1, "launcher": "torchrun"}
+    with pytest.raises(RuntimeError, match="sleepy ranks were killed with their launcher after the 20 s timeout"):
+        start_ranks(spec, "sleepy_rank", [str(tmp_path)], tmp_path / "job.json", str(tmp_path / "launch.log"),
+                    timeout=20, what="sleepy ranks")
     pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in (0, 1)]  # both ranks had started
     time.sleep(0.5)
     assert not [pid for pid in pids if alive(pid)]
     assert not survivors(str(tmp_path))
+
+
+def test_training_validation_and_the_collective_benchmark_start_ranks_through_one_service(tmp_path, monkeypatch):
+    """Every set of ranks started on this machine goes through distlab.launchers.ranks, so the
+    same rules hold for each: rendezvous on loopback, threads per rank, no GPU for CPU ranks,
+    the launch identity (marker) on the command line, process handling by run_ranks."""
+    from distlab import collectives, validate
+    from distlab.launchers import get_launcher, ranks
+
+    started = []
+    monkeypatch.setattr(ranks, "run_ranks", lambda cmd, env, log_path, timeout, marker=None, what=None, check=True:
+                        started.append((cmd, env, marker, what, check)) or 0)
+    accelerate = resolve({"world_size": 2, "strategy": "accelerate"}, stage="accelerate")
+    for spec in (resolve({"world_size": 2}), accelerate):
+        get_launcher(spec["launcher"])({"spec": spec, "run_dir": str(tmp_path)}, str(tmp_path / "job.json"), None, None)
+    validate._run_phase({"spec": accelerate, "plan": [["same", 2]], "run_dir": str(tmp_path / "machine" / "run")},
+                        tmp_path / "phase", None, 60)
+    collectives.run_benchmark(collectives.plan({"world_size": 2, "min_bytes": 1024, "max_bytes_cpu": 1024,
+                                                "max_bytes_cuda": 1024, "factor": 4, "iters": 1, "warmup": 1},
+                                               {"a": accelerate}, 0), str(tmp_path / "out" / "collectives.json"), "box")
+    assert [(what, check) for *_, what, check in started] == [
+        ("training ranks", True), ("training ranks", True), ("validation ranks", False),  # its ranks' record decides
+        ("collective benchmark ranks", True)]
+    assert "accelerate.commands.launch" in started[1][0] and "accelerate.commands.launch" in started[2][0]
+    for cmd, env, marker, _, _ in started:
+        assert cmd[1:3] == ["-m", "distlab.launchers.loopback"] and env["GLOO_SOCKET_IFNAME"]
+        assert env["OMP_NUM_THREADS"] == "1" and env["CUDA_VISIBLE_DEVICES"] == ""
+        assert marker in cmd
 
 
 def test_sigkill_of_snakemake_leaves_no_launcher_or_rank_running(prepared, tmp_path, reaper):
@@ -108,19 +150,14 @@ def test_sigkill_of_snakemake_leaves_no_launcher_or_rank_running(prepared, tmp_p
             script: "train.py"
     """))
     smk = start_snakemake(tmp_path)
-    job_path = str((run_dir / "job.json").resolve())
-    deadline = time.monotonic() + 240
-    while len([p for p in survivors(job_path) if "distlab.worker" in p]) < 2:
-        assert smk.poll() is None, (tmp_path / "train.log").read_text()
-        assert time.monotonic() < deadline, "the ranks never started"
-        time.sleep(0.5)
+    wait_for_ranks(smk, str((run_dir / "job.json").resolve()), "distlab.worker", tmp_path / "train.log")
     assert (run_dir / "steps.jsonl").exists() is False  # mid-run, nothing finished
     sigkill_leaves_nothing(smk, tmp_path)
 
 
 def test_sigkill_of_snakemake_leaves_no_collective_benchmark_rank_running(tmp_path, reaper):
-    """Rule collectives' script starts its ranks as training does (run_ranks): a SIGKILLed
-    snakemake takes the script, torchrun and the benchmark's ranks down with it."""
+    """Rule collectives' script starts its ranks as training does (distlab.launchers.ranks): a
+    SIGKILLed snakemake takes the script, torchrun and the benchmark's ranks down with it."""
     plan = {"world_size": 2, "device": "cpu", "gpus": 0, "nccl_skipped": None, "min_bytes": 1024,
             "max_bytes": 1024, "factor": 4, "iters": 10**8, "warmup": 1}  # would run for hours
     (tmp_path / "Snakefile").write_text(textwrap.dedent(f"""
@@ -131,11 +168,7 @@ def test_sigkill_of_snakemake_leaves_no_collective_benchmark_rank_running(tmp_pa
             script: "{REPO}/scripts/collectives.py"
     """))
     smk = start_snakemake(tmp_path)
-    deadline = time.monotonic() + 240
-    while len([p for p in survivors(str(tmp_path)) if "distlab.collectives" in p and "loopback" not in p]) < 2:
-        assert smk.poll() is None, (tmp_path / "collectives.log").read_text()
-        assert time.monotonic() < deadline, "the ranks never started"
-        time.sleep(0.2)
+    wait_for_ranks(smk, str(tmp_path), "distlab.collectives", tmp_path / "collectives.log")
     sigkill_leaves_nothing(smk, tmp_path)
     assert not (tmp_path / "out" / "collectives.json").exists()
 

@@ -77,7 +77,7 @@ def test_an_accelerate_launch_listens_on_loopback_only(tmp_path, probe_env):
 
     spec = resolve({"world_size": 2}, stage="accelerate")
     config = write_accelerate_config(spec, tmp_path, str(tmp_path / "job.json"))
-    command = accelerate_command(str(config), "unused", "loopback_probe")
+    command = accelerate_command(str(config), "loopback_probe", "--job", "unused")
     command[command.index("--job") + 1] = str(tmp_path)  # the probe reads its folder from the last argument
     env = {**launch_environment(spec), "PYTHONPATH": probe_env["PYTHONPATH"]}
     sockets, _ = launch_and_list(tmp_path, command, env)

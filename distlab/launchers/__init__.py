@@ -1,16 +1,17 @@
 """Launcher registry: name -> "module:function", imported only when a run asks for it.
 
 Each launcher is `run(job, job_path, log_path, timeout)`: it starts the experiment's ranks
-and returns when they have finished (raising when they failed). Process handling lives in
-distlab.launchers.process, the rank environment in distlab.launchers.environment.
+and returns when they have finished (raising when they failed). Ranks on this machine start
+through distlab.launchers.ranks (also validation's and the collective benchmark's); process
+handling lives in distlab.launchers.process, the rank environment in distlab.launchers.environment.
 """
 from __future__ import annotations
 
 from distlab.registry import load
 
 REGISTRY = {
-    "torchrun": "distlab.launchers.torchrun:run",
-    "accelerate": "distlab.launchers.accelerate:run",
+    "torchrun": "distlab.launchers.ranks:run",  # one service for both (and validation, collectives)
+    "accelerate": "distlab.launchers.ranks:run",
     "ray": "distlab.launchers.ray_driver:run",
 }
 

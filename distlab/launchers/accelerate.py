@@ -1,4 +1,5 @@
-"""`accelerate launch` for one experiment.
+"""`accelerate launch` for one experiment: its config file, command line and environment
+(distlab.launchers.ranks starts the ranks with them).
 
 The Accelerate config file is generated from the experiment's spec and written beside its
 results (run_dir/run_files/accelerate_config.yaml) before the launch reads it, so the file on disk is
@@ -24,8 +25,6 @@ from pathlib import Path
 import yaml
 
 from distlab.launchers.environment import single_node_environment
-from distlab.launchers.process import run_ranks
-from distlab.run_layout import run_files_dir
 from distlab.sharing import portable
 
 CONFIG_NAME = "accelerate_config.yaml"
@@ -84,13 +83,12 @@ def accelerate_config(spec: dict) -> dict:
     return config
 
 
-def accelerate_command(config_path: str, job_path: str, module: str = "distlab.worker") -> list[str]:
-    """`accelerate launch --config_file ... -m <module> --job ...` (module form of the CLI)."""
+def accelerate_command(config_path: str, module: str, *args: str) -> list[str]:
+    """`accelerate launch --config_file ... -m <module> <args>` (module form of the CLI)."""
     # Through distlab.launchers.loopback: the torchrun agent inside accelerate launch binds its
     # rendezvous store to 127.0.0.1 only.
     return [sys.executable, "-m", "distlab.launchers.loopback", "accelerate.commands.launch", "--config_file",
-            str(config_path),
-            "-m", module, "--job", str(job_path)]
+            str(config_path), "-m", module, *args]
 
 
 def rerun_environment(spec: dict) -> dict:
@@ -127,9 +125,3 @@ def launch_environment(spec: dict) -> dict:
         del env[name]  # the config file, not an inherited variable, decides
     return env
 
-
-def run(job: dict, job_path: str, log_path: str | None, timeout: float | None) -> None:
-    spec = job["spec"]
-    config_path = write_accelerate_config(spec, run_files_dir(job["run_dir"]), job_path)
-    run_ranks(accelerate_command(str(config_path), job_path), launch_environment(spec), log_path, timeout,
-               marker=job_path)

@@ -49,9 +49,7 @@ def run_on_link(hosts: LinkedHosts, module: str, args: list[str], env: dict, log
     started = time.perf_counter()
     log = open(log_path, "a") if log_path else None
     try:
-        if log:
-            log.write("".join(launch_line(cmd) for cmd in commands))
-            log.flush()
+        print("".join(launch_line(cmd) for cmd in commands), end="", file=log or sys.stdout, flush=True)
         status = run_trees(commands, link_environment(env), log, timeout, marker)
     finally:
         if log:

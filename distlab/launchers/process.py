@@ -200,21 +200,23 @@ def launch_line(cmd: list[str]) -> str:
 
 
 def run_ranks(cmd: list[str], env: dict, log_path: str | None, timeout: float | None,
-              marker: str | None = None, what: str = "training ranks") -> None:
-    """Run a launcher (torchrun, accelerate launch, a Ray driver) to completion; its output
-    goes to log_path (None: this process's stdout). A non-zero exit or the timeout raises with
-    the log's last lines, naming `what` ran."""
+              marker: str | None = None, what: str = "training ranks", check: bool = True) -> int | None:
+    """Run a launcher (torchrun, accelerate launch, a Ray driver) to completion; the `$ ...`
+    line that starts it and its output go to log_path (None: this process's stdout). check: a
+    non-zero exit or the timeout raises with the log's last lines, naming `what` ran; else the
+    status is returned (None: killed at the timeout, which the log says)."""
     log = open(log_path, "a") if log_path else None
     try:
-        if log:
-            log.write(launch_line(cmd))
-            log.flush()
+        print(launch_line(cmd), end="", file=log or sys.stdout, flush=True)
         status = run_tree(cmd, env, log, timeout, marker)
+        if status is None and not check:
+            print(f"{what} killed after the {timeout} s timeout", file=log or sys.stdout, flush=True)
     finally:
         if log:
             log.close()
-    if status != 0:
+    if status != 0 and check:
         raise launch_failure(status, timeout, log_path, what)
+    return status
 
 
 def launch_failure(status: int | None, timeout: float | None, log_path: str | None,

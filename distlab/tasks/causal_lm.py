@@ -2,7 +2,7 @@
 instruction data), a Hugging Face causal LM, full fine-tuning or LoRA through peft.
 
 Each method hands over to the module that always did the work (distlab.model, distlab.lora,
-distlab.data, distlab.evaluation, distlab.checkpoint, distlab.validate_ranks): this file is
+distlab.data, distlab.evaluation, distlab.checkpoint, distlab.validate_causal_lm): this file is
 where the rest of distlab meets them.
 """
 from __future__ import annotations
@@ -77,9 +77,9 @@ class CausalLM(Task):
     load_model = lazy("distlab.model:load_model")
     evaluate_trained = lazy("distlab.evaluation:evaluate_sharded")
     export_pass = lazy("distlab.export:export_pass")
-    trained_outputs = lazy("distlab.validate_ranks:streamed_outputs")
-    check_export = lazy("distlab.validate_ranks:check_export")
-    lora_base_frozen = lazy("distlab.validate_ranks:lora_base_frozen")
+    trained_outputs = lazy("distlab.validate_causal_lm:streamed_outputs")
+    check_export = lazy("distlab.validate_causal_lm:check_export")
+    lora_base_frozen = lazy("distlab.validate_causal_lm:lora_base_frozen")
 
     def hidden_size(self, source):
         from transformers import AutoConfig
