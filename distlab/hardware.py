@@ -137,7 +137,9 @@ def measure_cuda_matmul_peak(device, precision: str, size: int = 4096, repeats: 
     products timed with CUDA events after warm-up, on random data (zeros run faster)."""
     import torch
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    from distlab.precision import torch_dtype
+
+    dtype = torch_dtype(precision)
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     for _ in range(3):

@@ -260,6 +260,16 @@ from distlab.strategies.settings import StrategySettings, state
 class MineSettings(StrategySettings):
     name = "mine"
     defaults = {"chunks": 2}
+    ray_train = True  # Ray Train may start it
+    dcp_checkpoint = True  # its checkpoint is a DCP folder: the save estimate counts its containers
+    holds_layer_run = True  # a rank holds a run of the layers: selective checkpointing is checked loosely
+    advisor_rows = {"mine-c2": {"chunks": 2}}  # an advisor row it stands for
+
+    def parameter_layout(self, spec):
+        return "dtensor"
+
+    def offloads_parameters(self, spec):
+        return spec["mine"]["chunks"] > 2
 
     def variant(self, spec):
         return f"c{spec['mine']['chunks']}"
@@ -278,7 +288,7 @@ class MineSettings(StrategySettings):
         return "mine"
 
     def model_state(self, counts, n, precision, lora, settings):
-        return state({"params": 4 * counts["total"] / n, "grads": 0.0, "optimizer": 0.0})
+        return state({"params": 4 * counts["total"] / n * settings.get("chunks", 1), "grads": 0.0, "optimizer": 0.0})
 
 
 SETTINGS = MineSettings()
@@ -297,14 +307,18 @@ def test_a_new_strategy_with_a_setting_is_its_files_its_schema_entry_and_a_repor
     is its module, its settings file, its name and block in the schema, and a report card, as
     files; nothing of distlab is edited (its folders only gain files, here through the
     packages' search paths). Config expansion, the id, the checks, the launcher, the validation
-    scope, the advisor and a rank's lookup all pick it up."""
+    scope, the advisor (its formula and its row), Ray's launcher check, the save estimate, the
+    activation-checkpointing check, the parameter-layout check and a rank's lookup all pick it up."""
     import sys
 
     import yaml
 
     from distlab import config as config_module
     from distlab import strategies
-    from distlab.advisor import strategy_state
+    from distlab.activations import check_checkpointing
+    from distlab.advisor import model_state, strategy_state
+    from distlab.save_estimate import save_estimate
+    from distlab.strategies.base import expected_layout, offloads_parameters
     from distlab.advisor_check import estimate_key
     from distlab.report import cards
     from distlab.validation_scope import checkpoint_format, shards_checkpoint, validated_experiments
@@ -341,6 +355,18 @@ def test_a_new_strategy_with_a_setting_is_its_files_its_schema_entry_and_a_repor
         assert checkpoint_format(spec) == (spec["precision"], 4) and shards_checkpoint(spec)
         assert estimate_key(spec) == "mine"
         assert strategy_state("mine", {"total": 10, "trainable": 10}, 2, "fp32", False)["params"] == 20
+        assert model_state("mine-c2", {"total": 10, "trainable": 10}, 2, "fp32", False)["params"] == 40
+        (ray,) = load(ddp_config({"strategy": "mine", "launcher": "ray"}), gpu_count=0)[1].values()
+        assert ray["id"].endswith("-ray")
+        counts = {"total": 10, "trainable": 10, "largest_unit": 5, "_shapes": [((10,), True)]}
+        as_ddp, as_mine = (save_estimate(counts, 8, False, strategy=s, world_size=2) for s in ("ddp", "mine"))
+        assert as_mine["native_checkpoint_bytes"] > as_ddp["native_checkpoint_bytes"]
+        assert (expected_layout(spec), offloads_parameters(spec)) == ("dtensor", True)
+        facts = {"layers_held": 2, "checkpointed": [1]}  # stage-local numbering: not layer 0 of the model
+        assert check_checkpointing(facts, {**spec, "activation_checkpointing": "selective",
+                                           "activation_checkpointing_every": 2}) is None
+        assert check_checkpointing(facts, {**spec, "strategy": "ddp", "activation_checkpointing": "selective",
+                                           "activation_checkpointing_every": 2})
         run = {"spec": spec, "stage": "mine", "status": "failed", "experiment": spec["id"], "machine": "m"}
         (card,) = [c for c in cards.all_cards([run]) if c.number == 9]  # discovered beside the others
         assert card.notes == ["1 mine run(s)"]

@@ -25,22 +25,17 @@ import yaml
 
 from distlab.launchers.environment import single_node_environment
 from distlab.launchers.process import run_ranks
+from distlab.precision import ACCELERATE_MIXED_PRECISION
 from distlab.run_layout import run_files_dir
+from distlab.strategies.accelerate_settings import CONFIG_NAME, uses_accelerate_fsdp
+from distlab.strategies.settings import settings_for
 from distlab.sharing import portable
-
-CONFIG_NAME = "accelerate_config.yaml"
-
-MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
-
-
-def uses_accelerate_fsdp(spec: dict) -> bool:
-    return spec["strategy"] == "fsdp" and spec["fsdp"]["via"] == "accelerate"
-
 
 def config_distributed_type(spec: dict) -> str:
     """The distributed_type written to the config file (what selects Accelerate's launcher)."""
-    if uses_accelerate_fsdp(spec):
-        return "FSDP"
+    plugin = settings_for(spec).accelerate_plugin(spec)  # FSDP through Accelerate
+    if plugin:
+        return plugin
     if spec["world_size"] == 1:
         return "NO"
     # MULTI_GPU selects the torchrun-based launcher, also for CPU ranks: see the module note.
@@ -57,7 +52,7 @@ def accelerate_config(spec: dict) -> dict:
         "num_processes": spec["world_size"],
         "use_cpu": spec["device"] == "cpu",
         "gpu_ids": "all",
-        "mixed_precision": MIXED_PRECISION[spec["precision"]],
+        "mixed_precision": ACCELERATE_MIXED_PRECISION[spec["precision"]],
         # 0: Accelerate asks the OS for a free port at launch, so concurrent jobs never
         # share a rendezvous port (a fixed port would clash, a random one could).
         "main_process_port": 0,

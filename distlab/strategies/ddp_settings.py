@@ -18,6 +18,8 @@ def replicated_state(counts: dict, lora: bool, precision: str, buckets: bool) ->
 
 class DDPSettings(StrategySettings):
     name = "ddp"
+    ray_train = True
+    advisor_rows = {"ddp": {}}
 
     def advisor_row(self, spec):
         return "ddp"

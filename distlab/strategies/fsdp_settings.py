@@ -9,9 +9,20 @@ from distlab.strategies.settings import StrategySettings, precision_layout, stat
 class FSDPSettings(StrategySettings):
     name = "fsdp"
     defaults = {"reshard_after_forward": True, "cpu_offload": False, "via": "native"}
+    ray_train = True
+    dcp_checkpoint = True
 
     def runs_as(self, spec):
-        return "accelerate" if spec.get("fsdp", {}).get("via") == "accelerate" else self.name
+        return "accelerate" if self.accelerate_plugin(spec) else self.name
+
+    def accelerate_plugin(self, spec):
+        return "FSDP" if spec.get("fsdp", {}).get("via") == "accelerate" else None
+
+    def parameter_layout(self, spec):
+        return None if self.accelerate_plugin(spec) else "dtensor"
+
+    def offloads_parameters(self, spec):
+        return bool(spec.get("fsdp", {}).get("cpu_offload"))
 
     def variant(self, spec):
         fs = spec["fsdp"]
