@@ -61,7 +61,9 @@ def gpu_peak(name: str, precision: str) -> tuple[float | None, str | None]:
 
 def matmul_precision(run_precision: str, tf32: bool) -> str:
     """The tensor path a run's matmuls take: bf16/fp16 autocast, else fp32 or TF32."""
-    if run_precision in ("bf16", "fp16"):
+    from distlab.precision import is_mixed
+
+    if is_mixed(run_precision):
         return run_precision
     return "tf32" if tf32 else "fp32"
 

@@ -5,13 +5,15 @@ by the functions that return a torch dtype (the config layer and the launchers s
 """
 from __future__ import annotations
 
+#: The 16-bit precisions a run may compute in (mixed precision, fp32 masters).
+LOW_PRECISIONS = ("bf16", "fp16")
 #: Accelerate's `mixed_precision` (config file and Accelerator argument) for each spec precision.
 ACCELERATE_MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
 def is_mixed(precision: str) -> bool:
     """Whether the run computes in a 16-bit dtype (autocast, a MixedPrecisionPolicy, DeepSpeed's bf16/fp16)."""
-    return precision != "fp32"
+    return precision in LOW_PRECISIONS
 
 
 def torch_dtype(precision: str):

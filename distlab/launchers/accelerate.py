@@ -27,7 +27,7 @@ from distlab.launchers.environment import single_node_environment
 from distlab.launchers.process import run_ranks
 from distlab.precision import ACCELERATE_MIXED_PRECISION
 from distlab.run_layout import run_files_dir
-from distlab.strategies.accelerate_settings import CONFIG_NAME, uses_accelerate_fsdp
+from distlab.strategies.accelerate_settings import CONFIG_NAME
 from distlab.strategies.settings import settings_for
 from distlab.sharing import portable
 
@@ -63,19 +63,7 @@ def accelerate_config(spec: dict) -> dict:
         "downcast_bf16": "no",
         "enable_cpu_affinity": False,
     }
-    if uses_accelerate_fsdp(spec):
-        fsdp = spec["fsdp"]
-        config["fsdp_config"] = {
-            "fsdp_version": 2,
-            # The decoder layer class is found from the loaded model by the strategy
-            # (distlab.model.decoder_layer_class), never named here.
-            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_reshard_after_forward": bool(fsdp["reshard_after_forward"]),
-            "fsdp_offload_params": bool(fsdp["cpu_offload"]),
-            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-            "fsdp_cpu_ram_efficient_loading": False,
-            "fsdp_activation_checkpointing": False,
-        }
+    config.update(settings_for(spec).accelerate_config(spec))  # FSDP through Accelerate: its fsdp_config
     return config
 
 

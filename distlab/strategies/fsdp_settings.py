@@ -18,6 +18,22 @@ class FSDPSettings(StrategySettings):
     def accelerate_plugin(self, spec):
         return "FSDP" if spec.get("fsdp", {}).get("via") == "accelerate" else None
 
+    def accelerate_config(self, spec):
+        if not self.accelerate_plugin(spec):
+            return {}
+        fsdp = spec["fsdp"]
+        return {"fsdp_config": {
+            "fsdp_version": 2,
+            # The decoder layer class is found from the loaded model by the strategy
+            # (distlab.model.decoder_layer_class), never named here.
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_reshard_after_forward": bool(fsdp["reshard_after_forward"]),
+            "fsdp_offload_params": bool(fsdp["cpu_offload"]),
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_cpu_ram_efficient_loading": False,
+            "fsdp_activation_checkpointing": False,
+        }}
+
     def parameter_layout(self, spec):
         return None if self.accelerate_plugin(spec) else "dtensor"
 

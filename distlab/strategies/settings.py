@@ -61,6 +61,10 @@ class StrategySettings:
         parallel ("FSDP": FSDP through Accelerate); None: DDP or one process."""
         return None
 
+    def accelerate_config(self, spec: dict) -> dict:
+        """What the Accelerate config file adds for accelerate_plugin (FSDP: its fsdp_config block)."""
+        return {}
+
     def parameter_layout(self, spec: dict) -> str | None:
         """The parameter form the strategy leaves behind ("dtensor", "deepspeed_partition");
         None: plain tensors."""
