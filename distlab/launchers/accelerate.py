@@ -27,9 +27,10 @@ from distlab.launchers.environment import single_node_environment
 from distlab.launchers.process import run_ranks
 from distlab.precision import ACCELERATE_MIXED_PRECISION
 from distlab.run_layout import run_files_dir
+from distlab.sharing import portable
 from distlab.strategies.accelerate_settings import CONFIG_NAME
 from distlab.strategies.settings import settings_for
-from distlab.sharing import portable
+
 
 def config_distributed_type(spec: dict) -> str:
     """The distributed_type written to the config file (what selects Accelerate's launcher)."""

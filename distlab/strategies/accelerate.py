@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from distlab.precision import ACCELERATE_MIXED_PRECISION
-from distlab.strategies.accelerate_settings import CONFIG_NAME, uses_accelerate_fsdp
 from distlab.run_layout import RUN_FILES, run_files_dir
+from distlab.strategies.accelerate_settings import CONFIG_NAME, uses_accelerate_fsdp
 from distlab.strategies.base import FidelityError, Strategy
 
 

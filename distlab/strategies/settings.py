@@ -16,6 +16,7 @@ import copy
 import functools
 import importlib
 import pkgutil
+import sys
 
 from distlab import families
 from distlab.precision import is_mixed
@@ -137,10 +138,10 @@ class ModelParallelSettings(StrategySettings):
 
 
 def registered() -> dict[str, StrategySettings]:
-    """{name: settings} of every distlab/strategies/<name>_settings.py, by name."""
-    from distlab import strategies
-
-    return _discover(tuple(strategies.__path__))
+    """{name: settings} of every distlab/strategies/<name>_settings.py, by name (the package's
+    search path, read from the package itself: Python imports it before any module in it, so
+    this module needs no import of it)."""
+    return _discover(tuple(sys.modules[__package__].__path__))
 
 
 @functools.lru_cache(maxsize=4)
