@@ -29,6 +29,29 @@ def low_precision_dtype(precision: str):
     return torch_dtype(precision) if is_mixed(precision) else None
 
 
+def autocast(spec: dict, device):
+    """torch.autocast in the run's 16-bit dtype around a forward (a null context for fp32)."""
+    import contextlib
+
+    import torch
+
+    dtype = low_precision_dtype(spec["precision"])
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def frozen_base_precision(method: str | None, precision: str | None) -> str:
+    """The precision whole-model strategies (DDP, Accelerate) load weights in: LoRA's frozen base
+    in bf16 when precision is bf16 (it is never stepped, autocast computes in bf16 anyway;
+    peft keeps the adapters in fp32), else fp32 (full fine-tuning: the weights are the
+    optimizer's fp32 masters under autocast). The advisor counts the same bytes (ddp_settings)."""
+    return "bf16" if method == "lora" and precision == "bf16" else "fp32"
+
+
+def frozen_base_dtype(spec: dict):
+    """frozen_base_precision as a torch dtype, for the spec's method and precision."""
+    return torch_dtype(frozen_base_precision(spec.get("method"), spec.get("precision")))
+
+
 def deepspeed_precision(precision: str) -> dict:
     """The `bf16` and `fp16` blocks of a DeepSpeed config: the engine keeps its module in that
     dtype, with fp32 masters in the optimizer."""

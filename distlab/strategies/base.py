@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.accumulation import accumulation_scaled
-from distlab.precision import low_precision_dtype
+from distlab.precision import autocast, frozen_base_dtype
 
 
 class FidelityError(RuntimeError):
@@ -34,21 +34,6 @@ class RunContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def autocast(spec: dict, device: torch.device):
-    dtype = low_precision_dtype(spec["precision"])
-    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def frozen_base_dtype(spec: dict):
-    """The dtype whole-model strategies (DDP, Accelerate) load weights in: LoRA's frozen base
-    in bf16 when precision is bf16 (it is never stepped, autocast computes in bf16 anyway;
-    peft keeps the adapters in fp32), else fp32 (full fine-tuning: the weights are the
-    optimizer's fp32 masters under autocast). distlab.advisor counts the same bytes."""
-    if spec.get("method") == "lora" and spec.get("precision") == "bf16":
-        return torch.bfloat16
-    return torch.float32
 
 
 class Strategy:

@@ -10,7 +10,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from distlab.accumulation import accumulation_scaled
-from distlab.strategies.base import Strategy, autocast
+from distlab.precision import autocast
+from distlab.strategies.base import Strategy
 from distlab.unequal import label_share, rank_batches
 
 

@@ -35,8 +35,9 @@ from distlab.accumulation import accumulation_scaled, accumulation_unscaled
 from distlab.checkpoint_formats.dcp import dcp_load, dcp_save
 from distlab.model import decoder_layers
 from distlab.partial_load import empty_model, load_held_weights
+from distlab.precision import autocast
 from distlab.run_layout import run_files_dir
-from distlab.strategies.base import FidelityError, ModelParallel, Strategy, autocast
+from distlab.strategies.base import FidelityError, ModelParallel, Strategy
 from distlab.strategies.pp_stages import StageModule, bubble_formula, prune_to_stage, split_layers
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
