@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 
+from distlab.strategies.settings import settings_for
+
 HOW = ("bytes autograd holds for backward at the end of one micro-batch's forward (saved_tensors_hooks; each "
        "storage once, parameters excluded), on rank {rank}'s first micro-batch of step {step} (untimed); pipeline stages: every pipeline micro-batch of it")
 
@@ -63,7 +65,7 @@ def check_checkpointing(facts: dict, spec: dict) -> str | None:
     run of the layers, numbered in the whole model: there only full and none are exact."""
     mode, held, chosen = spec["activation_checkpointing"], facts["layers_held"], facts["checkpointed"]
     wanted = checkpointed_layers(mode, spec["activation_checkpointing_every"], held)
-    if spec["strategy"] == "pp" and mode == "selective":
+    if settings_for(spec).holds_layer_run and mode == "selective":
         wrong = len(chosen) > held
     else:
         wrong = chosen != wanted or (mode != "none" and not held)

@@ -47,7 +47,7 @@ from __future__ import annotations
 import copy
 
 from distlab.parameter_counts import model_shape, parameter_counts
-from distlab.strategies.settings import registered
+from distlab.strategies.settings import advisor_rows, registered
 
 GIB = 2**30
 # measured / estimated model state a run may be off by and still be called right (report too).
@@ -72,14 +72,6 @@ def human(nbytes: float) -> str:
     return f"{nbytes / scale:.1f} {unit}"
 
 
-# The strategy (and settings) each advisor row stands for, as distlab runs it.
-ROW_SPEC = {"ddp": ("ddp", {}), "zero1": ("deepspeed", {"zero_stage": 1}), "zero2": ("deepspeed", {"zero_stage": 2}),
-            "zero3": ("deepspeed", {"zero_stage": 3}),
-            "zero3-offopt": ("deepspeed", {"zero_stage": 3, "offload_optimizer": "cpu"}),
-            "zero3-offopt-offparam": ("deepspeed", {"zero_stage": 3, "offload_optimizer": "cpu",
-                                                    "offload_param": "cpu"})}
-
-
 def strategy_state(strategy: str, counts: dict, n: int, precision: str, lora: bool, settings: dict | None = None,
                    ) -> dict | None:
     """Bytes one rank holds for weights, gradients (DDP's buckets included) and optimizer,
@@ -92,8 +84,9 @@ def strategy_state(strategy: str, counts: dict, n: int, precision: str, lora: bo
 
 
 def model_state(key: str, counts: dict, n: int, precision: str, lora: bool, grad_accum: int = 1) -> dict:
-    """One advisor row's state: the strategy that row stands for (ROW_SPEC), as distlab runs it."""
-    strategy, settings = ROW_SPEC[key]
+    """One advisor row's state: the strategy that row stands for (its settings' advisor_rows),
+    as distlab runs it."""
+    strategy, settings = advisor_rows()[key]
     out = strategy_state(strategy, counts, n, precision, lora, {**settings, "grad_accum": grad_accum})
     out.pop("cpu_parts")
     return out
@@ -125,7 +118,7 @@ def estimate(shape: dict, workload: dict, n: int, mode: str | None = None) -> li
     rows = []
     for key in ROW_ORDER:
         state = model_state(key, counts, n, workload["precision"], lora, workload.get("grad_accum", 1))
-        act = activation_bytes(shape, workload, counts, mode, ROW_SPEC[key][0])
+        act = activation_bytes(shape, workload, counts, mode, advisor_rows()[key][0])
         device_state = state["params"] + state["grads"] + state["optimizer"] + state["gathered"]
         data = data_bytes(workload["micro_batch"], workload["seq_len"])
         rows.append({"key": key, "strategy": ROW_LABEL[key], "devices": n, **state,

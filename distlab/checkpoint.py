@@ -2,9 +2,9 @@
 Hugging Face export, written atomically with a manifest (distlab.checkpoint_files).
 
 One checkpoint folder:
-    state/                          the strategy's native format (strategy.save_checkpoint): each
-                                    rank's part of the trainable parameters and optimizer state
-                                    (LoRA: the adapters only)
+    state/                          the strategy's native format (strategy.save_checkpoint; the formats
+                                    are distlab.checkpoint_formats): each rank's part of the trainable
+                                    parameters and optimizer state (LoRA: the adapters only)
     trainer/rank<R>.json            steps done, data position, Python/NumPy RNG, LR schedule, records so far
     trainer/rng-rank<R>.safetensors torch CPU (and CUDA) RNG state
     distlab_checkpoint.json         what made it: experiment, strategy, world size, spec, model signature;
@@ -40,7 +40,7 @@ import signal
 import time
 from pathlib import Path
 
-from distlab.checkpoint_files import (FORMAT_VERSION, atomic_dir, dir_bytes, fsync_tree, replace_dir, verify_manifest,
+from distlab.checkpoint_files import (FORMAT_VERSION, dir_bytes, fsync_tree, replace_dir, verify_manifest,
                                       write_manifest)
 from distlab.errors import BaseMismatch, CheckpointCorrupt, CheckpointError, CheckpointMismatch
 from distlab.safe_load import weights_only_loads
@@ -95,55 +95,6 @@ def check_manifest(root) -> None:
     problems = verify_manifest(root)
     if problems:
         raise CheckpointCorrupt(f"checkpoint {root} failed its manifest check: " + "; ".join(problems))
-
-
-# -- the plain format (strategies whose every rank holds the whole model) -------------------
-def save_plain(strategy, path: str) -> None:
-    """Rank 0 writes the trainable parameters (safetensors, one tensor at a time: a CPU one
-    straight from the live tensor, a CUDA one through its host copy) and the optimizer state;
-    others wait."""
-    import torch
-    import torch.distributed as dist
-
-    from distlab.export_files import SafetensorsFile
-    from distlab.strategies.base import trainable_names
-    from distlab.streamed import host
-
-    if dist.get_rank() == 0:
-        tmp, commit = atomic_dir(path)
-        module = strategy.unwrapped()
-        trained = trainable_names(module)
-        params = {n: p.detach() for n, p in module.named_parameters() if n in trained}
-        out = SafetensorsFile(tmp / "model.safetensors", {n: (tuple(p.shape), p.dtype) for n, p in params.items()},
-                              {"format": "pt"})
-        for name, value in params.items():
-            out.write(name, host(value))
-        out.close()
-        torch.save(strategy.optimizer.state_dict(), tmp / "optimizer.pt")
-        (tmp / "format.json").write_text(json.dumps({"format": "plain", "strategy": strategy.name,
-                                                     "frozen_parameters_saved": False}))
-        commit()
-    dist.barrier()
-
-
-def load_plain(strategy, path: str) -> None:
-    """Every rank reads the same files; the format does not depend on the world size. The file
-    must hold exactly the trainable parameters (the frozen ones keep the base's values)."""
-    import torch
-    from safetensors.torch import load_file
-
-    from distlab.strategies.base import trainable_names
-
-    path = Path(path)
-    module = strategy.unwrapped()
-    state = load_file(str(path / "model.safetensors"))
-    expected = trainable_names(module)
-    if set(state) != expected:
-        raise CheckpointMismatch(f"{path / 'model.safetensors'} holds {len(state)} tensors, this model trains "
-                                 f"{len(expected)}: e.g. {sorted(set(state) ^ expected)[:3]}")
-    module.load_state_dict(state, strict=False)
-    optimizer = torch.load(path / "optimizer.pt", weights_only=True)
-    strategy.optimizer.load_state_dict(optimizer)
 
 
 # -- identity: refuse a checkpoint of another model or config -------------------------------

@@ -259,8 +259,9 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
         fail("export.merge", "merging applies to LoRA adapters; a full fine-tune's export is the whole model already")
     if spec["precision"] == "fp16" and spec["device"] == "cpu":
         fail("precision", "fp16 autocast is not supported on CPU; use fp32 or bf16")
-    if spec["launcher"] == "ray" and spec["strategy"] not in ("ddp", "fsdp", "deepspeed"):
-        fail("launcher", f"Ray Train sets up the process group for ddp, fsdp and deepspeed, not {spec['strategy']}")
+    if spec["launcher"] == "ray" and not settings_for(spec).ray_train:
+        ray_ones = [name for name, s in registered().items() if s.ray_train]
+        fail("launcher", f"Ray Train sets up the process group for {', '.join(ray_ones)}, not {spec['strategy']}")
     ray = spec["ray"]
     if spec["launcher"] != "ray" and (ray["min_workers"] is not None or ray["max_failures"]):
         fail("ray", "min_workers and max_failures are Ray Train settings; they need launcher: ray")

@@ -61,7 +61,9 @@ def gpu_peak(name: str, precision: str) -> tuple[float | None, str | None]:
 
 def matmul_precision(run_precision: str, tf32: bool) -> str:
     """The tensor path a run's matmuls take: bf16/fp16 autocast, else fp32 or TF32."""
-    if run_precision in ("bf16", "fp16"):
+    from distlab.precision import is_mixed
+
+    if is_mixed(run_precision):
         return run_precision
     return "tf32" if tf32 else "fp32"
 
@@ -137,7 +139,9 @@ def measure_cuda_matmul_peak(device, precision: str, size: int = 4096, repeats: 
     products timed with CUDA events after warm-up, on random data (zeros run faster)."""
     import torch
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    from distlab.precision import torch_dtype
+
+    dtype = torch_dtype(precision)
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     for _ in range(3):

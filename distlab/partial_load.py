@@ -8,6 +8,13 @@ reads only its shard of each split weight, via `get_slice`).
 Buffers are real from the start (`init_empty_weights(include_buffers=False)`): rotary
 `inv_freq` and similar non-persistent buffers are computed by the model's own __init__,
 never read from the file and never left empty.
+
+The one sharded loader: `ShardedLoad.run` decides which stored weight each parameter reads,
+checks that every parameter to fill is in the model folder (`check_coverage`, the one check,
+naming the missing ones) before anything is read, then reads one decoder layer at a time; each
+strategy keeps only its placement in a small subclass: `RankSlices` here (tensor parallel's
+shards, a pipeline stage's layers), `strategies.deepspeed_load.ZeroPartitions` (ZeRO-3's flat
+partitions) and `strategies.fsdp_load.DCPShards` (FSDP2's DTensor shards, read by DCP).
 """
 from __future__ import annotations
 
@@ -113,24 +120,96 @@ def layer_groups(names) -> list[list[str]]:
     return list(groups.values())
 
 
-def materialize(model, device, read, after_layer=None) -> int:
-    """Give every meta parameter of `model` its real value: read(name, param) returns the tensor
-    (on CPU) for that parameter as this rank holds it (a DTensor's local shard); after_layer()
-    runs after each decoder layer's parameters (layer_groups), to unmap what was read. Returns
-    the bytes this rank loaded."""
-    loaded = 0
-    params = dict(model.named_parameters())
-    for group in layer_groups(name for name, p in params.items() if p.device.type == "meta"):
-        loaded += _materialize_group(model, device, read, {name: params[name] for name in group})
-        if after_layer is not None:
-            after_layer()
-    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
-        model.tie_weights()  # the output embedding points at the input one again
-    left = [name for name, p in model.named_parameters() if p.device.type == "meta"]
-    if left:
-        raise RuntimeError(f"parameters left without weights after loading: {left[:5]}")
-    model.to(device)  # buffers (computed, not loaded) follow the parameters
-    return loaded
+class MissingWeights(RuntimeError):
+    """A sharded load found parameters the model folder does not hold (raised before any read)."""
+
+
+def check_coverage(loader: str, folder, wanted, stored, otherwise: str = "") -> None:
+    """Every parameter in `wanted` is in `stored` (the folder's weights, by parameter name), or
+    MissingWeights naming the missing ones; `otherwise` says what else filled the rest."""
+    missing = [name for name in wanted if name not in stored]
+    if missing:
+        beside = f" (nor {otherwise})" if otherwise else ""
+        raise MissingWeights(f"{loader} sharded load: {len(missing)} parameters are not in the safetensors of "
+                             f"{folder}{beside}: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+class ShardedLoad:
+    """One rank's load of its part of a model from the model folder's safetensors. run():
+    the parameters to fill (`targets`), which stored weight each reads (`stored`), the coverage
+    check, then `load_layer` for each decoder layer's group (layer_groups) and `after_layer`
+    (unmap what was read); `finish` gives the report. Subclasses place the weights."""
+
+    loader = ""  # names the load in errors
+    otherwise = ""  # what fills the targets the folder does not hold (none: every one must be there)
+
+    def __init__(self, model, folder):
+        self.model, self.folder = model, folder
+
+    def targets(self) -> dict:
+        """{parameter name: parameter} this rank fills (tied parameters once)."""
+        return dict(self.model.named_parameters())
+
+    def stored(self) -> dict[str, str]:
+        """{parameter name: stored key} of the parameters the folder holds."""
+        raise NotImplementedError
+
+    def filled_otherwise(self) -> set[str]:
+        """Targets that do not come from the folder (FSDP: LoRA adapters restored as peft made them)."""
+        return set()
+
+    def load_layer(self, names: list[str], params: dict) -> int:
+        """Read and place these parameters' parts; returns the bytes read."""
+        raise NotImplementedError
+
+    def after_layer(self) -> None:
+        """After each group: release what reading it mapped."""
+
+    def finish(self, bytes_read: int) -> dict:
+        return {"bytes_read": bytes_read}
+
+    def run(self) -> dict:
+        targets, stored, otherwise = self.targets(), self.stored(), self.filled_otherwise()
+        check_coverage(self.loader, self.folder, [n for n in targets if n not in otherwise], stored, self.otherwise)
+        read = 0
+        for group in layer_groups(n for n in targets if n not in otherwise):
+            read += self.load_layer(group, targets)
+            self.after_layer()
+        return self.finish(read)
+
+
+class RankSlices(ShardedLoad):
+    """Tensor and pipeline parallel: every meta parameter this rank kept (a pipeline stage's
+    layers; a tensor-parallel rank's shards) gets the part of the stored tensor it holds, read
+    with safetensors' get_slice and copied into memory of its own (local_part)."""
+
+    loader = "tensor/pipeline parallel"
+
+    def __init__(self, model, device):
+        self.files = WeightFiles(model)
+        super().__init__(model, self.files.folder)
+        self.device = device
+
+    def targets(self):
+        return {name: p for name, p in self.model.named_parameters() if p.device.type == "meta"}
+
+    def stored(self):
+        return self.files.names
+
+    def load_layer(self, names, params):
+        def read(name, param):
+            return self.files.slice(name)[local_part(param)]
+
+        return _materialize_group(self.model, self.device, read, {name: params[name] for name in names})
+
+    def after_layer(self):
+        self.files.close()
+
+    def finish(self, bytes_read):
+        if getattr(self.model.config, "tie_word_embeddings", False) and hasattr(self.model, "tie_weights"):
+            self.model.tie_weights()  # the output embedding points at the input one again
+        self.model.to(self.device)  # buffers (computed, not loaded) follow the parameters
+        return super().finish(bytes_read)
 
 
 def _materialize_group(model, device, read, params: dict) -> int:
@@ -174,6 +253,4 @@ def load_held_weights(model, device) -> int:
     if not any(p.device.type == "meta" for p in model.parameters()):
         model.to(device)  # a model loaded whole (tests, callers outside a strategy): nothing to read
         return 0
-    files = WeightFiles(model)
-    return materialize(model, device, lambda name, param: files.slice(name)[local_part(param)],
-                       after_layer=files.close)
+    return RankSlices(model, device).run()["bytes_read"]

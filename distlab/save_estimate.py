@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import math
 
+from distlab.strategies.settings import registered
+
 TOLERANCE = 0.15  # measured / estimated checkpoint bytes a run may be off by (file headers, trainer state)
 DCP_ITEM_BYTES = 4500
-DCP_STRATEGIES = ("fsdp", "tp", "pp")
 # Streamed units rank 0 may hold at once in the save phase: the one gathered for the export and,
 # under ZeRO-3, one its final forward still holds gathered (LoRA ZeRO-3 at 309M measured 0.99x
 # and 1.16x of a one-unit bound in two runs: one unit was never a bound there).
@@ -49,7 +50,8 @@ def save_estimate(counts: dict, vocab_size: int, lora: bool, export: dict | None
     export = {**DEFAULTS, **(export or {})}
     trained = counts["trainable"] if lora else counts["total"]
     tensors = sum(1 for _, trains in counts.get("_shapes", []) if trains or not lora)
-    containers = DCP_ITEM_BYTES * tensors * (3 * world_size + 1) if strategy in DCP_STRATEGIES else 0
+    known = registered().get(strategy)
+    containers = DCP_ITEM_BYTES * tensors * (3 * world_size + 1) if known and known.dcp_checkpoint else 0
     exported = 4 * (counts["trainable"] if lora else counts["total"])
     merged = 4 * counts["total"] if lora and export["merge"] else 0
     whole = counts["total"] * 4

@@ -12,6 +12,7 @@ import torch
 from conftest import resolve, run_experiment
 from distlab import checkpoint as ckpt
 from distlab.checkpoint_files import MANIFEST, sha256_file, verify_manifest
+from distlab.checkpoint_formats.plain import load_plain
 from distlab.loop import IndexStream
 from distlab.validate import validate_run
 from test_hygiene import python_process, reaper, sigkill_leaves_nothing, wait_for_ranks  # noqa: F401 (a fixture)
@@ -308,7 +309,7 @@ class PlainStrategy:
         return self.model
 
     def load_checkpoint(self, path):
-        ckpt.load_plain(self, path)
+        load_plain(self, path)
 
 
 def resume_in(run_dir, trained, prepared, damage):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from distlab import checkpoint as ckpt
+from distlab.checkpoint_formats.plain import load_plain
 from distlab.safe_load import weights_only_loads
 
 
@@ -101,7 +102,7 @@ def test_accelerate_state_and_plain_optimizer_files_are_refused(tmp_path):
     save_model(Plain.model, str(folder / "model.safetensors"))
     _plant(folder / "optimizer.pt", tmp_path / "marker")
     with pytest.raises(pickle.UnpicklingError):
-        ckpt.load_plain(Plain(), str(folder))
+        load_plain(Plain(), str(folder))
     assert not (tmp_path / "marker").exists()
 
 

@@ -58,6 +58,34 @@ def test_loading_a_ranks_part_unmaps_the_safetensors_after_each_layer(prepared, 
     assert closes == [(1, True, False)] * (layers + 1), closes
 
 
+@pytest.mark.parametrize("loader", ["tp/pp", "zero3", "fsdp"])
+def test_every_sharded_loader_refuses_a_folder_missing_a_weight_naming_it_before_reading_any(prepared, tmp_path,
+                                                                                            monkeypatch, loader):
+    """The three strategies' loads share one coverage check (distlab.partial_load.ShardedLoad):
+    a parameter the model folder does not hold stops the load, named, before any weight is read."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from distlab.partial_load import MissingWeights, RankSlices, empty_model
+    from distlab.strategies.deepspeed_load import ZeroPartitions
+    from distlab.strategies.fsdp_load import DCPShards
+
+    folder = shutil.copytree(prepared / "model", tmp_path / "model")
+    weights = load_file(str(folder / "model.safetensors"))
+    dropped = next(name for name in weights if ".layers.0." in name)
+    save_file({k: v for k, v in weights.items() if k != dropped}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    model = empty_model(str(folder))
+    load = {"tp/pp": lambda: RankSlices(model, "cpu"), "zero3": lambda: ZeroPartitions(model),
+            "fsdp": lambda: DCPShards(model, str(folder), "cpu")}[loader]()
+    read = []
+    monkeypatch.setattr(type(load), "load_layer", lambda self, names, params: read.extend(names) or 0)
+    with pytest.raises(MissingWeights, match=rf"1 parameters are not in the safetensors of .*{dropped}"):
+        load.run()
+    assert read == []
+
+
 @pytest.mark.parametrize("names, groups", [
     (["model.embed_tokens.weight", "model.layers.0.a", "model.layers.0.b", "model.layers.1.a", "model.norm.weight",
       "lm_head.weight"],

@@ -25,21 +25,17 @@ from pathlib import Path
 import yaml
 
 from distlab.launchers.environment import single_node_environment
+from distlab.precision import ACCELERATE_MIXED_PRECISION
 from distlab.sharing import portable
-
-CONFIG_NAME = "accelerate_config.yaml"
-
-MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
-
-
-def uses_accelerate_fsdp(spec: dict) -> bool:
-    return spec["strategy"] == "fsdp" and spec["fsdp"]["via"] == "accelerate"
+from distlab.strategies.accelerate_settings import CONFIG_NAME
+from distlab.strategies.settings import settings_for
 
 
 def config_distributed_type(spec: dict) -> str:
     """The distributed_type written to the config file (what selects Accelerate's launcher)."""
-    if uses_accelerate_fsdp(spec):
-        return "FSDP"
+    plugin = settings_for(spec).accelerate_plugin(spec)  # FSDP through Accelerate
+    if plugin:
+        return plugin
     if spec["world_size"] == 1:
         return "NO"
     # MULTI_GPU selects the torchrun-based launcher, also for CPU ranks: see the module note.
@@ -56,7 +52,7 @@ def accelerate_config(spec: dict) -> dict:
         "num_processes": spec["world_size"],
         "use_cpu": spec["device"] == "cpu",
         "gpu_ids": "all",
-        "mixed_precision": MIXED_PRECISION[spec["precision"]],
+        "mixed_precision": ACCELERATE_MIXED_PRECISION[spec["precision"]],
         # 0: Accelerate asks the OS for a free port at launch, so concurrent jobs never
         # share a rendezvous port (a fixed port would clash, a random one could).
         "main_process_port": 0,
@@ -67,19 +63,7 @@ def accelerate_config(spec: dict) -> dict:
         "downcast_bf16": "no",
         "enable_cpu_affinity": False,
     }
-    if uses_accelerate_fsdp(spec):
-        fsdp = spec["fsdp"]
-        config["fsdp_config"] = {
-            "fsdp_version": 2,
-            # The decoder layer class is found from the loaded model by the strategy
-            # (distlab.model.decoder_layer_class), never named here.
-            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_reshard_after_forward": bool(fsdp["reshard_after_forward"]),
-            "fsdp_offload_params": bool(fsdp["cpu_offload"]),
-            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-            "fsdp_cpu_ram_efficient_loading": False,
-            "fsdp_activation_checkpointing": False,
-        }
+    config.update(settings_for(spec).accelerate_config(spec))  # FSDP through Accelerate: its fsdp_config
     return config
 
 

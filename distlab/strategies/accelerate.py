@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distlab.launchers.accelerate import CONFIG_NAME, MIXED_PRECISION, uses_accelerate_fsdp
+from distlab.precision import ACCELERATE_MIXED_PRECISION
 from distlab.run_layout import RUN_FILES, run_files_dir
+from distlab.strategies.accelerate_settings import CONFIG_NAME, uses_accelerate_fsdp
 from distlab.strategies.base import FidelityError, Strategy
 
 
@@ -59,7 +60,7 @@ class AccelerateStrategy(Strategy):
             kwargs["fsdp_plugin"] = self._fsdp_plugin()
         # cpu=True is what makes Accelerate join the launcher's CPU ranks (see module doc).
         self.accelerator = Accelerator(cpu=self.ctx.device.type == "cpu",
-                                       mixed_precision=MIXED_PRECISION[self.spec["precision"]],
+                                       mixed_precision=ACCELERATE_MIXED_PRECISION[self.spec["precision"]],
                                        gradient_accumulation_plugin=accumulation, **kwargs)
         launched = int(os.environ.get("WORLD_SIZE", 1))
         if self.accelerator.num_processes != launched:
@@ -236,7 +237,7 @@ class AccelerateStrategy(Strategy):
             if launched["num_processes"] != spec["world_size"]:
                 raise FidelityError(f"{CONFIG_NAME} asks for {launched['num_processes']} processes, "
                                     f"spec world_size is {spec['world_size']}")
-            if launched["mixed_precision"] != MIXED_PRECISION[spec["precision"]]:
+            if launched["mixed_precision"] != ACCELERATE_MIXED_PRECISION[spec["precision"]]:
                 raise FidelityError(f"{CONFIG_NAME} says mixed_precision {launched['mixed_precision']}, spec "
                                     f"precision is {spec['precision']}")
             if launched["mixed_precision"] != launched["rank_env_mixed_precision"]:

@@ -3,7 +3,16 @@ requested through it (distlab/strategies/fsdp_settings.py)."""
 from __future__ import annotations
 
 from distlab.strategies.ddp_settings import replicated_state
-from distlab.strategies.settings import StrategySettings
+from distlab.strategies.settings import StrategySettings, settings_for
+
+#: The Accelerate config file `accelerate launch` reads, written in the run's run_files folder
+#: (distlab.launchers.accelerate) and checked by the strategy against what the ranks got.
+CONFIG_NAME = "accelerate_config.yaml"
+
+
+def uses_accelerate_fsdp(spec: dict) -> bool:
+    """FSDP requested through Accelerate (the FSDP settings' accelerate_plugin)."""
+    return settings_for(spec).accelerate_plugin(spec) == "FSDP"
 
 
 class AccelerateSettings(StrategySettings):

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from distlab.accumulation import accumulation_scaled
+from distlab.precision import autocast, frozen_base_dtype
+
 
 class FidelityError(RuntimeError):
     """The run is not what its spec says (wrong wrapper, world size, device)."""
@@ -31,23 +34,6 @@ class RunContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def autocast(spec: dict, device: torch.device):
-    if spec["precision"] == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def frozen_base_dtype(spec: dict):
-    """The dtype whole-model strategies (DDP, Accelerate) load weights in: LoRA's frozen base
-    in bf16 when precision is bf16 (it is never stepped, autocast computes in bf16 anyway;
-    peft keeps the adapters in fp32), else fp32 (full fine-tuning: the weights are the
-    optimizer's fp32 masters under autocast). distlab.advisor counts the same bytes."""
-    if spec.get("method") == "lora" and spec.get("precision") == "bf16":
-        return torch.bfloat16
-    return torch.float32
 
 
 class Strategy:
@@ -137,7 +123,7 @@ class Strategy:
         with self.sync_context(micro_index == n_micro - 1):
             with autocast(self.spec, self.ctx.device):
                 loss = self.task.loss(self.model, batch)
-            (loss / n_micro).backward()
+            accumulation_scaled(loss, n_micro).backward()
         return loss.detach()
 
     def optimizer_step(self):
@@ -370,19 +356,18 @@ def parameter_facts(model) -> dict:
 
 
 def offloads_parameters(spec: dict) -> bool:
-    """Specs whose parameters may legitimately sit in host memory on a CUDA run."""
-    return bool(spec.get("fsdp", {}).get("cpu_offload") and spec["strategy"] == "fsdp") or (
-        spec["strategy"] == "deepspeed" and spec.get("deepspeed", {}).get("offload_param", "none") != "none")
+    """Specs whose parameters may legitimately sit in host memory on a CUDA run (the strategy's settings)."""
+    from distlab.strategies.settings import settings_for
+
+    return settings_for(spec).offloads_parameters(spec)
 
 
 def expected_layout(spec: dict) -> str | None:
-    """The parameter form a sharding strategy must leave behind (None: plain tensors are right)."""
-    native_fsdp = spec["strategy"] == "fsdp" and spec.get("fsdp", {}).get("via", "native") == "native"
-    if native_fsdp or spec["strategy"] == "tp":
-        return "dtensor"
-    if spec["strategy"] == "deepspeed" and spec.get("deepspeed", {}).get("zero_stage") == 3:
-        return "deepspeed_partition"
-    return None
+    """The parameter form a sharding strategy must leave behind (None: plain tensors are right;
+    the strategy's settings say)."""
+    from distlab.strategies.settings import settings_for
+
+    return settings_for(spec).parameter_layout(spec)
 
 
 class ModelParallel:

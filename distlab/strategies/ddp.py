@@ -9,7 +9,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from distlab.strategies.base import Strategy, autocast
+from distlab.accumulation import accumulation_scaled
+from distlab.precision import autocast
+from distlab.strategies.base import Strategy
 from distlab.unequal import label_share, rank_batches
 
 
@@ -117,7 +119,7 @@ class DDPStrategy(Strategy):
         with self.sync_context(micro_index == n_micro - 1):
             with autocast(self.spec, self.ctx.device):
                 loss = self.task.loss(self.model, batch)
-            (loss * label_share(batch["labels"], dist.get_world_size()) / n_micro).backward()
+            accumulation_scaled(loss * label_share(batch["labels"], dist.get_world_size()), n_micro).backward()
         return loss.detach()
 
     def describe(self) -> dict:
@@ -141,12 +143,12 @@ class DDPStrategy(Strategy):
         return self.model.module
 
     def save_checkpoint(self, path: str) -> None:
-        from distlab.checkpoint import save_plain
+        from distlab.checkpoint_formats.plain import save_plain
 
         save_plain(self, path)
 
     def load_checkpoint(self, path: str) -> None:
-        from distlab.checkpoint import load_plain
+        from distlab.checkpoint_formats.plain import load_plain
 
         load_plain(self, path)
 

@@ -2,22 +2,25 @@
 data-parallel one Accelerate shares."""
 from __future__ import annotations
 
+from distlab.precision import frozen_base_precision
 from distlab.strategies.settings import StrategySettings, state
 
 
 def replicated_state(counts: dict, lora: bool, precision: str, buckets: bool) -> dict:
     """Every rank holds the whole model: autocast over fp32 weights (LoRA's frozen base in bf16
-    when precision is bf16, strategies.base.frozen_base_dtype), gradients plus DDP's flat
+    when precision is bf16, distlab.precision.frozen_base_precision), gradients plus DDP's flat
     gradient buckets (a second copy) when `buckets`, AdamW's two fp32 moments."""
     psi = counts["total"]
     t = counts["trainable"] if lora else psi
-    frozen_bytes = 2 if lora and precision == "bf16" else 4
+    frozen_bytes = 2 if frozen_base_precision("lora" if lora else "full", precision) == "bf16" else 4
     return state({"params": frozen_bytes * (psi - t) + 4 * t, "grads": 4 * t + (4 * t if buckets else 0.0),
                   "optimizer": 8 * t})
 
 
 class DDPSettings(StrategySettings):
     name = "ddp"
+    ray_train = True
+    advisor_rows = {"ddp": {}}
 
     def advisor_row(self, spec):
         return "ddp"

@@ -9,14 +9,14 @@ backward and step; the loop's optimizer_step is the boundary's step.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from distlab.checkpoint_formats.zero import zero_load, zero_save
 from distlab.model import decoder_layers
+from distlab.precision import deepspeed_precision, torch_dtype
 from distlab.run_layout import run_files_dir
 from distlab.strategies.base import FidelityError, Strategy
 from distlab.strategies.deepspeed_config import (CONFIG_NAME, deepspeed_config, file_sha256, gradient_bucket_size,
@@ -79,7 +79,7 @@ class DeepSpeedStrategy(Strategy):
         so each parameter is partitioned (and offloaded where configured) as it is built, and
         each rank reads only its partitions from the safetensors (the task's load_partitioned;
         strategies.deepspeed_load for causal LMs): no rank holds or reads the whole model."""
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.spec["precision"], torch.float32)
+        dtype = torch_dtype(self.spec["precision"])
         if self.spec["deepspeed"]["zero_stage"] != 3:
             return self.task.load_model(model_source, dtype=dtype)
         if self.ctx.device.type == "cpu":
@@ -223,7 +223,8 @@ class DeepSpeedStrategy(Strategy):
         if (ds["micro_batch"], ds["gradient_accumulation_steps"]) != (spec["micro_batch"], spec["grad_accum"]):
             raise FidelityError(f"spec micro_batch {spec['micro_batch']} x grad_accum {spec['grad_accum']} but the "
                                 f"engine uses {ds['micro_batch']} x {ds['gradient_accumulation_steps']}")
-        if ds["bf16"] != (spec["precision"] == "bf16") or ds["fp16"] != (spec["precision"] == "fp16"):
+        wanted = deepspeed_precision(spec["precision"])
+        if ds["bf16"] != wanted["bf16"]["enabled"] or ds["fp16"] != wanted["fp16"]["enabled"]:
             raise FidelityError(f"spec precision {spec['precision']} but the engine has bf16={ds['bf16']} "
                                 f"fp16={ds['fp16']}")
         torch_adam = ds["basic_optimizer"] in ("AdamW", "Adam")
@@ -279,31 +280,10 @@ class DeepSpeedStrategy(Strategy):
             yield group
 
     def save_checkpoint(self, path: str) -> None:
-        # DeepSpeed's native layout (per-rank ZeRO partitions + `latest`); every rank writes.
-        # Frozen parameters (LoRA's base) are left out: the checkpoint names the base by identity.
-        self.model.save_checkpoint(path, tag="final", exclude_frozen_parameters=True)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            (Path(path) / "format.json").write_text(json.dumps(
-                {"format": "deepspeed", "strategy": self.name, "tag": "final",
-                 "zero_stage": int(self.model.zero_optimization_stage()), "world_size": dist.get_world_size(),
-                 "frozen_parameters_saved": False}))
-        dist.barrier()
+        zero_save(self, path)  # DeepSpeed's native layout: per-rank ZeRO partitions
 
     def load_checkpoint(self, path: str) -> None:
-        saved = json.loads((Path(path) / "format.json").read_text())
-        if saved["zero_stage"] >= 1 and saved["world_size"] != dist.get_world_size():
-            # DeepSpeed refuses too (ZeRORuntimeException); say so before any rank loads.
-            raise NotImplementedError(
-                f"a native ZeRO-{saved['zero_stage']} checkpoint holds optimizer partitions of "
-                f"{saved['world_size']} ranks; DeepSpeed loads it only at that world size (resharding needs "
-                "its universal-checkpoint conversion, not wired up here)")
-        # LoRA: the checkpoint holds no frozen weight (they keep the base's values): not strict.
-        frozen = any(not p.requires_grad for p in self.unwrapped().parameters())
-        load_path, _ = self.model.load_checkpoint(path, tag="final", load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True, load_module_strict=not frozen)
-        if load_path is None:
-            raise FileNotFoundError(f"no DeepSpeed checkpoint (tag 'final') under {path}")
+        zero_load(self, path)
 
 
 # The class distlab.strategies finds for the strategy name "deepspeed" (its module name).

@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+from distlab.precision import deepspeed_precision
+
 CONFIG_NAME = "deepspeed_config.json"
 # torch.optim.AdamW defaults, written out so the config file says what runs.
 ADAM_BETAS = [0.9, 0.999]
@@ -111,8 +113,7 @@ def deepspeed_config(spec: dict, world_size: int, layer_params: int | None = Non
         # The spec's max_grad_norm (0 = off), the global norm other strategies clip to (distlab.clipping).
         "gradient_clipping": float(spec["max_grad_norm"]),
         "zero_optimization": zero,
-        "bf16": {"enabled": spec["precision"] == "bf16"},
-        "fp16": {"enabled": spec["precision"] == "fp16"},
+        **deepspeed_precision(spec["precision"]),
         "steps_per_print": 2**31 - 1,  # the loop logs; keep the rank logs quiet
         "wall_clock_breakdown": False,
     }

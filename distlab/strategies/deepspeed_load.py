@@ -27,6 +27,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from distlab.partial_load import ShardedLoad, WeightFiles
+
 ROUTE_RANK_SLICES = ("built under deepspeed.zero.Init (no weight init), then each rank copied only its own "
                      "partition of every weight from the safetensors (safetensors get_slice, rows covering it)")
 ROUTE_TRANSFORMERS = ("transformers from_pretrained under HfDeepSpeedConfig: zero.Init construction, rank 0 "
@@ -100,24 +102,34 @@ def flat_range(stored, start: int, stop: int) -> torch.Tensor:
     return rows.reshape(-1)[start - first * row: stop - first * row]
 
 
+class ZeroPartitions(ShardedLoad):
+    """ZeRO-3's placement: each rank copies its flat slice of every parameter (the rows of the
+    stored tensor that cover it, _copy_partition)."""
+
+    loader = "ZeRO-3"
+
+    def __init__(self, model):
+        self.files = WeightFiles(model)  # NotImplementedError: weights converted on load
+        super().__init__(model, self.files.folder)
+
+    def stored(self):
+        return self.files.names
+
+    def load_layer(self, names, params):
+        with torch.no_grad():
+            return sum(_copy_partition(params[name], self.files.slice(name)) for name in names)
+
+    def after_layer(self):
+        self.files.close()  # unmap: the pages read stay in RSS while the file is open
+
+    def finish(self, bytes_read):
+        return {"how": ROUTE_RANK_SLICES, "bytes_read": bytes_read, "tensors": sum(1 for _ in self.model.parameters())}
+
+
 def load_rank_partitions(model) -> dict:
     """Copy this rank's partition of every parameter of a build_partitioned model from its
-    safetensors; raises naming any parameter the file does not hold."""
-    from distlab.partial_load import WeightFiles, layer_groups
-
-    files = WeightFiles(model)  # NotImplementedError: weights converted on load
-    missing = [name for name, _ in model.named_parameters() if name not in files.names]
-    if missing:
-        raise KeyError(f"ZeRO-3 sharded load: {len(missing)} parameters are not in the safetensors of "
-                       f"{files.folder}, e.g. {missing[:3]}")
-    params = dict(model.named_parameters())  # tied weights once
-    read = 0
-    with torch.no_grad():
-        for group in layer_groups(params):
-            for name in group:
-                read += _copy_partition(params[name], files.slice(name))
-            files.close()  # unmap: the pages read stay in RSS while the file is open
-    return {"how": ROUTE_RANK_SLICES, "bytes_read": read, "tensors": sum(1 for _ in model.parameters())}
+    safetensors; raises naming any parameter the file does not hold (before reading any)."""
+    return ZeroPartitions(model).run()
 
 
 def _copy_partition(param, stored) -> int:

@@ -24,6 +24,10 @@ class DeepSpeedSettings(StrategySettings):
     name = "deepspeed"
     defaults = {"zero_stage": 2, "offload_optimizer": "none", "offload_param": "none", "nvme_path": None,
                 "optimizer_impl": "torch", "zero3_profile": "auto"}
+    ray_train = True
+    advisor_rows = {"zero1": {"zero_stage": 1}, "zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3},
+                    "zero3-offopt": {"zero_stage": 3, "offload_optimizer": "cpu"},
+                    "zero3-offopt-offparam": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}}
 
     def variant(self, spec):
         ds = spec["deepspeed"]
@@ -48,6 +52,12 @@ class DeepSpeedSettings(StrategySettings):
             fail("deepspeed.zero3_profile", f"{ds['zero3_profile']} sets ZeRO-3's gathered parameters: needs zero_stage 3")
         if "nvme" in (ds["offload_optimizer"], ds["offload_param"]) and not ds["nvme_path"]:
             fail("deepspeed.nvme_path", "NVMe offload needs a nvme_path folder")
+
+    def parameter_layout(self, spec):
+        return "deepspeed_partition" if spec.get("deepspeed", {}).get("zero_stage") == 3 else None
+
+    def offloads_parameters(self, spec):
+        return spec.get("deepspeed", {}).get("offload_param", "none") != "none"
 
     def shards_checkpoint(self, spec):
         return spec["deepspeed"]["zero_stage"] >= 1

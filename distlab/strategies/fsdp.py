@@ -10,15 +10,13 @@ base weights are read from the Hugging Face safetensors by torch.distributed.che
 HuggingFaceStorageReader, each rank reading only its slices (distlab.strategies.fsdp_load).
 
 Checkpoints are sharded DCP folders (each rank writes its own shard of the trainable
-parameters and the optimizer), shared with the tensor- and pipeline-parallel strategies
-through dcp_save/dcp_load below. The export gathers one parameter at a time (full_tensor,
+parameters and the optimizer: distlab.checkpoint_formats.dcp, shared with the tensor- and
+pipeline-parallel strategies). The export gathers one parameter at a time (full_tensor,
 Strategy.state_groups).
 """
 from __future__ import annotations
 
 import contextlib
-import json
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,11 +24,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from distlab.accumulation import accumulation_scaled
+from distlab.checkpoint_formats.dcp import dcp_load, dcp_save
 from distlab.model import decoder_layers
-from distlab.strategies.base import FidelityError, Strategy, trainable_names
+from distlab.precision import is_mixed, low_precision_dtype
+from distlab.strategies.base import FidelityError, Strategy
 
-DCP_FORMAT = "dcp"
-LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class FSDPStrategy(Strategy):
@@ -58,11 +57,11 @@ class FSDPStrategy(Strategy):
         # On CPU ranks too: FSDP2 casts the gathered parameters itself (torch 2.6+ over gloo,
         # checked at 1 and 2 ranks), so CPU runs the policy the GPU runs. fp16 is refused on CPU
         # by the config (no fp16 autocast there).
-        self.mixed_precision = self.spec["precision"] != "fp32"
+        self.mixed_precision = is_mixed(self.spec["precision"])
         kwargs = {"mesh": self.mesh, "reshard_after_forward": fs["reshard_after_forward"]}
         if self.mixed_precision:
             # Compute in low precision, reduce gradients in fp32 (the usual FSDP recipe).
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=LOW_PRECISION[self.spec["precision"]],
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=low_precision_dtype(self.spec["precision"]),
                                                        reduce_dtype=torch.float32)
         # pin_memory needs a CUDA runtime; on CPU ranks the "offload" target is the device itself.
         kwargs["offload_policy"] = (CPUOffloadPolicy(pin_memory=device.type == "cuda") if fs["cpu_offload"]
@@ -93,7 +92,7 @@ class FSDPStrategy(Strategy):
         # MixedPrecisionPolicy already casts parameters: autocast on top would be a second policy.
         with self.sync_context(micro_index == n_micro - 1):
             loss = self.task.loss(self.model, batch)
-            (loss / n_micro).backward()
+            accumulation_scaled(loss, n_micro).backward()
         return loss.detach()
 
     # -- truth --------------------------------------------------------------------------
@@ -125,7 +124,7 @@ class FSDPStrategy(Strategy):
             raise FidelityError(f"FSDP shards live on {described['param_shard_devices']}, expected {wanted} "
                                 f"(cpu_offload {self.spec['fsdp']['cpu_offload']})")
         policy = described["mixed_precision_policy"]
-        wanted = str(LOW_PRECISION[self.spec["precision"]]) if self.mixed_precision else "None"
+        wanted = str(low_precision_dtype(self.spec["precision"])) if self.mixed_precision else "None"
         if policy is not None and policy["param_dtype"] != wanted:
             raise FidelityError(f"FSDP units compute in {policy['param_dtype']}; spec precision "
                                 f"{self.spec['precision']}")
@@ -214,63 +213,6 @@ def check_sharded(described: dict, world_size: int) -> None:
     if described["mesh_sizes"] != [world_size]:
         raise FidelityError(f"FSDP: parameters sharded over meshes of size {described['mesh_sizes']}, spec "
                             f"world_size is {world_size}")
-
-
-# -- sharded checkpoints (DCP), shared by every strategy whose ranks hold different pieces --
-def _dcp_options(strict: bool = True):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    # Flattened optimizer state: keys per parameter name ("param_groups.<fqn>.lr"). Nested
-    # param_groups lists would collide across pipeline stages, whose groups hold different
-    # parameters, and DCP keeps only one rank's copy of a duplicated key.
-    return StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
-
-
-def _trainable_state(strategy: Strategy):
-    """(model state, optimizer state, whether frozen weights were left out): the model part
-    holds the trainable parameters only (LoRA: the adapters; the frozen base is named by
-    identity in the checkpoint's metadata, distlab.checkpoint)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_state, optim_state = get_state_dict(strategy.model, strategy.optimizer, options=_dcp_options())
-    trained = trainable_names(strategy.model)
-    kept = {k: v for k, v in model_state.items() if k in trained}
-    return kept, optim_state, len(kept) < len(model_state)
-
-
-def dcp_save(strategy: Strategy, path: str) -> None:
-    """Each rank writes its own shards of the trainable parameters and the optimizer
-    (torch.distributed.checkpoint); written to a temporary folder and renamed by rank 0, so a
-    killed save leaves no checkpoint."""
-    import torch.distributed.checkpoint as dcp
-
-    from distlab.checkpoint_files import atomic_dir
-
-    model_state, optim_state, _ = _trainable_state(strategy)
-    tmp, commit = atomic_dir(path) if dist.get_rank() == 0 else (Path(str(path) + ".tmp"), None)
-    dist.barrier()  # the temporary folder exists before anyone writes into it
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-    if commit is not None:
-        (tmp / "format.json").write_text(json.dumps({"format": DCP_FORMAT, "strategy": strategy.name,
-                                                     "world_size": dist.get_world_size()}))
-        commit()
-    dist.barrier()
-
-
-def dcp_load(strategy: Strategy, path: str) -> None:
-    """Load a dcp_save folder into the already wrapped model and optimizer (same layout)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    fmt = json.loads((Path(path) / "format.json").read_text())
-    if fmt.get("format") != DCP_FORMAT:
-        raise ValueError(f"{path}: checkpoint format {fmt.get('format')!r}, expected {DCP_FORMAT!r}")
-    model_state, optim_state, partial = _trainable_state(strategy)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(path))
-    # LoRA: the frozen base keeps the weights it was loaded with (its identity was checked).
-    set_state_dict(strategy.model, strategy.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"], options=_dcp_options(strict=not partial))
 
 
 # The class distlab.strategies finds for the strategy name "fsdp" (its module name).

@@ -10,7 +10,8 @@ to real weights, with no rank ever holding more than its shards (torchtitan's re
 4. LoRA adapters (not in the checkpoint) get the values peft initialised them with from the
    seeded RNG (kept by keep_adapter_init while peft moved them to meta), so the step-0 loss
    equals DDP's.
-Every parameter must be covered by 3 or 4, or the run fails naming the ones left empty.
+Every parameter must be covered by 3 or 4, or the run fails naming the ones left empty
+(distlab.partial_load.check_coverage, before anything is read).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import contextlib
 from pathlib import Path
 
 import torch
+
+from distlab.partial_load import ShardedLoad
 
 ADAPTER_INIT_ATTRIBUTE = "_distlab_adapter_init"
 
@@ -73,44 +76,56 @@ def checkpoint_name(parameter_name: str) -> str | None:
     return base_name(parameter_name)
 
 
+class DCPShards(ShardedLoad):
+    """FSDP2's placement (steps 1-4 of the module docstring): DCP's HuggingFaceStorageReader
+    reads each rank's slices of the stored tensors straight into its DTensor shards."""
+
+    loader = "FSDP"
+    otherwise = "LoRA adapters"
+
+    def __init__(self, model, folder: str, device: torch.device):
+        super().__init__(model, folder)
+        self.device = device
+        self.buffers = {name: b.detach().clone() for name, b in model.named_buffers() if b.device.type != "meta"}
+        self.adapters = {f"{module_name}.{key}": value for module_name, module in model.named_modules()
+                         for key, value in module.__dict__.get(ADAPTER_INIT_ATTRIBUTE, {}).items()}
+        available = checkpoint_keys(folder)
+        names = {name: checkpoint_name(name) for name, _ in model.named_parameters()}
+        self.keys = {name: key for name, key in names.items() if key is not None and key in available}
+        model.to_empty(device=device)
+        with torch.no_grad():
+            for name, value in self.buffers.items():
+                model.get_buffer(name).copy_(value)
+
+    def stored(self):
+        return self.keys
+
+    def filled_otherwise(self):
+        return set(self.adapters)
+
+    def load_layer(self, names, params):
+        # One read per decoder layer (and one for the rest): the reader's transient buffers hold
+        # one layer's slices at a time, not the rank's whole shard.
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+        with torch.no_grad():
+            dcp.load({self.keys[name]: params[name] for name in names},
+                     storage_reader=HuggingFaceStorageReader(self.folder))
+        return 0  # DCP does not say what it read
+
+    def finish(self, bytes_read):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        if self.adapters:
+            set_model_state_dict(self.model, {k: v.to(self.device) for k, v in self.adapters.items()},
+                                 options=StateDictOptions(full_state_dict=True, strict=False))
+        return {"how": "meta-device model, fully_shard, to_empty, then torch.distributed.checkpoint "
+                       "HuggingFaceStorageReader reading each rank's slices of the safetensors",
+                "checkpoint_tensors_loaded": len(self.keys), "lora_adapters_restored": len(self.adapters),
+                "buffers_restored": sorted(self.buffers)}
+
+
 def materialize_sharded(model, folder: str, device: torch.device) -> dict:
     """Steps 1-4 of the module docstring on an already fully_shard-ed meta model."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    from distlab.partial_load import layer_groups
-    from distlab.strategies.base import FidelityError
-
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers() if b.device.type != "meta"}
-    adapters = {f"{module_name}.{key}": value for module_name, module in model.named_modules()
-                for key, value in module.__dict__.get(ADAPTER_INIT_ATTRIBUTE, {}).items()}
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for name, value in buffers.items():
-            model.get_buffer(name).copy_(value)
-
-    available = checkpoint_keys(folder)
-    targets, covered = {}, set()
-    for name, param in model.named_parameters():
-        key = checkpoint_name(name)
-        if key is not None and key in available:
-            targets[key] = param
-            covered.add(name)
-    # One read per decoder layer (and one for the rest): the reader's transient buffers hold
-    # one layer's slices at a time, not the rank's whole shard.
-    with torch.no_grad():
-        for group in layer_groups(targets):
-            dcp.load({key: targets[key] for key in group}, storage_reader=HuggingFaceStorageReader(folder))
-    if adapters:
-        set_model_state_dict(model, {k: v.to(device) for k, v in adapters.items()},
-                             options=StateDictOptions(full_state_dict=True, strict=False))
-        covered.update(adapters)
-    empty = [name for name, _ in model.named_parameters() if name not in covered]
-    if empty:
-        raise FidelityError(f"FSDP sharded load: {len(empty)} parameters are neither in {folder}'s safetensors "
-                            f"nor LoRA adapters, e.g. {empty[:3]}")
-    return {"how": "meta-device model, fully_shard, to_empty, then torch.distributed.checkpoint "
-                   "HuggingFaceStorageReader reading each rank's slices of the safetensors",
-            "checkpoint_tensors_loaded": len(targets), "lora_adapters_restored": len(adapters),
-            "buffers_restored": sorted(buffers)}
+    return DCPShards(model, folder, device).run()

@@ -9,9 +9,36 @@ from distlab.strategies.settings import StrategySettings, precision_layout, stat
 class FSDPSettings(StrategySettings):
     name = "fsdp"
     defaults = {"reshard_after_forward": True, "cpu_offload": False, "via": "native"}
+    ray_train = True
+    dcp_checkpoint = True
 
     def runs_as(self, spec):
-        return "accelerate" if spec.get("fsdp", {}).get("via") == "accelerate" else self.name
+        return "accelerate" if self.accelerate_plugin(spec) else self.name
+
+    def accelerate_plugin(self, spec):
+        return "FSDP" if spec.get("fsdp", {}).get("via") == "accelerate" else None
+
+    def accelerate_config(self, spec):
+        if not self.accelerate_plugin(spec):
+            return {}
+        fsdp = spec["fsdp"]
+        return {"fsdp_config": {
+            "fsdp_version": 2,
+            # The decoder layer class is found from the loaded model by the strategy
+            # (distlab.model.decoder_layer_class), never named here.
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_reshard_after_forward": bool(fsdp["reshard_after_forward"]),
+            "fsdp_offload_params": bool(fsdp["cpu_offload"]),
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_cpu_ram_efficient_loading": False,
+            "fsdp_activation_checkpointing": False,
+        }}
+
+    def parameter_layout(self, spec):
+        return None if self.accelerate_plugin(spec) else "dtensor"
+
+    def offloads_parameters(self, spec):
+        return bool(spec.get("fsdp", {}).get("cpu_offload"))
 
     def variant(self, spec):
         fs = spec["fsdp"]

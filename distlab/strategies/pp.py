@@ -31,10 +31,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from distlab.accumulation import accumulation_scaled, accumulation_unscaled
+from distlab.checkpoint_formats.dcp import dcp_load, dcp_save
 from distlab.model import decoder_layers
 from distlab.partial_load import empty_model, load_held_weights
+from distlab.precision import autocast
 from distlab.run_layout import run_files_dir
-from distlab.strategies.base import FidelityError, ModelParallel, Strategy, autocast
+from distlab.strategies.base import FidelityError, ModelParallel, Strategy
 from distlab.strategies.pp_stages import StageModule, bubble_formula, prune_to_stage, split_layers
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -118,7 +121,7 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
         with self.compute:
             shifted = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                                       labels[:, 1:].reshape(-1))
-            return shifted / (self.n_pipe * self._n_micro)
+            return accumulation_scaled(shifted, self._n_micro, pieces=self.n_pipe)
 
     def _time_stage_compute(self) -> None:
         """Wrap the stage's compute calls so the schedule's busy time can be told from waiting."""
@@ -146,7 +149,7 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
         if not self.last:
             return None
         # Undo the scaling that made the gradients right: report the plain mean loss.
-        return (torch.stack([l.detach() for l in losses]).mean() * self.n_pipe * n_micro)
+        return accumulation_unscaled(torch.stack([l.detach() for l in losses]).mean(), n_micro, pieces=self.n_pipe)
 
     def optimizer_step(self):
         norm = super().optimizer_step()
@@ -289,13 +292,9 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
                 yield out
 
     def save_checkpoint(self, path: str) -> None:
-        from distlab.strategies.fsdp import dcp_save
-
         dcp_save(self, path)
 
     def load_checkpoint(self, path: str) -> None:
-        from distlab.strategies.fsdp import dcp_load
-
         dcp_load(self, path)
 
 

@@ -10,6 +10,7 @@ from distlab.strategies.settings import ModelParallelSettings, state
 class PPSettings(ModelParallelSettings):
     name = "pp"
     defaults = {"schedule": "gpipe", "microbatches": 4}
+    holds_layer_run = True
 
     def variant(self, spec):
         return f"{spec['pp']['schedule']}-m{spec['pp']['microbatches']}"

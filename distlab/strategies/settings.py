@@ -16,8 +16,10 @@ import copy
 import functools
 import importlib
 import pkgutil
+import sys
 
 from distlab import families
+from distlab.precision import is_mixed
 
 SUFFIX = "_settings"
 
@@ -32,6 +34,16 @@ class StrategySettings:
     launcher: str = "torchrun"
     #: Whether each rank reads its own samples (False: the ranks split the model and read the same ones).
     data_parallel: bool = True
+    #: Whether Ray Train can start it (`launcher: ray`): Ray sets up its process group.
+    ray_train: bool = False
+    #: Whether its checkpoint is a torch.distributed.checkpoint folder (distlab.checkpoint_formats.dcp),
+    #: whose per-tensor containers the save estimate counts.
+    dcp_checkpoint: bool = False
+    #: Whether a rank holds a run of the decoder layers numbered in the whole model (a pipeline
+    #: stage): there selective activation checkpointing cannot be checked layer by layer.
+    holds_layer_run: bool = False
+    #: The advisor rows (distlab.advisor.ROW_ORDER) this strategy stands for: {row: its settings block}.
+    advisor_rows: dict[str, dict] = {}
 
     def runs_as(self, spec: dict) -> str:
         """The strategy module that runs the spec (FSDP through Accelerate is Accelerate's)."""
@@ -44,6 +56,24 @@ class StrategySettings:
     def check(self, spec: dict, config: dict, fail, shape: dict) -> None:
         """fail(field, why) for settings this strategy refuses; `shape` is the model's config
         (distlab.config.model_shape)."""
+
+    def accelerate_plugin(self, spec: dict) -> str | None:
+        """The distributed_type Accelerate runs this spec with when it is not plain data
+        parallel ("FSDP": FSDP through Accelerate); None: DDP or one process."""
+        return None
+
+    def accelerate_config(self, spec: dict) -> dict:
+        """What the Accelerate config file adds for accelerate_plugin (FSDP: its fsdp_config block)."""
+        return {}
+
+    def parameter_layout(self, spec: dict) -> str | None:
+        """The parameter form the strategy leaves behind ("dtensor", "deepspeed_partition");
+        None: plain tensors."""
+        return None
+
+    def offloads_parameters(self, spec: dict) -> bool:
+        """Whether a CUDA run's parameters may legitimately sit in host memory."""
+        return False
 
     def shards_checkpoint(self, spec: dict) -> bool:
         """Whether the run's checkpoint holds per-rank shards (validation scope 'sharded')."""
@@ -78,7 +108,7 @@ def state(held: dict, gathered: float = 0.0, cpu: dict | None = None) -> dict:
 
 
 def precision_layout(precision: str) -> str:
-    return "fp32" if precision == "fp32" else "mixed"
+    return "mixed" if is_mixed(precision) else "fp32"
 
 
 class ModelParallelSettings(StrategySettings):
@@ -101,15 +131,17 @@ class ModelParallelSettings(StrategySettings):
     def shards_checkpoint(self, spec):
         return True
 
+    dcp_checkpoint = True
+
     def advisor_row(self, spec):
         return self.name
 
 
 def registered() -> dict[str, StrategySettings]:
-    """{name: settings} of every distlab/strategies/<name>_settings.py, by name."""
-    from distlab import strategies
-
-    return _discover(tuple(strategies.__path__))
+    """{name: settings} of every distlab/strategies/<name>_settings.py, by name (the package's
+    search path, read from the package itself: Python imports it before any module in it, so
+    this module needs no import of it)."""
+    return _discover(tuple(sys.modules[__package__].__path__))
 
 
 @functools.lru_cache(maxsize=4)
@@ -127,6 +159,12 @@ def _discover(path: tuple[str, ...]) -> dict[str, StrategySettings]:
 
 def settings_for(spec: dict) -> StrategySettings:
     return registered()[spec["strategy"]]
+
+
+def advisor_rows() -> dict[str, tuple[str, dict]]:
+    """{advisor row: (strategy, its settings block)}: what each row of distlab.advisor stands
+    for, as distlab runs it (each strategy's `advisor_rows`)."""
+    return {row: (name, block) for name, s in registered().items() for row, block in s.advisor_rows.items()}
 
 
 def data_parallel(spec: dict) -> bool:

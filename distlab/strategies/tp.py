@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from distlab.checkpoint_formats.dcp import dcp_load, dcp_save
 from distlab.families import TP_STYLES, layer_tp_plan
 from distlab.model import decoder_layers
 from distlab.partial_load import empty_model, load_held_weights
@@ -130,13 +131,9 @@ class TensorParallelStrategy(ModelParallel, Strategy):
     collective_forward = True
 
     def save_checkpoint(self, path: str) -> None:
-        from distlab.strategies.fsdp import dcp_save
-
         dcp_save(self, path)
 
     def load_checkpoint(self, path: str) -> None:
-        from distlab.strategies.fsdp import dcp_load
-
         dcp_load(self, path)
 
 

@@ -10,6 +10,9 @@ from distlab.strategies.settings import ModelParallelSettings, state
 class TPSettings(ModelParallelSettings):
     name = "tp"
 
+    def parameter_layout(self, spec):
+        return "dtensor"
+
     def check_shape(self, spec, fail, shape):
         heads = shape.get("num_attention_heads")
         kv_heads = shape.get("num_key_value_heads", heads)

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from distlab.precision import torch_dtype
+
 INFO = "distlab_images.json"  # written by prepare.prepare_images beside the Arrow splits
 EVAL_SEED = 20251203  # the held-out images' draws: one fixed stream per image, the same for every model
 FIXED_BATCH = 2  # held-out images whose UNet output checkpoints record and checks compare
@@ -131,7 +133,7 @@ class FrozenEncoders:
 
 def frozen_dtype(spec: dict):
     """The example casts the frozen VAE and text encoder to the mixed-precision dtype."""
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec["precision"], torch.float32)
+    return torch_dtype(spec["precision"])
 
 
 def load_split(data_dir, split: str):

@@ -1,0 +1,59 @@
+"""The plain format, for strategies whose every rank holds the whole model (DDP): rank 0 writes
+the trainable parameters (safetensors) and the optimizer state; every rank reads the same files,
+so the format does not depend on the world size."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from distlab.checkpoint_formats import write_format
+
+PLAIN_FORMAT = "plain"
+
+
+def save_plain(strategy, path: str) -> None:
+    """Rank 0 writes the trainable parameters (safetensors, one tensor at a time: a CPU one
+    straight from the live tensor, a CUDA one through its host copy) and the optimizer state;
+    others wait."""
+    import torch
+    import torch.distributed as dist
+
+    from distlab.checkpoint_files import atomic_dir
+    from distlab.export_files import SafetensorsFile
+    from distlab.strategies.base import trainable_names
+    from distlab.streamed import host
+
+    if dist.get_rank() == 0:
+        tmp, commit = atomic_dir(path)
+        module = strategy.unwrapped()
+        trained = trainable_names(module)
+        params = {n: p.detach() for n, p in module.named_parameters() if n in trained}
+        out = SafetensorsFile(tmp / "model.safetensors", {n: (tuple(p.shape), p.dtype) for n, p in params.items()},
+                              {"format": "pt"})
+        for name, value in params.items():
+            out.write(name, host(value))
+        out.close()
+        torch.save(strategy.optimizer.state_dict(), tmp / "optimizer.pt")
+        write_format(tmp, {"format": PLAIN_FORMAT, "strategy": strategy.name, "frozen_parameters_saved": False})
+        commit()
+    dist.barrier()
+
+
+def load_plain(strategy, path: str) -> None:
+    """Every rank reads the same files. The file must hold exactly the trainable parameters
+    (the frozen ones keep the base's values)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from distlab.checkpoint import CheckpointMismatch
+    from distlab.strategies.base import trainable_names
+
+    path = Path(path)
+    module = strategy.unwrapped()
+    state = load_file(str(path / "model.safetensors"))
+    expected = trainable_names(module)
+    if set(state) != expected:
+        raise CheckpointMismatch(f"{path / 'model.safetensors'} holds {len(state)} tensors, this model trains "
+                                 f"{len(expected)}: e.g. {sorted(set(state) ^ expected)[:3]}")
+    module.load_state_dict(state, strict=False)
+    optimizer = torch.load(path / "optimizer.pt", weights_only=True)
+    strategy.optimizer.load_state_dict(optimizer)

@@ -1,0 +1,192 @@
+"""Strategies as files: the schema's enum checked against the settings files, a new strategy
+with a setting of its own added by its files alone, and the mechanisms every strategy shares
+(one precision map, one loss-scaling rule) decided in one place each."""
+import pytest
+
+from conftest import REPO
+from distlab.config import ConfigError, load
+from test_config import ddp_config
+
+
+def test_the_schema_names_exactly_the_strategies_with_settings_files_and_ranks_find_them_without_it(monkeypatch):
+    """config/schema.yaml's strategy enum is checked against distlab/strategies/*_settings.py
+    (each strategy with settings has their block), and a rank finds its class from those files,
+    not from the schema."""
+    from distlab import config as config_module
+    from distlab import strategies
+    from distlab.strategies.base import Strategy
+    from distlab.strategies.settings import schema_mismatch
+
+    schema = config_module.load_schema()
+    assert set(schema["$defs"]["experiment"]["properties"]["strategy"]["enum"]) == set(strategies.strategy_names())
+    assert schema_mismatch(schema) is None
+    for name in strategies.strategy_names():
+        found = strategies.get_strategy_class(name)
+        assert issubclass(found, Strategy) and found.name == name, name
+    # A name in the enum without a settings file (or the reverse) stops every config.
+    schema["$defs"]["experiment"]["properties"]["strategy"]["enum"].append("horovod")
+    monkeypatch.setattr(config_module, "load_schema", lambda: schema)
+    with pytest.raises(ConfigError, match=r"schema.yaml: its strategy enum .*'horovod'.* differs from the "
+                                          r"strategies in distlab/strategies/\*_settings.py"):
+        load(ddp_config({}), gpu_count=0)
+    # Ranks never read the schema to find their class.
+    monkeypatch.setattr(config_module, "load_schema", lambda: pytest.fail("a rank read config/schema.yaml"))
+    assert strategies.strategy_for({"strategy": "fsdp", "fsdp": {"via": "accelerate"}}).name == "accelerate"
+
+
+MINE_MODULE = """
+from distlab.strategies.base import Strategy
+
+
+class MineStrategy(Strategy):
+    name = "mine"
+
+
+STRATEGY = MineStrategy
+"""
+MINE_SETTINGS = """
+from distlab.strategies.settings import StrategySettings, state
+
+
+class MineSettings(StrategySettings):
+    name = "mine"
+    defaults = {"chunks": 2}
+    ray_train = True  # Ray Train may start it
+    dcp_checkpoint = True  # its checkpoint is a DCP folder: the save estimate counts its containers
+    holds_layer_run = True  # a rank holds a run of the layers: selective checkpointing is checked loosely
+    advisor_rows = {"mine-c2": {"chunks": 2}}  # an advisor row it stands for
+
+    def parameter_layout(self, spec):
+        return "dtensor"
+
+    def offloads_parameters(self, spec):
+        return spec["mine"]["chunks"] > 2
+
+    def variant(self, spec):
+        return f"c{spec['mine']['chunks']}"
+
+    def check(self, spec, config, fail, shape):
+        if spec["micro_batch"] % spec["mine"]["chunks"]:
+            fail("mine.chunks", f"micro_batch {spec['micro_batch']} does not split into {spec['mine']['chunks']} chunks")
+
+    def shards_checkpoint(self, spec):
+        return True
+
+    def checkpoint_format(self, spec):
+        return (spec["precision"], spec["mine"]["chunks"])
+
+    def advisor_row(self, spec):
+        return "mine"
+
+    def model_state(self, counts, n, precision, lora, settings):
+        return state({"params": 4 * counts["total"] / n * settings.get("chunks", 1), "grads": 0.0, "optimizer": 0.0})
+
+
+SETTINGS = MineSettings()
+"""
+MINE_CARD = """
+from distlab.report.cards import Card
+
+
+def build(runs):
+    return Card(9, "Mine", notes=[f"{sum(r['spec']['strategy'] == 'mine' for r in runs)} mine run(s)"])
+"""
+
+
+def test_a_new_strategy_with_a_setting_is_its_files_its_schema_entry_and_a_report_card(tmp_path, monkeypatch):
+    """ARCHITECTURE.md's walk-through: a strategy with a setting of its own (`mine: {chunks}`)
+    is its module, its settings file, its name and block in the schema, and a report card, as
+    files; nothing of distlab is edited (its folders only gain files, here through the
+    packages' search paths). Config expansion, the id, the checks, the launcher, the validation
+    scope, the advisor (its formula and its row), Ray's launcher check, the save estimate, the
+    activation-checkpointing check, the parameter-layout check and a rank's lookup all pick it up."""
+    import sys
+
+    import yaml
+
+    from distlab import config as config_module
+    from distlab import strategies
+    from distlab.activations import check_checkpointing
+    from distlab.advisor import model_state, strategy_state
+    from distlab.save_estimate import save_estimate
+    from distlab.strategies.base import expected_layout, offloads_parameters
+    from distlab.advisor_check import estimate_key
+    from distlab.report import cards
+    from distlab.validation_scope import checkpoint_format, shards_checkpoint, validated_experiments
+
+    (tmp_path / "strategies").mkdir()
+    (tmp_path / "strategies" / "mine.py").write_text(MINE_MODULE)
+    (tmp_path / "strategies" / "mine_settings.py").write_text(MINE_SETTINGS)
+    (tmp_path / "cards").mkdir()
+    (tmp_path / "cards" / "stage9_mine.py").write_text(MINE_CARD)
+    schema = config_module.load_schema()
+    experiment = schema["$defs"]["experiment"]["properties"]
+    experiment["strategy"]["enum"].append("mine")
+    experiment["mine"] = {"type": "object", "additionalProperties": False,
+                          "properties": {"chunks": {"type": "integer", "minimum": 1}}}
+    (tmp_path / "schema.yaml").write_text(yaml.safe_dump(schema))
+    monkeypatch.setattr(config_module, "SCHEMA_PATH", tmp_path / "schema.yaml")
+    monkeypatch.setattr(strategies, "__path__", [*strategies.__path__, str(tmp_path / "strategies")])
+    monkeypatch.setattr(cards, "__path__", [*cards.__path__, str(tmp_path / "cards")])
+    added = ("distlab.strategies.mine", "distlab.strategies.mine_settings", "distlab.report.cards.stage9_mine")
+    try:
+        assert strategies.strategy_for({"strategy": "mine"}).__name__ == "MineStrategy"
+        config, specs = load(ddp_config({"strategy": "mine", "world_size": 2}), gpu_count=0)
+        (spec,) = specs.values()
+        assert spec["mine"] == {"chunks": 2}  # its default
+        assert (spec["id"], spec["launcher"]) == ("mine-c2-full-w2-mb4-ga1", "torchrun")
+        assert validated_experiments(config, specs) == [spec["id"]]
+        (spec,) = load(ddp_config({"strategy": "mine", "mine": {"chunks": 4}}), gpu_count=0)[1].values()
+        assert spec["id"] == "mine-c4-full-w1-mb4-ga1"
+        with pytest.raises(ConfigError, match=r"'stages.ddp.experiments\[0\].mine.chunks': micro_batch 4 does not "
+                                              r"split into 3 chunks"):
+            load(ddp_config({"strategy": "mine", "mine": {"chunks": 3}}), gpu_count=0)
+        with pytest.raises(ConfigError, match=r"'stages.ddp.experiments.0.mine.chunks': 0 is less than"):
+            load(ddp_config({"strategy": "mine", "mine": {"chunks": 0}}), gpu_count=0)
+        assert checkpoint_format(spec) == (spec["precision"], 4) and shards_checkpoint(spec)
+        assert estimate_key(spec) == "mine"
+        assert strategy_state("mine", {"total": 10, "trainable": 10}, 2, "fp32", False)["params"] == 20
+        assert model_state("mine-c2", {"total": 10, "trainable": 10}, 2, "fp32", False)["params"] == 40
+        (ray,) = load(ddp_config({"strategy": "mine", "launcher": "ray"}), gpu_count=0)[1].values()
+        assert ray["id"].endswith("-ray")
+        counts = {"total": 10, "trainable": 10, "largest_unit": 5, "_shapes": [((10,), True)]}
+        as_ddp, as_mine = (save_estimate(counts, 8, False, strategy=s, world_size=2) for s in ("ddp", "mine"))
+        assert as_mine["native_checkpoint_bytes"] > as_ddp["native_checkpoint_bytes"]
+        assert (expected_layout(spec), offloads_parameters(spec)) == ("dtensor", True)
+        facts = {"layers_held": 2, "checkpointed": [1]}  # stage-local numbering: not layer 0 of the model
+        assert check_checkpointing(facts, {**spec, "activation_checkpointing": "selective",
+                                           "activation_checkpointing_every": 2}) is None
+        assert check_checkpointing(facts, {**spec, "strategy": "ddp", "activation_checkpointing": "selective",
+                                           "activation_checkpointing_every": 2})
+        run = {"spec": spec, "stage": "mine", "status": "failed", "experiment": spec["id"], "machine": "m"}
+        (card,) = [c for c in cards.all_cards([run]) if c.number == 9]  # discovered beside the others
+        assert card.notes == ["1 mine run(s)"]
+    finally:
+        for name in added:
+            sys.modules.pop(name, None)
+
+
+def test_precision_names_and_the_accumulation_loss_scale_are_decided_in_one_place_each():
+    """distlab/precision.py maps a precision name to its torch dtype and distlab/accumulation.py
+    scales a micro-batch's loss: no other module spells either rule out again."""
+    import re
+
+    import torch
+
+    from distlab.accumulation import accumulation_scaled, accumulation_unscaled
+    from distlab.precision import low_precision_dtype, torch_dtype
+
+    assert [torch_dtype(p) for p in ("fp32", "bf16", "fp16")] == [torch.float32, torch.bfloat16, torch.float16]
+    assert low_precision_dtype("fp32") is None
+    # 3 micro-batches of 4 pipeline pieces: backward on 1/12 of each, the mean loss reported back.
+    assert accumulation_scaled(torch.tensor(12.0), 3, pieces=4) == 1.0
+    assert accumulation_unscaled(torch.tensor(1.0), 3, pieces=4) == 12.0
+    dtype_map = re.compile(r"""["']bf16["']\s*:\s*torch\.bfloat16|torch\.bfloat16 if [^\n]*precision""")
+    micro_scale = re.compile(r"/\s*\(?\s*(self\._)?n_micro\b|/\s*\(self\.n_pipe")
+    package = REPO / "distlab"
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        if path.name != "precision.py":
+            assert not dtype_map.search(text), f"{path}: a precision -> dtype map besides distlab/precision.py"
+        if path.name != "accumulation.py":
+            assert not micro_scale.search(text), f"{path}: loss scaled for accumulation besides distlab/accumulation.py"
