@@ -1,6 +1,9 @@
 """The base model: built once with a fixed seed, then loaded like any Hugging Face model."""
 from __future__ import annotations
 
+import contextlib
+import sys
+
 
 def build_base_model(build: dict, tokenizer, out_dir) -> dict:
     """A small Llama-architecture model saved with save_pretrained (safetensors)."""
@@ -56,18 +59,41 @@ def load_model(path_or_id: str, dtype=None, device: str | None = None):
     return model
 
 
+@contextlib.contextmanager
+def scipy_hidden_from_transformers():
+    """transformers' modeling_utils imports scipy.optimize (~0.25 s of CPU a process here,
+    benchmarks/harness_overhead.py) for its object-detection losses only, behind its own
+    `is_scipy_available()`; no causal LM uses them. While the modeling code imports, scipy reads
+    as not installed (None in sys.modules: importlib's find_spec answers None); afterwards it is
+    importable again and transformers' cached answer is cleared, so later checks see it. A
+    process that imported scipy already (DeepSpeed's import does) is left as it is."""
+    if "scipy" in sys.modules:
+        yield
+        return
+    sys.modules["scipy"] = None
+    try:
+        yield
+    finally:
+        if "scipy" in sys.modules and sys.modules["scipy"] is None:
+            del sys.modules["scipy"]
+        from transformers.utils import is_scipy_available
+
+        is_scipy_available.cache_clear()
+
+
 def import_model_code(path_or_id: str, lora: bool) -> None:
     """Import the modeling code a rank is about to use (the architecture's transformers
     module, peft for LoRA) without building anything: the RSS read right after it is then the
     process's own cost (interpreter, libraries, process group), and the model's share of a
     peak starts there. Importing a Llama's modeling code alone adds ~170 MiB of RSS here."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    with scipy_hidden_from_transformers():
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    try:
-        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(str(path_or_id)))]
-    except KeyError:
-        pass  # not a causal LM transformers knows: load_model says so
+        try:
+            MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(str(path_or_id)))]
+        except KeyError:
+            pass  # not a causal LM transformers knows: load_model says so
     if lora:
         import peft  # noqa: F401
 
