@@ -30,6 +30,7 @@ import contextlib
 import fcntl
 import json
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -59,6 +60,19 @@ def flat_params(spec: dict, prefix: str = "") -> dict:
         else:
             out[name] = value
     return out
+
+
+def hide_mlflow(uses_it: bool) -> bool:
+    """Keep MLflow out of a process that writes nothing to it (a rank other than 0, a run without
+    the mlflow tracker, a validation rank). DeepSpeed's import pulls it in otherwise: its
+    autotuner, which distlab never starts, does `try: import mlflow` at import time (~0.55 s of
+    CPU per DeepSpeed process here, benchmarks/harness_overhead.py). None in sys.modules is
+    Python's own mark for "not importable": that optional import fails and DeepSpeed goes on
+    without it. True if hidden; an MLflow already imported is left alone."""
+    if uses_it or "mlflow" in sys.modules:
+        return False
+    sys.modules["mlflow"] = None
+    return True
 
 
 @contextlib.contextmanager

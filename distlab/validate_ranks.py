@@ -242,6 +242,9 @@ def main(argv=None) -> None:
 
     die_with_parent(same_launch=True)  # a rank never outlives its launcher
     job = json.loads(Path(args.job).read_text())
+    from distlab.tracking import hide_mlflow
+
+    hide_mlflow(uses_it=False)  # validation tracks nothing; DeepSpeed's import would pull MLflow in
     import torch.distributed as dist
 
     started = time.time()

@@ -32,6 +32,7 @@ from distlab.run_summary import gather_ranks, summarize_run
 from distlab.strategies import strategy_for
 from distlab.strategies.base import RunContext, local_device
 from distlab.timeline import Timeline
+from distlab.tracking import hide_mlflow
 from distlab.training_checkpoints import TrainingCheckpoints
 from distlab.unequal import enter_cpu_budget, leave_cpu_budget, rank_threads
 
@@ -151,6 +152,8 @@ def main(argv=None) -> None:
     die_with_parent(same_launch=True)  # a rank never outlives its launcher
     private_files()  # what this rank writes under results/ is not world-readable (distlab.sharing)
     job = json.loads(Path(args.job).read_text())
+    # Only the rank that writes to MLflow imports it (DeepSpeed's import would otherwise pull it in).
+    hide_mlflow(uses_it=int(os.environ.get("RANK", 0)) == 0 and "mlflow" in job["spec"]["tracking"])
     try:
         summary = run_rank(job)
     except Exception as error:  # noqa: BLE001 - only allocation failures are handled; the rest re-raise
