@@ -195,8 +195,9 @@ def return_freed_host_memory() -> bool:
     DDP rank, FSDP over a budget it fits). A fixed threshold (mallopt M_MMAP_THRESHOLD) gives
     every allocation at or above it its own mapping, returned to the OS on free, so RSS shows
     what the rank holds. 2 MiB, not 1: the 309M figures are the same at both (within 0.3%),
-    while the small model's 1 MiB activations (8 x 128 tokens x 256 fp32) stay in the heap,
-    which costs a step ~30% less CPU (benchmarks/trainer_parity.py). A model whose largest
+    while the small model's 1 MiB activations (8 x 128 tokens x 256 fp32) stay in the heap:
+    its 1-rank step went from 1.34x to 1.09x Trainer's (benchmarks/trainer_parity.py, quiet,
+    median of 3 interleaved rounds; README). A model whose largest
     weight is under 2 MiB (hidden size under ~720) keeps its freed gathered weights in the heap;
     its whole model is then a few tens of MB. Set on every CPU rank alike; False where libc
     refuses. DISTLAB_MMAP_THRESHOLD (bytes; 0 = leave glibc's dynamic threshold) overrides it for
