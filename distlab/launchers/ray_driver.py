@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import json
 import os
-import secrets
 import shutil
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 
 from distlab.launchers.environment import BASE_ENV, rank_environment
 from distlab.launchers.process import run_ranks
+from distlab.launchers.ray_nodes import token_auth_environment
 from distlab.launchers.ray_record import earlier_rows, ray_record
 
 PRIVATE_TEMP_DIR_ENV = "DISTLAB_RAY_TEMP_DIR"
@@ -127,10 +127,7 @@ def private_instance_environment(folder: str) -> dict:
     instance's temp dir (mode 600) instead of ~/.ray: a fresh CI box may have no writable
     home, and concurrent jobs must not race on one token file. Ray reads these at import,
     so they go into the driver's environment before it starts."""
-    path = Path(folder, "auth_token")
-    path.write_text(secrets.token_hex(32))  # what `ray get-auth-token --generate` writes: 256 random bits
-    path.chmod(0o600)
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path), PRIVATE_TEMP_DIR_ENV: folder,
+    return {**token_auth_environment(folder), PRIVATE_TEMP_DIR_ENV: folder,
             # A job's own instance has no node a cloud could preempt: skip the watcher process.
             "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 

@@ -32,6 +32,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def token_auth_environment(folder: str) -> dict:
+    """Ray token auth for the processes of a cluster distlab starts: a new token (256 random
+    bits, what `ray get-auth-token --generate` writes) in `folder`, readable by its owner only.
+    RAY_AUTH_MODE=token is set, never left to Ray: `ray start --head` turns auth on by itself
+    only when a token file already exists, and `ray start --address` or a driver given an
+    address never does (Ray 2.60, ray/scripts/scripts.py, ray/_private/worker.py); only a
+    local ray.init() of a new cluster does. The README's two-machine steps set the same keys."""
+    token = Path(folder, "auth_token")
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+
+
 class RayNodes:
     """A head (and nodes added later). hosts: a LinkedHosts whose host 0 runs the head and
     whose other hosts run the nodes added with `host=`; None: every node on 127.0.0.1."""
@@ -39,10 +52,7 @@ class RayNodes:
     def __init__(self, head_cpus: int, hosts=None):
         self.hosts = hosts
         self.folder = tempfile.mkdtemp(prefix="rt-", dir="/tmp")  # short: unix socket paths
-        token = Path(self.folder, "auth_token")
-        token.write_text(secrets.token_hex(32))
-        token.chmod(0o600)
-        self.env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "RAY_USAGE_STATS_ENABLED": "0"}
+        self.env = {**token_auth_environment(self.folder), "RAY_USAGE_STATS_ENABLED": "0"}
         self.port = NAMESPACED_PORT if hosts else free_port()
         self.head_ip = hosts.address(0) if hosts else "127.0.0.1"
         self.address = f"{self.head_ip}:{self.port}"

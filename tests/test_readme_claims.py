@@ -1,0 +1,49 @@
+"""What the README tells a user to type or to expect about safety holds for the code: every
+command that starts, joins or drives a Ray cluster turns token auth on as distlab's own
+clusters do."""
+from __future__ import annotations
+
+import re
+
+from conftest import REPO
+
+README = (REPO / "README.md").read_text()
+FENCE = re.compile(r"^\s*```")
+# A Ray command someone will paste: `ray start` with an option given a value, or a driver
+# pointed at a head. A bare `ray start --head` in prose names the command, it is not one.
+RAY_COMMAND = re.compile(r"\bray start\b.*=|RAY_ADDRESS=", re.DOTALL)
+
+
+def readme_code() -> tuple[list[str], list[str]]:
+    """(code block lines, inline code spans of the prose) of the README."""
+    blocks, prose = [], []
+    in_fence, after_blank, in_indented = False, True, False
+    for line in README.splitlines():
+        if FENCE.match(line):
+            in_fence = not in_fence
+            continue
+        indented = line.startswith("    ") and line.strip()
+        in_indented = bool(indented) and (in_indented or after_blank)
+        if in_fence or in_indented:
+            blocks.append(line.strip())
+        else:
+            prose.append(line)
+        after_blank = not line.strip()
+    spans = [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", "\n".join(prose))]
+    return blocks, spans
+
+
+def test_every_readme_command_that_starts_joins_or_drives_a_ray_cluster_sets_token_auth(tmp_path):
+    """A plain `ray start --head` runs with auth off unless a token file already exists, and
+    a node or driver given an address never turns it on by itself (Ray 2.60)."""
+    from distlab.launchers.ray_nodes import token_auth_environment
+
+    tested_recipe = token_auth_environment(str(tmp_path))  # what tests/test_ray.py's clusters run with
+    blocks, spans = readme_code()
+    commands = [c for c in blocks + spans if RAY_COMMAND.search(c)]
+    # The head, the joining node and the driver of the two-machine steps, the existing-cluster driver.
+    assert len(commands) >= 4, commands
+    for command in commands:
+        assert "RAY_AUTH_MODE=token" in command and tested_recipe["RAY_AUTH_MODE"] == "token", command
+        assert set(tested_recipe) <= set(re.findall(r"\b(RAY_AUTH_\w+)=", command)), command
+
