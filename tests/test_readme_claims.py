@@ -1,9 +1,11 @@
 """What the README tells a user to type or to expect about safety holds for the code: every
 command that starts, joins or drives a Ray cluster turns token auth on as distlab's own
-clusters do."""
+clusters do, and the KubeRay section names what the manifests are checked against."""
 from __future__ import annotations
 
 import re
+
+import yaml
 
 from conftest import REPO
 
@@ -33,6 +35,12 @@ def readme_code() -> tuple[list[str], list[str]]:
     return blocks, spans
 
 
+def section(title: str) -> str:
+    start = README.index(f"### {title}")
+    end = README.find("\n#", start + 1)
+    return README[start:end]
+
+
 def test_every_readme_command_that_starts_joins_or_drives_a_ray_cluster_sets_token_auth(tmp_path):
     """A plain `ray start --head` runs with auth off unless a token file already exists, and
     a node or driver given an address never turns it on by itself (Ray 2.60)."""
@@ -46,4 +54,17 @@ def test_every_readme_command_that_starts_joins_or_drives_a_ray_cluster_sets_tok
     for command in commands:
         assert "RAY_AUTH_MODE=token" in command and tested_recipe["RAY_AUTH_MODE"] == "token", command
         assert set(tested_recipe) <= set(re.findall(r"\b(RAY_AUTH_\w+)=", command)), command
+
+def test_the_readme_s_kuberay_section_names_what_the_manifests_are_checked_against():
+    from distlab.kuberay import SUBMISSION_MODE
+    from distlab.kuberay_crd import CRD_DIR, KUBERAY_VERSION
+
+    text = " ".join(section("Kubernetes (KubeRay)").split())
+    schema = yaml.safe_load((REPO / "config" / "schema.yaml").read_text())
+    secret = schema["properties"]["kubernetes"]["properties"]["auth_secret"]["default"]
+    assert f"KubeRay {KUBERAY_VERSION}'s own RayCluster and RayJob CRD schemas" in text
+    assert str(CRD_DIR.relative_to(REPO)) + "/" in text and "strict" in text
+    assert f"kubectl create secret generic {secret} --from-literal=auth_token=" in text  # the key KubeRay reads
+    assert SUBMISSION_MODE in text
+    assert "checked by distlab's rules only" not in text
 
