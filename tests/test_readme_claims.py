@@ -1,9 +1,11 @@
 """What the README tells a user to type or to expect about safety holds for the code: every
 command that starts, joins or drives a Ray cluster turns token auth on as distlab's own
-clusters do, and the KubeRay section names what the manifests are checked against."""
+clusters do, the KubeRay section names what the manifests are checked against, and the
+results-folder lock is cleared the way its refusal says."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import yaml
 
@@ -55,6 +57,7 @@ def test_every_readme_command_that_starts_joins_or_drives_a_ray_cluster_sets_tok
         assert "RAY_AUTH_MODE=token" in command and tested_recipe["RAY_AUTH_MODE"] == "token", command
         assert set(tested_recipe) <= set(re.findall(r"\b(RAY_AUTH_\w+)=", command)), command
 
+
 def test_the_readme_s_kuberay_section_names_what_the_manifests_are_checked_against():
     from distlab.kuberay import SUBMISSION_MODE
     from distlab.kuberay_crd import CRD_DIR, KUBERAY_VERSION
@@ -68,3 +71,11 @@ def test_the_readme_s_kuberay_section_names_what_the_manifests_are_checked_again
     assert SUBMISSION_MODE in text
     assert "checked by distlab's rules only" not in text
 
+
+def test_the_readme_clears_a_stale_results_lock_as_the_refusal_says():
+    from distlab.results_lock import LOCK_NAME, busy_message
+
+    refusal = busy_message(Path("RESULTS") / LOCK_NAME, {"host": "h", "pid": 1}, checked=False)
+    assert f"delete {Path('RESULTS') / LOCK_NAME}" in refusal
+    documented = " ".join(README.split())
+    assert f"delete `<results_dir>/{LOCK_NAME}` by hand" in documented
