@@ -11,7 +11,7 @@ here, and each error names the config field and the file:
 - model folders: config.json parses (file and line named), no custom code (auto_map), every
   parameter of the architecture stored with its shape (distlab.model_files);
 - Ray addresses: $RAY_ADDRESS set and non-empty where asked for, every head reachable
-  within a timeout. These, and results_dir being writable, look at the machine: only
+  within a timeout and driven with token auth (RAY_AUTH_MODE=token and a token). These, and results_dir being writable, look at the machine: only
   `distlab.config.load(..., probe=True)` runs them (the workflow does; unit tests do not).
 Data-file content is checked by distlab.data_checks.
 """
@@ -176,8 +176,27 @@ def probe_ray_head(address: str, field: str, timeout: float = RAY_PROBE_TIMEOUT_
                          f"({error})") from None
 
 
+def check_ray_token_auth(address: str, field: str) -> None:
+    """This process will drive `address` with Ray token auth: RAY_AUTH_MODE=token and a token.
+    Ray sends no token to an address it is given unless the mode says token, so without it a
+    head with auth refuses the driver inside a job, and a head without auth (an open door:
+    anyone who reaches it runs code) is used as if nothing were wrong."""
+    if address in ("auto", "local"):
+        return
+    how = ("set RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN_PATH, RAY_AUTH_TOKEN or "
+           "~/.ray/auth_token); distlab drives no Ray cluster without token auth (README, home PC + cloud GPU)")
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        raise ConfigError(f"config field '{field}': driving Ray head {address} needs token auth, but RAY_AUTH_MODE "
+                          f"is {os.environ.get('RAY_AUTH_MODE', 'not set')!r}: {how}")
+    token_path = os.environ.get("RAY_AUTH_TOKEN_PATH") or "~/.ray/auth_token"  # Ray's own order
+    if not os.environ.get("RAY_AUTH_TOKEN", "").strip() and not os.path.isfile(os.path.expanduser(token_path)):
+        raise ConfigError(f"config field '{field}': driving Ray head {address}: no token in RAY_AUTH_TOKEN and no "
+                          f"file {token_path}: {how}")
+
+
 def check_ray_heads(specs: dict[str, dict]) -> None:
-    """Every Ray head an experiment names: set, and reachable (run by the workflow only)."""
+    """Every Ray head an experiment names: set, reachable, and driven with token auth (run by
+    the workflow only)."""
     probed = set()
     for exp_id, spec in specs.items():
         if spec["launcher"] != "ray" or spec["ray"]["address"] is None:
@@ -186,4 +205,5 @@ def check_ray_heads(specs: dict[str, dict]) -> None:
         address = ray_head(spec["ray"]["address"], field)
         if address not in probed:
             probe_ray_head(address, field)
+            check_ray_token_auth(address, field)
             probed.add(address)

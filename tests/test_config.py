@@ -199,6 +199,35 @@ def test_an_unreachable_ray_head_is_refused_naming_the_address():
         load(ray_config(f"127.0.0.1:{port}"), gpu_count=0, probe=True)
 
 
+
+@pytest.mark.parametrize("auth, refusal", [
+    ({}, r"needs token auth, but RAY_AUTH_MODE is 'not set'"),
+    ({"RAY_AUTH_MODE": "disabled"}, r"needs token auth, but RAY_AUTH_MODE is 'disabled'"),
+    ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "{tmp}/missing"}, r"no token in RAY_AUTH_TOKEN and no file"),
+    ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "{tmp}/token"}, None),
+    ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "abc"}, None),
+])
+def test_a_ray_head_is_driven_only_with_token_auth(monkeypatch, tmp_path, auth, refusal):
+    """Ray sends no token to an address it is given unless RAY_AUTH_MODE says token: such a
+    driver is refused by a head with auth and would use an open one as if nothing were wrong."""
+    import socket
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token of this machine's user
+    for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in auth.items():
+        monkeypatch.setenv(key, value.format(tmp=tmp_path))
+    (tmp_path / "token").write_text("t" * 64)
+    with socket.socket() as head:  # a reachable "head": the probe only connects
+        head.bind(("127.0.0.1", 0))
+        head.listen(1)
+        address = f"127.0.0.1:{head.getsockname()[1]}"
+        if refusal is None:
+            load(ray_config(address), gpu_count=0, probe=True)
+        else:
+            with pytest.raises(ConfigError, match=rf"ray.address.*Ray head {address}.*{refusal}.*RAY_AUTH_MODE=token"):
+                load(ray_config(address), gpu_count=0, probe=True)
+
 def test_a_results_dir_that_cannot_be_created_is_refused(tmp_path):
     (tmp_path / "a-file").write_text("")
     with pytest.raises(ConfigError, match="results_dir.*is not writable.*is not a folder"):
