@@ -41,6 +41,24 @@ def cluster():
                 os.environ[key] = value
 
 
+def test_a_driver_without_the_cluster_s_token_is_refused_by_the_head(cluster, tmp_path):
+    """Token auth is on for the nodes distlab starts (the README's two-machine recipe): a
+    client with no token (no RAY_AUTH_*, no ~/.ray) is refused; the same client with the
+    cluster's token connects."""
+    import subprocess
+    import sys
+
+    connect = f"import ray; ray.init(address={cluster.address!r}); print('connected')"
+    bare = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    bare["HOME"] = str(tmp_path)
+    refused = subprocess.run([sys.executable, "-c", connect], env=bare, capture_output=True, text=True, timeout=180)
+    assert refused.returncode != 0 and "connected" not in refused.stdout
+    assert "AuthenticationError" in refused.stderr and "token is missing or incorrect" in refused.stderr
+    with_token = subprocess.run([sys.executable, "-c", connect], env={**bare, **cluster.env}, capture_output=True,
+                                text=True, timeout=180)
+    assert with_token.returncode == 0 and "connected" in with_token.stdout, with_token.stderr[-2000:]
+
+
 SHORT = {"steps": 8, "untimed_steps": 2, "checkpoint_every": 2}
 
 
