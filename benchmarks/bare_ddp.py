@@ -1,6 +1,7 @@
 """The roadmap's stage-1 code made complete: a bare torchrun DDP loop, nothing of distlab.
 
-torchrun --nproc-per-node 2 bare_ddp.py --model DIR --data DIR --micro-batch 4 --steps 30 --out out.json
+Started by ddp_vs_bare.py under torchrun on loopback only (distlab.launchers.torchrun's
+torchrun_script_command): bare_ddp.py --model DIR --data DIR --micro-batch 4 --steps 30 --out out.json.
 Times each optimizer step exactly like distlab's loop (perf_counter around the step, max
 over ranks), so the two can be compared side by side.
 """

@@ -47,11 +47,14 @@ def run_distlab(spec, data, model, hw, run_dir):
 
 
 def run_bare(args, data, model, out):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.world}",
-           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", str(REPO / "benchmarks" / "bare_ddp.py"),
-           "--model", str(model), "--data", str(data), "--micro-batch", str(args.micro_batch),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    from distlab.launchers import loopback
+    from distlab.launchers.torchrun import torchrun_script_command
+
+    # The bare loop's launch is distlab's, loopback only (a plain torchrun listens on every interface).
+    cmd = torchrun_script_command(args.world, REPO / "benchmarks" / "bare_ddp.py",
+                                  "--model", str(model), "--data", str(data), "--micro-batch", str(args.micro_batch),
+                                  "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out))
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO), **loopback.environment())
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return json.loads(out.read_text())["tokens_per_s"]
 

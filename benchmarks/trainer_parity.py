@@ -56,12 +56,15 @@ def run_distlab(spec, data, model, hw, run_dir, threshold: int | None) -> dict:
 
 
 def run_trainer(world, micro_batch, args, data, model, out: Path, fixed: bool) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=localhost:0", str(REPO / "benchmarks" / "trainer_run.py"), "--model", str(model),
-           "--data", str(data), "--micro-batch", str(micro_batch), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--out", str(out)]
+    from distlab.launchers import loopback
+    from distlab.launchers.torchrun import torchrun_script_command
+
+    # Launched as distlab launches its ranks, loopback only (a plain torchrun listens on every interface).
+    cmd = torchrun_script_command(world, REPO / "benchmarks" / "trainer_run.py", "--model", str(model),
+                                  "--data", str(data), "--micro-batch", str(micro_batch), "--steps", str(args.steps),
+                                  "--warmup", str(args.warmup), "--out", str(out))
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO),
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", **loopback.environment())
     if fixed:
         env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
     load = os.getloadavg()[0]

@@ -1,6 +1,7 @@
 """The same work as a distlab DDP run, under transformers.Trainer (the tool users would pick).
 
-torchrun --nproc-per-node N trainer_run.py --model DIR --data DIR --micro-batch B --steps S --out out.json
+Started by trainer_parity.py under torchrun on loopback only (distlab.launchers.torchrun's
+torchrun_script_command): trainer_run.py --model DIR --data DIR --micro-batch B --steps S --out out.json.
 Same model (fp32), token blocks, batch order (distlab's DistributedSampler stream per rank,
 handed to Trainer as an ordered dataset it reads sequentially; Accelerate gives rank r every
 N-th batch), threads, AdamW (lr 3e-4, no weight decay, constant schedule, no clipping).

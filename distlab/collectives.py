@@ -1,7 +1,8 @@
 """Collective bandwidth benchmark: all-reduce, all-gather, reduce-scatter over message sizes.
 
-Run under torchrun (one process per rank):
-    python -m torch.distributed.run --nproc-per-node 2 -m distlab.collectives --out c.json
+Its ranks start as training's do (rule collectives: run_benchmark, distlab.launchers.ranks),
+under torchrun on loopback only (distlab.launchers.torchrun.torchrun_command(2,
+"distlab.collectives", "--out", "c.json")); a plain torchrun would listen on every interface.
 gloo is measured on CPU tensors; where GPUs exist NCCL is measured on CUDA tensors in the
 same process group ("cpu:gloo,cuda:nccl").
 

@@ -85,9 +85,12 @@ def sharded_checks(prepared: Path) -> dict:
         specs = {name: resolve(over, stage=stage) for name, (over, stage) in CHECK_SPECS.items()}
         job = prepared / "sharded-checks-job.json"
         job.write_text(json.dumps({"specs": specs, "prepared": str(prepared), "out": str(out)}))
-        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                               "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", __file__, str(job)],
+        from distlab.launchers import loopback
+        from distlab.launchers.torchrun import torchrun_script_command
+
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+                   **loopback.environment())
+        proc = subprocess.run(torchrun_script_command(2, __file__, str(job)),
                               capture_output=True, text=True, env=env, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())

@@ -3,8 +3,10 @@ launcher's rendezvous store, every rank's gloo sockets), listed while it runs, a
 127.0.0.1, and two concurrent launches get different store ports."""
 from __future__ import annotations
 
+import ast
 import ipaddress
 import os
+import re
 import threading
 import time
 
@@ -62,12 +64,15 @@ def probe_env():
     return dict(os.environ, PYTHONPATH=f"{REPO / 'tests'}{os.pathsep}{REPO}", OMP_NUM_THREADS="1")
 
 
-def test_a_torchrun_launch_listens_on_loopback_only(tmp_path, probe_env):
+@pytest.mark.parametrize("target", ["module", "script"])
+def test_a_torchrun_launch_listens_on_loopback_only(tmp_path, probe_env, target):
+    """Training's ranks (a module) and the benchmarks' and tests' own rank scripts alike."""
     from distlab.launchers import loopback
-    from distlab.launchers.torchrun import torchrun_command
+    from distlab.launchers.torchrun import torchrun_command, torchrun_script_command
 
-    sockets, ports = launch_and_list(tmp_path, torchrun_command(2, "loopback_probe", str(tmp_path)),
-                                     {**probe_env, **loopback.environment()})
+    command = (torchrun_command(2, "loopback_probe", str(tmp_path)) if target == "module" else
+               torchrun_script_command(2, REPO / "tests" / "loopback_probe.py", str(tmp_path)))
+    sockets, ports = launch_and_list(tmp_path, command, {**probe_env, **loopback.environment()})
     assert_loopback_only(sockets)
     assert ports[0] == ports[1] and int(ports[0]) > 0  # port 0 became the port the OS picked
 
@@ -82,3 +87,27 @@ def test_an_accelerate_launch_listens_on_loopback_only(tmp_path, probe_env):
     env = {**launch_environment(spec), "PYTHONPATH": probe_env["PYTHONPATH"]}
     sockets, _ = launch_and_list(tmp_path, command, env)
     assert_loopback_only(sockets)
+
+
+# A torchrun started any other way: its rendezvous store listens on every interface, and the
+# c10d backend keeps pickled state in it.
+PLAIN_TORCHRUN = re.compile(r"-m torch\.distributed\.run|\btorchrun --|--rdzv-backend[= ]c10d|--rdzv-endpoint")
+# The one place that builds single-node torchrun commands (and the module that says why), and
+# the per-host agents of a link (each in its own network namespace, on the link's private address).
+TORCHRUN_BUILDERS = {"distlab/launchers/torchrun.py", "distlab/launchers/loopback.py", "distlab/launchers/linked.py"}
+CODE_FOLDERS = ("distlab", "benchmarks", "scripts", "tests")
+
+
+def test_no_code_of_the_repository_starts_torchrun_beside_the_loopback_launch():
+    """The benchmarks' bare and Trainer loops and test_fsdp's ranks went through a plain
+    `torchrun --rdzv-backend=c10d --rdzv-endpoint=localhost:0`: every interface, pickled state."""
+    offenders = []
+    for path in sorted(p for folder in CODE_FOLDERS for p in (REPO / folder).rglob("*.py")):
+        relative = path.relative_to(REPO).as_posix()
+        if relative in TORCHRUN_BUILDERS or relative == "tests/test_loopback.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+                    node.value == "torch.distributed.run" or PLAIN_TORCHRUN.search(node.value)):
+                offenders.append(f"{relative}:{node.lineno}: {node.value[:80]!r}")
+    assert not offenders, offenders

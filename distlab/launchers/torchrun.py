@@ -13,8 +13,19 @@ import sys
 from distlab.launchers import loopback
 
 
+def _loopback_torchrun(world_size: int, *target: str) -> list[str]:
+    return [sys.executable, "-m", "distlab.launchers.loopback", "torch.distributed.run", "--nnodes=1",
+            f"--nproc-per-node={world_size}", *loopback.launcher_args(), "--max-restarts=0", *target]
+
+
 def torchrun_command(world_size: int, module: str, *args: str) -> list[str]:
     """`torchrun --nproc-per-node <world_size> -m <module> <args>` on this machine."""
-    return [sys.executable, "-m", "distlab.launchers.loopback", "torch.distributed.run", "--nnodes=1",
-            f"--nproc-per-node={world_size}", *loopback.launcher_args(), "--max-restarts=0", "-m", module, *args]
+    return _loopback_torchrun(world_size, "-m", module, *args)
+
+
+def torchrun_script_command(world_size: int, script: str, *args: str) -> list[str]:
+    """The same launch of a script file (the benchmarks' hand-written loops, a test's own
+    ranks): a plain `torchrun` would listen on every interface. Its ranks need
+    loopback.environment() too, so that gloo's sockets stay on the loopback interface."""
+    return _loopback_torchrun(world_size, str(script), *args)
 
