@@ -11,22 +11,19 @@ except a strategy's own settings: their defaults, id part and refusals sit besid
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import os
 from pathlib import Path
 
-import yaml
-
 from distlab import finetune_config
 from distlab import input_checks
+from distlab import schema as schema_file
 from distlab.config_links import check_unequal_and_link, link_label, machine_refusal, with_link_caps
 from distlab.input_checks import ConfigError
+from distlab.schema import load_schema
 from distlab.strategies import strategy_key
 from distlab.strategies.settings import registered, schema_mismatch, settings_for, strategy_defaults
 from distlab.tasks import task_for, task_named, task_names
-
-SCHEMA_PATH = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"
 
 # The one place every experiment inherits from. config.yaml's `defaults:` overrides these,
 # and each experiment overrides that.
@@ -91,25 +88,6 @@ STAGE_ORDER = ["ddp", "accelerate", "deepspeed", "fsdp", "ray", "parallel", "lin
 OPT_IN_STAGES = ("links", "unequal")
 
 
-def load_schema() -> dict:
-    """config/schema.yaml (a copy: callers may change theirs)."""
-    return copy.deepcopy(schema_read_only())
-
-
-def schema_read_only() -> dict:
-    """config/schema.yaml, parsed once per process and file version, shared: never change it.
-    Expanding the default config asks for it ~170 times (each experiment's task names), which
-    cost 8 s of YAML parsing in every `snakemake` call and test, then 0.07 s of copies."""
-    path = Path(SCHEMA_PATH)
-    return _parsed_schema(str(path), path.stat().st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4)
-def _parsed_schema(path: str, version: int) -> dict:
-    with open(path) as fh:
-        return yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml where built
-
-
 def _deep_merge(base: dict, override: dict) -> dict:
     out = copy.deepcopy(base)
     for key, value in (override or {}).items():
@@ -125,7 +103,7 @@ def validate_schema(config: dict) -> dict:
     schema = load_schema()
     mismatch = schema_mismatch(schema)  # a strategy added without its schema entry, or the reverse
     if mismatch:
-        raise ConfigError(f"{SCHEMA_PATH}: {mismatch}")
+        raise ConfigError(f"{schema_file.SCHEMA_PATH}: {mismatch}")
     # Strict types: JSON Schema alone counts 2.0 as an integer and NaN as a number.
     errors = sorted(input_checks.StrictValidator(schema).iter_errors(config), key=lambda e: list(e.path))
     if errors:

@@ -105,6 +105,7 @@ def test_a_new_strategy_with_a_setting_is_its_files_its_schema_entry_and_a_repor
     import yaml
 
     from distlab import config as config_module
+    from distlab import schema as schema_module
     from distlab import strategies
     from distlab.activations import check_checkpointing
     from distlab.advisor import model_state, strategy_state
@@ -125,7 +126,7 @@ def test_a_new_strategy_with_a_setting_is_its_files_its_schema_entry_and_a_repor
     experiment["mine"] = {"type": "object", "additionalProperties": False,
                           "properties": {"chunks": {"type": "integer", "minimum": 1}}}
     (tmp_path / "schema.yaml").write_text(yaml.safe_dump(schema))
-    monkeypatch.setattr(config_module, "SCHEMA_PATH", tmp_path / "schema.yaml")
+    monkeypatch.setattr(schema_module, "SCHEMA_PATH", tmp_path / "schema.yaml")
     monkeypatch.setattr(strategies, "__path__", [*strategies.__path__, str(tmp_path / "strategies")])
     monkeypatch.setattr(cards, "__path__", [*cards.__path__, str(tmp_path / "cards")])
     added = ("distlab.strategies.mine", "distlab.strategies.mine_settings", "distlab.report.cards.stage9_mine")
