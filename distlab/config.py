@@ -15,6 +15,7 @@ import json
 import os
 from pathlib import Path
 
+from distlab import families
 from distlab import finetune_config
 from distlab import input_checks
 from distlab import schema as schema_file
@@ -218,7 +219,11 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
     def fail(field, message):
         raise ConfigError(f"config field '{where}.{field}': {message}")
 
-    task_for(spec).check_experiment(spec, config, fail)  # first: what the task cannot run at all
+    task, strategy = task_for(spec), settings_for(spec)
+    # First what cannot run at all: the strategy's refusal of the task (declared beside the
+    # strategy, so no task lists strategies), then the task's own.
+    strategy.check_task(task.name, spec, fail)
+    task.check_experiment(spec, config, fail)
     finetune_config.resolve_length(spec)  # epochs: steps stay None until the data exists (rules/common.smk)
     if spec["steps"] is not None:
         finetune_config.check_length(spec, fail)
@@ -232,12 +237,13 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
         fail("seq_len", f"sequence length {spec['seq_len']} exceeds the model's max_position_embeddings ({max_pos})")
     if spec["device"] == "cuda" and gpu_count < spec["world_size"] and spec["launcher"] != "ray":
         fail("device", f"cuda with world_size {spec['world_size']} needs that many GPUs; {gpu_count} found")
-    settings_for(spec).check(spec, config, fail, model_shape(config, spec))  # the strategy's own refusals
+    families.check(spec, config, fail, strategy)  # a model-splitting strategy x a model.path folder's family
+    strategy.check(spec, config, fail, model_shape(config, spec))  # the strategy's own refusals
     if spec["export"]["merge"] and spec["method"] != "lora":
         fail("export.merge", "merging applies to LoRA adapters; a full fine-tune's export is the whole model already")
     if spec["precision"] == "fp16" and spec["device"] == "cpu":
         fail("precision", "fp16 autocast is not supported on CPU; use fp32 or bf16")
-    if spec["launcher"] == "ray" and not settings_for(spec).ray_train:
+    if spec["launcher"] == "ray" and not strategy.ray_train:
         ray_ones = [name for name, s in registered().items() if s.ray_train]
         fail("launcher", f"Ray Train sets up the process group for {', '.join(ray_ones)}, not {spec['strategy']}")
     ray = spec["ray"]
