@@ -21,7 +21,7 @@ from distlab import input_checks
 from distlab import schema as schema_file
 from distlab.config_links import check_unequal_and_link, link_label, machine_refusal, with_link_caps
 from distlab.input_checks import ConfigError
-from distlab.schema import load_schema
+from distlab.schema import load_schema  # also this module's name for it: validate_schema reads it here
 from distlab.strategies import strategy_key
 from distlab.strategies.settings import registered, schema_mismatch, settings_for, strategy_defaults
 from distlab.tasks import task_for, task_named, task_names

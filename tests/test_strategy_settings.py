@@ -13,6 +13,7 @@ def test_the_schema_names_exactly_the_strategies_with_settings_files_and_ranks_f
     (each strategy with settings has their block), and a rank finds its class from those files,
     not from the schema."""
     from distlab import config as config_module
+    from distlab import schema as schema_module
     from distlab import strategies
     from distlab.strategies.base import Strategy
     from distlab.strategies.settings import schema_mismatch
@@ -31,6 +32,7 @@ def test_the_schema_names_exactly_the_strategies_with_settings_files_and_ranks_f
         load(ddp_config({}), gpu_count=0)
     # Ranks never read the schema to find their class.
     monkeypatch.setattr(config_module, "load_schema", lambda: pytest.fail("a rank read config/schema.yaml"))
+    monkeypatch.setattr(schema_module, "schema_read_only", lambda: pytest.fail("a rank read config/schema.yaml"))
     assert strategies.strategy_for({"strategy": "fsdp", "fsdp": {"via": "accelerate"}}).name == "accelerate"
 
 
