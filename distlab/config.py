@@ -11,22 +11,20 @@ except a strategy's own settings: their defaults, id part and refusals sit besid
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import os
 from pathlib import Path
 
-import yaml
-
+from distlab import families
 from distlab import finetune_config
 from distlab import input_checks
+from distlab import schema as schema_file
 from distlab.config_links import check_unequal_and_link, link_label, machine_refusal, with_link_caps
 from distlab.input_checks import ConfigError
+from distlab.schema import load_schema  # also this module's name for it: validate_schema reads it here
 from distlab.strategies import strategy_key
 from distlab.strategies.settings import registered, schema_mismatch, settings_for, strategy_defaults
 from distlab.tasks import task_for, task_named, task_names
-
-SCHEMA_PATH = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"
 
 # The one place every experiment inherits from. config.yaml's `defaults:` overrides these,
 # and each experiment overrides that.
@@ -91,25 +89,6 @@ STAGE_ORDER = ["ddp", "accelerate", "deepspeed", "fsdp", "ray", "parallel", "lin
 OPT_IN_STAGES = ("links", "unequal")
 
 
-def load_schema() -> dict:
-    """config/schema.yaml (a copy: callers may change theirs)."""
-    return copy.deepcopy(schema_read_only())
-
-
-def schema_read_only() -> dict:
-    """config/schema.yaml, parsed once per process and file version, shared: never change it.
-    Expanding the default config asks for it ~170 times (each experiment's task names), which
-    cost 8 s of YAML parsing in every `snakemake` call and test, then 0.07 s of copies."""
-    path = Path(SCHEMA_PATH)
-    return _parsed_schema(str(path), path.stat().st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4)
-def _parsed_schema(path: str, version: int) -> dict:
-    with open(path) as fh:
-        return yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml where built
-
-
 def _deep_merge(base: dict, override: dict) -> dict:
     out = copy.deepcopy(base)
     for key, value in (override or {}).items():
@@ -125,7 +104,7 @@ def validate_schema(config: dict) -> dict:
     schema = load_schema()
     mismatch = schema_mismatch(schema)  # a strategy added without its schema entry, or the reverse
     if mismatch:
-        raise ConfigError(f"{SCHEMA_PATH}: {mismatch}")
+        raise ConfigError(f"{schema_file.SCHEMA_PATH}: {mismatch}")
     # Strict types: JSON Schema alone counts 2.0 as an integer and NaN as a number.
     errors = sorted(input_checks.StrictValidator(schema).iter_errors(config), key=lambda e: list(e.path))
     if errors:
@@ -240,7 +219,11 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
     def fail(field, message):
         raise ConfigError(f"config field '{where}.{field}': {message}")
 
-    task_for(spec).check_experiment(spec, config, fail)  # first: what the task cannot run at all
+    task, strategy = task_for(spec), settings_for(spec)
+    # First what cannot run at all: the strategy's refusal of the task (declared beside the
+    # strategy, so no task lists strategies), then the task's own.
+    strategy.check_task(task.name, spec, fail)
+    task.check_experiment(spec, config, fail)
     finetune_config.resolve_length(spec)  # epochs: steps stay None until the data exists (rules/common.smk)
     if spec["steps"] is not None:
         finetune_config.check_length(spec, fail)
@@ -254,12 +237,13 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
         fail("seq_len", f"sequence length {spec['seq_len']} exceeds the model's max_position_embeddings ({max_pos})")
     if spec["device"] == "cuda" and gpu_count < spec["world_size"] and spec["launcher"] != "ray":
         fail("device", f"cuda with world_size {spec['world_size']} needs that many GPUs; {gpu_count} found")
-    settings_for(spec).check(spec, config, fail, model_shape(config, spec))  # the strategy's own refusals
+    families.check(spec, config, fail, strategy)  # a model-splitting strategy x a model.path folder's family
+    strategy.check(spec, config, fail, model_shape(config, spec))  # the strategy's own refusals
     if spec["export"]["merge"] and spec["method"] != "lora":
         fail("export.merge", "merging applies to LoRA adapters; a full fine-tune's export is the whole model already")
     if spec["precision"] == "fp16" and spec["device"] == "cpu":
         fail("precision", "fp16 autocast is not supported on CPU; use fp32 or bf16")
-    if spec["launcher"] == "ray" and not settings_for(spec).ray_train:
+    if spec["launcher"] == "ray" and not strategy.ray_train:
         ray_ones = [name for name, s in registered().items() if s.ray_train]
         fail("launcher", f"Ray Train sets up the process group for {', '.join(ray_ones)}, not {spec['strategy']}")
     ray = spec["ray"]

@@ -198,8 +198,9 @@ def test_family_runs_with_the_plain_models_step0_loss_on_the_same_samples(
 def test_a_tp_plan_style_torch_cannot_express_is_refused_naming_the_style():
     from transformers import Qwen2Config
 
-    from distlab.families import tp_refusal
+    from distlab.strategies.tp_settings import SETTINGS
 
+    tp_refusal = SETTINGS.family_refusal  # what tensor parallel needs of a family, beside the strategy
     config = Qwen2Config(**GQA)
     assert tp_refusal(config, 2) is None
     config.base_model_tp_plan = {**config.base_model_tp_plan, "layers.*.mlp.gate_up_proj": "packed_colwise"}

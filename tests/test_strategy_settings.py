@@ -13,6 +13,7 @@ def test_the_schema_names_exactly_the_strategies_with_settings_files_and_ranks_f
     (each strategy with settings has their block), and a rank finds its class from those files,
     not from the schema."""
     from distlab import config as config_module
+    from distlab import schema as schema_module
     from distlab import strategies
     from distlab.strategies.base import Strategy
     from distlab.strategies.settings import schema_mismatch
@@ -31,6 +32,7 @@ def test_the_schema_names_exactly_the_strategies_with_settings_files_and_ranks_f
         load(ddp_config({}), gpu_count=0)
     # Ranks never read the schema to find their class.
     monkeypatch.setattr(config_module, "load_schema", lambda: pytest.fail("a rank read config/schema.yaml"))
+    monkeypatch.setattr(schema_module, "schema_read_only", lambda: pytest.fail("a rank read config/schema.yaml"))
     assert strategies.strategy_for({"strategy": "fsdp", "fsdp": {"via": "accelerate"}}).name == "accelerate"
 
 
@@ -55,6 +57,11 @@ class MineSettings(StrategySettings):
     dcp_checkpoint = True  # its checkpoint is a DCP folder: the save estimate counts its containers
     holds_layer_run = True  # a rank holds a run of the layers: selective checkpointing is checked loosely
     advisor_rows = {"mine-c2": {"chunks": 2}}  # an advisor row it stands for
+    refused_tasks = {"text-to-image": "mine cuts decoder layers; a UNet has none"}  # a task it cannot train
+    splits_by_family_plan = True  # it splits the model by its family's plan: a model.path family is asked
+
+    def family_refusal(self, model_config, world_size):
+        return None if getattr(model_config, "mine_plan", None) else "it declares no mine_plan"
 
     def parameter_layout(self, spec):
         return "dtensor"
@@ -99,12 +106,17 @@ def test_a_new_strategy_with_a_setting_is_its_files_its_schema_entry_and_a_repor
     files; nothing of distlab is edited (its folders only gain files, here through the
     packages' search paths). Config expansion, the id, the checks, the launcher, the validation
     scope, the advisor (its formula and its row), Ray's launcher check, the save estimate, the
-    activation-checkpointing check, the parameter-layout check and a rank's lookup all pick it up."""
+    activation-checkpointing check, the parameter-layout check, the task refusal, the model-family
+    check and a rank's lookup all pick it up."""
     import sys
 
     import yaml
 
+    from types import SimpleNamespace
+
     from distlab import config as config_module
+    from distlab import families
+    from distlab import schema as schema_module
     from distlab import strategies
     from distlab.activations import check_checkpointing
     from distlab.advisor import model_state, strategy_state
@@ -125,7 +137,7 @@ def test_a_new_strategy_with_a_setting_is_its_files_its_schema_entry_and_a_repor
     experiment["mine"] = {"type": "object", "additionalProperties": False,
                           "properties": {"chunks": {"type": "integer", "minimum": 1}}}
     (tmp_path / "schema.yaml").write_text(yaml.safe_dump(schema))
-    monkeypatch.setattr(config_module, "SCHEMA_PATH", tmp_path / "schema.yaml")
+    monkeypatch.setattr(schema_module, "SCHEMA_PATH", tmp_path / "schema.yaml")
     monkeypatch.setattr(strategies, "__path__", [*strategies.__path__, str(tmp_path / "strategies")])
     monkeypatch.setattr(cards, "__path__", [*cards.__path__, str(tmp_path / "cards")])
     added = ("distlab.strategies.mine", "distlab.strategies.mine_settings", "distlab.report.cards.stage9_mine")
@@ -158,12 +170,56 @@ def test_a_new_strategy_with_a_setting_is_its_files_its_schema_entry_and_a_repor
                                            "activation_checkpointing_every": 2}) is None
         assert check_checkpointing(facts, {**spec, "strategy": "ddp", "activation_checkpointing": "selective",
                                            "activation_checkpointing_every": 2})
+        # The task it refuses, said in its settings: the task's code names no strategy.
+        with pytest.raises(ConfigError, match=r"'stages.ddp.experiments\[0\].strategy': task text-to-image cannot "
+                                              r"run mine: mine cuts decoder layers; a UNet has none"):
+            load(ddp_config({"strategy": "mine", "task": "text-to-image", "method": "lora"}), gpu_count=0)
+        # What it needs of a model.path folder's family, asked by distlab.families (the folder's
+        # transformers config stood in for: no transformers import here).
+        folder = tmp_path / "family"
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+        family = SimpleNamespace(model_type="llama")
+        monkeypatch.setattr(families, "model_config", lambda path: family)
+        monkeypatch.setattr(families, "causal_lm_class", lambda model_type: "LlamaForCausalLM")
+        refusals = []
+        families.check(spec, {"model": {"path": str(folder)}}, lambda *why: refusals.append(why),
+                       strategies.registered()["mine"])
+        assert refusals == [("strategy", "strategy 'mine' cannot run model type 'llama' (LlamaForCausalLM): "
+                                         "it declares no mine_plan")]
+        family.mine_plan = {"layers": "chunked"}
+        families.check(spec, {"model": {"path": str(folder)}}, pytest.fail, strategies.registered()["mine"])
         run = {"spec": spec, "stage": "mine", "status": "failed", "experiment": spec["id"], "machine": "m"}
         (card,) = [c for c in cards.all_cards([run]) if c.number == 9]  # discovered beside the others
         assert card.notes == ["1 mine run(s)"]
     finally:
         for name in added:
             sys.modules.pop(name, None)
+
+
+def strategy_literals(paths, names) -> list[str]:
+    """`path:line: 'literal'` for every string literal in `paths` that names a strategy, or a
+    field of one (`deepspeed.offload_param`)."""
+    import ast
+
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and any(
+                    node.value == name or node.value.startswith(f"{name}.") for name in names):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_no_task_or_family_code_names_a_strategy():
+    """What a strategy cannot train (a task, a model family) is said in its own settings
+    (refused_tasks, check_task, family_refusal), so a new strategy touches only its own files:
+    distlab/tasks/ and distlab/families.py spell no strategy's name as a string."""
+    from distlab import strategies
+
+    paths = sorted((REPO / "distlab" / "tasks").rglob("*.py")) + [REPO / "distlab" / "families.py"]
+    assert strategy_literals(paths, strategies.strategy_names()) == []
+    assert strategy_literals([REPO / "distlab" / "strategies" / "tp_settings.py"], ["tp"])  # the check sees them
 
 
 def test_precision_names_and_the_accumulation_loss_scale_are_decided_in_one_place_each():

@@ -34,6 +34,12 @@ def test_tensor_and_pipeline_parallel_are_refused_naming_why():
     assert "stages.parallel.experiments[0].strategy" in pp and "skip connections" in pp
 
 
+def test_deepspeed_nvme_parameter_offload_is_refused_by_the_deepspeed_settings_naming_the_field():
+    nvme = {"zero_stage": 3, "offload_param": "nvme", "nvme_path": "/tmp/nvme"}
+    message = refusal({"deepspeed": {"experiments": [{**SD, "strategy": "deepspeed", "deepspeed": nvme}]}})
+    assert "experiments[0].deepspeed.offload_param" in message and "NVMe parameter offload" in message
+
+
 def test_full_fine_tuning_ray_and_causal_lm_fields_are_refused_naming_the_field():
     assert "experiments[0].method" in refusal({"ddp": {"experiments": [{**SD, "method": "full"}]}})
     assert "experiments[0].launcher" in refusal({"ddp": {"experiments": [{**SD, "launcher": "ray"}]}})

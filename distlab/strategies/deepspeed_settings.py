@@ -53,6 +53,12 @@ class DeepSpeedSettings(StrategySettings):
         if "nvme" in (ds["offload_optimizer"], ds["offload_param"]) and not ds["nvme_path"]:
             fail("deepspeed.nvme_path", "NVMe offload needs a nvme_path folder")
 
+    def check_task(self, task, spec, fail):
+        super().check_task(task, spec, fail)
+        if task == "text-to-image" and spec["deepspeed"]["offload_param"] == "nvme":
+            fail("deepspeed.offload_param", "the UNet's ZeRO-3 load copies each rank's partition into "
+                                            "memory; NVMe parameter offload is not wired up for it")
+
     def parameter_layout(self, spec):
         return "deepspeed_partition" if spec.get("deepspeed", {}).get("zero_stage") == 3 else None
 

@@ -1,9 +1,10 @@
-"""Pipeline parallel's settings (the spec's `pp:` block): defaults, refusals, id part and
-memory formula."""
+"""Pipeline parallel's settings (the spec's `pp:` block): defaults, refusals (of the model's
+shape, its family's pipeline plan, a diffusers UNet), id part and memory formula."""
 from __future__ import annotations
 
 import math
 
+from distlab.families import pp_pieces
 from distlab.strategies.settings import ModelParallelSettings, state
 
 
@@ -11,6 +12,9 @@ class PPSettings(ModelParallelSettings):
     name = "pp"
     defaults = {"schedule": "gpipe", "microbatches": 4}
     holds_layer_run = True
+    refused_tasks = {"text-to-image": "pipeline parallel cuts a sequence of decoder layers passing one hidden "
+                                      "state; a UNet's skip connections cross every cut (down blocks feed the up "
+                                      "blocks)"}
 
     def variant(self, spec):
         return f"{spec['pp']['schedule']}-m{spec['pp']['microbatches']}"
@@ -26,6 +30,20 @@ class PPSettings(ModelParallelSettings):
         if spec["micro_batch"] % spec["pp"]["microbatches"]:
             fail("pp.microbatches", f"micro_batch {spec['micro_batch']} must divide into "
                  f"{spec['pp']['microbatches']} pipeline micro-batches")
+
+    def family_refusal(self, model_config, world_size):
+        """The family needs a pipeline plan (config.base_model_pp_plan) naming its decoder
+        layers, untied embeddings across stages, and a layer for every stage."""
+        if pp_pieces(model_config) is None:
+            return ("it declares no pipeline plan (config.base_model_pp_plan) naming its decoder layers and what "
+                    "runs before and after them, so its stages cannot be cut from the model's own forward")
+        if world_size > 1 and model_config.tie_word_embeddings:
+            return ("it ties its input and output embeddings (tie_word_embeddings true): one weight would live on "
+                    "the first and the last stage; use world_size 1 or another strategy")
+        layers = getattr(model_config, "num_hidden_layers", None)
+        if layers is not None and layers < world_size:
+            return f"a pipeline of {world_size} stages needs at least that many decoder layers; the model has {layers}"
+        return None
 
     def model_state(self, counts, n, precision, lora, settings):
         """Rank 0 = the first stage: the input embedding and its run of decoder layers

@@ -18,7 +18,6 @@ import importlib
 import pkgutil
 import sys
 
-from distlab import families
 from distlab.precision import is_mixed
 
 SUFFIX = "_settings"
@@ -44,6 +43,15 @@ class StrategySettings:
     holds_layer_run: bool = False
     #: The advisor rows (distlab.advisor.ROW_ORDER) this strategy stands for: {row: its settings block}.
     advisor_rows: dict[str, dict] = {}
+    #: {task name: why this strategy cannot train that task at all}: the config refuses such an
+    #: experiment naming its `strategy` field (check_task). Said here, beside the strategy, so no
+    #: task keeps a list of strategies and a new strategy touches only its own files.
+    refused_tasks: dict[str, str] = {}
+    #: Whether it splits the model by the model family's own plans (the transformers config of a
+    #: `model.path` folder, read at config time by distlab.families; family_refusal says what it
+    #: needs of them). False: it calls the model's forward whole and runs every causal-LM family,
+    #: so the config never imports transformers for it at parse time.
+    splits_by_family_plan: bool = False
 
     def runs_as(self, spec: dict) -> str:
         """The strategy module that runs the spec (FSDP through Accelerate is Accelerate's)."""
@@ -56,6 +64,18 @@ class StrategySettings:
     def check(self, spec: dict, config: dict, fail, shape: dict) -> None:
         """fail(field, why) for settings this strategy refuses; `shape` is the model's config
         (distlab.config.model_shape)."""
+
+    def check_task(self, task: str, spec: dict, fail) -> None:
+        """fail(field, why) for what of the task `task` (distlab.tasks) this strategy cannot
+        train: the task whole (refused_tasks) or, in subclasses, settings of its own the task's
+        model cannot take. Checked before the task's own refusals (distlab.config)."""
+        if task in self.refused_tasks:
+            fail("strategy", f"task {task} cannot run {self.name}: {self.refused_tasks[task]}")
+
+    def family_refusal(self, model_config, world_size: int) -> str | None:
+        """Why this strategy cannot split a model of the family `model_config` (its transformers
+        config) over world_size ranks, or None; asked only when splits_by_family_plan."""
+        return None
 
     def accelerate_plugin(self, spec: dict) -> str | None:
         """The distributed_type Accelerate runs this spec with when it is not plain data
@@ -113,14 +133,13 @@ def precision_layout(precision: str) -> str:
 
 class ModelParallelSettings(StrategySettings):
     """Tensor and pipeline parallel: the ranks split the model itself, so the model family must
-    say how (distlab.families), LoRA is refused, and each rank's checkpoint is a shard. Their
-    memory formulas are their own (no advisor row)."""
+    say how (family_refusal, read through distlab.families), LoRA is refused, and each rank's
+    checkpoint is a shard. Their memory formulas are their own (no advisor row)."""
 
     data_parallel = False
+    splits_by_family_plan = True
 
     def check(self, spec, config, fail, shape):
-        if spec.get("model", "default") == "default":  # model.extra entries are built Llamas
-            families.check(spec, config, fail)  # family x strategy, from the model folder's own config
         if spec["method"] != "full":
             fail("method", f"{spec['strategy']} runs full fine-tuning only (LoRA would wrap the split layers)")
         self.check_shape(spec, fail, shape)

@@ -1,14 +1,18 @@
 """Tensor parallel's settings: none of its own; its refusals (full fine-tuning only, a degree
-that divides the attention heads, a model family with a usable tp plan) and memory formula."""
+that divides the attention heads, a model family with a usable tp plan, no diffusers UNet) and
+memory formula."""
 from __future__ import annotations
 
 import math
 
+from distlab.families import TP_STYLES, layer_tp_plan
 from distlab.strategies.settings import ModelParallelSettings, state
 
 
 class TPSettings(ModelParallelSettings):
     name = "tp"
+    refused_tasks = {"text-to-image": "tensor parallel splits layers by a transformers base_model_tp_plan; "
+                                      "a diffusers UNet has none"}
 
     def parameter_layout(self, spec):
         return "dtensor"
@@ -20,6 +24,23 @@ class TPSettings(ModelParallelSettings):
             if count is not None and count % spec["world_size"]:
                 fail("world_size", f"tensor parallel degree {spec['world_size']} does not divide the model's "
                      f"{name} ({count})")
+
+    def family_refusal(self, model_config, world_size):
+        """The family's decoder layers need a tp plan (config.base_model_tp_plan) in styles
+        torch's parallel styles express, and heads the degree divides."""
+        plan = layer_tp_plan(model_config)
+        if not plan:
+            return ("it declares no tensor-parallel plan for its decoder layers (config.base_model_tp_plan is "
+                    "empty), so nothing says which linear layers to split; use ddp, fsdp or deepspeed")
+        unsupported = sorted({style for style in plan.values() if style not in TP_STYLES})
+        if unsupported:
+            return (f"its tp plan uses style(s) {unsupported} that torch's tensor-parallel styles do not express "
+                    f"(supported: {sorted(TP_STYLES)})")
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            count = getattr(model_config, name, None)
+            if count is not None and count % world_size:
+                return f"tensor parallel degree {world_size} does not divide the model's {name} ({count})"
+        return None
 
     def model_state(self, counts, n, precision, lora, settings):
         """Full fine-tuning only (strategies.tp); the split linears are sharded, the rest

@@ -10,15 +10,15 @@ them at parse time (config checks, rule paths)."""
 from __future__ import annotations
 
 from distlab.registry import load
+from distlab.schema import task_enum
 
 DEFAULT_TASK = "causal-lm"
 
 
 def task_names() -> list[str]:
-    """The task enum of config/schema.yaml."""
-    from distlab.config import schema_read_only
-
-    return list(schema_read_only()["$defs"]["experiment"]["properties"]["task"]["enum"])
+    """The task enum of config/schema.yaml (read through distlab.schema, not distlab.config:
+    distlab.config asks this package for each experiment's task)."""
+    return task_enum()
 
 
 def task_named(name: str):
