@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from distlab.job import Job
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -40,8 +41,8 @@ def run_distlab(spec, data, model, hw, run_dir):
     from distlab.launch import launch
     from distlab.run_outputs import read_run_record
 
-    job = {"spec": spec, "run_dir": str(run_dir), "data_dir": str(data), "model_source": str(model),
-           "hardware_json": str(hw), "env_allowlist": [], "checkpoint_dir": None}
+    job = Job(spec=spec, run_dir=str(run_dir), data_dir=str(data), model_source=str(model),
+              hardware_json=str(hw), env_allowlist=[], checkpoint_dir=None)
     launch(job, log_path=str(run_dir) + ".log", timeout=600)
     return read_run_record(run_dir / "metrics.json").data["throughput"]["tokens_per_s"]
 

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from distlab.job import Job
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -69,9 +70,9 @@ def run_job(spec: dict, root: Path, run_dir: Path) -> dict:
     from distlab.run_outputs import read_run_record
     from distlab.validate import validate_run
 
-    job = {"spec": spec, "run_dir": str(run_dir), "data_dir": str(root / "data"), "model_source": str(root / "model"),
-           "hardware_json": str(root / "hardware.json"), "env_allowlist": [],
-           "checkpoint_dir": str(run_dir / "checkpoint"), "base_eval_json": str(root / "base_eval.json")}
+    job = Job(spec=spec, run_dir=str(run_dir), data_dir=str(root / "data"),
+              model_source=str(root / "model"), hardware_json=str(root / "hardware.json"), env_allowlist=[],
+              checkpoint_dir=str(run_dir / "checkpoint"), base_eval_json=str(root / "base_eval.json"))
     cpu, start = children_cpu(), time.perf_counter()
     launch(job, log_path=str(run_dir) + ".log", timeout=1800)
     wall, job_cpu = time.perf_counter() - start, children_cpu() - cpu

@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench_common import round_order, rounds_parser  # noqa: E402
+from distlab.job import Job
 
 GLOBAL = {"world_size": 2, "micro_batch": 2, "grad_accum": 2}
 STRATEGIES = {
@@ -78,8 +79,8 @@ def launch_once(spec: dict, data: Path, model: Path, hw: Path, run_dir: Path) ->
     from distlab.launch import launch
     from distlab.run_outputs import read_run_record
 
-    job = {"spec": spec, "run_dir": str(run_dir), "data_dir": str(data), "model_source": str(model),
-           "hardware_json": str(hw), "env_allowlist": [], "checkpoint_dir": None}
+    job = Job(spec=spec, run_dir=str(run_dir), data_dir=str(data), model_source=str(model),
+              hardware_json=str(hw), env_allowlist=[], checkpoint_dir=None)
     start = time.perf_counter()
     launch(job, log_path=str(run_dir) + ".log", timeout=3600)
     metrics = read_run_record(run_dir / "metrics.json").to_dict()

@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from bench_common import round_order, rounds_parser  # noqa: E402
 from ddp_vs_bare import prepared  # noqa: E402  (the default config's data and model, built here)
+from distlab.job import Job
 
 ARMS = ("distlab", "distlab-1MiB", "distlab-dynamic", "trainer", "trainer-1MiB")
 THRESHOLDS = {"distlab-1MiB": 1 << 20, "distlab-dynamic": 0}  # DISTLAB_MMAP_THRESHOLD per arm
@@ -39,8 +40,8 @@ def run_distlab(spec, data, model, hw, run_dir, threshold: int | None) -> dict:
     from distlab.launch import launch
     from distlab.run_outputs import read_run_record
 
-    job = {"spec": spec, "run_dir": str(run_dir), "data_dir": str(data), "model_source": str(model),
-           "hardware_json": str(hw), "env_allowlist": [], "checkpoint_dir": None}
+    job = Job(spec=spec, run_dir=str(run_dir), data_dir=str(data), model_source=str(model),
+              hardware_json=str(hw), env_allowlist=[], checkpoint_dir=None)
     saved = os.environ.pop("DISTLAB_MMAP_THRESHOLD", None)
     if threshold is not None:
         os.environ["DISTLAB_MMAP_THRESHOLD"] = str(threshold)

@@ -43,6 +43,7 @@ from pathlib import Path
 from distlab.checkpoint_files import (FORMAT_VERSION, dir_bytes, fsync_tree, replace_dir, verify_manifest,
                                       write_manifest)
 from distlab.errors import BaseMismatch, CheckpointCorrupt, CheckpointError, CheckpointMismatch
+from distlab.job import Job
 from distlab.safe_load import weights_only_loads
 from distlab.trainer_state import restore_trainer_state as _restore_trainer_state
 from distlab.trainer_state import save_trainer_state as _save_trainer_state
@@ -189,7 +190,7 @@ def read_meta(root) -> dict:
 
 
 # -- the collective save and load ----------------------------------------------------------------
-def save_checkpoint(dest, strategy, ctx, job: dict, signature: dict, steps_done: int, stream, records,
+def save_checkpoint(dest, strategy, ctx, job: Job, signature: dict, steps_done: int, stream, records,
                     export: bool = False, base: dict | None = None) -> dict:
     """Collective. Native state + trainer state (+ the export and recorded logits: distlab.export),
     then manifest and an atomic rename. A part that fails on any rank fails it on all of them

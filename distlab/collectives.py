@@ -77,7 +77,7 @@ def run_benchmark(plan: dict, out: str, machine: str, timeout: float | None = No
     from distlab.launchers.ranks import start_ranks
 
     spec, where = rank_spec(plan), os.path.abspath(out)
-    with assigned_gpus({"spec": spec, "gpu_lock_dir": lock_dir_for(os.path.dirname(os.path.dirname(where)))}) as ids:
+    with assigned_gpus(spec, lock_dir=lock_dir_for(os.path.dirname(os.path.dirname(where)))) as ids:
         if ids:
             print(f"GPUs held: {ids}", flush=True)
         start_ranks(spec, "distlab.collectives", command_args(plan, out, machine), where, None, timeout,

@@ -22,6 +22,7 @@ from distlab import schema as schema_file
 from distlab.config_links import check_unequal_and_link, link_label, machine_refusal, with_link_caps
 from distlab.input_checks import ConfigError
 from distlab.schema import load_schema  # also this module's name for it: validate_schema reads it here
+from distlab.spec import Spec
 from distlab.strategies import strategy_key
 from distlab.strategies.settings import registered, schema_mismatch, settings_for, strategy_defaults
 from distlab.tasks import task_for, task_named, task_names
@@ -168,7 +169,7 @@ def accelerate_runs(spec: dict) -> bool:
     return strategy_key(spec) == "accelerate"
 
 
-def expand_experiments(config: dict, gpu_count: int | None = None) -> dict[str, dict]:
+def expand_experiments(config: dict, gpu_count: int | None = None) -> dict[str, Spec]:
     """Every enabled experiment as {id: fully resolved spec}, in roadmap order.
 
     gpu_count resolves device 'auto' (cuda when GPUs exist); None means "detect".
@@ -209,7 +210,7 @@ def expand_experiments(config: dict, gpu_count: int | None = None) -> dict[str, 
             refused = machine_refusal(spec) if stage not in OPT_IN_STAGES else None
             if refused:
                 raise ConfigError(f"config field '{where}.{refused[0]}': {refused[1]}")
-            specs[exp_id] = spec
+            specs[exp_id] = Spec(spec)  # frozen from here on: a change is a new spec (spec.replace)
     return specs
 
 

@@ -16,6 +16,8 @@ import json
 import math
 from pathlib import Path
 
+from distlab.job import Job
+
 EVAL_BATCH = 8
 HOW = ("mean cross-entropy over the label positions (after the causal shift, -100 excluded) of the eval "
        "split's first {n} blocks; perplexity = exp(loss); model.eval(), no grad, {where}")
@@ -158,12 +160,12 @@ def eval_batch_size(spec: dict, config, shape, data_parallel: bool) -> int:
     return max(micro, min(micro * (training // no_grad), per_rank))
 
 
-def evaluate_sharded(strategy, job: dict) -> dict | None:
+def evaluate_sharded(strategy, job: Job) -> dict | None:
     """Collective: the causal LM's trained model on the eval tokens (evaluate_forward)."""
-    return evaluate_forward(strategy, *eval_tokens(job["data_dir"]))
+    return evaluate_forward(strategy, *eval_tokens(job.data_dir))
 
 
-def evaluate_run(strategy, job: dict, last_point: dict | None = None) -> dict | None:
+def evaluate_run(strategy, job: Job, last_point: dict | None = None) -> dict | None:
     """Collective (every rank calls it): the trained model on the task's held-out data
     (Task.evaluate_trained; causal LM: evaluate_sharded). Returns {"trained", "base"} on rank 0
     (base from the base-model rule's file, when the job names one), None on the other ranks.
@@ -181,7 +183,7 @@ def evaluate_run(strategy, job: dict, last_point: dict | None = None) -> dict | 
     if dist.get_rank() != 0:
         return None
     out = {"trained": trained}
-    base = job.get("base_eval_json")
+    base = job.base_eval_json
     if base:
         out["base"] = json.loads(Path(base).read_text())
     else:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from distlab.job import Job
+
 EVAL_BATCH = 2  # sequences of the eval split the recorded logits are computed on
 EVAL_TOKENS = 32  # their first tokens
 MERGED = "merged"
@@ -116,7 +118,7 @@ class AdapterWeights:
         skeleton.model.save_pretrained(str(self.folder), state_dict=self.adapters, safe_serialization=True)
 
 
-def write_export(skeleton, groups, job: dict, spec: dict, folder: Path, batch, training_logits) -> dict:
+def write_export(skeleton, groups, job: Job, spec: dict, folder: Path, batch, training_logits) -> dict:
     """Rank 0: consume the collective `groups` into the export under `folder` while the
     streamed forward computes the recorded logits; returns what was written."""
     import os
@@ -133,7 +135,7 @@ def write_export(skeleton, groups, job: dict, spec: dict, folder: Path, batch, t
 
         record_oom(job, MemoryError(f"{SAVE_FAULT_ENV}: injected out-of-memory in the final save's export"))
         os._exit(OOM_EXIT_CODE)
-    opts, source = settings(spec), job["model_source"]
+    opts, source = settings(spec), job.model_source
     export = folder / "export"
     info = {"layout": [], "max_shard_size": opts["max_shard_size"], "base_weights_dtype": None}
     base_dtypes = set()
@@ -169,7 +171,7 @@ def write_export(skeleton, groups, job: dict, spec: dict, folder: Path, batch, t
     return info
 
 
-def export_pass(strategy, job: dict, spec: dict, folder: Path) -> tuple[dict | None, str | None]:
+def export_pass(strategy, job: Job, spec: dict, folder: Path) -> tuple[dict | None, str | None]:
     """Collective: the training model's own logits, then one pass of strategy.state_groups()
     that rank 0 turns into the export and the recorded logits. Every rank drains the groups
     even when rank 0's part failed, so no peer is left in a gather. Returns (info on rank 0,
@@ -180,13 +182,13 @@ def export_pass(strategy, job: dict, spec: dict, folder: Path) -> tuple[dict | N
     from distlab.streamed import Skeleton
 
     started = time.perf_counter()
-    batch = eval_batch(job["data_dir"])
+    batch = eval_batch(job.data_dir)
     training_logits = strategy.forward_logits(batch)
     groups = strategy.state_groups()
     info, error = None, None
     if dist.get_rank() == 0:
         try:
-            skeleton = Skeleton.for_run(job["model_source"], spec)
+            skeleton = Skeleton.for_run(job.model_source, spec)
             info = write_export(skeleton, groups, job, spec, folder, batch, training_logits)
             info["seconds"] = time.perf_counter() - started
         except Exception as exc:  # noqa: BLE001 - agreed on by every rank in checkpoint.save_checkpoint

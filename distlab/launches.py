@@ -10,10 +10,10 @@ losses did not do the same work: the run fails.
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
+from distlab.job import Job, replace
 from distlab.run_layout import run_files_dir
 from distlab.run_outputs import read_run_record, write_metrics
 
@@ -27,23 +27,22 @@ def summary_of(metrics: dict) -> dict:
             "loss_last": metrics["loss"]["last"], "noise": metrics.get("noise")}
 
 
-def repeat_launches(job: dict, run_launcher, log_path: str | None, timeout: float | None) -> list[dict]:
-    run_dir = Path(job["run_dir"])
+def repeat_launches(job: Job, run_launcher, log_path: str | None, timeout: float | None) -> list[dict]:
+    run_dir = Path(job.run_dir)
     first = read_run_record(run_dir / "metrics.json").to_dict()
     launches = [summary_of(first)]
-    for k in range(2, job["spec"]["launches"] + 1):
+    for k in range(2, job.spec["launches"] + 1):
         folder = run_dir / f"launch-{k}"
         shutil.rmtree(folder, ignore_errors=True)
-        again = dict(job, run_dir=str(folder), checkpoint_dir=None, timing_only=True)
-        again.pop("base_eval_json", None)
+        again = replace(job, run_dir=str(folder), checkpoint_dir=None, timing_only=True, base_eval_json=None)
         run_files_dir(folder).mkdir(parents=True)
         job_path = folder / "job.json"
-        job_path.write_text(json.dumps(again, indent=1))
+        again.write(job_path)
         run_launcher(again, str(job_path.resolve()), log_path, timeout)
         metrics = read_run_record(folder / "metrics.json").to_dict()
         gap = max(abs(a - b) for a, b in zip(first["loss"]["per_step"], metrics["loss"]["per_step"]))
         if gap > LOSS_TOLERANCE:
-            raise RuntimeError(f"launch {k} of {job['spec']['id']} reached other losses (max gap {gap:.2e} > "
+            raise RuntimeError(f"launch {k} of {job.spec['id']} reached other losses (max gap {gap:.2e} > "
                                f"{LOSS_TOLERANCE}): not the same work as launch 1")
         launches.append(summary_of(metrics))
         shutil.rmtree(folder)

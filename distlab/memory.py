@@ -161,7 +161,7 @@ class BudgetWatchdog:
         """The peak so far; never returns when it is past the budget."""
         self.peak = max(self.peak, process_status().get("VmHWM", 0))
         if self.peak > self.budget:
-            record_oom({"run_dir": self.run_dir}, MemoryError(
+            record_oom(self.run_dir, MemoryError(
                 f"rank process RSS peak {self.peak / GIB:.3f} GiB passed the memory budget "
                 f"{self.budget / GIB:.3f} GiB (distlab.memory.BudgetWatchdog)"))
             os._exit(OOM_EXIT_CODE)  # peers may sit in a collective: torchrun tears the group down
@@ -326,7 +326,7 @@ def is_out_of_memory(error: BaseException) -> bool:
     return False
 
 
-def record_oom(job: dict, error: BaseException) -> None:
+def record_oom(run_dir: str, error: BaseException) -> None:
     """A rank that ran out of memory leaves oom-rank<N>.json; the launcher turns that into
     a metrics.json with status 'oom' so the pipeline goes on and the report shows it."""
     rank = int(os.environ.get("RANK", 0))
@@ -340,5 +340,5 @@ def record_oom(job: dict, error: BaseException) -> None:
             memory["error"] = str(exc)
     record = {"rank": rank, "error_type": type(error).__name__,
               "error": (str(error).splitlines() or [""])[0][:500], "memory": memory}
-    Path(job["run_dir"], f"oom-rank{rank}.json").write_text(json.dumps(record))
+    Path(run_dir, f"oom-rank{rank}.json").write_text(json.dumps(record))
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from distlab.job import Job
 from distlab.tracking import Trackers, step_values
 
 BEST = "best"  # checkpoint/best/ (the selected model of checkpoint_select: best)
@@ -45,11 +46,11 @@ class RunMonitor:
     """Every rank builds one; the worker calls after_step (collective) from the loop's
     on_step_end and finish() after the last step."""
 
-    def __init__(self, job: dict, ctx, strategy, records: list, start_step: int, checkpoints=None):
+    def __init__(self, job: Job, ctx, strategy, records: list, start_step: int, checkpoints=None):
         from distlab.finetune_config import data_parallel_size
 
         self.job, self.ctx, self.strategy, self.records = job, ctx, strategy, records
-        self.spec = spec = job["spec"]
+        self.spec = spec = job.spec
         self.checkpoints = checkpoints
         self.start_step = start_step
         # Throughput in the task's unit: tokens (causal LM) or images (text-to-image).
@@ -66,7 +67,7 @@ class RunMonitor:
         if spec["eval_every"]:
             from distlab.evaluation import eval_tokens
 
-            self.eval_tokens = eval_tokens(job["data_dir"])
+            self.eval_tokens = eval_tokens(job.data_dir)
         # Eval points already made before a resume (rank 0's records hold them).
         self.best = min((r["eval"] for r in records if r.get("eval")), key=lambda e: e["loss"], default=None)
         if self.trackers is not None:
@@ -131,7 +132,7 @@ class RunMonitor:
 
         if self.checkpoints is None or not self.checkpoints.enabled:
             return
-        ckpt.save_checkpoint(Path(self.job["run_dir"]) / "best-checkpoint", self.strategy, self.ctx, self.job,
+        ckpt.save_checkpoint(Path(self.job.run_dir) / "best-checkpoint", self.strategy, self.ctx, self.job,
                              self.checkpoints.signature, done, self.checkpoints.stream, self.records, export=True)
 
     def _flush(self, step: int) -> None:
@@ -165,11 +166,11 @@ class RunMonitor:
         return out
 
     def _select_best(self) -> dict:
-        staged = Path(self.job["run_dir"]) / "best-checkpoint"
+        staged = Path(self.job.run_dir) / "best-checkpoint"
         best = dict(self.best or {}, select=BEST)
         if self.checkpoints is None or not self.checkpoints.enabled:
             return {**best, "checkpoint": None, "reason": "this launch saves no checkpoints"}
-        dest = Path(self.job["checkpoint_dir"]) / BEST
+        dest = Path(self.job.checkpoint_dir) / BEST
         if self.main and staged.is_dir():
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(dest, ignore_errors=True)

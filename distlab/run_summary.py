@@ -10,6 +10,7 @@ import torch
 
 from distlab import metrics as M
 from distlab.hardware import peak_flops_per_rank
+from distlab.job import Job
 from distlab.loop import gather
 from distlab.noise import summarize_noise
 
@@ -83,12 +84,12 @@ def step_extras(all_records: list[list[dict]], i: int) -> dict:
             "eval_loss": ev.get("loss"), "eval_perplexity": ev.get("perplexity")}
 
 
-def summarize_run(job: dict, ctx, strategy, prepared, ranks: dict, n_samples: int, started: float):
+def summarize_run(job: Job, ctx, strategy, prepared, ranks: dict, n_samples: int, started: float):
     """Rank 0: (metrics.json's dict, steps.jsonl's rows) from what gather_ranks collected."""
-    spec = job["spec"]
+    spec = ctx.spec  # the job's, or the one an elastic Ray group resumed under (distlab.launchers.ray_worker)
     flops = prepared.flops
     all_records, all_memory, comm = ranks["records"], ranks["memory"], ranks["comm"]
-    hardware = json.loads(Path(job["hardware_json"]).read_text())
+    hardware = json.loads(Path(job.hardware_json).read_text())
     warm = spec["untimed_steps"]
     # A step ends when the slowest rank finishes: the step time is the max over ranks.
     step_times = [max(recs[i]["step_time_s"] for recs in all_records) for i in range(len(all_records[0]))]
@@ -145,7 +146,7 @@ def summarize_run(job: dict, ctx, strategy, prepared, ranks: dict, n_samples: in
         "data": coverage(all_records, ranks["plans"], n_samples),
         "data_prep": task.data_facts(job, all_records, ctx.world_size // dp),  # causal LM: tokenizer identity, tokens trained/masked
         "versions": M.library_versions(),
-        "environment": M.allowed_environment(job.get("env_allowlist", [])),
+        "environment": M.allowed_environment(job.env_allowlist),
         "wall_seconds_rank0": time.time() - started,
     }, [
         {"step": i, "loss": losses[i], "step_time_s": step_times[i], "comm_inflight_s": comm_per_step[i],

@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from distlab.job import Job
+
 SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "images_per_s", "memory_bytes", "step_time_s")
 # Where the store's experiments keep artifacts: MLflow's server-resolved scheme (see above).
 ARTIFACTS = "mlflow-artifacts:/"
@@ -41,10 +43,10 @@ ARTIFACTS = "mlflow-artifacts:/"
 ANONYMOUS_TAGS = {"mlflow.user": "distlab", "mlflow.source.name": "distlab"}
 
 
-def tracking_dir(job: dict) -> Path:
+def tracking_dir(job: Job) -> Path:
     """<results>/<machine>/tracking, the MLflow store's folder (the job may name another,
     absolute: Ray workers run elsewhere)."""
-    return Path(job.get("tracking_dir") or Path(job["run_dir"]).resolve().parent / "tracking")
+    return Path(job.tracking_dir or Path(job.run_dir).resolve().parent / "tracking")
 
 
 def flat_params(spec: dict, prefix: str = "") -> dict:
@@ -104,10 +106,10 @@ def create_store(root: Path) -> None:
 class Trackers:
     """The trackers a spec's `tracking` names, started on rank 0 (the caller's duty)."""
 
-    def __init__(self, job: dict, start_step: int):
-        spec = job["spec"]
+    def __init__(self, job: Job, start_step: int):
+        spec = job.spec
         self.root = tracking_dir(job)
-        self.machine = Path(job["run_dir"]).resolve().parent.name
+        self.machine = Path(job.run_dir).resolve().parent.name
         self.writer = self.client = self.run_id = None
         self.where = {}
         from distlab.sharing import portable
@@ -119,7 +121,7 @@ class Trackers:
 
             from distlab.run_layout import run_files_dir
 
-            logdir = run_files_dir(job["run_dir"]).resolve() / "tensorboard"
+            logdir = run_files_dir(job.run_dir).resolve() / "tensorboard"
             self.writer = SummaryWriter(str(logdir))
             for summary in hparams(params, {}):  # the spec in TensorBoard's HPARAMS tab
                 self.writer.file_writer.add_summary(summary)

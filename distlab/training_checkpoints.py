@@ -12,6 +12,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from distlab import checkpoint as ckpt
+from distlab.job import Job
 from distlab.loop import IndexStream
 from distlab.sharing import portable
 
@@ -20,11 +21,11 @@ class TrainingCheckpoints:
     """This rank's checkpoint duties (layout in distlab/checkpoint.py): resume from resume/,
     periodic and parity saves, the final save into checkpoint/. Every method is collective."""
 
-    def __init__(self, job: dict, ctx, strategy, signature: dict, n_samples: int):
+    def __init__(self, job: Job, ctx, strategy, signature: dict, n_samples: int):
         self.job, self.ctx, self.strategy, self.signature = job, ctx, strategy, signature
         self.spec = spec = ctx.spec
-        self.enabled = bool(job.get("checkpoint_dir"))
-        self.resume_root = Path(job["run_dir"]) / "resume"
+        self.enabled = bool(job.checkpoint_dir)
+        self.resume_root = Path(job.run_dir) / "resume"
         self.parity_step = spec["steps"] - ckpt.PARITY_STEPS if spec["steps"] > ckpt.PARITY_STEPS else None
         self.stream = IndexStream(n_samples, spec, strategy.data_parallel_rank, strategy.data_parallel_size,
                                   getattr(strategy, "rank_batches", None))
@@ -38,7 +39,7 @@ class TrainingCheckpoints:
         """A LoRA run's frozen base by identity (checkpoint.base_identity), read once, on first
         use (collective: resume and every save run on all ranks)."""
         if self.spec["method"] == "lora" and self._base is None:
-            source = self.job["model_source"]
+            source = self.job.model_source
             self._base = ckpt.base_identity(source, self.strategy.task.weights_folder(source))
         return self._base
 
@@ -133,7 +134,7 @@ class TrainingCheckpoints:
         train rule: present, so the job and its figures stand) and keeps resume/ for a rerun."""
         if not self.enabled:
             return None
-        root = Path(self.job["checkpoint_dir"])
+        root = Path(self.job.checkpoint_dir)
         try:
             info = ckpt.save_checkpoint(root / "final", self.strategy, self.ctx, self.job, self.signature,
                                         self.spec["steps"], self.stream, self.records, export=True, base=self.base)

@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+from distlab.job import Job, replace
+
 HOST_NAMES = ("home-pc", "cloud-box")
 # What the two-host experiment is unless `two_hosts.experiment` says otherwise.
 DEFAULT_EXPERIMENT = {"strategy": "ddp", "micro_batch": 8, "steps": 60, "untimed_steps": 3, "checkpoint_every": 4,
@@ -76,14 +78,14 @@ def wait_for_world(run_dir: Path, world: int, running, what: str, timeout: float
         time.sleep(0.3)
 
 
-def run_two_hosts(job: dict, bandwidth_mbit: float | None, log_path: str, timeout: float) -> dict:
+def run_two_hosts(job: Job, bandwidth_mbit: float | None, log_path: str, timeout: float) -> dict:
     """Make the hosts and the cluster, run the job across them with cloud-box leaving and
     rejoining, tear everything down. Returns the record of what happened to the hosts."""
     from distlab.launch import launch
     from distlab.launchers.ray_nodes import RayNodes
     from distlab.links import INTERFACE, LinkedHosts
 
-    run_dir = Path(job["run_dir"])
+    run_dir = Path(job.run_dir)
     events, outcome = [], {}
 
     def note(event: str, **extra) -> None:
@@ -92,10 +94,10 @@ def run_two_hosts(job: dict, bandwidth_mbit: float | None, log_path: str, timeou
         print(f"two hosts: {event}", flush=True)
 
     saved = dict(os.environ)
-    with LinkedHosts(2, bandwidth_mbit) as hosts, RayNodes(head_cpus=job["spec"]["cpu_threads_per_rank"],
+    with LinkedHosts(2, bandwidth_mbit) as hosts, RayNodes(head_cpus=job.spec["cpu_threads_per_rank"],
                                                            hosts=hosts) as cluster:
         note("head started", host=HOST_NAMES[0], address=cluster.address)
-        cluster.add_node(HOST_NAMES[1], cpus=job["spec"]["cpu_threads_per_rank"], host=1)
+        cluster.add_node(HOST_NAMES[1], cpus=job.spec["cpu_threads_per_rank"], host=1)
         note("node joined", host=HOST_NAMES[1])
         # The driver (started inside home-pc) reaches the head with the cluster's token; gloo
         # of the Ray workers binds to each host's link interface.
@@ -105,7 +107,7 @@ def run_two_hosts(job: dict, bandwidth_mbit: float | None, log_path: str, timeou
         # by default: most of the run's wall time here).
         os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")
         # The driver labels each rank's host by these names, never by address (ray_record).
-        job = dict(job, driver_inside=hosts.inside(0, []),
+        job = replace(job, driver_inside=hosts.inside(0, []),
                    host_names={hosts.address(i): name for i, name in enumerate(HOST_NAMES)})
         before = hosts.counters()
         namespaces = dict(hosts.namespaces)  # recorded: a check can see that they are gone afterwards
@@ -123,7 +125,7 @@ def run_two_hosts(job: dict, bandwidth_mbit: float | None, log_path: str, timeou
             cluster.stop_node(HOST_NAMES[1])
             note("node left", host=HOST_NAMES[1])
             wait_for_world(run_dir, 1, trainer.is_alive, "a checkpoint of the 1-worker group")
-            cluster.add_node(HOST_NAMES[1], cpus=job["spec"]["cpu_threads_per_rank"], host=1)
+            cluster.add_node(HOST_NAMES[1], cpus=job.spec["cpu_threads_per_rank"], host=1)
             note("node rejoined", host=HOST_NAMES[1])
             wait_for_world(run_dir, 2, trainer.is_alive, "the group to grow back to 2 workers")
             note("group grew back")

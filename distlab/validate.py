@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from distlab.job import ValidationJob, replace
+
 VALIDATION_SCHEMA_VERSION = 1
 PASSED, FAILED, UNSUPPORTED = "passed", "failed", "unsupported"
 # Every compared forward runs streamed on the CPU in fp32 (distlab.streamed), whatever the
@@ -100,20 +102,20 @@ def validate_run(run_dir, model_source: str, data_dir: str, out_path, log_path=N
 
     work = run_dir / "validation-work"
     work.mkdir(exist_ok=True)
-    job = {"spec": spec, "run_dir": str(run_dir), "model_source": model_source, "data_dir": data_dir,
-           "final": str(final), "parity": str(parity[-1]) if parity else None,
-           "expected_losses": metrics["loss"]["per_step"],
-           "expected_lrs": (metrics.get("optimization") or {}).get("lr_per_step")}
+    job = ValidationJob(spec=spec, run_dir=str(run_dir), model_source=model_source, data_dir=data_dir,
+                        final=str(final), parity=str(parity[-1]) if parity else None,
+                        expected_losses=metrics["loss"]["per_step"],
+                        expected_lrs=(metrics.get("optimization") or {}).get("lr_per_step"))
     other, why_not = reshard_target(spec)
     plans = launch_plans(spec, other if why_not is None else None)
     for index, plan in enumerate(plans):
-        result["checks"].update(_run_phase(dict(job, plan=plan), work / f"launch{index}", log_path, timeout))
+        result["checks"].update(_run_phase(replace(job, plan=plan), work / f"launch{index}", log_path, timeout))
         for name, world in plan[1:]:
             # A library may not survive its process changing groups (DeepSpeed caches the first
             # one): a phase that broke in the reused process gets a fresh launch of its own.
             broken = broken_checks(result["checks"], phase_checks(name, spec))
             if broken:
-                retry = _run_phase(dict(job, plan=[[name, world]]), work / f"launch{index}-{name}", log_path, timeout)
+                retry = _run_phase(replace(job, plan=[[name, world]]), work / f"launch{index}-{name}", log_path, timeout)
                 for n in phase_checks(name, spec):
                     if n in retry:
                         result["checks"][n] = dict(retry[n], first_attempt_in_reused_process=broken.get(n))
@@ -170,7 +172,7 @@ def _write(path, result: dict) -> dict:
     return result
 
 
-def _run_phase(job: dict, folder: Path, log_path, timeout) -> dict:
+def _run_phase(job: ValidationJob, folder: Path, log_path, timeout) -> dict:
     """Start one launch's ranks; returns the checks rank 0 recorded (partial if they died)."""
     from distlab.gpu_alloc import lock_dir_for
     from distlab.launch import assigned_gpus
@@ -181,13 +183,13 @@ def _run_phase(job: dict, folder: Path, log_path, timeout) -> dict:
     out = folder / "checks.json"
     out.unlink(missing_ok=True)
     job_path = (folder / "job.json").resolve()  # absolute: the ranks are found by it (launchers.process)
-    spec = dict(job["spec"], world_size=job["plan"][0][1])
+    spec = job.spec.replace(world_size=job.plan[0][1])
     # The ranks' run_dir is this launch's folder: what strategies and launchers write there
     # (accelerate config, devices.json) must not overwrite the training run's files.
-    job_path.write_text(json.dumps(dict(job, out=str(out), run_dir=str(folder))))
+    replace(job, out=str(out), run_dir=str(folder)).write(job_path)
     # The GPUs are held for this launch only, from the same lock folder training used.
-    locks = lock_dir_for(Path(job["run_dir"]).resolve().parent.parent)
-    with assigned_gpus({"spec": spec, "run_dir": str(folder), "gpu_lock_dir": locks}):
+    locks = lock_dir_for(Path(job.run_dir).resolve().parent.parent)
+    with assigned_gpus(spec, str(folder), locks):
         try:  # under the launcher the experiment trained with (distlab.launchers.ranks.rank_command)
             start_ranks(spec, "distlab.validate_ranks", ["--job", str(job_path)], job_path, log_path, timeout,
                         run_dir=folder, what="validation ranks", check=False)  # what they recorded decides

@@ -87,14 +87,14 @@ def check_export(validator) -> dict:
     from distlab.export import MERGED, eval_batch
     from distlab.partial_load import model_folder
 
-    final = Path(validator.job["final"])
+    final = Path(validator.job.final)
     folder = final / "export"
     meta = ckpt.read_meta(final)
     if not folder.is_dir():
         raise NotImplementedError((meta["save"].get("export") or {}).get("reason", "no export was written"))
     saved_export = meta["save"].get("export") or {}
-    batch, saved = eval_batch(validator.job["data_dir"]), validator.saved_logits()
-    spec, source = validator.spec, validator.job["model_source"]
+    batch, saved = eval_batch(validator.job.data_dir), validator.saved_logits()
+    spec, source = validator.spec, validator.job.model_source
     out = {"path": str(folder), "tolerance": RELOAD_TOLERANCE,
            "how": "the export's own files read one decoder layer at a time and run on the CPU in fp32 (no process "
                   "holds the whole model); logits on the fixed eval batch vs those recorded at save time"}
@@ -144,8 +144,8 @@ def streamed_outputs(validator, strategy):
         for _ in groups:
             pass
         return None, None
-    return None, streamed_logits(Skeleton.for_run(validator.job["model_source"], validator.spec), groups,
-                                 eval_batch(validator.job["data_dir"]))
+    return None, streamed_logits(Skeleton.for_run(validator.job.model_source, validator.spec), groups,
+                                 eval_batch(validator.job.data_dir))
 
 
 def lora_base_frozen(model, source: str, meta: dict, now: dict, reload_diff: float) -> dict:

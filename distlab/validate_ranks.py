@@ -22,13 +22,14 @@ import time
 import traceback
 from pathlib import Path
 
+from distlab.job import ValidationJob, read_job
 from distlab.validate import FAILED, PARITY_TOLERANCE, PASSED, RELOAD_TOLERANCE, UNSUPPORTED
 
 
 class ValidationRank:
     """One validation rank: builds strategies like the worker does and records checks."""
 
-    def __init__(self, job: dict):
+    def __init__(self, job: ValidationJob):
         import torch
         import torch.distributed as dist
 
@@ -36,7 +37,7 @@ class ValidationRank:
         from distlab.tasks import task_for
         from distlab.worker import make_context
 
-        self.job, self.spec = job, dict(job["spec"], world_size=job["plan"][0][1])
+        self.job, self.spec = job, job.spec.replace(world_size=job.plan[0][1])
         if self.spec["device"] == "cpu":
             torch.set_num_threads(self.spec["cpu_threads_per_rank"])
         self.ctx = make_context(job)
@@ -67,7 +68,7 @@ class ValidationRank:
     def record(self, name: str, value: dict) -> None:
         self.checks[name] = value
         if self.rank == 0:
-            Path(self.job["out"]).write_text(json.dumps(self.checks, indent=1, default=str))
+            Path(self.job.out).write_text(json.dumps(self.checks, indent=1, default=str))
 
     def guarded(self, name: str, check) -> bool:
         """Run one check; NotImplementedError = unsupported, CheckpointError = failed (every rank
@@ -96,7 +97,7 @@ class ValidationRank:
         self.ctx.spec = spec
         strategy = self.strategy_cls(self.ctx)
         strategy.init_distributed()  # joins the existing group; some strategies set up their state here
-        return strategy, prepare_model(strategy, self.job["model_source"], spec).signature
+        return strategy, prepare_model(strategy, self.job.model_source, spec).signature
 
     def trained_outputs(self, strategy):
         """Collective: (a plain model or None, the trained state's output on the task's fixed
@@ -107,7 +108,7 @@ class ValidationRank:
     def saved_logits(self, name: str = "logits"):
         from safetensors.torch import load_file
 
-        return load_file(str(Path(self.job["final"]) / "eval_logits.safetensors"))[name]
+        return load_file(str(Path(self.job.final) / "eval_logits.safetensors"))[name]
 
 
 def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> None:
@@ -118,15 +119,15 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
     from distlab.loop import IndexStream, gather, train
 
     job = validator.job
-    spec = validator.spec = dict(job["spec"], world_size=world_size)
+    spec = validator.spec = job.spec.replace(world_size=world_size)
     strategy, signature = validator.build(spec)
-    meta = ckpt.read_meta(job["final"])
-    source = job["model_source"]  # LoRA: the frozen base's identity (collective), of the task's weight files
+    meta = ckpt.read_meta(job.final)
+    source = job.model_source  # LoRA: the frozen base's identity (collective), of the task's weight files
     base = ckpt.base_identity(source, validator.task.weights_folder(source)) if spec["method"] == "lora" else None
 
     def compatibility():
-        ckpt.check_compatible(meta, spec, signature, job["final"])
-        ckpt.check_base(meta, base, job["final"])
+        ckpt.check_compatible(meta, spec, signature, job.final)
+        ckpt.check_base(meta, base, job.final)
         return {"status": PASSED, "how": "model config, parameter shapes and experiment spec vs the checkpoint's"
                 + ("; LoRA: the base model's weight files (sha256) vs those it names" if base else "")}
 
@@ -134,14 +135,14 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
         return
 
     def reload():
-        info = ckpt.load_checkpoint(job["final"], strategy, validator.ctx, signature, verify=False, base=base)
+        info = ckpt.load_checkpoint(job.final, strategy, validator.ctx, signature, verify=False, base=base)
         model, logits = validator.trained_outputs(strategy)
         if validator.rank != 0:
             return {}
         diff = (logits - validator.saved_logits()).abs().max().item()
         if spec["method"] == "lora":
             validator.record("lora_base_frozen",
-                             validator.task.lora_base_frozen(model, job["model_source"], meta, base, diff))
+                             validator.task.lora_base_frozen(model, job.model_source, meta, base, diff))
         return {"status": PASSED if diff <= RELOAD_TOLERANCE else FAILED, "max_abs_logit_diff": diff,
                 "tolerance": RELOAD_TOLERANCE, "world_size": dist.get_world_size(),
                 "load_seconds": info["load_seconds"],
@@ -153,7 +154,7 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
     validator.guarded("reload", reload)
     strategy = None  # the parity check builds its own; free this one first
     gc.collect()
-    if not job["parity"]:
+    if not job.parity:
         validator.record("resume_parity", {"status": UNSUPPORTED, "reason": f"steps ({spec['steps']}) <= "
                                        f"{ckpt.PARITY_STEPS}: no mid-run checkpoint to resume from"})
         return
@@ -163,7 +164,7 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
         data = validator.task.train_data(job, spec, validator.ctx.device)
         stream = IndexStream(len(data), spec, strategy.data_parallel_rank, strategy.data_parallel_size,
                              getattr(strategy, "rank_batches", None))
-        info = ckpt.load_checkpoint(job["parity"], strategy, validator.ctx, signature, stream=stream, verify=False,
+        info = ckpt.load_checkpoint(job.parity, strategy, validator.ctx, signature, stream=stream, verify=False,
                                     base=base)
         start = info["steps_done"]
         records = gather(train(validator.ctx, strategy, data, start_step=start, stream=stream)["records"])
@@ -174,13 +175,13 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
         for i in range(len(records[0])):
             values = [recs[i]["loss"] for recs in records if recs[i]["loss"] is not None]
             losses.append(sum(values) / len(values))
-        expected = job["expected_losses"][start:]
+        expected = job.expected_losses[start:]
         loss_diff = max(abs(a - b) for a, b in zip(losses, expected))
         logit_diff = (logits - validator.saved_logits()).abs().max().item()
         tolerance = PARITY_TOLERANCE[spec["precision"]]
         # The LR schedule resumes where it stood: the same rates, exactly (older runs recorded none).
         lrs = [rec["lr"] for rec in records[0]]
-        expected_lrs = (job.get("expected_lrs") or [None] * len(job["expected_losses"]))[start:]
+        expected_lrs = (job.expected_lrs or [None] * len(job.expected_losses))[start:]
         same_lrs = lrs == expected_lrs or expected_lrs[0] is None
         return {"status": PASSED if len(losses) == len(expected) and max(loss_diff, logit_diff) <= tolerance
                 and same_lrs else FAILED, "resumed_at_step": start, "steps_resumed": len(losses),
@@ -200,12 +201,12 @@ def check_at_other_world_size(validator: ValidationRank, world_size: int) -> Non
 
     from distlab import checkpoint as ckpt
 
-    meta = ckpt.read_meta(validator.job["final"])
-    validator.spec = dict(validator.job["spec"], world_size=world_size)
+    meta = ckpt.read_meta(validator.job.final)
+    validator.spec = validator.job.spec.replace(world_size=world_size)
 
     def reshard():
         strategy, signature = validator.build(validator.spec)
-        info = ckpt.load_checkpoint(validator.job["final"], strategy, validator.ctx, signature, verify=False,
+        info = ckpt.load_checkpoint(validator.job.final, strategy, validator.ctx, signature, verify=False,
                                     allow_world_size=True)
         _, logits = validator.trained_outputs(strategy)
         if validator.rank != 0:
@@ -223,15 +224,15 @@ def check_at_other_world_size(validator: ValidationRank, world_size: int) -> Non
         validator.record("reshard", validator.checks["reshard"])
 
 
-def check_export_meanwhile_import(validator: ValidationRank, job: dict) -> None:
+def check_export_meanwhile_import(validator: ValidationRank, job: ValidationJob) -> None:
     """Before the phases: rank 0 checks the export (first: before this process loads anything
     else), while the other ranks import the model's code (transformers' modeling module, peft),
     which rank 0's check imports first thing. Otherwise they sat at the barrier through the
     check and then started those ~2 s of imports, one rank after the other."""
-    if validator.rank == 0 and any(name == "same" for name, _ in job["plan"]):
+    if validator.rank == 0 and any(name == "same" for name, _ in job.plan):
         validator.guarded("export", lambda: validator.task.check_export(validator))
     else:
-        validator.task.import_code(job["model_source"], validator.spec["method"] == "lora")
+        validator.task.import_code(job.model_source, validator.spec["method"] == "lora")
 
 
 def main(argv=None) -> None:
@@ -241,7 +242,7 @@ def main(argv=None) -> None:
     from distlab.launchers.process import die_with_parent
 
     die_with_parent(same_launch=True)  # a rank never outlives its launcher
-    job = json.loads(Path(args.job).read_text())
+    job = read_job(args.job)
     from distlab.tracking import hide_mlflow
 
     hide_mlflow(uses_it=False)  # validation tracks nothing; DeepSpeed's import would pull MLflow in
@@ -251,7 +252,7 @@ def main(argv=None) -> None:
     validator = ValidationRank(job)
     check_export_meanwhile_import(validator, job)
     dist.barrier()
-    for index, (name, world_size) in enumerate(job["plan"]):
+    for index, (name, world_size) in enumerate(job.plan):
         if index and not validator.shrink_to_one_rank():
             return
         (check_at_saved_world_size if name == "same" else check_at_other_world_size)(validator, world_size)

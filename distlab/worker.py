@@ -10,16 +10,15 @@ distlab.run_summary (what the run measured), distlab.run_outputs (the result fil
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from distlab.activations import ActivationProbe
 from distlab.evaluation import evaluate_run
+from distlab.job import Job, read_job
 from distlab.links import interface_counters
 from distlab.loop import gather, train
 from distlab.memory import (OOM_EXIT_CODE, add_peaks_through_save, apply_memory_budget, budget_verdict,
@@ -40,20 +39,20 @@ TIMELINE = Timeline()
 TIMELINE.mark("interpreter and imports")  # python start + torch, transformers, distlab
 
 
-def make_context(job: dict) -> RunContext:
-    spec = job["spec"]
-    return RunContext(spec=spec, run_dir=job["run_dir"], device=local_device(spec),
+def make_context(job: Job) -> RunContext:
+    spec = job.spec
+    return RunContext(spec=spec, run_dir=job.run_dir, device=local_device(spec),
                       rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)),
                       local_rank=int(os.environ.get("LOCAL_RANK", 0)), job=job)
 
 
-def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
+def run_rank(job: Job, checkpoints_class=None) -> tuple[dict, list] | None:
     """Everything one rank does; returns (metrics, step rows) on rank 0, None elsewhere.
 
     checkpoints_class: a TrainingCheckpoints subclass (the Ray launcher's reports to Ray)."""
     started = time.time()
     timeline = TIMELINE.after_imports()
-    spec = job["spec"]
+    spec = job.spec
     if spec["device"] == "cpu":
         # On CPU a "device" is cpu_threads_per_rank cores, the same for every world size
         # (rank_cpu_threads: unequal CPU devices, one count per rank).
@@ -65,10 +64,10 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     ctx.rank, ctx.world_size = dist.get_rank(), dist.get_world_size()
     timeline.mark("process group")
 
-    strategy.task.import_code(job["model_source"], spec["method"] == "lora")
+    strategy.task.import_code(job.model_source, spec["method"] == "lora")
     cpu_budget = enter_cpu_budget(spec, ctx.rank)  # rank_cpu_budget: a slower CPU device, load to last step
     rss_before_model = rss_now()  # interpreter + libraries + process group: what a rank costs before its model
-    prepared = prepare_model(strategy, job["model_source"], spec)
+    prepared = prepare_model(strategy, job.model_source, spec)
     timeline.mark("model load, wrap, verify")
     if cpu_budget is not None:  # what the kernel enforces on every rank, read back
         prepared.described["cpu_budget"] = gather(cpu_budget)
@@ -107,7 +106,7 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
     reset_for_save = start_save_phase(ctx.device)  # the final evaluation, save and export measured alone
     # Collective: the trained model on the held-out data (a timing-only launch, spec launches, skips it).
     last_point = next((p for p in during["eval_points"] if p["steps_done"] == spec["steps"]), None)
-    evaluation = None if job.get("timing_only") else evaluate_run(strategy, job, last_point)
+    evaluation = None if job.timing_only else evaluate_run(strategy, job, last_point)
     timeline.mark("held-out eval")
     out = summarize_run(job, ctx, strategy, prepared, ranks, len(train_data), started) if ctx.is_main else None
     if out is not None:
@@ -123,7 +122,7 @@ def run_rank(job: dict, checkpoints_class=None) -> tuple[dict, list] | None:
         out[0]["checkpoint"] = {"status": "saving" if checkpoints.enabled else "off",
                                 "note": "metrics.json was written before the final save; this record replaces it"}
         out[0]["timeline"] = timeline.record()
-        write_outputs(job["run_dir"], out)
+        write_outputs(job.run_dir, out)
     saved = checkpoints.save_final()
     timeline.mark("final save and export")
     peaks_through_save = gather_peaks_through_save(ctx.device, reset_for_save)  # collective
@@ -151,9 +150,9 @@ def main(argv=None) -> None:
 
     die_with_parent(same_launch=True)  # a rank never outlives its launcher
     private_files()  # what this rank writes under results/ is not world-readable (distlab.sharing)
-    job = json.loads(Path(args.job).read_text())
+    job = read_job(args.job)
     # Only the rank that writes to MLflow imports it (DeepSpeed's import would otherwise pull it in).
-    hide_mlflow(uses_it=int(os.environ.get("RANK", 0)) == 0 and "mlflow" in job["spec"]["tracking"])
+    hide_mlflow(uses_it=int(os.environ.get("RANK", 0)) == 0 and "mlflow" in job.spec["tracking"])
     try:
         summary = run_rank(job)
     except Exception as error:  # noqa: BLE001 - only allocation failures are handled; the rest re-raise
@@ -164,7 +163,7 @@ def main(argv=None) -> None:
         os._exit(OOM_EXIT_CODE)
     if summary is not None:
         metrics, steps = summary
-        write_outputs(job["run_dir"], (metrics, steps))
+        write_outputs(job.run_dir, (metrics, steps))
     dist.barrier()
     dist.destroy_process_group()
 

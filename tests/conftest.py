@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from distlab.job import Job
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -109,10 +110,10 @@ def run_experiment(prepared: Path, run_dir: Path, spec: dict, checkpoint: bool =
     from distlab.launch import launch
     from distlab.run_outputs import read_run_record
 
-    job = {"spec": spec, "run_dir": str(run_dir), "data_dir": str(prepared / f"data{spec['seq_len']}"),
-           "model_source": str(prepared / "model"), "hardware_json": str(prepared / "hardware.json"),
-           "env_allowlist": ["OMP_NUM_THREADS"],
-           "checkpoint_dir": str(run_dir / "checkpoint") if checkpoint else None}
+    job = Job(spec=spec, run_dir=str(run_dir), data_dir=str(prepared / f"data{spec['seq_len']}"),
+              model_source=str(prepared / "model"), hardware_json=str(prepared / "hardware.json"),
+              env_allowlist=["OMP_NUM_THREADS"],
+              checkpoint_dir=str(run_dir / "checkpoint") if checkpoint else None)
     launch(job, log_path=str(run_dir / "train.log"), timeout=300)
     return read_run_record(run_dir / "metrics.json").to_dict()
 

@@ -90,6 +90,7 @@ if hasattr(modeling_utils, "prevent_arange_dtype_change"):
 sys.path.insert(0, os.path.join(os.environ["PYTHONPATH"], "tests"))
 from conftest import resolve
 from distlab.buffers import plain_buffers
+from distlab.job import Job
 from distlab.model_setup import prepare_model
 from distlab.strategies import strategy_for
 from distlab.worker import make_context
@@ -100,8 +101,8 @@ settings = {"deepspeed": {"deepspeed": {"zero_stage": 3, "offload_optimizer": "c
 out = {}
 for name, stage in {"ddp": "ddp", "deepspeed": "deepspeed", "fsdp": "fsdp", "tp": "parallel", "pp": "parallel"}.items():
     spec = resolve({"strategy": name, "precision": "bf16", **settings.get(name, {})}, stage=stage)
-    job = {"spec": spec, "run_dir": os.path.join(run_dir, name), "model_source": source}
-    os.makedirs(job["run_dir"], exist_ok=True)
+    job = Job(spec=spec, run_dir=os.path.join(run_dir, name), model_source=source)
+    os.makedirs(job.run_dir, exist_ok=True)
     strategy = strategy_for(spec)(make_context(job))
     strategy.init_distributed()
     prepared = prepare_model(strategy, source, spec)

@@ -13,6 +13,7 @@ from conftest import resolve, run_experiment
 from distlab import checkpoint as ckpt
 from distlab.checkpoint_files import MANIFEST, sha256_file, verify_manifest
 from distlab.checkpoint_formats.plain import load_plain
+from distlab.job import Job
 from distlab.loop import IndexStream
 from distlab.validate import validate_run
 from test_hygiene import python_process, reaper, sigkill_leaves_nothing, wait_for_ranks  # noqa: F401 (a fixture)
@@ -273,9 +274,9 @@ def test_a_lora_resume_against_a_changed_base_is_refused_naming_both_and_keeps_t
     again = tmp_path / "again"
     (again / "resume").mkdir(parents=True)
     shutil.copytree(run / "checkpoint" / "step-000002", again / "resume" / "step-000002")
-    job = {"spec": spec, "run_dir": str(again), "data_dir": str(prepared / "data32"), "model_source": str(changed),
-           "hardware_json": str(prepared / "hardware.json"), "env_allowlist": [],
-           "checkpoint_dir": str(again / "checkpoint")}
+    job = Job(spec=spec, run_dir=str(again), data_dir=str(prepared / "data32"), model_source=str(changed),
+              hardware_json=str(prepared / "hardware.json"), env_allowlist=[],
+              checkpoint_dir=str(again / "checkpoint"))
     with pytest.raises(RuntimeError):
         launch(job, log_path=str(again / "train.log"), timeout=300)
     log = (again / "train.log").read_text()
@@ -330,7 +331,7 @@ def resume_in(run_dir, trained, prepared, damage):
     meta = ckpt.read_meta(folder) if folder.is_dir() else ckpt.read_meta(trained[0] / "checkpoint" / "step-000004")
     spec = dict(meta["spec"], id="ddp-w2")
     ctx = SimpleNamespace(spec=spec, device=torch.device("cpu"))
-    job = {"run_dir": str(run_dir), "checkpoint_dir": str(run_dir / "checkpoint")}
+    job = Job(spec=spec, run_dir=str(run_dir), checkpoint_dir=str(run_dir / "checkpoint"))
     return TrainingCheckpoints(job, ctx, PlainStrategy(prepared), meta["model"], 64)
 
 

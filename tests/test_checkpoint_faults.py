@@ -8,6 +8,7 @@ import pytest
 
 from conftest import snakemake, tiny_config
 from distlab.checkpoint import FAULT_ENV
+from distlab.job import Job
 from report_fixtures import MACHINE, seed_prepared
 
 KILLED = "ddp-full-w2-mb4-ga1"
@@ -104,9 +105,9 @@ def test_a_run_that_dies_out_of_memory_in_its_final_save_had_written_its_figures
     spec = resolve({"world_size": 1, "micro_batch": 4}, steps=3, untimed_steps=1)
     monkeypatch.setenv(SAVE_FAULT_ENV, f"{spec['id']}:oom")
     run = tmp_path / "run"
-    job = {"spec": spec, "run_dir": str(run), "data_dir": str(prepared / "data32"),
-           "model_source": str(prepared / "model"), "hardware_json": str(prepared / "hardware.json"),
-           "env_allowlist": [], "checkpoint_dir": str(run / "checkpoint")}
+    job = Job(spec=spec, run_dir=str(run), data_dir=str(prepared / "data32"),
+              model_source=str(prepared / "model"), hardware_json=str(prepared / "hardware.json"),
+              env_allowlist=[], checkpoint_dir=str(run / "checkpoint"))
     assert launch(job, log_path=str(run / "train.log"), timeout=300) == "oom"
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["status"] == "oom" and metrics["oom_phase"] == "final save"

@@ -22,6 +22,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
+from distlab.job import Job
 
 CUDA = torch.device("cuda", 0)
 
@@ -189,7 +190,8 @@ def assert_whole_model_paths_stay_on_the_host(strategy, prepared, tmp_path, writ
     from distlab.export import EVAL_BATCH, EVAL_TOKENS, export_pass
     from distlab.validate_ranks import ValidationRank
 
-    job = {"model_source": str(prepared / "model"), "data_dir": str(prepared / "data32")}
+    job = Job(spec=strategy.spec, run_dir=str(tmp_path), model_source=str(prepared / "model"),
+              data_dir=str(prepared / "data32"))
     vocab = strategy.unwrapped().config.vocab_size
     with fake_mode():
         training_logits = torch.empty(EVAL_BATCH, EVAL_TOKENS, vocab, device=CUDA)

@@ -6,6 +6,7 @@ import pytest
 
 from distlab import data
 from distlab.data_formats import IGNORE, encode_chat, encode_instruction
+from distlab.job import Job
 
 
 def _trained_text(tok, ids, labels):
@@ -73,9 +74,9 @@ def test_training_loss_counts_only_response_tokens(prepared, instruction_data, t
     from distlab.model import load_model
 
     spec = resolve({"strategy": "ddp", "world_size": 1, "micro_batch": 4}, steps=3, untimed_steps=1)
-    job = {"spec": spec, "run_dir": str(tmp_path), "data_dir": str(instruction_data),
-           "model_source": str(prepared / "model"), "hardware_json": str(prepared / "hardware.json"),
-           "env_allowlist": [], "checkpoint_dir": None}
+    job = Job(spec=spec, run_dir=str(tmp_path), data_dir=str(instruction_data),
+              model_source=str(prepared / "model"), hardware_json=str(prepared / "hardware.json"),
+              env_allowlist=[], checkpoint_dir=None)
     launch(job, log_path=str(tmp_path / "train.log"), timeout=300)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     first = json.loads((tmp_path / "steps.jsonl").read_text().splitlines()[0])["samples_by_rank"][0]

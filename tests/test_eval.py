@@ -2,6 +2,7 @@
 import json
 
 import pytest
+from distlab.job import Job
 
 
 def test_base_eval_is_the_models_mean_loss_on_the_first_eval_blocks(prepared, tmp_path):
@@ -36,10 +37,10 @@ def test_sharded_run_is_evaluated_whole_beside_the_base_model(prepared, tmp_path
     base = evaluation.evaluate_base(str(prepared / "model"), prepared / "data32", tmp_path / "base.json")
     spec = resolve(overrides, stage="fsdp", steps=4, untimed_steps=1)
     run_dir = tmp_path / "run"
-    job = {"spec": spec, "run_dir": str(run_dir), "data_dir": str(prepared / "data32"),
-           "model_source": str(prepared / "model"), "hardware_json": str(prepared / "hardware.json"),
-           "env_allowlist": [], "checkpoint_dir": str(run_dir / "checkpoint"),
-           "base_eval_json": str(tmp_path / "base.json")}
+    job = Job(spec=spec, run_dir=str(run_dir), data_dir=str(prepared / "data32"),
+              model_source=str(prepared / "model"), hardware_json=str(prepared / "hardware.json"),
+              env_allowlist=[], checkpoint_dir=str(run_dir / "checkpoint"),
+              base_eval_json=str(tmp_path / "base.json"))
     launch(job, log_path=str(run_dir / "train.log"), timeout=300)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["eval"]["base"]["loss"] == base["loss"]

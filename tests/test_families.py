@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_config
+from distlab.job import Job
 
 SEQ_LEN = 32
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -164,9 +165,9 @@ def test_family_runs_with_the_plain_models_step0_loss_on_the_same_samples(
     folder = family_folders[family]
     spec = load_spec(folder, strategy)
     run_dir = tmp_path / spec["id"]
-    job = {"spec": spec, "run_dir": str(run_dir), "data_dir": str(prepared / "data32"), "model_source": str(folder),
-           "hardware_json": str(prepared / "hardware.json"), "env_allowlist": ["OMP_NUM_THREADS"],
-           "checkpoint_dir": None}
+    job = Job(spec=spec, run_dir=str(run_dir), data_dir=str(prepared / "data32"), model_source=str(folder),
+              hardware_json=str(prepared / "hardware.json"), env_allowlist=["OMP_NUM_THREADS"],
+              checkpoint_dir=None)
     launch(job, log_path=str(run_dir / "train.log"), timeout=300)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     blocks = load_blocks(prepared / "data32", "train")

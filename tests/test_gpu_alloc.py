@@ -81,8 +81,7 @@ def test_a_cuda_run_holds_its_gpus_while_the_ranks_run_and_records_them(tmp_path
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,6")  # fake devices: nothing here touches a GPU
     run_dir = tmp_path / "results" / "box" / "exp"
     run_dir.mkdir(parents=True)
-    job = {"spec": {"device": "cuda", "world_size": 2}, "run_dir": str(run_dir)}
-    with assigned_gpus(job) as ids:
+    with assigned_gpus({"device": "cuda", "world_size": 2}, str(run_dir)) as ids:
         assert os.environ["CUDA_VISIBLE_DEVICES"] == ",".join(ids) and len(ids) == 2
         with pytest.raises(GpuAllocationError):  # a concurrent 2-GPU job must wait
             with allocate(2, str(tmp_path / "results" / ".gpu-locks"), devices=["2", "3", "6"], timeout=0.2):
@@ -95,7 +94,7 @@ def test_a_cuda_run_holds_its_gpus_while_the_ranks_run_and_records_them(tmp_path
 def test_a_cpu_run_takes_no_gpu(tmp_path):
     from distlab.launch import assigned_gpus
 
-    with assigned_gpus({"spec": {"device": "cpu", "world_size": 2}, "run_dir": str(tmp_path)}) as ids:
+    with assigned_gpus({"device": "cpu", "world_size": 2}, str(tmp_path)) as ids:
         assert ids is None
     assert not (tmp_path / "devices.json").exists()
 

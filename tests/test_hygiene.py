@@ -1,5 +1,4 @@
 """No process distlab starts outlives its job: timeouts, a SIGKILLed snakemake, reruns."""
-import json
 import os
 import signal
 import subprocess
@@ -11,6 +10,8 @@ import psutil
 import pytest
 
 from conftest import REPO, resolve
+
+from distlab.job import Job, ValidationJob
 
 
 def alive(pid: int) -> bool:
@@ -112,8 +113,9 @@ def test_training_validation_and_the_collective_benchmark_start_ranks_through_on
                         started.append((cmd, env, marker, what, check)) or 0)
     accelerate = resolve({"world_size": 2, "strategy": "accelerate"}, stage="accelerate")
     for spec in (resolve({"world_size": 2}), accelerate):
-        get_launcher(spec["launcher"])({"spec": spec, "run_dir": str(tmp_path)}, str(tmp_path / "job.json"), None, None)
-    validate._run_phase({"spec": accelerate, "plan": [["same", 2]], "run_dir": str(tmp_path / "machine" / "run")},
+        get_launcher(spec["launcher"])(Job(spec=spec, run_dir=str(tmp_path)), str(tmp_path / "job.json"), None,
+                                       None)
+    validate._run_phase(ValidationJob(spec=accelerate, plan=[["same", 2]], run_dir=str(tmp_path / "machine" / "run")),
                         tmp_path / "phase", None, 60)
     collectives.run_benchmark(collectives.plan({"world_size": 2, "min_bytes": 1024, "max_bytes_cpu": 1024,
                                                 "max_bytes_cuda": 1024, "factor": 4, "iters": 1, "warmup": 1},
@@ -131,16 +133,16 @@ def test_training_validation_and_the_collective_benchmark_start_ranks_through_on
 def test_sigkill_of_snakemake_leaves_no_launcher_or_rank_running(prepared, tmp_path, reaper):
     spec = resolve({"world_size": 2}, steps=100000, untimed_steps=2)  # would train for an hour
     run_dir = tmp_path / "run"
-    job = {"spec": spec, "run_dir": str(run_dir), "data_dir": str(prepared / "data32"),
-           "model_source": str(prepared / "model"), "hardware_json": str(prepared / "hardware.json"),
-           "env_allowlist": [], "checkpoint_dir": None}
-    (tmp_path / "job-input.json").write_text(json.dumps(job))
+    job = Job(spec=spec, run_dir=str(run_dir), data_dir=str(prepared / "data32"),
+              model_source=str(prepared / "model"), hardware_json=str(prepared / "hardware.json"),
+              env_allowlist=[], checkpoint_dir=None)
+    job.write(tmp_path / "job-input.json")
     (tmp_path / "train.py").write_text(textwrap.dedent("""
-        import json
+        from distlab.job import read_job
         from distlab.launch import launch
         from distlab.rule_log import logged
         with logged(snakemake):
-            launch(json.loads(open(snakemake.input[0]).read()))
+            launch(read_job(snakemake.input[0]))
     """))
     (tmp_path / "Snakefile").write_text(textwrap.dedent("""
         rule train:
@@ -178,10 +180,10 @@ def test_a_second_launch_refuses_while_processes_of_the_first_still_run(tmp_path
     from distlab.launchers.process import LAUNCH_ENV, new_launch_identity
 
     spec = resolve({})
-    job = {"spec": spec, "run_dir": str(tmp_path / "run")}
+    job = Job(spec=spec, run_dir=str(tmp_path / "run"))
     # An orphan of an earlier launch of this run: it carries that launch's identity.
     orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", str(tmp_path)],
-                              env=dict(os.environ, **{LAUNCH_ENV: new_launch_identity(job_file(job))}))
+                              env=dict(os.environ, **{LAUNCH_ENV: new_launch_identity(job_file(job.run_dir))}))
     try:
         time.sleep(0.2)
         with pytest.raises(RuntimeError, match=rf"still run .*kill {orphan.pid}"):
@@ -198,7 +200,7 @@ def test_a_process_that_only_names_the_job_file_neither_blocks_a_launch_nor_dies
     from distlab.launch import job_file
     from distlab.launchers.process import refuse_if_running, run_tree
 
-    job_path = job_file({"run_dir": str(tmp_path / "run")})
+    job_path = job_file(str(tmp_path / "run"))
     reader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", job_path])
     try:
         time.sleep(0.2)

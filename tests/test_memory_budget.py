@@ -3,6 +3,7 @@ finishes, and every run records its load-phase and training-phase peaks."""
 import json
 
 from conftest import resolve, run_experiment
+from distlab.job import Job
 
 MIB = 2**20
 
@@ -12,9 +13,9 @@ def test_a_cpu_run_past_its_budget_ends_as_oom_and_one_within_it_finishes(prepar
 
     # 0.25 GiB: less than the interpreter + torch + transformers of one rank process.
     spec = resolve({"strategy": "ddp", "world_size": 1, "memory_budget_gib": 0.25}, steps=2, untimed_steps=1)
-    job = {"spec": spec, "run_dir": str(tmp_path / "small"), "data_dir": str(prepared / "data32"),
-           "model_source": str(prepared / "model"), "hardware_json": str(prepared / "hardware.json"),
-           "env_allowlist": [], "checkpoint_dir": None}
+    job = Job(spec=spec, run_dir=str(tmp_path / "small"), data_dir=str(prepared / "data32"),
+              model_source=str(prepared / "model"), hardware_json=str(prepared / "hardware.json"),
+              env_allowlist=[], checkpoint_dir=None)
     assert launch(job, log_path=str(tmp_path / "small.log"), timeout=300) == "oom"
     metrics = json.loads((tmp_path / "small" / "metrics.json").read_text())
     assert metrics["status"] == "oom"

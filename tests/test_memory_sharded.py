@@ -21,6 +21,7 @@ import shutil
 import pytest
 
 from conftest import assert_advisor_estimate_holds, resolve, run_experiment
+from distlab.job import Job
 
 MIB = 2**20
 # 1.7 GiB per rank process: a 1-rank DDP rank of this model peaks near 2.2 GiB here while it
@@ -112,9 +113,9 @@ def oom_run(big, out) -> dict:
 
     result = {}
     over = resolve({"strategy": "ddp", "world_size": 1, "micro_batch": 2, "memory_budget_gib": BUDGET_GIB, **LORA})
-    job = {"spec": over, "run_dir": str(out / "ddp-budget"), "data_dir": str(big / "data32"),
-           "model_source": str(big / "model"), "hardware_json": str(big / "hardware.json"), "env_allowlist": [],
-           "checkpoint_dir": None}
+    job = Job(spec=over, run_dir=str(out / "ddp-budget"), data_dir=str(big / "data32"),
+              model_source=str(big / "model"), hardware_json=str(big / "hardware.json"), env_allowlist=[],
+              checkpoint_dir=None)
     result["ddp-budget-status"] = launch(job, log_path=str(out / "ddp-budget.log"), timeout=600)
     result["ddp-budget"] = read_run_record(out / "ddp-budget" / "metrics.json").to_dict()
     return result

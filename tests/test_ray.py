@@ -17,6 +17,7 @@ import pytest
 
 from conftest import REPO, resolve, run_experiment, seed_hardware, snakemake, tiny_config
 
+from distlab.job import Job
 from distlab.launchers.ray_nodes import RayNodes
 from distlab.two_hosts import newest_checkpoint_world
 
@@ -210,9 +211,9 @@ def test_elastic_ray_run_grows_when_a_node_joins_and_shrinks_when_it_leaves(prep
             from distlab.launch import launch
 
             # run_experiment's job, with room for three worker-group restarts on a busy box
-            job = {"spec": spec, "run_dir": str(run_dir), "data_dir": str(prepared / "data32"),
-                   "model_source": str(prepared / "model"), "hardware_json": str(prepared / "hardware.json"),
-                   "env_allowlist": [], "checkpoint_dir": str(run_dir / "checkpoint")}
+            job = Job(spec=spec, run_dir=str(run_dir), data_dir=str(prepared / "data32"),
+                      model_source=str(prepared / "model"), hardware_json=str(prepared / "hardware.json"),
+                      env_allowlist=[], checkpoint_dir=str(run_dir / "checkpoint"))
             launch(job, log_path=str(run_dir / "train.log"), timeout=900)
             outcome["metrics"] = json.loads((run_dir / "metrics.json").read_text())
         except BaseException as exc:  # reported by the main thread

@@ -18,6 +18,7 @@ import json
 import sys
 import time
 
+from distlab.job import Job
 from distlab.launchers.environment import rank_environment
 from distlab.launchers.process import launch_failure, launch_line, run_trees
 from distlab.links import INTERFACE, LinkedHosts
@@ -64,9 +65,9 @@ def run_on_link(hosts: LinkedHosts, module: str, args: list[str], env: dict, log
                             "after minus before the launch: every byte a rank sent or received, headers included"}
 
 
-def run(job: dict, job_path: str, log_path: str | None, timeout: float | None) -> None:
-    spec = job["spec"]
+def run(job: Job, job_path: str, log_path: str | None, timeout: float | None) -> None:
+    spec = job.spec
     with LinkedHosts(spec["world_size"], spec["link"]["bandwidth_mbit"]) as hosts:
         record = run_on_link(hosts, "distlab.worker", ["--job", job_path], rank_environment(spec), log_path,
                              timeout, marker=job_path)
-    (run_files_dir(job["run_dir"]) / "link.json").write_text(json.dumps(record, indent=1))
+    (run_files_dir(job.run_dir) / "link.json").write_text(json.dumps(record, indent=1))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from distlab.job import Job
 from distlab.launchers.accelerate import accelerate_command, launch_environment, write_accelerate_config
 from distlab.launchers.environment import single_node_environment
 from distlab.launchers.process import run_ranks
@@ -45,9 +46,9 @@ def start_ranks(spec: dict, module: str, args: list[str], marker: str | Path, lo
     return run_ranks(cmd, env, log_path, timeout, marker=str(marker), what=what, check=check)
 
 
-def run(job: dict, job_path: str, log_path: str | None, timeout: float | None) -> None:
+def run(job: Job, job_path: str, log_path: str | None, timeout: float | None) -> None:
     """The torchrun and accelerate launchers: the experiment's ranks of distlab.worker."""
-    spec = job["spec"]
+    spec = job.spec
     if spec.get("link"):  # one agent per host namespace instead (torchrun only: distlab.config_links)
         from distlab.launchers import linked
 
@@ -58,7 +59,7 @@ def run(job: dict, job_path: str, log_path: str | None, timeout: float | None) -
 
         sweep()
     try:
-        start_ranks(spec, "distlab.worker", ["--job", job_path], job_path, log_path, timeout, run_dir=job["run_dir"])
+        start_ranks(spec, "distlab.worker", ["--job", job_path], job_path, log_path, timeout, run_dir=job.run_dir)
     finally:
         if spec.get("rank_cpu_budget"):
             sweep()

@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from distlab.job import Job, read_job, replace
 from distlab.launchers.environment import BASE_ENV, rank_environment
 from distlab.launchers.process import run_ranks
 from distlab.launchers.ray_nodes import token_auth_environment
@@ -142,19 +143,19 @@ def cluster_nodes() -> list[dict]:
             for n in ray.nodes()]
 
 
-def fit(job: dict) -> dict:
+def fit(job: Job) -> dict:
     """Run the experiment on the current Ray cluster; returns what the driver writes."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    spec = job["spec"]
+    spec = job.spec
     # Ray workers run in their own working directory: hand them absolute paths (a hub id
     # for the model stays as it is).
-    job = dict(job, **{key: os.path.abspath(job[key]) for key in
-                       ("run_dir", "data_dir", "hardware_json", "checkpoint_dir", "model_source")
-                       if job.get(key) and (key != "model_source" or os.path.exists(job[key]))})
+    job = replace(job, **{key: os.path.abspath(getattr(job, key)) for key in
+                          ("run_dir", "data_dir", "hardware_json", "checkpoint_dir", "model_source")
+                          if getattr(job, key) and (key != "model_source" or os.path.exists(getattr(job, key)))})
     # On the driver's own node: placed anywhere, it can land on a worker node that leaves the
     # elastic run (two_hosts stops cloud-box), and the events die with it.
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
@@ -163,7 +164,7 @@ def fit(job: dict) -> dict:
     scaling_config = ScalingConfig(num_workers=counts, use_gpu=spec["device"] == "cuda",
                                    resources_per_worker=resources,
                                    elastic_resize_monitor_interval_s=spec["ray"]["resize_interval_s"])
-    storage = spec["ray"]["storage_path"] or os.path.abspath(os.path.join(job["run_dir"], "ray"))
+    storage = spec["ray"]["storage_path"] or os.path.abspath(os.path.join(job.run_dir, "ray"))
     run_config = RunConfig(name=spec["id"], storage_path=storage,
                            failure_config=FailureConfig(max_failures=spec["ray"]["max_failures"]),
                            checkpoint_config=CheckpointConfig(num_to_keep=2),
@@ -187,14 +188,14 @@ def fit(job: dict) -> dict:
             "max_failures": spec["ray"]["max_failures"], "storage_path": storage, "nodes": cluster_nodes()}
 
 
-def write_results(job: dict, outcome: dict, cluster: dict) -> None:
+def write_results(job: Job, outcome: dict, cluster: dict) -> None:
     from distlab.run_outputs import write_outputs
 
-    spec = job["spec"]
+    spec = job.spec
     returned = outcome["result"].return_value
     metrics, steps = returned["metrics"], returned["steps"]
     group_spec = metrics["spec"]
-    record = ray_record(outcome, cluster, job.get("host_names"))
+    record = ray_record(outcome, cluster, job.host_names)
     record["final_group"] = {"world_size": group_spec["world_size"], "untimed_steps": group_spec["untimed_steps"],
                              "start_step": record["attempts"][-1]["start_step"] if record["attempts"] else 0}
     # steps.jsonl keeps the rows of the world size the timing is about; the loss curve spans all.
@@ -204,32 +205,32 @@ def write_results(job: dict, outcome: dict, cluster: dict) -> None:
     if record["world_size_changes"]:
         metrics["timing"]["how"] += ("; after an elastic resize only the last worker group's steps are timed "
                                      "(steps.jsonl); earlier groups' rows are in ray.earlier_groups_steps")
-    write_outputs(job["run_dir"], (metrics, steps))
+    write_outputs(job.run_dir, (metrics, steps))
     if spec["ray"]["storage_path"] is None:
         # Ray's copies of the periodic checkpoints: needed only while the run could still resume.
         shutil.rmtree(outcome["storage_path"], ignore_errors=True)
 
 
-def drive(job: dict) -> None:
-    with ray_cluster(job["spec"]) as cluster:
+def drive(job: Job) -> None:
+    with ray_cluster(job.spec) as cluster:
         outcome = fit(job)
     if outcome["error"] is not None or outcome["result"].return_value is None:
         for event in outcome["events"]:  # oom-rank<N>.json: distlab.launch then records status 'oom'
             if event["event"] == "oom":
-                Path(job["run_dir"], f"oom-rank{event['rank']}.json").write_text(json.dumps(
+                Path(job.run_dir, f"oom-rank{event['rank']}.json").write_text(json.dumps(
                     {"rank": event["rank"], "error": event["error"], "memory": {}}))
         raise RuntimeError(f"Ray Train run failed: {outcome['error'] or 'rank 0 returned nothing'}")
     write_results(job, outcome, cluster)
 
 
-def run(job: dict, job_path: str, log_path: str | None, timeout: float | None) -> None:
+def run(job: Job, job_path: str, log_path: str | None, timeout: float | None) -> None:
     """LAUNCHERS entry: the Ray driver runs in its own process, its output in the job's log."""
-    env = rank_environment(job["spec"])
+    env = rank_environment(job.spec)
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing leaves the machine
     # The two-host run (distlab/two_hosts.py) starts the driver inside the head's namespace:
-    # job["driver_inside"] is that command prefix (nsenter ...); the head is reachable only there.
-    command = job.get("driver_inside", []) + [sys.executable, "-m", "distlab.launchers.ray_driver", "--job", job_path]
-    if resolve_address(job["spec"]):
+    # job.driver_inside is that command prefix (nsenter ...); the head is reachable only there.
+    command = list(job.driver_inside) + [sys.executable, "-m", "distlab.launchers.ray_driver", "--job", job_path]
+    if resolve_address(job.spec):
         run_ranks(command, env, log_path, timeout, marker=job_path)
         return
     # A short private temp dir: concurrent jobs never share a Ray session, and unix socket
@@ -246,7 +247,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Ray Train driver of one distlab experiment")
     parser.add_argument("--job", required=True, help="job.json written by distlab.launch")
     args = parser.parse_args(argv)
-    drive(json.loads(Path(args.job).read_text()))
+    drive(read_job(args.job))
 
 
 if __name__ == "__main__":

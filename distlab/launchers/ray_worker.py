@@ -60,8 +60,10 @@ def _ray_checkpoints_class():
             else:
                 for _ in range(steps * self.spec["grad_accum"]):
                     self.stream.next()
-                # This group times only its own steps: keep at least one after its warm-up.
-                self.spec["untimed_steps"] = min(self.spec["untimed_steps"], max(0, self.spec["steps"] - steps - 1))
+                # This group times only its own steps: keep at least one after its warm-up. The
+                # loop and the run summary read the context's spec after this resume.
+                untimed = min(self.spec["untimed_steps"], max(0, self.spec["steps"] - steps - 1))
+                self.ctx.spec = self.spec = self.spec.replace(untimed_steps=untimed)
             self.report["resumed_from_steps"] = steps
             self._log_start(steps, {"from_world_size": meta["world_size"], "earlier_losses": earlier})
             return steps
@@ -122,15 +124,15 @@ def train_worker(config: dict):
     import torch
 
     from distlab import worker
+    from distlab.job import replace
     from distlab.sharing import private_files
 
     private_files()  # a worker on a node `ray start` began writes as the ranks do (distlab.sharing)
-    job = dict(config["job"])
-    spec = dict(job["spec"])
     # An elastic group may hold fewer than max_workers: the rank code checks the world size
     # it really got against this group's size (Ray checked it is within [min, max]).
-    spec["world_size"] = ray.train.get_context().get_world_size()
-    job["spec"] = spec
+    job = config["job"]
+    spec = job.spec.replace(world_size=ray.train.get_context().get_world_size())
+    job = replace(job, spec=spec)
     if spec["device"] == "cuda":
         import ray.train.torch
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from distlab.accumulation import accumulation_scaled
+from distlab.job import Job
 from distlab.precision import autocast, frozen_base_dtype
 
 
@@ -29,7 +30,7 @@ class RunContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    job: dict = field(default_factory=dict)  # the whole job.json this rank runs
+    job: Job | None = None  # the whole job this rank runs (None: a bare context, e.g. a test's)
 
     @property
     def is_main(self) -> bool:

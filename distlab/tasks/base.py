@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 
+from distlab.job import Job
+
 
 def lazy(target: str):
     """A Task method that hands its arguments to `module:function`, imported on first call (task
@@ -106,24 +108,24 @@ class Task:
         """FLOPs per unit of the module as trained: `flops_per_<unit>` is what MFU uses."""
         raise NotImplementedError
 
-    def train_data(self, job: dict, spec: dict, device, split: str = "train") -> TrainData:
+    def train_data(self, job: Job, spec: dict, device, split: str = "train") -> TrainData:
         raise NotImplementedError
 
     def loss(self, model, batch: dict):
         """The micro-batch's loss, from the (possibly wrapped) trained module; autograd on."""
         raise NotImplementedError
 
-    def data_facts(self, job: dict, records_by_rank: list, ranks_per_replica: int) -> dict:
+    def data_facts(self, job: Job, records_by_rank: list, ranks_per_replica: int) -> dict:
         """metrics.json's data_prep block: what the prepared data is and what this run read."""
         return {}
 
     # -- held-out evaluation, export, checks (collective: every rank calls them) ---------------
-    def evaluate_trained(self, strategy, job: dict) -> dict | None:
+    def evaluate_trained(self, strategy, job: Job) -> dict | None:
         """The trained model's held-out figure, on the same data as the task's rule that
-        evaluates the base model (job["base_eval_json"]): the record on rank 0, None elsewhere."""
+        evaluates the base model (job.base_eval_json): the record on rank 0, None elsewhere."""
         raise NotImplementedError
 
-    def export_pass(self, strategy, job: dict, spec: dict, folder) -> tuple:
+    def export_pass(self, strategy, job: Job, spec: dict, folder) -> tuple:
         """The final save's export into `folder`/export and the trained state's output on the
         task's fixed batch into `folder`/eval_logits.safetensors (`logits`), compared later by
         reload, reshard, resume and export checks. (info on rank 0, rank 0's error or None)."""

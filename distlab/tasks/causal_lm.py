@@ -102,7 +102,7 @@ class CausalLM(Task):
         return model_flops_per_token(model, spec["seq_len"], count=count)
 
     def train_data(self, job, spec, device, split="train"):
-        return TokenBlocks(job["data_dir"], split, spec["seq_len"])
+        return TokenBlocks(job.data_dir, split, spec["seq_len"])
 
     def loss(self, model, batch):
         return model(**batch).loss
@@ -110,7 +110,7 @@ class CausalLM(Task):
     def data_facts(self, job, records_by_rank, ranks_per_replica):
         from distlab.data import run_data_facts
 
-        return run_data_facts(job["data_dir"], records_by_rank, ranks_per_replica)
+        return run_data_facts(job.data_dir, records_by_rank, ranks_per_replica)
 
 
 TASK = CausalLM()

@@ -113,12 +113,12 @@ class TextToImage(Task):
     def train_data(self, job, spec, device, split="train"):
         from distlab.tasks.text_to_image.data import ImageCaptions
 
-        return ImageCaptions(job["data_dir"], job["model_source"], spec, device, split)
+        return ImageCaptions(job.data_dir, job.model_source, spec, device, split)
 
     def data_facts(self, job, records_by_rank, ranks_per_replica):
         from distlab.tasks.text_to_image.data import data_facts
 
-        return data_facts(job["data_dir"], records_by_rank)
+        return data_facts(job.data_dir, records_by_rank)
 
     load_model = lazy(f"{MODEL}:load_unet")
     load_partitioned = lazy(f"{MODEL}:load_unet_partitioned")

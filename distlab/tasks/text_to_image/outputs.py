@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from distlab.job import Job
 from distlab.tasks.text_to_image.data import FIXED_BATCH, FrozenEncoders, heldout_inputs, unet_outputs
 from distlab.tasks.text_to_image.model import add_lora, load_unet
 
@@ -53,21 +54,21 @@ def evaluate_base(source: str, data_dir, out_path, settings: dict) -> dict:
     return result
 
 
-def evaluate_run_unet(unet, job: dict) -> dict:
+def evaluate_run_unet(unet, job: Job) -> dict:
     """Rank 0 after training: held-out loss of the consolidated UNet, and the sample grid."""
     from distlab.run_layout import run_files_dir
     from distlab.tasks.text_to_image.samples import sample_grid
 
-    settings = job["spec"]["text_to_image"]
-    out = heldout_loss(unet, job["model_source"], job["data_dir"], settings)
-    out["samples"] = sample_grid(unet, job["model_source"], settings, run_files_dir(job["run_dir"]))
+    settings = job.spec["text_to_image"]
+    out = heldout_loss(unet, job.model_source, job.data_dir, settings)
+    out["samples"] = sample_grid(unet, job.model_source, settings, run_files_dir(job.run_dir))
     return out
 
 
-def fixed_outputs(unet, job: dict) -> torch.Tensor:
+def fixed_outputs(unet, job: Job) -> torch.Tensor:
     """The UNet's prediction on the first FIXED_BATCH held-out images (fixed noise, timesteps)."""
-    frozen = FrozenEncoders(job["model_source"])
-    return unet_outputs(unet, heldout_inputs(job["data_dir"], frozen, job["spec"]["text_to_image"], FIXED_BATCH))
+    frozen = FrozenEncoders(job.model_source)
+    return unet_outputs(unet, heldout_inputs(job.data_dir, frozen, job.spec["text_to_image"], FIXED_BATCH))
 
 
 def write_export(unet, source: str, spec: dict, folder) -> dict:
@@ -99,17 +100,17 @@ def check_export(validator) -> dict:
     from distlab.validate import FAILED, PASSED, RELOAD_TOLERANCE
 
     job = validator.job
-    folder = Path(job["final"]) / "export"
+    folder = Path(job.final) / "export"
     if not folder.is_dir():
-        meta = ckpt.read_meta(job["final"])
+        meta = ckpt.read_meta(job.final)
         raise NotImplementedError((meta["save"].get("export") or {}).get("reason", "no export was written"))
-    pipe = StableDiffusionPipeline.from_pretrained(job["model_source"], safety_checker=None,
+    pipe = StableDiffusionPipeline.from_pretrained(job.model_source, safety_checker=None,
                                                    requires_safety_checker=False, torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     pipe.load_lora_weights(str(folder))
-    settings = job["spec"]["text_to_image"]
-    frozen = FrozenEncoders(job["model_source"])
-    outputs = unet_outputs(pipe.unet, heldout_inputs(job["data_dir"], frozen, settings, FIXED_BATCH))
+    settings = job.spec["text_to_image"]
+    frozen = FrozenEncoders(job.model_source)
+    outputs = unet_outputs(pipe.unet, heldout_inputs(job.data_dir, frozen, settings, FIXED_BATCH))
     diff = (outputs - validator.saved_logits()).abs().max().item()
     image = pipe(settings["samples"]["prompts"][0], num_inference_steps=2, height=settings["resolution"],
                  width=settings["resolution"], generator=torch.Generator().manual_seed(0)).images[0]
@@ -157,11 +158,11 @@ def lora_base_frozen(unet, source: str, meta: dict, base: dict | None, reload_di
 # The Stable Diffusion UNets this task trains fit one process (SD 1.5's is 0.86B parameters, 3.4
 # GB in fp32), so rank 0 evaluates, records and exports a whole consolidated copy; the causal LM
 # streams its state one layer at a time instead (distlab.export).
-def evaluate_trained(strategy, job: dict) -> dict | None:
+def evaluate_trained(strategy, job: Job) -> dict | None:
     """Collective: the held-out loss (and sample grid) of the consolidated UNet, on rank 0."""
     import torch.distributed as dist
 
-    if job["spec"].get("memory_budget_gib") is not None:
+    if job.spec.get("memory_budget_gib") is not None:
         # Rank 0's whole-UNet copy would count against the per-rank budget this run measures.
         return {"status": "not evaluated", "reason": "memory_budget_gib is set: the whole-UNet evaluation on rank "
                 "0 would count against the per-rank budget this run measures"} if dist.get_rank() == 0 else None
@@ -172,14 +173,14 @@ def evaluate_trained(strategy, job: dict) -> dict | None:
     if dist.get_rank() != 0:
         return None
     try:
-        unet = consolidated_unet(full, job["model_source"], job["spec"])
+        unet = consolidated_unet(full, job.model_source, job.spec)
         del full
         return evaluate_run_unet(unet, job)
     except Exception as exc:  # rank 0 only, after the collective: recorded, the run's training stands
         return {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:500]}
 
 
-def export_pass(strategy, job: dict, spec: dict, folder) -> tuple[dict | None, str | None]:
+def export_pass(strategy, job: Job, spec: dict, folder) -> tuple[dict | None, str | None]:
     """Collective: rank 0 consolidates the UNet, records its output on the fixed batch
     (eval_logits.safetensors: `logits`) and writes the diffusers LoRA export. Returns (info on
     rank 0, rank 0's error or None), agreed on by every rank in checkpoint.save_checkpoint."""
@@ -198,10 +199,10 @@ def export_pass(strategy, job: dict, spec: dict, folder) -> tuple[dict | None, s
     if dist.get_rank() != 0:
         return None, None
     try:
-        unet = consolidated_unet(full, job["model_source"], spec)
+        unet = consolidated_unet(full, job.model_source, spec)
         del full
         save_file({"logits": fixed_outputs(unet, job).contiguous()}, str(Path(folder) / "eval_logits.safetensors"))
-        info = write_export(unet, job["model_source"], spec, Path(folder) / "export")
+        info = write_export(unet, job.model_source, spec, Path(folder) / "export")
         return {**info, "seconds": time.perf_counter() - started}, None
     except Exception as exc:  # noqa: BLE001
         if is_out_of_memory(exc):
@@ -215,5 +216,5 @@ def trained_outputs(validator, strategy):
     full = strategy.whole_state()
     if validator.rank != 0:
         return None, None
-    unet = consolidated_unet(full, validator.job["model_source"], validator.spec)
+    unet = consolidated_unet(full, validator.job.model_source, validator.spec)
     return unet, fixed_outputs(unet, validator.job)
