@@ -32,6 +32,7 @@ def test_while_rank_0_checks_the_export_the_other_ranks_import_the_model_code():
     then import transformers' modeling code one after another: they import it meanwhile."""
     from types import SimpleNamespace
 
+    from distlab.job import ValidationJob
     from distlab.validate_ranks import check_export_meanwhile_import
 
     def run(rank: int, plan: list) -> list:
@@ -40,7 +41,7 @@ def test_while_rank_0_checks_the_export_the_other_ranks_import_the_model_code():
                                import_code=lambda source, lora: calls.append(("import", source, lora)))
         validator = SimpleNamespace(rank=rank, task=task, spec={"method": "lora"},
                                     guarded=lambda name, check: (calls.append(name), check()))
-        check_export_meanwhile_import(validator, {"plan": plan, "model_source": "base"})
+        check_export_meanwhile_import(validator, ValidationJob(spec={}, run_dir="run", plan=plan, model_source="base"))
         return calls
 
     assert run(0, [["same", 2], ["reshard", 1]]) == ["export", ("export", 0)]
