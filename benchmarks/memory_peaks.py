@@ -70,9 +70,9 @@ def prepare(root: Path, layers: int) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from distlab.testing import tiny_config
     from distlab import data, hardware, model
     from distlab.config import validate_schema
+    from distlab.testing import tiny_config
 
     cfg = validate_schema(tiny_config({}))
     texts = data.corpus_texts(cfg["data"])
