@@ -1,5 +1,5 @@
 """The advisor's estimate vs the model state each rank measured, per strategy, on the tests'
-tiny model: runs each default-config strategy shape for 3 steps (tests/conftest.run_experiment)
+tiny model: runs each default-config strategy shape for 3 steps (distlab.testing.run_experiment)
 and prints advisor.check_against_runs' row and rank 0's measured parts (MiB).
 
     nice -n 10 python benchmarks/advisor_check.py [case ...]      # README "Choosing a strategy"
@@ -13,12 +13,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 WORK = Path(os.environ.get("ADVISOR_CHECK_DIR", "/tmp/distlab-advisor-check"))
-from conftest import build_prepared, resolve, run_experiment
 from distlab import advisor, advisor_check
 from distlab.run_outputs import read_run_record
+from distlab.testing import build_prepared, resolve, run_experiment
 
 root = WORK / "prep"
 if not (root / "model").exists():

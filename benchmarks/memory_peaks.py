@@ -35,7 +35,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 MIB = 2**20
 LORA = {"method": "lora", "steps": 2, "untimed_steps": 1, "checkpoint_every": 1}
@@ -71,9 +70,9 @@ def prepare(root: Path, layers: int) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from conftest import tiny_config
     from distlab import data, hardware, model
     from distlab.config import validate_schema
+    from distlab.testing import tiny_config
 
     cfg = validate_schema(tiny_config({}))
     texts = data.corpus_texts(cfg["data"])
@@ -148,7 +147,7 @@ def main() -> None:
     parser.add_argument("--runs", default=None, help="comma-separated run labels (default: all), e.g. 'ddp w1,fsdp w2'")
     parser.add_argument("--out", default=str(REPO / "results" / "benchmarks" / "memory_peaks.json"))
     args = parser.parse_args()
-    from conftest import resolve, run_experiment
+    from distlab.testing import resolve, run_experiment
 
     runs = {**{k: ({**o, **LORA}, st) for k, (o, st) in RUNS.items()},
             **({k: ({**o, **FULL}, st) for k, (o, st) in FULL_RUNS.items()} if args.full else {})}

@@ -18,12 +18,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 
 def prepare(root: Path) -> int:
-    """The tests' tiny workspace (conftest.build_prepared); returns one decoder layer's parameters."""
-    from conftest import build_prepared
+    """The tests' tiny workspace (distlab.testing.build_prepared); returns one decoder layer's parameters."""
+    from distlab.testing import build_prepared
     from distlab import model
 
     build_prepared(root)
@@ -36,7 +35,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=str(REPO / "results" / "benchmarks" / "zero_buckets.json"))
     args = parser.parse_args()
-    from conftest import resolve, run_experiment
+    from distlab.testing import resolve, run_experiment
 
     os.environ.setdefault("PYTHONPATH", str(REPO))
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,8 +1,8 @@
 """Shared fixtures: a tiny prepared workspace (tokenizer, data, model, hardware.json) built
-once per test session, and a helper that runs one experiment through the real launcher."""
+once per test session with distlab.testing (the harness tests and benchmarks share, whose
+names are re-exported here), and helpers that run the workflow."""
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -10,25 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from distlab.job import Job
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-# Small enough that a 2-rank run costs a few seconds of process start, not of training.
-TINY_MODEL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "intermediate_size": 128, "max_position_embeddings": 128, "tie_word_embeddings": False, "seed": 0}
-TINY_DATA = {"source": "python-docs", "vocab_size": 512, "eval_fraction": 0.05, "seed": 0}
-TINY_DEFAULTS = {"steps": 6, "untimed_steps": 2, "seq_len": 32, "micro_batch": 4, "device": "cpu"}
-
-
-def tiny_config(stages: dict, **top) -> dict:
-    """A config dict for the tiny model: `stages` as in config.yaml."""
-    cfg = {"data": dict(TINY_DATA), "model": {"build": dict(TINY_MODEL)}, "defaults": dict(TINY_DEFAULTS),
-           "stages": copy.deepcopy(stages)}
-    cfg.update(top)
-    return cfg
-
+# The harness lives in the package (benchmarks share it); re-exported for the test modules.
+from distlab.testing import TINY_MODEL, build_prepared, resolve, run_experiment, tiny_config  # noqa: E402,F401
 
 # The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, .ci/run): a serial
 # run keeps about 1.3 of 2 cores busy (process start, Ray waiting on nodes). Each module is one
@@ -67,23 +54,6 @@ def prepared(tmp_path_factory):
     return build_prepared(tmp_path_factory.mktemp("prepared"))
 
 
-def build_prepared(root: Path) -> Path:
-    """The tiny workspace in `root` (also used by benchmarks/advisor_check.py)."""
-    root.mkdir(parents=True, exist_ok=True)
-    from distlab import data, hardware, model
-    from distlab.config import validate_schema
-
-    cfg = validate_schema(tiny_config({}))
-    texts = data.corpus_texts(cfg["data"])
-    tok = data.train_tokenizer(texts, cfg["data"]["vocab_size"], root / "tokenizer")
-    data.build_dataset(texts, tok, 32, 0.05, 0, root / "data32")
-    model.build_base_model(cfg["model"]["build"], tok, root / "model")
-    info = hardware.describe("testbox", probe=False)
-    info["cpu_peak"] = {"per_thread": hardware.measure_cpu_matmul_peak(1, size=256, seconds=0.2)}
-    (root / "hardware.json").write_text(json.dumps(info))
-    return root
-
-
 def seed_hardware(prepared: Path, workdir: Path, machine: str) -> None:
     """The session's hardware.json as the workflow's in `workdir`: its rule (a probe and a ~5 s
     matmul peak on every core) does not run again."""
@@ -91,31 +61,6 @@ def seed_hardware(prepared: Path, workdir: Path, machine: str) -> None:
 
     (workdir / "results" / machine).mkdir(parents=True, exist_ok=True)
     shutil.copy(prepared / "hardware.json", workdir / "results" / machine / "hardware.json")
-
-
-def resolve(overrides: dict, stage: str = "ddp", **defaults) -> dict:
-    """The resolved spec of one experiment of the tiny config."""
-    from distlab.config import load
-
-    cfg = tiny_config({stage: {"experiments": [overrides]}})
-    cfg["defaults"].update(defaults)
-    _, specs = load(cfg, gpu_count=0)
-    (spec,) = specs.values()
-    return spec
-
-
-def run_experiment(prepared: Path, run_dir: Path, spec: dict, checkpoint: bool = True) -> dict:
-    """Run one experiment through distlab.launch (real ranks); returns its metrics (as the one
-    reader, run_outputs.read_run_record, reads them)."""
-    from distlab.launch import launch
-    from distlab.run_outputs import read_run_record
-
-    job = Job(spec=spec, run_dir=str(run_dir), data_dir=str(prepared / f"data{spec['seq_len']}"),
-              model_source=str(prepared / "model"), hardware_json=str(prepared / "hardware.json"),
-              env_allowlist=["OMP_NUM_THREADS"],
-              checkpoint_dir=str(run_dir / "checkpoint") if checkpoint else None)
-    launch(job, log_path=str(run_dir / "train.log"), timeout=300)
-    return read_run_record(run_dir / "metrics.json").to_dict()
 
 
 def snakemake(workdir: Path, *args: str, config: dict | None = None, check: bool = True, timeout: int = 900,

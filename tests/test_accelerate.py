@@ -2,7 +2,6 @@
 generated per experiment and saved beside the results (the file the launch read), single vs
 multi process by that file alone, accumulation through Accelerate, honest fidelity records."""
 import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import pytest
 import yaml
 
 from conftest import REPO, resolve, run_experiment
+from distlab.run_outputs import read_run_record
 from test_lora import assert_only_adapters_changed
 
 ACC = {"strategy": "accelerate", "method": "lora", "micro_batch": 2}
@@ -202,7 +202,7 @@ def test_the_saved_command_reruns_the_experiment_by_hand_and_reads_the_file(runs
     first = runs["w1"]["loss"]["per_step"]
     proc = by_hand(run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    again = json.loads((run_dir / "metrics.json").read_text())
+    again = read_run_record(run_dir / "metrics.json").to_dict()
     assert again["loss"]["per_step"] == first
     # Edit the file: the next launch must see the edit (and refuse it, the spec says fp32).
     path = run_dir / "run_files" / "accelerate_config.yaml"

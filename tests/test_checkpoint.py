@@ -15,6 +15,7 @@ from distlab.checkpoint_files import MANIFEST, sha256_file, verify_manifest
 from distlab.checkpoint_formats.plain import load_plain
 from distlab.job import Job
 from distlab.loop import IndexStream
+from distlab.run_outputs import read_run_record
 from distlab.validate import validate_run
 from test_hygiene import python_process, reaper, sigkill_leaves_nothing, wait_for_ranks  # noqa: F401 (a fixture)
 
@@ -98,14 +99,14 @@ def test_checkpoint_folder_has_native_state_trainer_state_export_and_manifest(tr
     # The mid-run checkpoint validation resumes from moved in; the crash-recovery ones are gone.
     assert (run / "checkpoint" / "step-000004" / MANIFEST).is_file()
     assert not (run / "resume").exists()
-    metrics = json.loads((run / "metrics.json").read_text())
+    metrics = read_run_record(run / "metrics.json").to_dict()
     assert [s["steps_done"] for s in metrics["checkpoint"]["periodic_saves"]] == [2, 4]
 
 
 @pytest.mark.slow
 def test_best_eval_point_keeps_its_checkpoint_with_export_as_the_selected_model(trained):
     run, _ = trained
-    metrics = json.loads((run / "metrics.json").read_text())
+    metrics = read_run_record(run / "metrics.json").to_dict()
     points, selected = metrics["eval"]["during_training"], metrics["eval"]["selected"]
     assert [p["steps_done"] for p in points] == [2, 4, 6]
     best = min(points, key=lambda p: p["loss"])

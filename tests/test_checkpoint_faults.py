@@ -9,6 +9,7 @@ import pytest
 from conftest import snakemake, tiny_config
 from distlab.checkpoint import FAULT_ENV
 from distlab.job import Job
+from distlab.run_outputs import read_run_record
 from report_fixtures import MACHINE, seed_prepared
 
 KILLED = "ddp-full-w2-mb4-ga1"
@@ -41,8 +42,8 @@ def test_killed_rank_fails_the_job_and_the_rerun_resumes_to_the_same_losses(prep
     assert (results / KILLED / "resume" / "step-000002" / "MANIFEST.json").is_file()
 
     snakemake(work, "--cores", "2", "--rerun-incomplete", *targets, config=cfg, timeout=400)
-    resumed = json.loads((results / KILLED / "metrics.json").read_text())
-    reference = json.loads((results / REFERENCE / "metrics.json").read_text())
+    resumed = read_run_record(results / KILLED / "metrics.json").to_dict()
+    reference = read_run_record(results / REFERENCE / "metrics.json").to_dict()
     assert resumed["checkpoint"]["resumed_from_steps"] == 2
     assert reference["checkpoint"]["resumed_from_steps"] is None
     assert len(resumed["loss"]["per_step"]) == len(reference["loss"]["per_step"]) == 6
@@ -109,7 +110,7 @@ def test_a_run_that_dies_out_of_memory_in_its_final_save_had_written_its_figures
               model_source=str(prepared / "model"), hardware_json=str(prepared / "hardware.json"),
               env_allowlist=[], checkpoint_dir=str(run / "checkpoint"))
     assert launch(job, log_path=str(run / "train.log"), timeout=300) == "oom"
-    metrics = json.loads((run / "metrics.json").read_text())
+    metrics = read_run_record(run / "metrics.json").to_dict()
     assert metrics["status"] == "oom" and metrics["oom_phase"] == "final save"
     assert metrics["throughput"]["tokens_per_s"] > 0 and metrics["eval"]["trained"]["loss"] > 0
     assert metrics["checkpoint"]["status"] == "failed" and "injected out-of-memory" in metrics["checkpoint"]["error"]

@@ -7,6 +7,7 @@ import pytest
 from distlab import data
 from distlab.data_formats import IGNORE, encode_chat, encode_instruction
 from distlab.job import Job
+from distlab.run_outputs import read_run_record
 
 
 def _trained_text(tok, ids, labels):
@@ -78,7 +79,7 @@ def test_training_loss_counts_only_response_tokens(prepared, instruction_data, t
               model_source=str(prepared / "model"), hardware_json=str(prepared / "hardware.json"),
               env_allowlist=[], checkpoint_dir=None)
     launch(job, log_path=str(tmp_path / "train.log"), timeout=300)
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    metrics = read_run_record(tmp_path / "metrics.json").to_dict()
     first = json.loads((tmp_path / "steps.jsonl").read_text().splitlines()[0])["samples_by_rank"][0]
     ids = data.load_blocks(instruction_data, "train")[first]
     labels = data.load_labels(instruction_data, "train")[first]

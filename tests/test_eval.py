@@ -4,6 +4,8 @@ import json
 import pytest
 from distlab.job import Job
 
+from distlab.run_outputs import read_run_record
+
 
 def test_base_eval_is_the_models_mean_loss_on_the_first_eval_blocks(prepared, tmp_path):
     import torch
@@ -42,7 +44,7 @@ def test_sharded_run_is_evaluated_whole_beside_the_base_model(prepared, tmp_path
               env_allowlist=[], checkpoint_dir=str(run_dir / "checkpoint"),
               base_eval_json=str(tmp_path / "base.json"))
     launch(job, log_path=str(run_dir / "train.log"), timeout=300)
-    metrics = json.loads((run_dir / "metrics.json").read_text())
+    metrics = read_run_record(run_dir / "metrics.json").to_dict()
     assert metrics["eval"]["base"]["loss"] == base["loss"]
     trained = metrics["eval"]["trained"]
     exported = AutoModelForCausalLM.from_pretrained(str(run_dir / "checkpoint/final/export"))

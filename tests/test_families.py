@@ -14,6 +14,7 @@ import pytest
 
 from conftest import tiny_config
 from distlab.job import Job
+from distlab.run_outputs import read_run_record
 
 SEQ_LEN = 32
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -169,7 +170,7 @@ def test_family_runs_with_the_plain_models_step0_loss_on_the_same_samples(
               hardware_json=str(prepared / "hardware.json"), env_allowlist=["OMP_NUM_THREADS"],
               checkpoint_dir=None)
     launch(job, log_path=str(run_dir / "train.log"), timeout=300)
-    metrics = json.loads((run_dir / "metrics.json").read_text())
+    metrics = read_run_record(run_dir / "metrics.json").to_dict()
     blocks = load_blocks(prepared / "data32", "train")
     samples = step0_samples(run_dir, spec, metrics["as_built"]["data_parallel_size"], len(blocks))
     expected = plain_losses(folder, blocks, samples)

@@ -19,6 +19,7 @@ import re
 import pytest
 
 from conftest import REPO, assert_advisor_estimate_holds, resolve, run_experiment
+from distlab.run_outputs import read_run_record
 
 # fp32, same seed, data and global batch: sharding changes only the order of float
 # reductions, so per-step losses agree to float32 noise (measured ~1e-6 here; 1e-4 leaves
@@ -43,7 +44,7 @@ def ddp_baseline(prepared: Path) -> dict:
     metrics = run_dir / "metrics.json"
     if not metrics.is_file():
         run_experiment(prepared, run_dir, resolve({"strategy": "ddp", **DDP_SHAPE}, **DEFAULTS), checkpoint=False)
-    return json.loads(metrics.read_text())
+    return read_run_record(metrics).to_dict()
 
 
 def assert_same_trajectory(run: dict, baseline: dict) -> None:

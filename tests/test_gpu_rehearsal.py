@@ -36,6 +36,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from distlab.run_outputs import read_run_record
 
 CACHE = Path(os.environ.get("DISTLAB_REHEARSAL_CACHE", Path.home() / ".cache" / "distlab" / "box-rehearsal"))
 BOX_PYTHON = "3.12"
@@ -174,7 +175,7 @@ def test_transformers_5_17_builds_zero3_bf16_with_a_bf16_inv_freq_and_distlab_pu
     """5.17 lacks prevent_arange_dtype_change: the kit's bf16 ZeRO-3 run is built with a rounded
     bf16 inv_freq, and distlab.buffers restores the plain model's before the wrap."""
     (metrics_path,) = kit["work"].glob("results/*/deepspeed-z3-*/metrics.json")
-    buffers = json.loads(metrics_path.read_text())["as_built"]["buffers"]
+    buffers = read_run_record(metrics_path).to_dict()["as_built"]["buffers"]
     assert "model.rotary_emb.inv_freq" in buffers["restored_before_wrap"], buffers
     assert buffers["dtypes"]["model.rotary_emb.inv_freq"] == "float32"
 

@@ -1,9 +1,9 @@
 """The per-rank memory budget is real on CPU: a run past it ends as `oom`, one under it
 finishes, and every run records its load-phase and training-phase peaks."""
-import json
 
 from conftest import resolve, run_experiment
 from distlab.job import Job
+from distlab.run_outputs import read_run_record
 
 MIB = 2**20
 
@@ -17,7 +17,7 @@ def test_a_cpu_run_past_its_budget_ends_as_oom_and_one_within_it_finishes(prepar
               model_source=str(prepared / "model"), hardware_json=str(prepared / "hardware.json"),
               env_allowlist=[], checkpoint_dir=None)
     assert launch(job, log_path=str(tmp_path / "small.log"), timeout=300) == "oom"
-    metrics = json.loads((tmp_path / "small" / "metrics.json").read_text())
+    metrics = read_run_record(tmp_path / "small" / "metrics.json").to_dict()
     assert metrics["status"] == "oom"
     (record,) = metrics["oom"]
     assert "passed the memory budget 0.250 GiB" in record["error"]

@@ -1,4 +1,6 @@
-"""The formulas behind the printed figures."""
+"""The formulas behind the printed figures; metrics.json's one writer and one reader."""
+import ast
+
 import pytest
 import torch
 
@@ -147,3 +149,105 @@ def test_metrics_json_reads_back_through_its_one_reader_as_written_and_read_only
         path.write_text(json.dumps({**written, **change}))
         with pytest.raises(ResultsError, match=re.escape(f"{path}: {words}")):
             read_run_record(path)
+
+
+# Hand reads of metrics.json that stay, each for a reason of its own: the file's bytes as the
+# writer left them (a record without the fields the reader requires), a copied results folder
+# retagged in place as another machine would have written it, and records damaged on purpose
+# to show the report refuses them.
+HAND_READS_KEPT = {("tests/test_metrics.py", "test_a_metrics_write_that_fails_halfway_leaves_the_previous_record_whole"),
+                   ("tests/test_merge.py", "fake_second_machine"),
+                   ("tests/test_merge.py", "test_untrustworthy_results_from_other_machines_are_named_and_left_out")}
+SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+
+
+def metrics_json_hand_reads(source: str) -> list[tuple[int, str]]:
+    """(line, enclosing function) of each json.load / json.loads of metrics.json in `source`:
+    the name spelled inside the call, or a name bound to an expression that spells it (an
+    assignment, a for loop or comprehension over a glob, a `with open(...)`), in the function or
+    a scope around it, through any chain of such names."""
+    def spells_it(node, bound: set[str]) -> bool:
+        return any((isinstance(n, ast.Constant) and isinstance(n.value, str) and "metrics.json" in n.value)
+                   or (isinstance(n, ast.Name) and n.id in bound) for n in ast.walk(node))
+
+    def own_nodes(scope):  # the scope's nodes, not those of the functions inside it
+        stack = list(ast.iter_child_nodes(scope))
+        while stack:
+            node = stack.pop()
+            yield node
+            if not isinstance(node, SCOPES):
+                stack.extend(ast.iter_child_nodes(node))
+
+    def bindings(node):  # (value, target) pairs a node binds
+        if isinstance(node, ast.Assign):
+            return [(node.value, t) for t in node.targets]
+        if isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+            return [(node.value, node.target)]
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+            return [(node.iter, node.target)]
+        if isinstance(node, ast.withitem) and node.optional_vars is not None:
+            return [(node.context_expr, node.optional_vars)]
+        return []
+
+    found = []
+
+    def visit(scope, name: str, inherited: set[str]) -> None:
+        nodes = list(own_nodes(scope))
+        pairs = [pair for node in nodes for pair in bindings(node)]
+        bound, grew = set(inherited), True
+        while grew:
+            more = {n.id for value, target in pairs if spells_it(value, bound)
+                    for n in ast.walk(target) if isinstance(n, ast.Name)}
+            grew, bound = not more <= bound, bound | more
+        for node in nodes:
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("load", "loads")
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "json"
+                    and any(spells_it(arg, bound) for arg in node.args)):
+                found.append((node.lineno, name))
+            elif isinstance(node, SCOPES):
+                visit(node, getattr(node, "name", name), bound)
+
+    visit(ast.parse(source), "<module>", set())
+    return sorted(found)
+
+
+def test_no_module_reads_metrics_json_by_hand_tests_and_benchmarks_included():
+    """run_outputs.read_run_record is the one reader of metrics.json: the package, its scripts,
+    the test modules and the benchmarks read a run's record through it (schema version checked,
+    the file read-only), none with json.load of its own."""
+    from conftest import REPO
+
+    hand = [f"{path.relative_to(REPO)}:{line} ({function})"
+            for folder in ("distlab", "scripts", "tests", "benchmarks") for path in sorted((REPO / folder).rglob("*.py"))
+            for line, function in metrics_json_hand_reads(path.read_text())
+            if (str(path.relative_to(REPO)), function) not in HAND_READS_KEPT]
+    assert hand == [], "metrics.json read by hand (use distlab.run_outputs.read_run_record):\n" + "\n".join(hand)
+
+
+def test_the_hand_read_finder_sees_a_read_through_a_name_a_loop_and_a_closure():
+    source = '''
+import json
+RUN = "results/box/x/metrics.json"
+def inline(run):
+    return json.loads((run / "metrics.json").read_text())
+def named(run):
+    path = run / "metrics.json"
+    text = path.read_text()
+    return json.loads(text)
+def looped(box):
+    for p in box.glob("*/metrics.json"):
+        json.loads(p.read_text())
+    return {p.name: json.loads(p.read_text()) for p in box.glob("*/metrics.json")}
+def opened(run):
+    with open(run / "metrics.json") as f:
+        def inner():
+            return json.load(f)
+        return inner()
+def module_level():
+    return json.loads(open(RUN).read())
+def other(run):
+    path = run / "hardware.json"
+    return json.loads(path.read_text()), json.loads((run / "job.json").read_text())
+'''
+    assert metrics_json_hand_reads(source) == [(5, "inline"), (9, "named"), (12, "looped"), (13, "looped"),
+                                               (17, "inner"), (20, "module_level")]

@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from conftest import snakemake, tiny_config
+from distlab.run_outputs import read_run_record
 
 from report_fixtures import MACHINE, STAGES
 
@@ -29,7 +30,7 @@ def scheduled_jobs(proc_stdout: str) -> dict:
 def test_pipeline_produces_measured_stage1_report(finished):
     work, _ = finished
     results = work / "results"
-    metrics = json.loads((results / MACHINE / "ddp-full-w2-mb4-ga1" / "metrics.json").read_text())
+    metrics = read_run_record(results / MACHINE / "ddp-full-w2-mb4-ga1" / "metrics.json").to_dict()
     assert metrics["as_built"]["world_size"] == 2 and metrics["status"] == "ok"
     assert metrics["timing"]["step_time_s"]["n"] == 6 and metrics["throughput"]["tokens_per_s"] > 0
     assert (results / MACHINE / "hardware.json").is_file()
@@ -43,7 +44,7 @@ def test_pipeline_produces_measured_stage1_report(finished):
 
 def test_an_epochs_run_gets_its_steps_from_the_prepared_data_and_a_rerun_has_nothing_to_do(finished):
     work, _ = finished
-    metrics = json.loads((work / "results" / MACHINE / "ddp-full-w1-mb8-ga1" / "metrics.json").read_text())
+    metrics = read_run_record(work / "results" / MACHINE / "ddp-full-w1-mb8-ga1" / "metrics.json").to_dict()
     length = metrics["spec"]["length"]
     assert length["from"] == "epochs" and length["train_blocks"] == 6438 and metrics["spec"]["steps"] == 9
     assert len(metrics["loss"]["per_step"]) == 9  # (the no-op rerun: test_nothing_to_do_on_a_rerun)
@@ -60,7 +61,7 @@ def test_every_runs_curves_are_in_tensorboard_and_the_machines_mlflow_store(fini
     (experiment,) = client.search_experiments(filter_string=f"name = 'distlab/{MACHINE}'")
     for name in ("ddp-full-w1-mb8-ga1", "ddp-full-w2-mb4-ga1"):
         run = work / "results" / MACHINE / name
-        losses = json.loads((run / "metrics.json").read_text())["loss"]["per_step"]
+        losses = read_run_record(run / "metrics.json").to_dict()["loss"]["per_step"]
         events = EventAccumulator(str(run / "run_files" / "tensorboard"))
         events.Reload()
         assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(losses, rel=1e-6)

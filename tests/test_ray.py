@@ -6,7 +6,6 @@ One cluster serves the module: `ray start --head` on 127.0.0.1 plus a second
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import threading
@@ -19,6 +18,7 @@ from conftest import REPO, resolve, run_experiment, seed_hardware, snakemake, ti
 
 from distlab.job import Job
 from distlab.launchers.ray_nodes import RayNodes
+from distlab.run_outputs import read_run_record
 from distlab.two_hosts import newest_checkpoint_world
 
 
@@ -105,7 +105,7 @@ def two_node_run(prepared, cluster, tmp_path_factory):
         else:
             os.environ["RAY_ADDRESS"] = previous
     run_dir = workdir / "results" / "testbox" / "ddp-full-w2-mb4-ga1-ray"
-    return run_dir, json.loads((run_dir / "metrics.json").read_text())
+    return run_dir, read_run_record(run_dir / "metrics.json").to_dict()
 
 
 @pytest.mark.slow
@@ -215,7 +215,7 @@ def test_elastic_ray_run_grows_when_a_node_joins_and_shrinks_when_it_leaves(prep
                       model_source=str(prepared / "model"), hardware_json=str(prepared / "hardware.json"),
                       env_allowlist=[], checkpoint_dir=str(run_dir / "checkpoint"))
             launch(job, log_path=str(run_dir / "train.log"), timeout=900)
-            outcome["metrics"] = json.loads((run_dir / "metrics.json").read_text())
+            outcome["metrics"] = read_run_record(run_dir / "metrics.json").to_dict()
         except BaseException as exc:  # reported by the main thread
             outcome["error"] = exc
 

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import REPO, tiny_config
 from distlab.results_lock import LOCK_NAME, ResultsFolderBusy, acquire, is_read_only_call
+from distlab.run_outputs import read_run_record
 
 HOLD = ("import sys, time; sys.path.insert(0, sys.argv[2]); from distlab.results_lock import acquire; "
         "acquire(sys.argv[1]); print('held', flush=True); time.sleep(120)")
@@ -99,7 +100,7 @@ def test_a_second_snakemake_on_the_same_results_folder_is_refused_and_the_first_
         run_b.stdout + run_b.stderr
     assert run_a.returncode == 0, out_a[-4000:]  # nothing of the first run was deleted under it
     run = first / "results" / MACHINE / "ddp-full-w1-mb4-ga1"
-    assert json.loads((run / "metrics.json").read_text())["status"] == "ok"
+    assert read_run_record(run / "metrics.json").to_dict()["status"] == "ok"
     assert (run / "checkpoint" / "final").is_dir() and (run / "job.json").is_file()
     assert not lock.exists()  # released when the first run ended
     assert not (second / "results").exists()

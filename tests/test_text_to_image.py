@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import REPO, snakemake, tiny_config
+from distlab.run_outputs import read_run_record
 
 MACHINE = "testbox"
 SD = {"task": "text-to-image", "method": "lora", "micro_batch": 2}
@@ -46,7 +47,7 @@ def workflow(tmp_path_factory):
     (work / "results" / MACHINE / "hardware.json").write_text(json.dumps(info))
     snakemake(work, "--cores", "2", config=sd_config())
     results = work / "results"
-    runs = {p.parent.name: json.loads(p.read_text()) for p in (results / MACHINE).glob("*/metrics.json")}
+    runs = {p.parent.name: read_run_record(p).to_dict() for p in (results / MACHINE).glob("*/metrics.json")}
     return results, runs
 
 

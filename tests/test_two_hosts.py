@@ -8,6 +8,7 @@ import pytest
 from conftest import seed_hardware, snakemake, tiny_config
 
 from distlab import links
+from distlab.run_outputs import read_run_record
 
 pytestmark = pytest.mark.skipif(bool(links.refusal()), reason=f"links cannot be made here: {links.refusal()}")
 
@@ -25,7 +26,7 @@ def two_hosts(prepared, tmp_path_factory):
     config["model"]["path"] = str(prepared / "model")
     snakemake(workdir, "--cores", "2", "two_hosts", config=config, timeout=1200)
     folder = workdir / "results" / "testbox" / "two-hosts"
-    return folder, json.loads((folder / "metrics.json").read_text()), json.loads((folder / "hosts.json").read_text())
+    return folder, read_run_record(folder / "metrics.json").to_dict(), json.loads((folder / "hosts.json").read_text())
 
 
 @pytest.mark.slow

@@ -1,0 +1,67 @@
+"""The tiny-workspace harness that tests and benchmarks share (as numpy.testing or
+torch.testing): the tiny model's config, a prepared workspace (tokenizer, data, model,
+hardware.json) built with the pipeline's own code, one experiment's resolved spec, and one
+experiment run through the real launcher. No pytest here: tests/conftest.py wraps these in
+fixtures, and benchmarks import them directly."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+# Small enough that a 2-rank run costs a few seconds of process start, not of training.
+TINY_MODEL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 128, "max_position_embeddings": 128, "tie_word_embeddings": False, "seed": 0}
+TINY_DATA = {"source": "python-docs", "vocab_size": 512, "eval_fraction": 0.05, "seed": 0}
+TINY_DEFAULTS = {"steps": 6, "untimed_steps": 2, "seq_len": 32, "micro_batch": 4, "device": "cpu"}
+
+
+def tiny_config(stages: dict, **top) -> dict:
+    """A config dict for the tiny model: `stages` as in config.yaml."""
+    cfg = {"data": dict(TINY_DATA), "model": {"build": dict(TINY_MODEL)}, "defaults": dict(TINY_DEFAULTS),
+           "stages": copy.deepcopy(stages)}
+    cfg.update(top)
+    return cfg
+
+
+def build_prepared(root: Path) -> Path:
+    """The tiny workspace in `root`: tokenizer + data (seq 32) + tiny model + hardware.json."""
+    root.mkdir(parents=True, exist_ok=True)
+    from distlab import data, hardware, model
+    from distlab.config import validate_schema
+
+    cfg = validate_schema(tiny_config({}))
+    texts = data.corpus_texts(cfg["data"])
+    tok = data.train_tokenizer(texts, cfg["data"]["vocab_size"], root / "tokenizer")
+    data.build_dataset(texts, tok, 32, 0.05, 0, root / "data32")
+    model.build_base_model(cfg["model"]["build"], tok, root / "model")
+    info = hardware.describe("testbox", probe=False)
+    info["cpu_peak"] = {"per_thread": hardware.measure_cpu_matmul_peak(1, size=256, seconds=0.2)}
+    (root / "hardware.json").write_text(json.dumps(info))
+    return root
+
+
+def resolve(overrides: dict, stage: str = "ddp", **defaults) -> dict:
+    """The resolved spec of one experiment of the tiny config."""
+    from distlab.config import load
+
+    cfg = tiny_config({stage: {"experiments": [overrides]}})
+    cfg["defaults"].update(defaults)
+    _, specs = load(cfg, gpu_count=0)
+    (spec,) = specs.values()
+    return spec
+
+
+def run_experiment(prepared: Path, run_dir: Path, spec: dict, checkpoint: bool = True) -> dict:
+    """Run one experiment through distlab.launch (real ranks); returns its metrics (as the one
+    reader, run_outputs.read_run_record, reads them)."""
+    from distlab.job import Job
+    from distlab.launch import launch
+    from distlab.run_outputs import read_run_record
+
+    job = Job(spec=spec, run_dir=str(run_dir), data_dir=str(prepared / f"data{spec['seq_len']}"),
+              model_source=str(prepared / "model"), hardware_json=str(prepared / "hardware.json"),
+              env_allowlist=["OMP_NUM_THREADS"],
+              checkpoint_dir=str(run_dir / "checkpoint") if checkpoint else None)
+    launch(job, log_path=str(run_dir / "train.log"), timeout=300)
+    return read_run_record(run_dir / "metrics.json").to_dict()
