@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from distlab import host_allocator
 from distlab.memory_phases import rank_phase_peaks
 
 OOM_EXIT_CODE = 75
@@ -142,6 +143,8 @@ def memory_record(ctx, load_phase: dict | None = None) -> dict:
                            else "VmHWM since process start (clear_refs refused: includes the load phase)")
     if ctx.device.type == "cuda":
         out.update({k: v for k, v in training.items() if k.startswith(("cuda_", "nvml_"))})
+    else:  # what RSS means here depends on it
+        out["host_allocator"] = host_allocator.record()
     return out
 
 
@@ -183,44 +186,12 @@ def check_budget() -> int | None:
     return _WATCHDOG.check() if _WATCHDOG is not None else None
 
 
-# 2 MiB: at or above it, a tensor gets its own mapping (see return_freed_host_memory).
-HOST_MMAP_THRESHOLD = 2 << 20
-
-
-def return_freed_host_memory() -> bool:
-    """glibc's malloc raises its mmap threshold (up to 32 MB) after the first large free, so
-    the layers FSDP/ZeRO-3 gather and free again (4-12 MB each at 309M) come from the heap and
-    stay in RSS after they are freed: a sharded rank then shows more of the model resident than
-    it holds (measured at 309M under the dynamic threshold: full ZeRO-3 w2's rank 0 above one
-    DDP rank, FSDP over a budget it fits). A fixed threshold (mallopt M_MMAP_THRESHOLD) gives
-    every allocation at or above it its own mapping, returned to the OS on free, so RSS shows
-    what the rank holds. 2 MiB, not 1: the 309M figures are the same at both (within 0.3%),
-    while the small model's 1 MiB activations (8 x 128 tokens x 256 fp32) stay in the heap:
-    its 1-rank step went from 1.34x to 1.09x Trainer's (benchmarks/trainer_parity.py, quiet,
-    median of 3 interleaved rounds; README). A model whose largest
-    weight is under 2 MiB (hidden size under ~720) keeps its freed gathered weights in the heap;
-    its whole model is then a few tens of MB. Set on every CPU rank alike; False where libc
-    refuses. DISTLAB_MMAP_THRESHOLD (bytes; 0 = leave glibc's dynamic threshold) overrides it for
-    benchmarks/trainer_parity.py, which measures what the threshold costs per step."""
-    import ctypes
-    import ctypes.util
-
-    threshold = int(os.environ.get("DISTLAB_MMAP_THRESHOLD", HOST_MMAP_THRESHOLD))
-    if threshold == 0:
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-3, threshold))  # -3: M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
-
-
 def apply_memory_budget(ctx) -> dict | None:
     """Enforce memory_budget_gib on this rank process (see the module docstring). Every CPU
-    rank, budget or not, first gets return_freed_host_memory()."""
+    rank, budget or not, first gets the mmap threshold its model calls for (distlab.host_allocator)."""
     global _WATCHDOG
     if ctx.device.type == "cpu":
-        return_freed_host_memory()
+        host_allocator.apply(ctx.job.model_source if ctx.job is not None else None)
     gib = ctx.spec["memory_budget_gib"]
     if gib is None:
         return None
