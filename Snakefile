@@ -7,7 +7,7 @@ from snakemake.utils import min_version
 min_version("9.0")
 sys.path.insert(0, workflow.basedir)  # distlab/ works from a checkout without `pip install -e .`
 
-from distlab.input_checks import check_config_syntax
+from distlab.configuration.input_checks import check_config_syntax
 
 
 # The embedded default. A config file given with --configfile (a preset, the GPU kit) is a

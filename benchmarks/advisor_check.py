@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 WORK = Path(os.environ.get("ADVISOR_CHECK_DIR", "/tmp/distlab-advisor-check"))
-from distlab import advisor, advisor_check
-from distlab.run_outputs import read_run_record
+from distlab.tools import advisor, advisor_check
+from distlab.records.run_outputs import read_run_record
 from distlab.testing import build_prepared, resolve, run_experiment
 
 root = WORK / "prep"

@@ -41,7 +41,7 @@ old.build_dataset(texts, tok, 128, 0.05, 0, sys.argv[4])
 """
 NEW_SCRIPT = """
 import sys
-from distlab import data
+from distlab.data_prep import data
 tok = data.load_tokenizer(sys.argv[1])
 cfg = {"source": "files", "files": [sys.argv[2]], "format": "text", "text_field": "text"}
 data.build_dataset(data.load_rows(cfg, cache_dir=sys.argv[4]), tok, 128, 0.05, 0, sys.argv[3], cfg=cfg,
@@ -144,13 +144,13 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
     sys.path.insert(0, str(REPO))
-    from distlab import data
+    from distlab.data_prep import data
 
     tok_dir = out / "tokenizer"
     if not (tok_dir / "tokenizer.json").is_file():
         data.train_tokenizer(data.corpus_texts({"source": "python-docs"}), 4096, tok_dir)
     old_module = out / "old_data.py"
-    old_module.write_text(subprocess.run(["git", "-C", str(REPO), "show", f"{OLD_COMMIT}:distlab/data.py"],
+    old_module.write_text(subprocess.run(["git", "-C", str(REPO), "show", f"{OLD_COMMIT}:distlab/data_prep/data.py"],
                                          check=True, capture_output=True, text=True).stdout)
     corpora = {}
     for megabytes in [args.mb, *args.new_only_mb]:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from distlab.job import Job
+from distlab.jobs.job import Job
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -25,8 +25,10 @@ def prepared(root: Path, seq_len: int) -> tuple[Path, Path, Path]:
     """tokenizer, data and model from the default config, built with the pipeline's code."""
     import yaml
 
-    from distlab import data, hardware, model
-    from distlab.config import load
+    from distlab.data_prep import data
+    from distlab.tools import hardware
+    from distlab.runtime import model
+    from distlab.configuration.config import load
 
     cfg, _ = load(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), gpu_count=0)
     texts = data.corpus_texts(cfg["data"])
@@ -38,8 +40,8 @@ def prepared(root: Path, seq_len: int) -> tuple[Path, Path, Path]:
 
 
 def run_distlab(spec, data, model, hw, run_dir):
-    from distlab.launch import launch
-    from distlab.run_outputs import read_run_record
+    from distlab.jobs.launch import launch
+    from distlab.records.run_outputs import read_run_record
 
     job = Job(spec=spec, run_dir=str(run_dir), data_dir=str(data), model_source=str(model),
               hardware_json=str(hw), env_allowlist=[], checkpoint_dir=None)
@@ -68,7 +70,7 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     args = p.parse_args()
-    from distlab.config import EXPERIMENT_DEFAULTS, experiment_id
+    from distlab.configuration.config import EXPERIMENT_DEFAULTS, experiment_id
 
     spec = dict(EXPERIMENT_DEFAULTS, world_size=args.world, micro_batch=args.micro_batch, steps=args.steps,
                 untimed_steps=args.warmup, device="cpu", launcher="torchrun", stage="ddp")

@@ -7,9 +7,9 @@
 # so the default config's CPU experiments are not merged in): DDP over NCCL with bf16,
 # DeepSpeed ZeRO-3 with CPU offload, FSDP2 with mixed precision, a run under a memory
 # budget that must end in a recorded OOM, checkpoint validation of those runs; MFU
-# against the datasheet peak of the board at the run's precision (distlab.hardware
+# against the datasheet peak of the board at the run's precision (distlab.tools.hardware
 # GPU_PEAKS; H200 dense bf16: 989.5e12), or a measured matmul probe for an unknown board.
-# First a preflight (distlab/gpu_preflight.py) says exactly what is missing, if anything.
+# First a preflight (distlab/tools/gpu_preflight.py) says exactly what is missing, if anything.
 # Everything lands in OUT_DIR (default: $OUT, else build/gpu_check_out), one folder to
 # copy back whole. Without a CUDA GPU it says so in one line and exits 2.
 #
@@ -46,10 +46,10 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
   export PYTHONPATH=$SITE
 fi
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
-# Preflight (distlab/gpu_preflight.py): torch >= the project's lowest, every import the
+# Preflight (distlab/tools/gpu_preflight.py): torch >= the project's lowest, every import the
 # jobs need and their own requirements, the torch APIs used, CUDA and free memory. It says
 # exactly what is missing; 2 = no CUDA GPU, 3 = something else is missing.
-"$PY" -m distlab.gpu_preflight "${PREFLIGHT_ARGS[@]}"
+"$PY" -m distlab.tools.gpu_preflight "${PREFLIGHT_ARGS[@]}"
 preflight=$?
 [ $preflight -eq 0 ] || exit $preflight
 mkdir -p "$WORK" "$OUT_DIR"
@@ -75,12 +75,12 @@ cp "$WORK/results/summary.csv" "$OUT_DIR/" 2>/dev/null
 cp -r "$WORK/results/report" "$OUT_DIR/" 2>/dev/null
 (cd "$WORK/results" && tar czf "$OUT_DIR/runs.tgz" --exclude='checkpoint*' --exclude='*.safetensors' \
    --exclude='*.pt' --exclude='prep' . 2>/dev/null)
-# The figures a reader wants, from the results (distlab/gpu_summary.py): tokens/s, MFU and
+# The figures a reader wants, from the results (distlab/tools/gpu_summary.py): tokens/s, MFU and
 # its peak, peak memory, the recorded OOM, checkpoint validations, NCCL bandwidth. Every run
 # the config plans is listed with its status; a failed or missing one makes the kit fail.
 : > "$OUT_DIR/figures.txt"
 [ "$REHEARSAL" = 1 ] && echo "CPU rehearsal: no GPU was used; no figure here is a GPU figure" | tee "$OUT_DIR/figures.txt"
-"$PY" -m distlab.gpu_summary "$WORK/results" --configfile "${CONFIGS[@]}" --gpus "$GPUS" | tee -a "$OUT_DIR/figures.txt"
+"$PY" -m distlab.tools.gpu_summary "$WORK/results" --configfile "${CONFIGS[@]}" --gpus "$GPUS" | tee -a "$OUT_DIR/figures.txt"
 summary_status=${PIPESTATUS[0]}
 [ "$status" -ne 0 ] && exit "$status"
 exit "$summary_status"

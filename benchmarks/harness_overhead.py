@@ -2,16 +2,16 @@
 
     python benchmarks/harness_overhead.py [--experiments ID,ID,...] [--rounds 1] [--before REV]
 
-Runs experiments of the default config as the pipeline does (distlab.launch, checkpoint on,
-base-model eval file given), then their checkpoint validation (distlab.validate.validate_run),
+Runs experiments of the default config as the pipeline does (distlab.jobs.launch, checkpoint on,
+base-model eval file given), then their checkpoint validation (distlab.jobs.validate.validate_run),
 on the default config's own prepared data and model (built here). Per job: the launch's wall
-time; from rank 0's timeline (metrics.json `timeline`, distlab.timeline) the interpreter and
+time; from rank 0's timeline (metrics.json `timeline`, distlab.runtime.timeline) the interpreter and
 imports, process group, model load/wrap/verify, data and resume, the steps, gathering the
 records, the held-out eval, the final save and export; the rest of the launch's wall
 ("launcher and teardown": the launcher process's own start, torchrun or accelerate launch,
 the ranks' exit) and the validation job's wall. Prints a Markdown table and the share of
 wall time spent in steps; writes results/benchmarks/harness_overhead.json. The machine's
-noise during each run's steps (distlab.noise) is printed beside it. Each job's CPU time is
+noise during each run's steps (distlab.runtime.noise) is printed beside it. Each job's CPU time is
 measured too: rank 0's per phase (the timeline's cpu_s), and the launch's and the validation's
 over every process (the children's rusage: launcher, agent, all ranks).
 
@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from distlab.job import Job
+from distlab.jobs.job import Job
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -45,8 +45,10 @@ def prepare(root: Path) -> tuple[dict, dict, Path]:
     """The default config's specs; its data, model, base eval and hardware.json built here."""
     import yaml
 
-    from distlab import data, evaluation, hardware, model
-    from distlab.config import load
+    from distlab.data_prep import data
+    from distlab.runtime import evaluation, model
+    from distlab.tools import hardware
+    from distlab.configuration.config import load
 
     cfg, specs = load(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), gpu_count=0)
     texts = data.corpus_texts(cfg["data"])
@@ -66,9 +68,9 @@ def children_cpu() -> float:
 
 
 def run_job(spec: dict, root: Path, run_dir: Path) -> dict:
-    from distlab.launch import launch
-    from distlab.run_outputs import read_run_record
-    from distlab.validate import validate_run
+    from distlab.jobs.launch import launch
+    from distlab.records.run_outputs import read_run_record
+    from distlab.jobs.validate import validate_run
 
     job = Job(spec=spec, run_dir=str(run_dir), data_dir=str(root / "data"),
               model_source=str(root / "model"), hardware_json=str(root / "hardware.json"), env_allowlist=[],
@@ -92,7 +94,7 @@ def specs_of(code: Path) -> dict:
     """The default config's experiments as the distlab under `code` resolves them."""
     import yaml
 
-    from distlab.config import load
+    from distlab.configuration.config import load
 
     return load(yaml.safe_load((code / "config" / "config.yaml").read_text()), gpu_count=0)[1]
 

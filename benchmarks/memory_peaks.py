@@ -11,8 +11,8 @@ layers are a larger share of a sharded rank's training peak. --full adds full fi
 DDP at 1 and 2 ranks (16 bytes per parameter: ~7 GB of RAM per rank at 309M), FSDP and ZeRO-3
 at 2 ranks.
 
-Each run goes through the real launcher (distlab.launch, torchrun ranks over gloo) and saves
-its final checkpoint and export. Figures per rank, from metrics.json (distlab.memory): the
+Each run goes through the real launcher (distlab.jobs.launch, torchrun ranks over gloo) and saves
+its final checkpoint and export. Figures per rank, from metrics.json (distlab.runtime.memory): the
 RSS before the model (interpreter, libraries, process group), the load-phase peak (VmHWM from
 process start to step 0), the training-phase peak (VmHWM of the steps alone), the save-phase
 peak (VmHWM of the final evaluation, save and export alone), the lifetime peak (the largest),
@@ -70,8 +70,10 @@ def prepare(root: Path, layers: int) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from distlab import data, hardware, model
-    from distlab.config import validate_schema
+    from distlab.data_prep import data
+    from distlab.tools import hardware
+    from distlab.runtime import model
+    from distlab.configuration.config import validate_schema
     from distlab.testing import tiny_config
 
     cfg = validate_schema(tiny_config({}))
@@ -187,7 +189,7 @@ def main() -> None:
 
 
 def layer_fp32_bytes(model_dir: Path) -> int:
-    from distlab.parameter_counts import model_shape, parameter_counts
+    from distlab.tools.parameter_counts import model_shape, parameter_counts
 
     return 4 * parameter_counts(model_shape(json.loads((model_dir / "config.json").read_text())))["per_layer"]
 

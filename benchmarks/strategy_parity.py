@@ -4,10 +4,10 @@ stage 3-4 runs), in interleaved rounds of separate launches.
 
     python benchmarks/strategy_parity.py [--rounds 3] [--models default,100m] [--steps 8] [--warmup 3]
 
-Each round launches every strategy once through distlab.launch (fresh processes), in an order
+Each round launches every strategy once through distlab.jobs.launch (fresh processes), in an order
 rotated from round to round (and reversed every other round) so drift on a shared machine
 hits all of them. Per launch: tokens/s (median step time after warm-up, max over ranks),
-the loss per step, and the machine's noise during the timed steps (distlab.noise: other
+the loss per step, and the machine's noise during the timed steps (distlab.runtime.noise: other
 processes' CPU, load average). Reported per model and strategy: the median tokens/s over
 rounds with its min-max, the ratio to DDP and to FSDP full shard in the same round (median of
 the per-round ratios: a ratio is measured side by side, the absolute figures are not), the
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench_common import round_order, rounds_parser  # noqa: E402
-from distlab.job import Job
+from distlab.jobs.job import Job
 
 GLOBAL = {"world_size": 2, "micro_batch": 2, "grad_accum": 2}
 STRATEGIES = {
@@ -44,7 +44,7 @@ MODELS = {"default": {}, "100m": {"hidden_size": 768, "num_hidden_layers": 12, "
 
 def specs(steps: int, warmup: int) -> dict:
     """Each strategy's resolved spec, through the config loader like any experiment."""
-    from distlab.config import load
+    from distlab.configuration.config import load
 
     cfg = {"stages": {}, "defaults": {"steps": steps, "untimed_steps": warmup, "device": "cpu"}}
     tags = {}
@@ -60,8 +60,10 @@ def prepare(root: Path, seq_len: int, models: list[str]) -> tuple[Path, Path, di
     """Tokenizer, data and the models, built with the pipeline's own code."""
     import yaml
 
-    from distlab import data, hardware, model
-    from distlab.config import load
+    from distlab.data_prep import data
+    from distlab.tools import hardware
+    from distlab.runtime import model
+    from distlab.configuration.config import load
 
     cfg, _ = load(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), gpu_count=0)
     texts = data.corpus_texts(cfg["data"])
@@ -76,8 +78,8 @@ def prepare(root: Path, seq_len: int, models: list[str]) -> tuple[Path, Path, di
 
 
 def launch_once(spec: dict, data: Path, model: Path, hw: Path, run_dir: Path) -> dict:
-    from distlab.launch import launch
-    from distlab.run_outputs import read_run_record
+    from distlab.jobs.launch import launch
+    from distlab.records.run_outputs import read_run_record
 
     job = Job(spec=spec, run_dir=str(run_dir), data_dir=str(data), model_source=str(model),
               hardware_json=str(hw), env_allowlist=[], checkpoint_dir=None)

@@ -1,11 +1,11 @@
 """distlab's DDP step time vs transformers.Trainer on the same work, at 1 and 2 ranks, and what
-a fixed glibc mmap threshold costs (distlab.host_allocator: fixed at 2 MiB only where a layer
+a fixed glibc mmap threshold costs (distlab.runtime.host_allocator: fixed at 2 MiB only where a layer
 weight reaches it; the default model's layers are smaller, so as shipped it runs under glibc's).
 
     python benchmarks/trainer_parity.py [--rounds 3] [--worlds 1,2] [--steps 30] [--warmup 5]
 
 Arms, each a separate launch per round, in an order rotated every round (reversed every other):
-  distlab            the pipeline's DDP (distlab.launch), as shipped (the threshold its model calls for)
+  distlab            the pipeline's DDP (distlab.jobs.launch), as shipped (the threshold its model calls for)
   distlab-2MiB       the same with DISTLAB_MMAP_THRESHOLD=2097152 (every CPU rank until 2026-12-06)
   distlab-1MiB       the same with DISTLAB_MMAP_THRESHOLD=1048576 (the threshold before 2026-12-03)
   distlab-dynamic    the same with DISTLAB_MMAP_THRESHOLD=0 (glibc's dynamic threshold)
@@ -14,7 +14,7 @@ Arms, each a separate launch per round, in an order rotated every round (reverse
 Same model (the default config's built model), data, batch order, micro-batch (8 at 1 rank,
 4 at 2: global batch 8), one thread per rank, AdamW, no clipping. Per round, the ratio of each
 arm's median step time to Trainer's in the same round; reported: the median of those ratios
-and their range, with each launch's machine noise (distlab.noise for distlab's runs; the load
+and their range, with each launch's machine noise (distlab.runtime.noise for distlab's runs; the load
 average for Trainer's). Also the largest loss gap between distlab and Trainer (same work:
 expected ~1e-6). Writes results/benchmarks/trainer_parity.json.
 """
@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from bench_common import round_order, rounds_parser  # noqa: E402
 from ddp_vs_bare import prepared  # noqa: E402  (the default config's data and model, built here)
-from distlab.job import Job
+from distlab.jobs.job import Job
 
 ARMS = ("distlab", "distlab-2MiB", "distlab-1MiB", "distlab-dynamic", "trainer", "trainer-1MiB")
 THRESHOLDS = {"distlab-2MiB": 2 << 20, "distlab-1MiB": 1 << 20, "distlab-dynamic": 0}  # DISTLAB_MMAP_THRESHOLD per arm
@@ -39,8 +39,8 @@ THRESHOLDS = {"distlab-2MiB": 2 << 20, "distlab-1MiB": 1 << 20, "distlab-dynamic
 
 def run_distlab(spec, data, model, hw, run_dir, threshold: int | None) -> dict:
     """One distlab launch; threshold: DISTLAB_MMAP_THRESHOLD (None: as shipped)."""
-    from distlab.launch import launch
-    from distlab.run_outputs import read_run_record
+    from distlab.jobs.launch import launch
+    from distlab.records.run_outputs import read_run_record
 
     job = Job(spec=spec, run_dir=str(run_dir), data_dir=str(data), model_source=str(model),
               hardware_json=str(hw), env_allowlist=[], checkpoint_dir=None)
@@ -83,7 +83,7 @@ def main():
     p.add_argument("--worlds", default="1,2")
     p.add_argument("--arms", default=",".join(ARMS))
     args = p.parse_args()
-    from distlab.config import EXPERIMENT_DEFAULTS, experiment_id
+    from distlab.configuration.config import EXPERIMENT_DEFAULTS, experiment_id
 
     arms = args.arms.split(",")
     result = {"how": __doc__.split("\n\n")[1].strip(), "worlds": {}}

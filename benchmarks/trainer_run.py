@@ -20,8 +20,8 @@ from torch.utils.data import SequentialSampler
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
 from bench_common import loop_parser
-from distlab.data import load_blocks
-from distlab.loop import IndexStream
+from distlab.data_prep.data import load_blocks
+from distlab.runtime.loop import IndexStream
 
 
 class StepTimer(TrainerCallback):

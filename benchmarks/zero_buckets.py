@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 def prepare(root: Path) -> int:
     """The tests' tiny workspace (distlab.testing.build_prepared); returns one decoder layer's parameters."""
     from distlab.testing import build_prepared
-    from distlab import model
+    from distlab.runtime import model
 
     build_prepared(root)
     built = model.load_model(str(root / "model"))

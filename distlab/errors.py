@@ -2,7 +2,7 @@
 imports nothing: config checks (input_checks, model_files, data_checks, tokenizer_checks,
 config) and checkpoints (checkpoint, trainer_state) raise them without importing each other,
 so no import cycle runs through an exception class (tests/test_import_cycles.py). The modules
-that raised them first still export them (distlab.config.ConfigError, distlab.checkpoint.*).
+that raised them first still export them (distlab.configuration.config.ConfigError, distlab.checkpoints.checkpoint.*).
 """
 from __future__ import annotations
 

@@ -27,8 +27,10 @@ def tiny_config(stages: dict, **top) -> dict:
 def build_prepared(root: Path) -> Path:
     """The tiny workspace in `root`: tokenizer + data (seq 32) + tiny model + hardware.json."""
     root.mkdir(parents=True, exist_ok=True)
-    from distlab import data, hardware, model
-    from distlab.config import validate_schema
+    from distlab.data_prep import data
+    from distlab.tools import hardware
+    from distlab.runtime import model
+    from distlab.configuration.config import validate_schema
 
     cfg = validate_schema(tiny_config({}))
     texts = data.corpus_texts(cfg["data"])
@@ -43,7 +45,7 @@ def build_prepared(root: Path) -> Path:
 
 def resolve(overrides: dict, stage: str = "ddp", **defaults) -> dict:
     """The resolved spec of one experiment of the tiny config."""
-    from distlab.config import load
+    from distlab.configuration.config import load
 
     cfg = tiny_config({stage: {"experiments": [overrides]}})
     cfg["defaults"].update(defaults)
@@ -53,11 +55,11 @@ def resolve(overrides: dict, stage: str = "ddp", **defaults) -> dict:
 
 
 def run_experiment(prepared: Path, run_dir: Path, spec: dict, checkpoint: bool = True) -> dict:
-    """Run one experiment through distlab.launch (real ranks); returns its metrics (as the one
+    """Run one experiment through distlab.jobs.launch (real ranks); returns its metrics (as the one
     reader, run_outputs.read_run_record, reads them)."""
-    from distlab.job import Job
-    from distlab.launch import launch
-    from distlab.run_outputs import read_run_record
+    from distlab.jobs.job import Job
+    from distlab.jobs.launch import launch
+    from distlab.records.run_outputs import read_run_record
 
     job = Job(spec=spec, run_dir=str(run_dir), data_dir=str(prepared / f"data{spec['seq_len']}"),
               model_source=str(prepared / "model"), hardware_json=str(prepared / "hardware.json"),

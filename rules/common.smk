@@ -5,23 +5,23 @@ import sys
 
 sys.path.insert(0, workflow.basedir)  # distlab/ works from a checkout without `pip install -e .`
 
-from distlab.config import OPT_IN_STAGES, ConfigError, built_model, load as load_config
-from distlab.validation_scope import validated_experiments
-from distlab.finetune_config import resolve_epochs
-from distlab.data_checks import datasets_of
-from distlab.tokenizer_checks import tokenizer_source
-from distlab.hardware import gpu_count, machine_tag
-from distlab.results_lock import ResultsFolderBusy, hold_for_workflow
-from distlab.run_layout import KUBERAY_CHECKS, MACHINE_FILES, RUN_FILES, RUN_SIDE_FILES
+from distlab.configuration.config import OPT_IN_STAGES, ConfigError, built_model, load as load_config
+from distlab.configuration.validation_scope import validated_experiments
+from distlab.configuration.finetune_config import resolve_epochs
+from distlab.configuration.data_checks import datasets_of
+from distlab.configuration.tokenizer_checks import tokenizer_source
+from distlab.tools.hardware import gpu_count, machine_tag
+from distlab.configuration.results_lock import ResultsFolderBusy, hold_for_workflow
+from distlab.records.run_layout import KUBERAY_CHECKS, MACHINE_FILES, RUN_FILES, RUN_SIDE_FILES
 from distlab.tasks import task_for
 from distlab.tasks.causal_lm import CausalLM, model_suffix
-from distlab.two_hosts import two_hosts_spec
-from distlab.advisor_box import measured_evidence
+from distlab.jobs.two_hosts import two_hosts_spec
+from distlab.tools.advisor_box import measured_evidence
 from distlab.report.collect import shared_metrics_paths
-from distlab.sharing import private_files
+from distlab.records.sharing import private_files
 from snakemake.exceptions import WorkflowError
 
-private_files()  # before anything is written: no file of results/ is world-readable (distlab.sharing)
+private_files()  # before anything is written: no file of results/ is world-readable (distlab.records.sharing)
 
 try:
     config, SPECS = load_config(config, probe=True)  # results_dir writable, Ray heads reachable
@@ -32,7 +32,7 @@ except ConfigError as error:
 # every default output (metrics, validations, collectives, Ray manifests, report) is of DEFAULT_SPECS.
 DEFAULT_SPECS = {exp_id: spec for exp_id, spec in SPECS.items() if spec["stage"] not in OPT_IN_STAGES}
 RESULTS = config["results_dir"]
-try:  # before Snakemake can delete any output: one workflow per results folder (distlab.results_lock)
+try:  # before Snakemake can delete any output: one workflow per results folder (distlab.configuration.results_lock)
     hold_for_workflow(RESULTS, workflow)
 except ResultsFolderBusy as error:
     raise WorkflowError(str(error)) from None
@@ -118,7 +118,7 @@ def base_eval_path(wildcards):
 def experiment_spec(wildcards):
     """Only this experiment's resolved spec: editing another experiment leaves this job alone.
     An `epochs` experiment keeps steps None here (its data may not exist yet, and params must
-    not change once it does): distlab.launch resolves them from the prepared data."""
+    not change once it does): distlab.jobs.launch resolves them from the prepared data."""
     return SPECS[wildcards.experiment]
 
 
@@ -297,8 +297,8 @@ def validation_runtime(wildcards):
 
 def collectives_plan():
     """The bandwidth benchmark's ranks, device and message sizes (rule collectives), sized
-    to the GPUs present (distlab.collectives.plan)."""
-    from distlab.collectives import plan
+    to the GPUs present (distlab.tools.collectives.plan)."""
+    from distlab.tools.collectives import plan
 
     return plan(config["collectives"], DEFAULT_SPECS, GPUS)
 
@@ -353,7 +353,7 @@ def stage_specs(stage):
 def refuse_where_this_machine_cannot(specs, target):
     """Stop before any job when the machine cannot give these experiments what they ask (root
     for network namespaces or CPU budgets), naming the experiment, the field and why."""
-    from distlab.config_links import machine_refusal
+    from distlab.configuration.config_links import machine_refusal
 
     problems = [f"experiment {exp_id}, field '{refused[0]}': {refused[1]}"
                 for exp_id, spec in specs.items() if (refused := machine_refusal(spec))]
@@ -383,7 +383,7 @@ def stage_side_files(stage):
 
 def link_caps():
     """{id label: Mbit/s} of the links stage's caps (link_label: 100m, 1g, free)."""
-    from distlab.config_links import link_label
+    from distlab.configuration.config_links import link_label
 
     return {link_label(spec["link"]["bandwidth_mbit"]): spec["link"]["bandwidth_mbit"]
             for spec in stage_specs("links").values() if spec["link"]}
@@ -395,7 +395,7 @@ LINK_COLLECTIVES_MAX_BYTES = 4 << 20
 
 
 def link_collectives_plan():
-    from distlab.collectives import plan
+    from distlab.tools.collectives import plan
 
     found = plan(config["collectives"], {}, 0)  # gloo on 2 CPU ranks, one per host
     return dict(found, max_bytes=min(found["max_bytes"], LINK_COLLECTIVES_MAX_BYTES))
@@ -413,7 +413,7 @@ def two_hosts_input(kind):
     def path(wildcards):
         spec = TWO_HOSTS_SPEC
         if kind == "data":
-            from distlab.links import refusal
+            from distlab.jobs.links import refusal
 
             if refusal():
                 raise WorkflowError(f"`snakemake two_hosts` cannot run on this machine: network namespaces cannot "

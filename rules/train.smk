@@ -14,7 +14,7 @@ rule train:
         devices=f"{RUN}/devices.json",
         job=f"{RUN}/job.json",
         # Generated accelerate/deepspeed configs and per-rank records (pipeline-rank<r>.json)
-        # the report reads: one declared folder (distlab/run_layout.py).
+        # the report reads: one declared folder (distlab/records/run_layout.py).
         run_files=directory(f"{RUN}/{RUN_FILES}"),
     params:
         spec=experiment_spec,

@@ -1,6 +1,6 @@
 # Checkpoint validation: one job per trained experiment, in processes that did not train.
 # Reload, resharding, resume parity, the Hugging Face export, LoRA base weights, size and
-# save/load seconds -> validation.json (distlab/validate.py says how each is measured).
+# save/load seconds -> validation.json (distlab/jobs/validate.py says how each is measured).
 
 
 rule validate_checkpoint:

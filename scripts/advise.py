@@ -1,8 +1,8 @@
 """Rule advise: recommend a strategy for this hardware and model, with memory estimates."""
 import json
 
-from distlab.advisor import advise, render_markdown
-from distlab.rule_log import logged
+from distlab.tools.advisor import advise, render_markdown
+from distlab.jobs.rule_log import logged
 
 with logged(snakemake):
     with open(snakemake.input.model) as fh:

@@ -2,8 +2,8 @@
 import json
 import os
 
-from distlab.advisor_diffusion import GIB, advise_text_to_image
-from distlab.rule_log import logged
+from distlab.tools.advisor_diffusion import GIB, advise_text_to_image
+from distlab.jobs.rule_log import logged
 
 with logged(snakemake):
     with open(snakemake.input.hardware) as fh:

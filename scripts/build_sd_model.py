@@ -1,7 +1,7 @@
 """Rule build_sd_model: the tiny Stable Diffusion, written with StableDiffusionPipeline.save_pretrained."""
 import os
 
-from distlab.rule_log import logged
+from distlab.jobs.rule_log import logged
 from distlab.tasks.text_to_image.prepare import build_tiny_sd
 
 with logged(snakemake):

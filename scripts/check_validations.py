@@ -3,7 +3,7 @@ the report, which shows why, was built)."""
 import json
 import sys
 
-from distlab.rule_log import logged
+from distlab.jobs.rule_log import logged
 
 with logged(snakemake):
     failed, skipped = [], []

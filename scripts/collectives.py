@@ -1,7 +1,7 @@
-"""Rule collectives: the bandwidth benchmark's ranks on this machine (distlab.collectives.run_benchmark,
+"""Rule collectives: the bandwidth benchmark's ranks on this machine (distlab.tools.collectives.run_benchmark,
 through the rank service training and validation use: they die with this job)."""
-from distlab.collectives import run_benchmark
-from distlab.rule_log import logged
+from distlab.tools.collectives import run_benchmark
+from distlab.jobs.rule_log import logged
 
 with logged(snakemake):
     # No timeout, as for training: the rule's runtime is the scheduler's. Output goes to the rule's log.

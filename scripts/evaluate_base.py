@@ -1,6 +1,6 @@
 """Rule evaluate_base_model: the base model's loss and perplexity on the held-out eval tokens."""
-from distlab.evaluation import evaluate_base
-from distlab.rule_log import logged
+from distlab.runtime.evaluation import evaluate_base
+from distlab.jobs.rule_log import logged
 
 with logged(snakemake):
     result = evaluate_base(snakemake.params.model_source, snakemake.input.data, snakemake.output[0],

@@ -1,7 +1,7 @@
 """Rule evaluate_base_sd: the base UNet's held-out denoising loss (fixed images, noise, timesteps)."""
 import os
 
-from distlab.rule_log import logged
+from distlab.jobs.rule_log import logged
 from distlab.tasks.text_to_image.outputs import evaluate_base
 
 with logged(snakemake):

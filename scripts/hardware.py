@@ -1,8 +1,8 @@
 """Rule hardware: GPUs via pynvml (or none), the CPU, and a measured matmul peak."""
 import json
 
-from distlab.hardware import describe
-from distlab.rule_log import logged
+from distlab.tools.hardware import describe
+from distlab.jobs.rule_log import logged
 
 with logged(snakemake):
     info = describe(snakemake.params.machine)

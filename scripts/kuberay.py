@@ -5,8 +5,8 @@ from importlib.metadata import version
 
 import yaml
 
-from distlab import kuberay
-from distlab.rule_log import logged
+from distlab.tools import kuberay
+from distlab.jobs.rule_log import logged
 
 with logged(snakemake):
     kube, specs = snakemake.params.kubernetes, dict(snakemake.params.ray_specs)

@@ -2,9 +2,9 @@
 import os
 import shutil
 
-from distlab.data import build_dataset, load_rows, load_tokenizer
-from distlab.rule_log import logged
-from distlab.sharing import portable
+from distlab.data_prep.data import build_dataset, load_rows, load_tokenizer
+from distlab.jobs.rule_log import logged
+from distlab.records.sharing import portable
 
 with logged(snakemake):
     data = snakemake.params.data

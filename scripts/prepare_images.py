@@ -1,5 +1,5 @@
 """Rule prepare_images: image-caption rows -> a seeded held-out split, saved as Arrow (image bytes embedded)."""
-from distlab.rule_log import logged
+from distlab.jobs.rule_log import logged
 from distlab.tasks.text_to_image.prepare import prepare_images
 
 with logged(snakemake):

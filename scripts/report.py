@@ -5,7 +5,7 @@ import sys
 
 from distlab.report.build import report_rule
 from distlab.report.inputs import declared_inputs
-from distlab.rule_log import logged
+from distlab.jobs.rule_log import logged
 
 with logged(snakemake):
     left_out = report_rule(snakemake.input.metrics, snakemake.input.summary, snakemake.input.advice,

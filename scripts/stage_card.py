@@ -2,7 +2,7 @@
 rule's declared inputs; distlab/report/cards/links.py, unequal.py build the cards)."""
 from distlab.report.inputs import declared_inputs
 from distlab.report.pages import links_page, unequal_page
-from distlab.rule_log import logged
+from distlab.jobs.rule_log import logged
 
 with logged(snakemake):
     out, declared = snakemake.output, declared_inputs(snakemake.input)

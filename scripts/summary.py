@@ -4,10 +4,10 @@ in summary-rejected.json and the log."""
 import json
 import sys
 
-from distlab.evaluation import eval_columns
+from distlab.runtime.evaluation import eval_columns
 from distlab.report.collect import load_checked_runs, spreadsheet_safe, summary_frame
 from distlab.report.inputs import declared_inputs
-from distlab.rule_log import logged
+from distlab.jobs.rule_log import logged
 
 with logged(snakemake):
     runs, rejected = load_checked_runs(list(snakemake.input.mine) + list(snakemake.input.shared),

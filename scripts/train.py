@@ -3,9 +3,9 @@ import json
 import os
 from pathlib import Path
 
-from distlab.launch import launch, rule_job
-from distlab.run_outputs import one_line
-from distlab.rule_log import logged
+from distlab.jobs.launch import launch, rule_job
+from distlab.records.run_outputs import one_line
+from distlab.jobs.rule_log import logged
 
 with logged(snakemake):
     run_dir = os.path.dirname(snakemake.output.metrics)

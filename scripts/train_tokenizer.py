@@ -1,8 +1,8 @@
 """Rule train_tokenizer: byte-level BPE on the configured corpus (for the model the pipeline builds)."""
 import os
 
-from distlab.data import load_rows, text_batches, train_tokenizer
-from distlab.rule_log import logged
+from distlab.data_prep.data import load_rows, text_batches, train_tokenizer
+from distlab.jobs.rule_log import logged
 
 with logged(snakemake):
     data = snakemake.params.data

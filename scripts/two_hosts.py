@@ -1,14 +1,14 @@
 """Rule two_hosts: a Ray head and a worker node on two namespaced hosts, one elastic Ray Train
-run across both with the worker node leaving and rejoining (distlab/two_hosts.py), then its card."""
+run across both with the worker node leaving and rejoining (distlab/jobs/two_hosts.py), then its card."""
 import json
 import os
 from pathlib import Path
 
-from distlab.launch import rule_job
+from distlab.jobs.launch import rule_job
 from distlab.report.inputs import declared_inputs
 from distlab.report.pages import two_hosts_page
-from distlab.rule_log import logged
-from distlab.two_hosts import run_two_hosts
+from distlab.jobs.rule_log import logged
+from distlab.jobs.two_hosts import run_two_hosts
 
 with logged(snakemake):
     run_dir = os.path.dirname(snakemake.output.metrics)

@@ -1,8 +1,8 @@
 """Rule validate_checkpoint: validate one experiment's checkpoints into validation.json."""
 import os
 
-from distlab.rule_log import logged
-from distlab.validate import validate_run
+from distlab.jobs.rule_log import logged
+from distlab.jobs.validate import validate_run
 
 with logged(snakemake):
     os.makedirs(snakemake.output.work, exist_ok=True)  # a declared output, also when no launch ran

@@ -1,15 +1,15 @@
-"""Run records for card tests, shaped like a real metrics.json (keys as distlab.worker
+"""Run records for card tests, shaped like a real metrics.json (keys as distlab.runtime.worker
 writes them) with every figure chosen by the test: a card's sentences can then be checked
 against the numbers they claim to come from, without training anything. Each goes through the
-one writer and the one reader of metrics.json (distlab.run_outputs), as a real run does."""
+one writer and the one reader of metrics.json (distlab.records.run_outputs), as a real run does."""
 from __future__ import annotations
 
 import copy
 
 from conftest import resolve
 
-from distlab.metrics import METRICS_SCHEMA_VERSION
-from distlab.run_outputs import read_run_record, write_metrics
+from distlab.records.metrics import METRICS_SCHEMA_VERSION
+from distlab.records.run_outputs import read_run_record, write_metrics
 
 _TIMING = {"n": 4, "median": 0.1, "min": 0.09, "max": 0.12, "p25": 0.095, "p75": 0.11}
 
@@ -40,7 +40,7 @@ def fake_run(run_dir, overrides: dict, stage: str = "ddp", *, as_built: dict | N
         "data": {"epoch_size": 100, "reads": 8, "duplicate_reads": 0, "duplicate_fraction": 0.0,
                  "samples_read_by_every_rank": 0, "epoch_plan_disjoint": True, "epoch_plan_covered": 100,
                  "epoch_plan_dropped": 0, "per_rank_reads": [8] * world},
-        # distlab.noise: others_cores None = not recorded; busy past the cores the run left free.
+        # distlab.runtime.noise: others_cores None = not recorded; busy past the cores the run left free.
         "noise": None if others_cores is None else {
             "busy": others_cores > max(0, 2 - world) + 0.2, "others_cores": others_cores, "machine_cores": 2,
             "free_cores": max(0, 2 - world), "load_avg_1min": [1.0, 1.0]},

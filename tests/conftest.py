@@ -84,9 +84,9 @@ def snakemake(workdir: Path, *args: str, config: dict | None = None, check: bool
 
 def assert_advisor_estimate_holds(prepared: Path, run: dict, name: str) -> None:
     """The advisor's estimate for a real run's own spec vs the state its rank measured from its
-    tensors (distlab.metrics / strategies.deepspeed_state), within advisor.TOLERANCE. Checked
+    tensors (distlab.records.metrics / strategies.deepspeed_state), within advisor.TOLERANCE. Checked
     on the runs the strategy tests already made, so it costs no run of its own."""
-    from distlab import advisor, advisor_check
+    from distlab.tools import advisor, advisor_check
 
     shape = advisor.model_shape(json.loads((prepared / "model" / "config.json").read_text()))
     (row,) = advisor_check.check_against_runs({"model": {"shape": shape}}, [dict(run, machine="testbox", experiment=name)])
@@ -100,7 +100,7 @@ def load_filed(run_dir, scratch) -> dict:
     import shutil
 
     from distlab.report.collect import load_run
-    from distlab.run_outputs import read_run_record
+    from distlab.records.run_outputs import read_run_record
 
     record = read_run_record(Path(run_dir) / "metrics.json")
     dest = Path(scratch) / record.machine / record.experiment

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from conftest import REPO, resolve, run_experiment
-from distlab.run_outputs import read_run_record
+from distlab.records.run_outputs import read_run_record
 from test_lora import assert_only_adapters_changed
 
 ACC = {"strategy": "accelerate", "method": "lora", "micro_batch": 2}
@@ -50,7 +50,7 @@ def by_hand(run_dir: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(run_dir / "run_files" / "accelerate_config.yaml"), "-m", "distlab.worker", "--job", str(run_dir / "job.json")]
+           str(run_dir / "run_files" / "accelerate_config.yaml"), "-m", "distlab.runtime.worker", "--job", str(run_dir / "job.json")]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -58,7 +58,7 @@ def by_hand(run_dir: Path) -> subprocess.CompletedProcess:
 def test_generated_accelerate_configs_load_in_accelerate_for_every_layout(tmp_path):
     from accelerate.commands.config.config_args import load_config_from_file
 
-    from distlab.config import load
+    from distlab.configuration.config import load
     from distlab.launchers.accelerate import write_accelerate_config
     from conftest import tiny_config
 
@@ -85,14 +85,14 @@ def test_generated_accelerate_configs_load_in_accelerate_for_every_layout(tmp_pa
 
 
 def test_fsdp_through_accelerate_on_cpu_is_refused_naming_the_field():
-    from distlab.config import ConfigError
+    from distlab.configuration.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"stages\.fsdp\.experiments\[0\]\.fsdp\.via.*CUDA"):
         resolve({"strategy": "fsdp", "world_size": 2, "fsdp": {"via": "accelerate"}}, stage="fsdp")
 
 
 def test_accelerate_launch_is_refused_for_strategies_it_does_not_run():
-    from distlab.config import ConfigError
+    from distlab.configuration.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"experiments\[0\]\.launcher.*use torchrun"):
         resolve({"strategy": "ddp", "launcher": "accelerate"})
@@ -128,7 +128,7 @@ def test_fidelity_check_fails_a_rank_that_accelerate_left_alone():
 
 
 def test_fidelity_check_never_lets_ddp_pass_as_fsdp():
-    from distlab.config import load
+    from distlab.configuration.config import load
     from distlab.strategies.base import FidelityError
     from conftest import tiny_config
 

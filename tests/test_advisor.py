@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distlab import advisor, advisor_check
-from distlab.config import load
+from distlab.tools import advisor, advisor_check
+from distlab.configuration.config import load
 
 REPO = Path(__file__).resolve().parent.parent
 PRESETS = REPO / "config" / "presets"
@@ -31,8 +31,8 @@ def test_parameter_count_matches_the_published_llama_sizes():
 
 
 def test_parameter_counts_match_the_real_model_with_and_without_lora(prepared):
-    from distlab.lora import apply_lora
-    from distlab.model import load_model
+    from distlab.runtime.lora import apply_lora
+    from distlab.runtime.model import load_model
 
     model = load_model(str(prepared / "model"))
     shape = advisor.model_shape(model.config.to_dict())
@@ -88,7 +88,7 @@ def test_tensor_parallel_rank_holds_its_split_of_the_plans_linears_and_the_rest_
     gate/up/down weight is split over the ranks, the embeddings, head and norms are not."""
     import torch
 
-    from distlab.model import decoder_layers, load_model
+    from distlab.runtime.model import decoder_layers, load_model
 
     model = load_model(str(prepared / "model"))
     counts = advisor.parameter_counts(advisor.model_shape(model.config.to_dict()))
@@ -151,7 +151,7 @@ def test_estimate_check_says_where_it_was_wrong():
 
 
 # preset -> (recommendation, devices, estimated GiB per device of the recommended row). The
-# activations are distlab.activations' estimate (fitted to saved-tensor measurements).
+# activations are distlab.runtime.activations' estimate (fitted to saved-tensor measurements).
 EXPECTED = {
     # DDP LoRA bf16: frozen base in bf16, adapters fp32 with grads, DDP buckets and AdamW (meta-device count).
     "llama7b-lora-2x24gb": ("ddp", 2, 17.20),
@@ -166,9 +166,9 @@ def test_gpu_preset_is_schema_valid_and_advised_as_documented(name, monkeypatch)
     # The presets ship config-only folders (no weights, no tokenizer): the workflow refuses to
     # train on them until model.path names the user's download, whose tokenizer is checked then
     # (tests/test_data_tokenizer.py); the advisor needs only config.json.
-    import distlab.tokenizer_checks
+    import distlab.configuration.tokenizer_checks
 
-    monkeypatch.setattr(distlab.tokenizer_checks, "check_tokenizer", lambda config: None)
+    monkeypatch.setattr(distlab.configuration.tokenizer_checks, "check_tokenizer", lambda config: None)
     raw = yaml.safe_load((PRESETS / f"{name}.yaml").read_text())
     config, specs = load(raw, gpu_count=2)
     assert specs and all(s["device"] == "cuda" for s in specs.values())

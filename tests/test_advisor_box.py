@@ -1,9 +1,9 @@
 """The advisor for a real box: named devices of unequal size, their link, and this machine's
-measured cards as evidence (distlab/advisor_box.py)."""
+measured cards as evidence (distlab/tools/advisor_box.py)."""
 import json
 from pathlib import Path
 
-from distlab import advisor
+from distlab.tools import advisor
 
 REPO = Path(__file__).resolve().parent.parent
 # A ~1.3B Llama (the 7B preset's config, narrower and shallower): LoRA in bf16 fits a 12 GiB card.

@@ -35,8 +35,8 @@ def junk_model_config(cfg, work):
 
 
 def jsonl_without_text_field(cfg, work):
-    if importlib.util.find_spec("distlab.data_checks") is None:
-        pytest.skip("data-file content checks (distlab.data_checks) are not in this branch")
+    if importlib.util.find_spec("distlab.configuration.data_checks") is None:
+        pytest.skip("data-file content checks (distlab.configuration.data_checks) are not in this branch")
     path = work / "rows.jsonl"
     path.write_text("\n".join(json.dumps({"body": f"row {i}"}) for i in range(20)) + "\n")
     cfg["data"].update(source="files", files=[str(path)])

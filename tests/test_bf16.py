@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from conftest import REPO, resolve, run_experiment
-from distlab.buffers import plain_buffers
-from distlab.validate import PARITY_TOLERANCE, validate_run
+from distlab.runtime.buffers import plain_buffers
+from distlab.jobs.validate import PARITY_TOLERANCE, validate_run
 
 # One rank each, as on the kit's one GPU; checkpoints every 2 steps give validation a resume point.
 BF16_RUNS = {
@@ -89,11 +89,11 @@ if hasattr(modeling_utils, "prevent_arange_dtype_change"):
     modeling_utils.prevent_arange_dtype_change = contextlib.nullcontext
 sys.path.insert(0, os.path.join(os.environ["PYTHONPATH"], "tests"))
 from conftest import resolve
-from distlab.buffers import plain_buffers
-from distlab.job import Job
-from distlab.model_setup import prepare_model
+from distlab.runtime.buffers import plain_buffers
+from distlab.jobs.job import Job
+from distlab.runtime.model_setup import prepare_model
 from distlab.strategies import strategy_for
-from distlab.worker import make_context
+from distlab.runtime.worker import make_context
 
 source, run_dir = sys.argv[1], sys.argv[2]
 plain = plain_buffers(source)

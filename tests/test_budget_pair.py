@@ -19,7 +19,7 @@ def llama_parameters(shape: dict, vocab: int) -> int:
 
 
 def default_pair():
-    from distlab.config import load_file
+    from distlab.configuration.config import load_file
 
     config, specs = load_file(REPO / "config" / "config.yaml", gpu_count=0)
     budgeted = [s for s in specs.values() if s["stage"] == "deepspeed" and s["memory_budget_gib"]]
@@ -29,8 +29,8 @@ def default_pair():
 
 
 def test_the_default_config_holds_the_budget_pair_on_its_own_built_model():
-    from distlab.config import model_shape
-    from distlab.validation_scope import validated_experiments
+    from distlab.configuration.config import model_shape
+    from distlab.configuration.validation_scope import validated_experiments
     from distlab.report.cards.zero_memory import zero_formula_bytes
 
     config, specs, one, three = default_pair()
@@ -104,7 +104,7 @@ def test_the_pair_plans_its_own_model_eval_and_no_checkpoint_validation(tmp_path
 
 def test_the_advisor_check_leaves_runs_on_a_model_extra_model_out(tmp_path):
     """The advice sizes the base model: its estimate is never set against another model's run."""
-    from distlab import advisor_check
+    from distlab.tools import advisor_check
 
     _, _, one, three = default_pair()
     runs = _pair(tmp_path, "oom", True, True)

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from conftest import resolve, run_experiment
-from distlab import checkpoint as ckpt
-from distlab.checkpoint_files import MANIFEST, sha256_file, verify_manifest
+from distlab.checkpoints import checkpoint as ckpt
+from distlab.checkpoints.checkpoint_files import MANIFEST, sha256_file, verify_manifest
 from distlab.checkpoint_formats.plain import load_plain
-from distlab.job import Job
-from distlab.loop import IndexStream
-from distlab.run_outputs import read_run_record
-from distlab.validate import validate_run
+from distlab.jobs.job import Job
+from distlab.runtime.loop import IndexStream
+from distlab.records.run_outputs import read_run_record
+from distlab.jobs.validate import validate_run
 from test_hygiene import python_process, reaper, sigkill_leaves_nothing, wait_for_ranks  # noqa: F401 (a fixture)
 
 
@@ -174,8 +174,8 @@ def test_validation_ranks_die_with_the_process_that_started_them(trained, prepar
     run = tmp_path / "copy"
     shutil.copytree(trained[0], run, ignore=shutil.ignore_patterns("validation-work"))
     args = [str(run), str(prepared / "model"), str(prepared / "data32"), str(tmp_path / "validation.json")]
-    validating = python_process(f"from distlab.validate import validate_run; validate_run(*{args!r})")
-    wait_for_ranks(validating, str(run), "distlab.validate_ranks")
+    validating = python_process(f"from distlab.jobs.validate import validate_run; validate_run(*{args!r})")
+    wait_for_ranks(validating, str(run), "distlab.runtime.validate_ranks")
     sigkill_leaves_nothing(validating, run)
     assert not (tmp_path / "validation.json").exists()
 
@@ -190,7 +190,7 @@ def test_export_opens_with_plain_transformers_and_matches_the_saved_logits(train
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from distlab.export import eval_batch
+    from distlab.checkpoints.export import eval_batch
 
     final = trained[0] / "checkpoint" / "final"
     model = AutoModelForCausalLM.from_pretrained(str(final / "export")).eval()
@@ -241,8 +241,8 @@ def test_lora_export_is_a_peft_adapter_folder_that_plain_peft_loads_on_the_base(
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from distlab.export import eval_batch
-    from distlab.model import load_model
+    from distlab.checkpoints.export import eval_batch
+    from distlab.runtime.model import load_model
 
     run, _, result = lora
     final = run / "checkpoint" / "final"
@@ -263,7 +263,7 @@ def test_a_lora_resume_against_a_changed_base_is_refused_naming_both_and_keeps_t
                                                                                           tmp_path):
     """The run's mid-run checkpoint put in resume/ of a new run whose base folder differs by one
     bit: the run stops naming both bases, and the adapters it refused are still there."""
-    from distlab.launch import launch
+    from distlab.jobs.launch import launch
 
     run, spec, _ = lora
     changed = tmp_path / "changed-base"
@@ -319,7 +319,7 @@ def resume_in(run_dir, trained, prepared, damage):
     trained run's step-4 checkpoint as one rank saved it, then damaged."""
     from types import SimpleNamespace
 
-    from distlab.training_checkpoints import TrainingCheckpoints
+    from distlab.runtime.training_checkpoints import TrainingCheckpoints
 
     folder = run_dir / "resume" / "step-000004"
     if not folder.parent.is_dir():
@@ -337,7 +337,7 @@ def resume_in(run_dir, trained, prepared, damage):
 
 
 def _rewrite_manifest(folder):
-    from distlab.checkpoint_files import write_manifest
+    from distlab.checkpoints.checkpoint_files import write_manifest
 
     (folder / MANIFEST).unlink()
     write_manifest(folder)
@@ -354,7 +354,7 @@ def _truncate_weights(folder):
 @pytest.mark.slow
 def test_a_resume_checkpoint_that_fails_to_load_stops_the_run_naming_it_and_the_rerun_starts_fresh(
         trained, prepared, tmp_path, one_rank_group, capsys):
-    from distlab.training_checkpoints import REFUSED_DIR, ResumeFailed
+    from distlab.runtime.training_checkpoints import REFUSED_DIR, ResumeFailed
 
     with pytest.raises(ResumeFailed) as failed:
         resume_in(tmp_path, trained, prepared, _truncate_weights).resume()
@@ -373,7 +373,7 @@ def test_a_resume_checkpoint_that_fails_to_load_stops_the_run_naming_it_and_the_
 
 @pytest.mark.slow
 def test_a_refused_resume_checkpoint_is_kept_and_named_never_deleted(trained, prepared, tmp_path, one_rank_group):
-    from distlab.training_checkpoints import REFUSED_DIR, REFUSED_LOG
+    from distlab.runtime.training_checkpoints import REFUSED_DIR, REFUSED_LOG
 
     def other_config(folder):
         meta = json.loads((folder / ckpt.META).read_text())
@@ -393,7 +393,7 @@ def test_a_refused_resume_checkpoint_is_kept_and_named_never_deleted(trained, pr
 
 
 def test_checkpoint_keep_keeps_the_newest_periodic_saves_and_the_one_validation_resumes_from(tmp_path):
-    from distlab.training_checkpoints import prune_periodic
+    from distlab.runtime.training_checkpoints import prune_periodic
 
     for step in (2, 4, 6, 8, 10):
         (tmp_path / f"step-{step:06d}").mkdir()

@@ -7,9 +7,9 @@ import os
 import pytest
 
 from conftest import snakemake, tiny_config
-from distlab.checkpoint import FAULT_ENV
-from distlab.job import Job
-from distlab.run_outputs import read_run_record
+from distlab.checkpoints.checkpoint import FAULT_ENV
+from distlab.jobs.job import Job
+from distlab.records.run_outputs import read_run_record
 from report_fixtures import MACHINE, seed_prepared
 
 KILLED = "ddp-full-w2-mb4-ga1"
@@ -67,10 +67,10 @@ def test_a_failed_final_save_keeps_the_runs_figures_and_counts_it_trained_but_un
     collective, the job ends ok with every output rule train declares, and metrics.json keeps
     the figures (written before the save) with checkpoint.status failed and the error."""
     from conftest import load_filed, resolve, run_experiment
-    from distlab.export import SAVE_FAULT_ENV
+    from distlab.checkpoints.export import SAVE_FAULT_ENV
     from distlab.report.cards.checkpoint_table import checkpoint_card
     from distlab.report.collect import summary_row
-    from distlab.validate import validate_run
+    from distlab.jobs.validate import validate_run
 
     spec = resolve({"world_size": 2, "micro_batch": 4}, steps=4, untimed_steps=1)
     monkeypatch.setenv(SAVE_FAULT_ENV, spec["id"])
@@ -100,8 +100,8 @@ def test_a_run_that_dies_out_of_memory_in_its_final_save_had_written_its_figures
     """Rank 0 ends in the save as the memory watchdog ends it: metrics.json, written before the
     save, keeps the trained run's figures under status oom."""
     from conftest import resolve
-    from distlab.export import SAVE_FAULT_ENV
-    from distlab.launch import launch
+    from distlab.checkpoints.export import SAVE_FAULT_ENV
+    from distlab.jobs.launch import launch
 
     spec = resolve({"world_size": 1, "micro_batch": 4}, steps=3, untimed_steps=1)
     monkeypatch.setenv(SAVE_FAULT_ENV, f"{spec['id']}:oom")

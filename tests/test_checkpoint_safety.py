@@ -9,9 +9,9 @@ import types
 import pytest
 import torch
 
-from distlab import checkpoint as ckpt
+from distlab.checkpoints import checkpoint as ckpt
 from distlab.checkpoint_formats.plain import load_plain
-from distlab.safe_load import weights_only_loads
+from distlab.checkpoints.safe_load import weights_only_loads
 
 
 class Exploit:
@@ -35,7 +35,7 @@ def _plant(path, marker, raw_pickle: bool = False):
 
 
 def test_distlab_loads_a_deepspeed_checkpoint_without_running_a_planted_pickle(tmp_path, monkeypatch):
-    """Through distlab.checkpoint.load_checkpoint, the one loader every strategy's load goes through."""
+    """Through distlab.checkpoints.checkpoint.load_checkpoint, the one loader every strategy's load goes through."""
     pytest.importorskip("deepspeed")
     import torch.distributed as dist
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
@@ -124,7 +124,7 @@ def test_loading_a_checkpoint_of_another_strategy_does_not_import_deepspeed(tmp_
     import sys
 
     torch.save({"weight": torch.ones(2)}, tmp_path / "state.pt")
-    code = ("import sys, torch\nfrom distlab.safe_load import weights_only_loads\n"
+    code = ("import sys, torch\nfrom distlab.checkpoints.safe_load import weights_only_loads\n"
             f"with weights_only_loads():\n    torch.load({str(tmp_path / 'state.pt')!r})\n"
             "print(sorted(m for m in ('deepspeed', 'mlflow') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from distlab import collectives as coll
+from distlab.tools import collectives as coll
 
 
 def test_busbw_follows_the_nccl_tests_formulas():

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, tiny_config
-from distlab.config import ConfigError, EXPERIMENT_DEFAULTS, experiment_id, load
+from distlab.configuration.config import ConfigError, EXPERIMENT_DEFAULTS, experiment_id, load
 
 
 def specs_of(cfg, gpus=0):
@@ -131,7 +131,7 @@ def test_id_is_a_pure_function_of_the_spec():
 
 
 def test_validation_scope_picks_one_experiment_per_strategy_method_and_launcher():
-    from distlab.validation_scope import validated_experiments
+    from distlab.configuration.validation_scope import validated_experiments
 
     cfg = ddp_config({"world_size": 1, "micro_batch": 8}, {"world_size": 2}, {"world_size": 2, "method": "lora"})
     cfg, specs = load(cfg, gpu_count=0)
@@ -158,10 +158,10 @@ def test_a_junk_model_config_json_is_refused_naming_the_file_and_line(tmp_path):
 
 
 def test_a_model_folder_without_weights_is_refused_before_any_job(tmp_path, monkeypatch):
-    import distlab.tokenizer_checks
+    import distlab.configuration.tokenizer_checks
 
     # This folder has no tokenizer either (refused on its own: tests/test_data_tokenizer.py).
-    monkeypatch.setattr(distlab.tokenizer_checks, "check_tokenizer", lambda config: None)
+    monkeypatch.setattr(distlab.configuration.tokenizer_checks, "check_tokenizer", lambda config: None)
     folder = model_folder(tmp_path, '{"model_type": "llama"}', weights=False)
     config = ddp_config({"world_size": 1}, model={"path": str(folder)})
     config["results_dir"] = str(tmp_path / "results")
@@ -171,7 +171,7 @@ def test_a_model_folder_without_weights_is_refused_before_any_job(tmp_path, monk
 
 
 def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path):
-    from distlab.config import load_file
+    from distlab.configuration.config import load_file
 
     path = tmp_path / "config.yaml"
     path.write_text("stages:\n  ddp:\n    experiments: [{world_size: 2\n  foo: bar\n")
@@ -235,7 +235,7 @@ def test_a_results_dir_that_cannot_be_created_is_refused(tmp_path):
 
 
 def test_a_configfile_with_a_yaml_syntax_error_is_named_by_distlab_check_config(tmp_path, capsys):
-    from distlab.check_config import main
+    from distlab.configuration.check_config import main
 
     bad = tmp_path / "mine.yaml"
     bad.write_text("stages:\n  ddp:\n    experiments: [{world_size: 2\n  foo: bar\n")
@@ -249,12 +249,12 @@ def test_a_configfile_with_a_yaml_syntax_error_is_named_by_distlab_check_config(
 def test_epochs_or_max_tokens_replace_the_steps_they_inherit_and_resolve_to_optimizer_steps(tmp_path):
     import json
 
-    from distlab.finetune_config import resolve_epochs
+    from distlab.configuration.finetune_config import resolve_epochs
 
     # max_tokens: known at config time. 2000 tokens / (4 x 2 accumulated x 2 ranks x 32) = 3.9 -> 4 steps.
     (spec,) = load(ddp_config({"world_size": 2, "grad_accum": 2, "max_tokens": 2000}), gpu_count=0)[1].values()
     assert spec["steps"] == 4 and spec["length"]["from"] == "max_tokens" and spec["epochs"] is None
-    # epochs: the prepared data's train blocks decide, once they exist (distlab.launch).
+    # epochs: the prepared data's train blocks decide, once they exist (distlab.jobs.launch).
     (spec,) = load(ddp_config({"world_size": 2, "epochs": 1.5, "lr_warmup_ratio": 0.1}), gpu_count=0)[1].values()
     assert spec["steps"] is None and spec["length"]["from"] == "epochs"
     (tmp_path / "distlab_data.json").write_text(json.dumps({"splits": {"train": {"blocks": 101}}}))
@@ -270,7 +270,7 @@ def test_epochs_or_max_tokens_replace_the_steps_they_inherit_and_resolve_to_opti
 
 
 def test_warmup_steps_still_works_and_says_it_means_untimed_steps_not_the_lr_warm_up():
-    from distlab.finetune_config import ConfigDeprecation
+    from distlab.configuration.finetune_config import ConfigDeprecation
 
     cfg = ddp_config({"world_size": 1})
     cfg["defaults"].pop("untimed_steps")

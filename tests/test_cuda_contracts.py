@@ -22,7 +22,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from distlab.job import Job
+from distlab.jobs.job import Job
 
 CUDA = torch.device("cuda", 0)
 
@@ -139,7 +139,7 @@ def no_file_writes(monkeypatch):
     """The export's writers check what they are given (CPU tensors) instead of writing bytes."""
     import safetensors.torch
 
-    from distlab.export_files import SafetensorsFile
+    from distlab.checkpoints.export_files import SafetensorsFile
 
     seen = []
 
@@ -167,8 +167,8 @@ def make(strategy_cls, spec: dict, module):
 
 
 def llama(prepared, spec=None):
-    from distlab.lora import apply_lora
-    from distlab.model import load_model
+    from distlab.runtime.lora import apply_lora
+    from distlab.runtime.model import load_model
 
     model = load_model(prepared / "model", device="meta")
     if spec is not None and spec["method"] == "lora":
@@ -187,8 +187,8 @@ def spec_of(strategy: str, method: str = "full", **over):
 def assert_whole_model_paths_stay_on_the_host(strategy, prepared, tmp_path, written, monkeypatch):
     """The export pass (gathered groups, rank 0's streamed forward, writers, recorded logits)
     and the validation ranks' streamed logits."""
-    from distlab.export import EVAL_BATCH, EVAL_TOKENS, export_pass
-    from distlab.validate_ranks import ValidationRank
+    from distlab.checkpoints.export import EVAL_BATCH, EVAL_TOKENS, export_pass
+    from distlab.runtime.validate_ranks import ValidationRank
 
     job = Job(spec=strategy.spec, run_dir=str(tmp_path), model_source=str(prepared / "model"),
               data_dir=str(prepared / "data32"))
@@ -381,7 +381,7 @@ def tiny_strategy(name: str, vocab: int, monkeypatch):
 @pytest.mark.parametrize("name", ["ddp", "accelerate", "fsdp", "tp", "deepspeed"])
 def test_forward_logits_takes_the_cpu_batch_to_the_model_and_the_eval_loss_takes_the_labels(
         fake_group, fake_cuda, prepared, monkeypatch, name):
-    from distlab.evaluation import eval_tokens, loss_terms
+    from distlab.runtime.evaluation import eval_tokens, loss_terms
 
     ids, labels = eval_tokens(prepared / "data32", 2)  # CPU tensors, as the eval reads them
     strategy = tiny_strategy(name, int(ids.max()) + 1, monkeypatch)
@@ -395,7 +395,7 @@ def test_forward_logits_takes_the_cpu_batch_to_the_model_and_the_eval_loss_takes
 
 def test_pipeline_forward_logits_send_activations_and_logits_as_device_tensors(fake_group, fake_cuda, prepared,
                                                                               nccl_rules):
-    from distlab.evaluation import eval_tokens
+    from distlab.runtime.evaluation import eval_tokens
     from distlab.strategies.pp import PipelineParallelStrategy
 
     ids, _ = eval_tokens(prepared / "data32", 2)

@@ -3,7 +3,7 @@ import json
 
 import torch
 
-from distlab import data
+from distlab.data_prep import data
 
 
 def _prepare(root, vocab=512, seq=32):
@@ -55,7 +55,7 @@ def test_local_jsonl_files_are_read_by_text_field(tmp_path):
 
 
 def test_data_prep_reports_rows_tokens_and_tokens_per_second(prepared, capsys):
-    from distlab.prep_progress import TokenizeProgress
+    from distlab.data_prep.prep_progress import TokenizeProgress
 
     prep = data.read_data_info(prepared / "data32")["prep"]
     blocks = prep["blocks"]

@@ -7,7 +7,7 @@ from conftest import tiny_config
 
 
 def _load_with(files, **data):
-    from distlab.config import load
+    from distlab.configuration.config import load
 
     cfg = tiny_config({"ddp": {"experiments": [{"strategy": "ddp"}]}})
     cfg["data"] = {"source": "files", "files": [str(f) for f in files], **data}
@@ -15,7 +15,7 @@ def _load_with(files, **data):
 
 
 def test_jsonl_row_without_the_text_field_is_named_by_file_and_line(tmp_path):
-    from distlab.config import ConfigError
+    from distlab.configuration.config import ConfigError
 
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"text": "fine"}) + "\n\n" + json.dumps({"body": "no text"}) + "\n")
@@ -24,7 +24,7 @@ def test_jsonl_row_without_the_text_field_is_named_by_file_and_line(tmp_path):
 
 
 def test_empty_file_is_refused_before_any_job(tmp_path):
-    from distlab.config import ConfigError
+    from distlab.configuration.config import ConfigError
 
     path = tmp_path / "empty.jsonl"
     path.write_text("")
@@ -33,7 +33,7 @@ def test_empty_file_is_refused_before_any_job(tmp_path):
 
 
 def test_non_utf8_text_is_named_with_its_line(tmp_path):
-    from distlab.config import ConfigError
+    from distlab.configuration.config import ConfigError
 
     path = tmp_path / "latin1.txt"
     path.write_bytes("first line\nsecond line\nna\u00efve caf\u00e9\n".encode("latin-1"))
@@ -42,7 +42,7 @@ def test_non_utf8_text_is_named_with_its_line(tmp_path):
 
 
 def test_json_file_of_json_lines_is_read_as_rows_not_one_document(tmp_path):
-    from distlab import data
+    from distlab.data_prep import data
 
     path = tmp_path / "rows.json"
     path.write_text("".join(json.dumps({"text": f"row {i}", "id": i}) + "\n" for i in range(3)))
@@ -53,7 +53,7 @@ def test_json_file_of_json_lines_is_read_as_rows_not_one_document(tmp_path):
 
 
 def test_chat_rows_need_messages_with_an_assistant_turn(tmp_path):
-    from distlab.config import ConfigError
+    from distlab.configuration.config import ConfigError
 
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
@@ -62,7 +62,7 @@ def test_chat_rows_need_messages_with_an_assistant_turn(tmp_path):
 
 
 def test_experiment_naming_an_unknown_dataset_is_refused():
-    from distlab.config import ConfigError, load
+    from distlab.configuration.config import ConfigError, load
 
     cfg = tiny_config({"ddp": {"experiments": [{"strategy": "ddp", "dataset": "nope"}]}})
     with pytest.raises(ConfigError, match=r"experiments\[0\]\.dataset': no dataset 'nope'"):
@@ -79,7 +79,7 @@ def test_a_big_json_array_is_checked_in_bounded_memory(tmp_path):
 
     path = tmp_path / "rows.json"
     path.write_text(_json.dumps([{"text": "the quick brown fox " * 4}] * 420_000))
-    script = ("import resource, sys\nimport distlab.config\nfrom distlab.data_checks import check_data_file\n"
+    script = ("import resource, sys\nimport distlab.configuration.config\nfrom distlab.configuration.data_checks import check_data_file\n"
               "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
               "check_data_file(sys.argv[1], {'format': 'text', 'text_field': 'text', "
               "'messages_field': 'messages', 'prompt_field': 'prompt', 'response_field': 'response'}, 'data.files[0]')\n"
@@ -93,8 +93,8 @@ def test_a_big_json_array_is_checked_in_bounded_memory(tmp_path):
 def test_a_json_line_longer_than_the_row_limit_is_refused_naming_it(tmp_path):
     import json as _json
 
-    from distlab.config import ConfigError
-    from distlab.data_checks import MAX_ROW_CHARS, check_data_file
+    from distlab.configuration.config import ConfigError
+    from distlab.configuration.data_checks import MAX_ROW_CHARS, check_data_file
 
     path = tmp_path / "rows.jsonl"
     path.write_text(_json.dumps({"text": "ok"}) + "\n" + _json.dumps({"text": "x" * (MAX_ROW_CHARS + 10)}) + "\n")

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from distlab import data
-from distlab.data_formats import IGNORE, encode_chat, encode_instruction
-from distlab.job import Job
-from distlab.run_outputs import read_run_record
+from distlab.data_prep import data
+from distlab.data_prep.data_formats import IGNORE, encode_chat, encode_instruction
+from distlab.jobs.job import Job
+from distlab.records.run_outputs import read_run_record
 
 
 def _trained_text(tok, ids, labels):
@@ -71,8 +71,8 @@ def test_training_loss_counts_only_response_tokens(prepared, instruction_data, t
     import torch
 
     from conftest import resolve
-    from distlab.launch import launch
-    from distlab.model import load_model
+    from distlab.jobs.launch import launch
+    from distlab.runtime.model import load_model
 
     spec = resolve({"strategy": "ddp", "world_size": 1, "micro_batch": 4}, steps=3, untimed_steps=1)
     job = Job(spec=spec, run_dir=str(tmp_path), data_dir=str(instruction_data),
@@ -100,7 +100,7 @@ def test_a_tokenizer_that_marks_every_call_is_refused_for_streamed_text_pieces()
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from distlab.data_formats import DOCUMENT_END, encode_text, pieces_tokenize_like_the_whole
+    from distlab.data_prep.data_formats import DOCUMENT_END, encode_text, pieces_tokenize_like_the_whole
 
     def fast(pre_tokenizer, decoder):
         tok = Tokenizer(models.BPE(unk_token="<unk>"))

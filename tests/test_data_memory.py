@@ -11,7 +11,7 @@ from conftest import REPO
 
 LOAD = """
 import json, resource, sys
-from distlab.data import load_blocks
+from distlab.data_prep.data import load_blocks
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 blocks = load_blocks(sys.argv[1], "train")
 batch = blocks[list(range(0, len(blocks), 997))]
@@ -38,7 +38,7 @@ def test_a_rank_holds_the_rows_it_reads_not_an_int64_copy_of_the_split(tmp_path)
 
 
 def test_the_advisor_counts_the_micro_batch_a_rank_holds():
-    from distlab import advisor
+    from distlab.tools import advisor
 
     shape = advisor.model_shape({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
                                  "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,

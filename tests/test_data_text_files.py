@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from distlab import data
+from distlab.data_prep import data
 
 REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
 
@@ -59,7 +59,7 @@ def test_a_big_text_file_loads_in_flat_memory(tmp_path, one_line):
             fh.write(line_block + ("" if one_line else "\n"))
     script = (
         "import json, resource, sys\n"
-        "from distlab import data\n"
+        "from distlab.data_prep import data\n"
         "import datasets\n"
         "datasets.disable_progress_bars()\n"
         "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"

@@ -78,7 +78,7 @@ def test_model_folder_data_is_encoded_with_the_models_own_tokenizer(tmp_path, gp
 
 
 def test_tokenizer_with_more_ids_than_the_model_embeds_is_refused(tmp_path, gpt2_folder):
-    from distlab.config import ConfigError, load
+    from distlab.configuration.config import ConfigError, load
 
     _own_tokenizer(tmp_path / "big", vocab_size=600)
     corpus = _jsonl(tmp_path / "c.jsonl", CORPUS[:5])
@@ -87,7 +87,7 @@ def test_tokenizer_with_more_ids_than_the_model_embeds_is_refused(tmp_path, gpt2
 
 
 def test_tokenizer_whose_eos_differs_from_the_models_is_refused_naming_both(tmp_path, gpt2_folder):
-    from distlab.config import ConfigError, load
+    from distlab.configuration.config import ConfigError, load
 
     other = tmp_path / "other"
     other.mkdir()
@@ -100,8 +100,8 @@ def test_tokenizer_whose_eos_differs_from_the_models_is_refused_naming_both(tmp_
 
 
 def test_bare_tokenizer_json_takes_its_special_tokens_from_the_model(tmp_path, gpt2_folder):
-    from distlab import data
-    from distlab.config import load
+    from distlab.data_prep import data
+    from distlab.configuration.config import load
 
     bare = tmp_path / "bare" / "tokenizer.json"
     bare.parent.mkdir()
@@ -115,7 +115,7 @@ def test_bare_tokenizer_json_takes_its_special_tokens_from_the_model(tmp_path, g
 
 
 def test_bare_tokenizer_json_without_any_eos_is_refused(tmp_path):
-    from distlab.config import ConfigError, load
+    from distlab.configuration.config import ConfigError, load
 
     _own_tokenizer(tmp_path / "tok")
     (tmp_path / "tok" / "tokenizer_config.json").unlink()
@@ -133,7 +133,7 @@ def test_streamed_txt_with_a_space_marking_tokenizer_is_refused_before_any_job(t
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from distlab.config import ConfigError, load
+    from distlab.configuration.config import ConfigError, load
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(prepend_scheme="always"), decoders.Metaspace()

@@ -81,7 +81,7 @@ def test_the_advisor_estimates_each_zero_runs_measured_state(prepared, runs, nam
 
 @pytest.mark.slow
 def test_the_deepspeed_config_on_disk_is_the_one_the_engine_used(prepared, runs):
-    from distlab.model import decoder_layers, load_model
+    from distlab.runtime.model import decoder_layers, load_model
 
     model = load_model(str(prepared / "model"))
     layer = sum(p.numel() for p in decoder_layers(model)[0].parameters())
@@ -201,7 +201,7 @@ def test_card_3_compares_measured_state_with_formula_and_estimator(runs):
     ({"zero_stage": 2, "zero3_profile": "lean"}, "deepspeed.zero3_profile"),
 ])
 def test_impossible_deepspeed_settings_are_rejected_naming_the_field(ds, field):
-    from distlab.config import ConfigError
+    from distlab.configuration.config import ConfigError
 
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         deepspeed_spec(**ds)

@@ -2,16 +2,17 @@
 import json
 
 import pytest
-from distlab.job import Job
+from distlab.jobs.job import Job
 
-from distlab.run_outputs import read_run_record
+from distlab.records.run_outputs import read_run_record
 
 
 def test_base_eval_is_the_models_mean_loss_on_the_first_eval_blocks(prepared, tmp_path):
     import torch
 
-    from distlab import data, evaluation
-    from distlab.model import load_model
+    from distlab.data_prep import data
+    from distlab.runtime import evaluation
+    from distlab.runtime.model import load_model
 
     result = evaluation.evaluate_base(str(prepared / "model"), prepared / "data32", tmp_path / "base.json")
     ids = data.load_blocks(prepared / "data32", "eval")[:16]
@@ -33,8 +34,8 @@ def test_sharded_run_is_evaluated_whole_beside_the_base_model(prepared, tmp_path
     from transformers import AutoModelForCausalLM
 
     from conftest import resolve
-    from distlab import evaluation
-    from distlab.launch import launch
+    from distlab.runtime import evaluation
+    from distlab.jobs.launch import launch
 
     base = evaluation.evaluate_base(str(prepared / "model"), prepared / "data32", tmp_path / "base.json")
     spec = resolve(overrides, stage="fsdp", steps=4, untimed_steps=1)
@@ -59,7 +60,7 @@ def test_sharded_run_is_evaluated_whole_beside_the_base_model(prepared, tmp_path
 def test_summary_gets_each_runs_base_and_trained_eval_loss():
     import pandas as pd
 
-    from distlab.evaluation import eval_columns
+    from distlab.runtime.evaluation import eval_columns
 
     runs = [{"machine": "m", "experiment": "a", "eval": {"base": {"loss": 8.0}, "trained": {"loss": 7.0,
                                                                                               "perplexity": 1096.6}}},
@@ -72,7 +73,7 @@ def test_summary_gets_each_runs_base_and_trained_eval_loss():
 def test_an_eval_forward_takes_more_sequences_only_where_their_no_grad_forward_fits_what_training_keeps():
     from types import SimpleNamespace
 
-    from distlab.evaluation import eval_batch_size
+    from distlab.runtime.evaluation import eval_batch_size
 
     def llama(v, h, i, a, layers):
         return SimpleNamespace(vocab_size=v, hidden_size=h, intermediate_size=i, num_attention_heads=a,

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from distlab.streamed import Skeleton, file_groups, open_weights, parameter_groups, streamed_logits
+from distlab.runtime.streamed import Skeleton, file_groups, open_weights, parameter_groups, streamed_logits
 
 
 def tiny_llama(tied: bool, layers: int = 3):
@@ -30,8 +30,8 @@ def live_groups(model, main: bool = True):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_streamed_export_is_byte_for_byte_what_save_pretrained_writes(tmp_path, tied):
-    from distlab.export import FullWeights
-    from distlab.model import load_model
+    from distlab.checkpoints.export import FullWeights
+    from distlab.runtime.model import load_model
 
     model = tiny_llama(tied)
     model.save_pretrained(tmp_path / "reference", max_shard_size="20KB")
@@ -49,7 +49,7 @@ def test_the_streamed_export_is_byte_for_byte_what_save_pretrained_writes(tmp_pa
 
 
 def test_a_tensor_on_a_device_or_of_another_shape_is_refused_by_the_writer(tmp_path):
-    from distlab.export_files import SafetensorsFile
+    from distlab.checkpoints.export_files import SafetensorsFile
 
     out = SafetensorsFile(tmp_path / "x.safetensors", {"w": ((2, 3), torch.float32)})
     with pytest.raises(ValueError, match="'w' is .*declared"):
@@ -64,7 +64,7 @@ def test_a_tensor_on_a_device_or_of_another_shape_is_refused_by_the_writer(tmp_p
 def test_the_streamed_forward_holds_one_layer_and_gives_the_whole_models_logits(tmp_path, tied):
     model = tiny_llama(tied)
     model.save_pretrained(tmp_path / "model")
-    from distlab.model import load_model
+    from distlab.runtime.model import load_model
 
     skeleton = Skeleton(load_model(tmp_path / "model", device="meta"))
     held = []
@@ -83,7 +83,7 @@ def test_the_streamed_merged_lora_export_equals_peft_merge_and_unload(tmp_path):
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file
 
-    from distlab.export import AdapterWeights, MergedWeights
+    from distlab.checkpoints.export import AdapterWeights, MergedWeights
 
     model = tiny_llama(False, layers=2)
     model.save_pretrained(tmp_path / "base")

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_config
-from distlab.job import Job
-from distlab.run_outputs import read_run_record
+from distlab.jobs.job import Job
+from distlab.records.run_outputs import read_run_record
 
 SEQ_LEN = 32
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -89,7 +89,7 @@ LOSS_TOLERANCE = 1e-5
 @pytest.fixture(scope="session")
 def family_folders(prepared):
     """One model folder per family, with the session tokenizer (vocab 512) saved inside."""
-    from distlab.data import load_tokenizer
+    from distlab.data_prep.data import load_tokenizer
 
     tokenizer = load_tokenizer(prepared / "tokenizer")
     root = prepared / "families"
@@ -106,7 +106,7 @@ def family_config(folder: Path, strategy: str) -> dict:
 
 
 def load_spec(folder: Path, strategy: str) -> dict:
-    from distlab.config import load
+    from distlab.configuration.config import load
 
     _, specs = load(family_config(folder, strategy), gpu_count=0)
     (spec,) = specs.values()
@@ -117,7 +117,7 @@ def load_spec(folder: Path, strategy: str) -> dict:
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_every_family_and_strategy_is_either_accepted_or_refused_at_config_time_with_the_reason(
         family_folders, family, strategy):
-    from distlab.config import ConfigError
+    from distlab.configuration.config import ConfigError
 
     reason = REFUSED.get((family, strategy))
     if reason is None:
@@ -145,7 +145,7 @@ def plain_losses(folder: Path, blocks, samples: list[int], sliding_window=True) 
 
 def step0_samples(run_dir: Path, spec: dict, data_parallel_size: int, n_samples: int) -> list[int]:
     """The samples step 0 read (steps.jsonl), checked against what the spec's seed and sampler give."""
-    from distlab.loop import IndexStream
+    from distlab.runtime.loop import IndexStream
 
     step0 = json.loads((run_dir / "steps.jsonl").read_text().splitlines()[0])
     by_rank = step0["samples_by_rank"]
@@ -160,8 +160,8 @@ def step0_samples(run_dir: Path, spec: dict, data_parallel_size: int, n_samples:
 @pytest.mark.parametrize("family, strategy", RUNS)
 def test_family_runs_with_the_plain_models_step0_loss_on_the_same_samples(
         prepared, family_folders, tmp_path, family, strategy):
-    from distlab.data import load_blocks
-    from distlab.launch import launch
+    from distlab.data_prep.data import load_blocks
+    from distlab.jobs.launch import launch
 
     folder = family_folders[family]
     spec = load_spec(folder, strategy)

@@ -49,7 +49,7 @@ def test_activation_checkpointing_keeps_the_losses_and_holds_fewer_activations(r
 
 @pytest.mark.slow
 def test_the_advisor_estimates_the_saved_activations_of_every_mode(prepared, runs):
-    from distlab import advisor, advisor_check
+    from distlab.tools import advisor, advisor_check
 
     shape = advisor.model_shape(json.loads((prepared / "model" / "config.json").read_text()))
     rows = advisor_check.check_against_runs({"model": {"shape": shape}},
@@ -61,7 +61,7 @@ def test_the_advisor_estimates_the_saved_activations_of_every_mode(prepared, run
 
 @pytest.mark.slow
 def test_every_step_records_the_schedules_learning_rate_and_the_pre_clip_norm(runs):
-    from distlab.schedule import expected_rates
+    from distlab.runtime.schedule import expected_rates
 
     run = runs["none"]
     rows = steps_of(run)

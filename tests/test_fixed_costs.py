@@ -11,9 +11,9 @@ REPO = Path(__file__).resolve().parent.parent
 # What a rank does: the model's code, then DeepSpeed.
 A_RANKS_IMPORTS = """
 import json, sys
-from distlab.tracking import hide_mlflow
+from distlab.runtime.tracking import hide_mlflow
 hidden = hide_mlflow(uses_it=False)
-from distlab.model import import_model_code
+from distlab.runtime.model import import_model_code
 import_model_code(sys.argv[1], lora=False)
 facts = {"mlflow_hidden": hidden}
 import deepspeed
@@ -43,7 +43,7 @@ def test_a_deepspeed_process_that_writes_nothing_to_mlflow_never_imports_it(rank
     assert rank_imports["mlflow_hidden"] and not rank_imports["mlflow_imported"]
     assert rank_imports["deepspeed_has_mlflow"] is False  # DeepSpeed went on without it
     assert "mlflow" in rank_imports["asking_for_mlflow"]  # anyone else asking is told plainly
-    from distlab.tracking import hide_mlflow
+    from distlab.runtime.tracking import hide_mlflow
 
     assert not hide_mlflow(uses_it=True)  # the tracking rank 0 keeps it (nothing hidden here)
 

@@ -15,7 +15,7 @@ import pytest
 
 from card_runs import fake_run
 
-from distlab.run_outputs import write_metrics
+from distlab.records.run_outputs import write_metrics
 
 GOOD = "goodbox"
 WILDCARD_BOX = "{oops}"
@@ -198,8 +198,8 @@ def test_a_folder_named_like_a_wildcard_under_results_stops_no_snakemake_call(tm
     too, with a WildcardError that named no folder; now each is ignored and named, and a
     results_dir named so is refused naming the field."""
     from conftest import snakemake, tiny_config
-    from distlab.config import ConfigError
-    from distlab.input_checks import check_results_dir
+    from distlab.configuration.config import ConfigError
+    from distlab.configuration.input_checks import check_results_dir
 
     for machine in (WILDCARD_BOX, "otherbox"):
         (tmp_path / "results" / machine / "{x}").mkdir(parents=True)

@@ -19,7 +19,7 @@ import re
 import pytest
 
 from conftest import REPO, assert_advisor_estimate_holds, resolve, run_experiment
-from distlab.run_outputs import read_run_record
+from distlab.records.run_outputs import read_run_record
 
 # fp32, same seed, data and global batch: sharding changes only the order of float
 # reductions, so per-step losses agree to float32 noise (measured ~1e-6 here; 1e-4 leaves
@@ -101,8 +101,8 @@ def _rank_main(job_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from distlab.data import load_blocks
-    from distlab.model import load_model
+    from distlab.data_prep.data import load_blocks
+    from distlab.runtime.model import load_model
     from distlab.strategies import strategy_for
     from distlab.strategies.base import FidelityError, RunContext
 
@@ -163,7 +163,7 @@ def _rank_main(job_path: str) -> None:
         # Fidelity: describe/verify on a model the strategy did not really transform.
         plain = load_model(prepared / "model")
         if name == "fsdp":
-            from distlab.model import decoder_layers
+            from distlab.runtime.model import decoder_layers
 
             fake = strategy_for(spec)(trained.ctx)
             fake.model, fake.layers, fake.optimizer = plain, decoder_layers(plain), None
@@ -172,7 +172,7 @@ def _rank_main(job_path: str) -> None:
             claimed = dict(fake.describe(), wrappers_found=["FSDPModule"])
             result["unsharded_parameters"] = mislabel(name, lambda: fake.verify(claimed))
         elif name == "tp":
-            from distlab.model import decoder_layers
+            from distlab.runtime.model import decoder_layers
 
             fake = strategy_for(spec)(trained.ctx)
             fake.model, fake.layers, fake.plan, fake.mesh = plain, decoder_layers(plain), trained.plan, trained.mesh

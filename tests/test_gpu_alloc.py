@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from distlab.gpu_alloc import GpuAllocationError, allocate, visible_devices
+from distlab.jobs.gpu_alloc import GpuAllocationError, allocate, visible_devices
 
 HOLDER = """
 import json, sys, time
-from distlab.gpu_alloc import allocate
+from distlab.jobs.gpu_alloc import allocate
 lock_dir, n, devices, hold, out = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","), float(sys.argv[4]), sys.argv[5]
 with allocate(n, lock_dir, devices=devices, timeout=60, poll=0.05) as ids:
     start = time.time()
@@ -76,7 +76,7 @@ def test_an_inherited_device_list_is_all_a_job_may_use(monkeypatch):
 
 
 def test_a_cuda_run_holds_its_gpus_while_the_ranks_run_and_records_them(tmp_path, monkeypatch):
-    from distlab.launch import assigned_gpus
+    from distlab.jobs.launch import assigned_gpus
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,6")  # fake devices: nothing here touches a GPU
     run_dir = tmp_path / "results" / "box" / "exp"
@@ -92,7 +92,7 @@ def test_a_cuda_run_holds_its_gpus_while_the_ranks_run_and_records_them(tmp_path
 
 
 def test_a_cpu_run_takes_no_gpu(tmp_path):
-    from distlab.launch import assigned_gpus
+    from distlab.jobs.launch import assigned_gpus
 
     with assigned_gpus({"device": "cpu", "world_size": 2}, str(tmp_path)) as ids:
         assert ids is None
@@ -126,7 +126,7 @@ def test_local_gpus_profile_dry_runs_the_workflow(tmp_path):
 
 
 def test_a_cuda_rank_gets_the_jobs_cores_split_over_its_ranks(monkeypatch):
-    from distlab.gpu_alloc import cuda_rank_threads
+    from distlab.jobs.gpu_alloc import cuda_rank_threads
     from distlab.launchers.environment import rank_environment
 
     spec = {"device": "cuda", "world_size": 2, "cpu_threads_per_rank": 1}

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from conftest import REPO, snakemake
-from distlab.config import ConfigError, load
+from distlab.configuration.config import ConfigError, load
 
 GPU_CONFIG = REPO / "config" / "gpu_check.yaml"
 
@@ -109,7 +109,7 @@ def test_the_base_model_eval_on_the_critical_path_gets_a_ranks_cores(one_gpu_pla
     assert evaluation["threads"] == 12  # cuda_cpu_threads_per_rank in the kit's config
     import torch
 
-    from distlab.evaluation import evaluate_base
+    from distlab.runtime.evaluation import evaluate_base
 
     before = torch.get_num_threads()
     try:

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from distlab import gpu_preflight as pf
+from distlab.tools import gpu_preflight as pf
 
 GIB = 2**30
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from distlab.run_outputs import read_run_record
+from distlab.records.run_outputs import read_run_record
 
 CACHE = Path(os.environ.get("DISTLAB_REHEARSAL_CACHE", Path.home() / ".cache" / "distlab" / "box-rehearsal"))
 BOX_PYTHON = "3.12"
@@ -159,7 +159,7 @@ def test_the_kit_runs_on_cpu_with_the_boxs_torch_2_11_and_library_versions_to_th
     assert (kit["out"] / "report" / "index.html").is_file() and (kit["out"] / "summary.csv").is_file()
     figures = (kit["out"] / "figures.txt").read_text()
     assert figures.startswith("CPU rehearsal: no GPU was used") and "FAILED" not in figures, figures
-    from distlab.gpu_summary import planned
+    from distlab.tools.gpu_summary import planned
 
     plan = planned([str(REPO / "config" / "gpu_check.yaml"), str(REPO / "config" / "gpu_check_cpu_rehearsal.yaml")],
                    gpus=0)
@@ -173,7 +173,7 @@ def test_the_kit_runs_on_cpu_with_the_boxs_torch_2_11_and_library_versions_to_th
 @pytest.mark.slow
 def test_transformers_5_17_builds_zero3_bf16_with_a_bf16_inv_freq_and_distlab_puts_the_fp32_one_back(kit):
     """5.17 lacks prevent_arange_dtype_change: the kit's bf16 ZeRO-3 run is built with a rounded
-    bf16 inv_freq, and distlab.buffers restores the plain model's before the wrap."""
+    bf16 inv_freq, and distlab.runtime.buffers restores the plain model's before the wrap."""
     (metrics_path,) = kit["work"].glob("results/*/deepspeed-z3-*/metrics.json")
     buffers = read_run_record(metrics_path).to_dict()["as_built"]["buffers"]
     assert "model.rotary_emb.inv_freq" in buffers["restored_before_wrap"], buffers

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from distlab import collectives as coll
-from distlab.gpu_summary import summary
+from distlab.tools import collectives as coll
+from distlab.tools.gpu_summary import summary
 
 
 def write(path, data):
@@ -50,7 +50,7 @@ def test_summary_says_what_is_missing_when_the_kit_stopped_early(tmp_path):
 
 
 def test_measured_nccl_prints_the_best_bus_bandwidth_per_op(tmp_path):
-    from distlab.gpu_summary import nccl_lines
+    from distlab.tools.gpu_summary import nccl_lines
 
     rows = [{"backend": "nccl", "op": "all_reduce", "status": "ok", "size_bytes": s, "busbw_bytes_per_s": b,
              "algbw_bytes_per_s": b / 2} for s, b in [(1 << 20, 50e9), (1 << 29, 300e9)]]
@@ -62,7 +62,7 @@ def test_every_planned_run_is_listed_with_its_status_and_failures_exit_non_zero_
     """The kit's own plan (config/gpu_check.yaml on one GPU): a run that crashed before writing
     metrics.json and an unfinished validation are named, not dropped, and the exit status is 1."""
     from conftest import REPO
-    from distlab.gpu_summary import main, planned
+    from distlab.tools.gpu_summary import main, planned
 
     kit = str(REPO / "config" / "gpu_check.yaml")
     plan = planned([kit], gpus=1)
@@ -90,7 +90,7 @@ def test_every_planned_run_is_listed_with_its_status_and_failures_exit_non_zero_
 
 
 def test_a_trained_run_whose_save_failed_counts_as_failed(tmp_path):
-    from distlab.gpu_summary import summarize
+    from distlab.tools.gpu_summary import summarize
 
     write(tmp_path / "box" / "hardware.json", {"gpus": []})
     write(tmp_path / "box" / "a" / "metrics.json", {"experiment": "a", "status": "ok",
@@ -100,7 +100,7 @@ def test_a_trained_run_whose_save_failed_counts_as_failed(tmp_path):
 
 
 def test_a_budget_run_that_fit_its_budget_is_a_note_not_a_failure(tmp_path):
-    from distlab.gpu_summary import summarize
+    from distlab.tools.gpu_summary import summarize
 
     write(tmp_path / "box" / "hardware.json", {"gpus": []})
     write(tmp_path / "box" / "b" / "metrics.json", {"experiment": "b", "status": "ok",

@@ -67,7 +67,7 @@ def test_kit_wheel_set_installs_with_no_index_into_a_clean_venv_and_imports(kit_
     assert deepspeed.returncode == 0, deepspeed.stderr[-3000:]
     check = (
         "import snakemake.api, snakemake.cli, datasets, jsonschema, platformdirs, hjson, pydantic, yaml\n"
-        "from distlab.gpu_preflight import missing_requirements\n"
+        "from distlab.tools.gpu_preflight import missing_requirements\n"
         "print('\\n'.join(missing_requirements(['snakemake', 'datasets', 'jsonschema', 'deepspeed'])))\n")
     proc = subprocess.run([python, "-c", check], capture_output=True, text=True, timeout=300,
                           env={"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), "HOME": str(tmp_path)})

@@ -7,8 +7,8 @@ from safetensors.torch import save_file
 
 from conftest import resolve, run_experiment
 
-from distlab import host_allocator
-from distlab.host_allocator import HOST_MMAP_THRESHOLD
+from distlab.runtime import host_allocator
+from distlab.runtime.host_allocator import HOST_MMAP_THRESHOLD
 
 
 def weights_folder(tmp_path, layer_shape, embedding_rows=4096):

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO, resolve
 
-from distlab.job import Job, ValidationJob
+from distlab.jobs.job import Job, ValidationJob
 
 
 def alive(pid: int) -> bool:
@@ -105,7 +105,8 @@ def test_training_validation_and_the_collective_benchmark_start_ranks_through_on
     """Every set of ranks started on this machine goes through distlab.launchers.ranks, so the
     same rules hold for each: rendezvous on loopback, threads per rank, no GPU for CPU ranks,
     the launch identity (marker) on the command line, process handling by run_ranks."""
-    from distlab import collectives, validate
+    from distlab.tools import collectives
+    from distlab.jobs import validate
     from distlab.launchers import get_launcher, ranks
 
     started = []
@@ -138,9 +139,9 @@ def test_sigkill_of_snakemake_leaves_no_launcher_or_rank_running(prepared, tmp_p
               env_allowlist=[], checkpoint_dir=None)
     job.write(tmp_path / "job-input.json")
     (tmp_path / "train.py").write_text(textwrap.dedent("""
-        from distlab.job import read_job
-        from distlab.launch import launch
-        from distlab.rule_log import logged
+        from distlab.jobs.job import read_job
+        from distlab.jobs.launch import launch
+        from distlab.jobs.rule_log import logged
         with logged(snakemake):
             launch(read_job(snakemake.input[0]))
     """))
@@ -152,7 +153,7 @@ def test_sigkill_of_snakemake_leaves_no_launcher_or_rank_running(prepared, tmp_p
             script: "train.py"
     """))
     smk = start_snakemake(tmp_path)
-    wait_for_ranks(smk, str((run_dir / "job.json").resolve()), "distlab.worker", tmp_path / "train.log")
+    wait_for_ranks(smk, str((run_dir / "job.json").resolve()), "distlab.runtime.worker", tmp_path / "train.log")
     assert (run_dir / "steps.jsonl").exists() is False  # mid-run, nothing finished
     sigkill_leaves_nothing(smk, tmp_path)
 
@@ -170,13 +171,13 @@ def test_sigkill_of_snakemake_leaves_no_collective_benchmark_rank_running(tmp_pa
             script: "{REPO}/scripts/collectives.py"
     """))
     smk = start_snakemake(tmp_path)
-    wait_for_ranks(smk, str(tmp_path), "distlab.collectives", tmp_path / "collectives.log")
+    wait_for_ranks(smk, str(tmp_path), "distlab.tools.collectives", tmp_path / "collectives.log")
     sigkill_leaves_nothing(smk, tmp_path)
     assert not (tmp_path / "out" / "collectives.json").exists()
 
 
 def test_a_second_launch_refuses_while_processes_of_the_first_still_run(tmp_path, reaper):
-    from distlab.launch import job_file, launch
+    from distlab.jobs.launch import job_file, launch
     from distlab.launchers.process import LAUNCH_ENV, new_launch_identity
 
     spec = resolve({})
@@ -197,7 +198,7 @@ def test_a_second_launch_refuses_while_processes_of_the_first_still_run(tmp_path
 def test_a_process_that_only_names_the_job_file_neither_blocks_a_launch_nor_dies_with_it(tmp_path, reaper):
     """`tail -f .../job.json` is not a rank: processes are matched by the identity every process
     of a launch inherits, not by a substring of their command line."""
-    from distlab.launch import job_file
+    from distlab.jobs.launch import job_file
     from distlab.launchers.process import refuse_if_running, run_tree
 
     job_path = job_file(str(tmp_path / "run"))

@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from conftest import REPO, snakemake, tiny_config
-from distlab import kuberay
-from distlab.config import load
+from distlab.tools import kuberay
+from distlab.configuration.config import load
 
 RAY_EXPERIMENTS = [{"world_size": 2, "launcher": "ray"},
                    {"world_size": 2, "launcher": "ray", "device": "cuda", "tag": "gpu"}]
@@ -107,7 +107,7 @@ def test_kuberay_rule_writes_the_manifests_and_their_checks(tmp_path):
 
 
 def test_both_manifests_pass_kuberay_s_own_crd_schemas_and_strictly():
-    from distlab.kuberay_crd import CRD_DIR
+    from distlab.tools.kuberay_crd import CRD_DIR
 
     assert (CRD_DIR / "LICENSE").is_file() and "59d663aeec13760646da3db9c1cf8cfe883e30b7" in (CRD_DIR / "SOURCE.md").read_text()
     kube, specs = expanded()

@@ -1,4 +1,4 @@
-"""Links you can set: ranks in network namespaces joined by tbf-capped veth pairs (distlab/links.py).
+"""Links you can set: ranks in network namespaces joined by tbf-capped veth pairs (distlab/jobs/links.py).
 
 Needs root (namespaces, veth, tc); elsewhere the module is skipped with the reason the
 config check would give.
@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO, resolve, run_experiment
 
-from distlab import links
+from distlab.jobs import links
 
 pytestmark = pytest.mark.skipif(bool(links.refusal()), reason=f"links cannot be made here: {links.refusal()}")
 
@@ -77,7 +77,7 @@ def running(pid: int) -> bool:
 
 KILLED_OWNER = textwrap.dedent("""
     import subprocess, sys, time
-    from distlab.links import LinkedHosts, netns_id
+    from distlab.jobs.links import LinkedHosts, netns_id
     hosts = LinkedHosts(2, 100).__enter__()
     # A process inside that does not ask to die with its parent (as a Ray daemon may not).
     orphan = subprocess.Popen(hosts.inside(1, ["sleep", "600"]), start_new_session=True)
@@ -106,7 +106,7 @@ def test_a_killed_run_leaves_no_namespace_once_the_next_link_sweeps(tmp_path):
 
 
 def test_links_are_refused_at_config_time_naming_why(monkeypatch):
-    from distlab.input_checks import ConfigError
+    from distlab.configuration.input_checks import ConfigError
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert "needs root" in links.refusal.__wrapped__()

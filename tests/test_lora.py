@@ -19,8 +19,8 @@ def tiny(config_cls, **shape):
 def test_default_lora_targets_are_found_from_the_model_not_by_llama_names(prepared):
     from transformers import GPT2Config, Qwen2Config
 
-    from distlab.lora import lora_targets
-    from distlab.model import load_model
+    from distlab.runtime.lora import lora_targets
+    from distlab.runtime.model import load_model
 
     llama = load_model(prepared / "model")
     assert lora_targets(llama, None) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
@@ -33,8 +33,8 @@ def test_default_lora_targets_are_found_from_the_model_not_by_llama_names(prepar
 
 
 def test_lora_targets_that_match_no_module_are_refused_naming_the_field(prepared):
-    from distlab.lora import apply_lora
-    from distlab.model import load_model
+    from distlab.runtime.lora import apply_lora
+    from distlab.runtime.model import load_model
 
     with pytest.raises(ValueError, match=r"lora\.target_modules.*c_attn.*q_proj"):
         apply_lora(load_model(prepared / "model"), {"r": 4, "alpha": 8, "dropout": 0.0,
@@ -42,15 +42,15 @@ def test_lora_targets_that_match_no_module_are_refused_naming_the_field(prepared
 
 
 def test_an_empty_target_list_is_a_config_error():
-    from distlab.config import ConfigError
+    from distlab.configuration.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"stages\.ddp\.experiments\.0\.lora\.target_modules"):
         resolve({**LORA, "lora": {"target_modules": []}})
 
 
 def test_lora_makes_only_adapter_weights_trainable(prepared):
-    from distlab.lora import apply_lora, parameter_counts
-    from distlab.model import load_model
+    from distlab.runtime.lora import apply_lora, parameter_counts
+    from distlab.runtime.model import load_model
 
     model, targets = apply_lora(load_model(prepared / "model"), {"r": 4, "alpha": 8, "dropout": 0.0,
                                                                  "target_modules": ["q_proj", "v_proj"]}, seed=0)
@@ -81,9 +81,9 @@ def assert_only_adapters_changed(final: Path, prepared: Path, spec: dict) -> Non
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from distlab.export import eval_batch
-    from distlab.lora import apply_lora
-    from distlab.model import load_model
+    from distlab.checkpoints.export import eval_batch
+    from distlab.runtime.lora import apply_lora
+    from distlab.runtime.model import load_model
 
     state = load_file(final / "state" / "model.safetensors")
     torch.manual_seed(spec["seed"])

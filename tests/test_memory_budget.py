@@ -2,14 +2,14 @@
 finishes, and every run records its load-phase and training-phase peaks."""
 
 from conftest import resolve, run_experiment
-from distlab.job import Job
-from distlab.run_outputs import read_run_record
+from distlab.jobs.job import Job
+from distlab.records.run_outputs import read_run_record
 
 MIB = 2**20
 
 
 def test_a_cpu_run_past_its_budget_ends_as_oom_and_one_within_it_finishes(prepared, tmp_path):
-    from distlab.launch import launch
+    from distlab.jobs.launch import launch
 
     # 0.25 GiB: less than the interpreter + torch + transformers of one rank process.
     spec = resolve({"strategy": "ddp", "world_size": 1, "memory_budget_gib": 0.25}, steps=2, untimed_steps=1)
@@ -36,7 +36,7 @@ def test_a_cpu_run_past_its_budget_ends_as_oom_and_one_within_it_finishes(prepar
 def test_the_budget_verdict_covers_the_final_save_and_export():
     """The export runs after the training peak is recorded: its peak joins the verdict, so a
     rank that fit through training but not through the save is not reported as fitting."""
-    from distlab.memory import add_peaks_through_save
+    from distlab.runtime.memory import add_peaks_through_save
 
     verdict = {"bytes": 100, "enforced": False, "measured_bytes": 90, "measured_what": "peak RSS", "fits": True}
     memory = {"per_rank": [{"budget": dict(verdict), "training_phase": {"rss_peak_bytes": 90}},

@@ -21,7 +21,7 @@ import shutil
 import pytest
 
 from conftest import assert_advisor_estimate_holds, resolve, run_experiment
-from distlab.job import Job
+from distlab.jobs.job import Job
 
 MIB = 2**20
 # 1.7 GiB per rank process: a 1-rank DDP rank of this model peaks near 2.2 GiB here while it
@@ -44,7 +44,7 @@ def build_model(prepared, root, hidden: int, layers: int, inter: int, heads: int
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from distlab.data import DATA_INFO
+    from distlab.data_prep.data import DATA_INFO
 
     os.symlink(prepared / "hardware.json", root / "hardware.json")
     shutil.copytree(prepared / "data32", root / "data32")
@@ -108,8 +108,8 @@ def full_runs(big, tmp_path_factory):
 
 def oom_run(big, out) -> dict:
     """The 1-rank DDP run under the budget FSDP's 2 ranks fit: it ends oom (no checkpoint)."""
-    from distlab.launch import launch
-    from distlab.run_outputs import read_run_record
+    from distlab.jobs.launch import launch
+    from distlab.records.run_outputs import read_run_record
 
     result = {}
     over = resolve({"strategy": "ddp", "world_size": 1, "micro_batch": 2, "memory_budget_gib": BUDGET_GIB, **LORA})
@@ -170,14 +170,14 @@ def test_the_same_cpu_budget_stops_one_ddp_rank_and_lets_fsdp_at_two_ranks_finis
 
 
 def shape_of(model_dir) -> dict:
-    from distlab.parameter_counts import model_shape
+    from distlab.tools.parameter_counts import model_shape
 
     return model_shape(json.loads((model_dir / "config.json").read_text()))
 
 
 def layer_fp32_bytes(model_dir) -> int:
     """One decoder layer's parameters in fp32, from the model's config."""
-    from distlab.parameter_counts import parameter_counts
+    from distlab.tools.parameter_counts import parameter_counts
 
     return 4 * parameter_counts(shape_of(model_dir))["per_layer"]
 
@@ -192,7 +192,7 @@ def saved_runs(runs, full_runs) -> dict:
 
 @pytest.mark.slow
 def test_every_ranks_peak_through_the_final_save_is_its_training_peak_plus_one_decoder_layer(big, runs, full_runs):
-    """The save phase (final evaluation, save, export) is measured alone (distlab.memory): it
+    """The save phase (final evaluation, save, export) is measured alone (distlab.runtime.memory): it
     gathers one decoder layer at a time, so it adds at most one layer's fp32 bytes (+5%)."""
     layer = layer_fp32_bytes(big / "model")
     for name, run in saved_runs(runs, full_runs).items():
@@ -224,8 +224,8 @@ def test_a_lora_checkpoint_is_at_most_twice_its_adapters_and_their_optimizer_sta
 
 
 def advisor_save_estimate(big, spec: dict) -> dict:
-    from distlab.parameter_counts import parameter_counts
-    from distlab.save_estimate import save_estimate
+    from distlab.tools.parameter_counts import parameter_counts
+    from distlab.tools.save_estimate import save_estimate
 
     shape, lora = shape_of(big / "model"), spec["method"] == "lora"
     return save_estimate(parameter_counts(shape, spec["lora"] if lora else None), shape["vocab_size"], lora,
@@ -234,7 +234,7 @@ def advisor_save_estimate(big, spec: dict) -> dict:
 
 @pytest.mark.slow
 def test_the_advisor_estimates_each_runs_checkpoint_bytes(big, runs, full_runs):
-    from distlab.save_estimate import TOLERANCE
+    from distlab.tools.save_estimate import TOLERANCE
 
     for name, run in saved_runs(runs, full_runs).items():
         ratio = run["checkpoint"]["bytes"] / advisor_save_estimate(big, run["spec"])["checkpoint_bytes"]
@@ -250,7 +250,7 @@ def test_the_advisors_rank_0_save_memory_bounds_what_the_final_save_added_to_ran
     FSDP under half of it, DDP on CPU next to nothing (the streamed layer is the live
     parameter: only a CUDA run copies it to the host), and full fine-tuning's saves stay below
     a training peak that held the gradients."""
-    from distlab.save_estimate import TOLERANCE
+    from distlab.tools.save_estimate import TOLERANCE
 
     for name, run in saved_runs(runs, full_runs).items():
         rank0 = run["memory"]["per_rank"][0]

@@ -4,14 +4,14 @@ import ast
 import pytest
 import torch
 
-from distlab import metrics as M
+from distlab.records import metrics as M
 
 
 def _tiny_causal_lm(tied: bool, kv_heads: int, lora: bool):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from conftest import TINY_MODEL
-    from distlab.lora import apply_lora
+    from distlab.runtime.lora import apply_lora
 
     torch.manual_seed(0)
     shape = {k: v for k, v in TINY_MODEL.items() if k not in ("seed", "tie_word_embeddings", "num_key_value_heads")}
@@ -83,7 +83,7 @@ def test_a_machine_without_an_nvidia_driver_has_no_gpus_but_a_broken_driver_is_a
     import pynvml
     import pytest
 
-    from distlab import hardware
+    from distlab.tools import hardware
 
     monkeypatch.delenv("DISTLAB_GPU_COUNT", raising=False)
 
@@ -106,7 +106,7 @@ def test_a_metrics_write_that_fails_halfway_leaves_the_previous_record_whole(tmp
     import json
     from pathlib import Path
 
-    from distlab.run_outputs import write_outputs
+    from distlab.records.run_outputs import write_outputs
 
     write_outputs(str(tmp_path), ({"status": "ok", "loss": 1.5}, []))
     real_write = Path.write_text
@@ -129,8 +129,8 @@ def test_metrics_json_reads_back_through_its_one_reader_as_written_and_read_only
     import json
     import re
 
-    from distlab.metrics import METRICS_SCHEMA_VERSION
-    from distlab.run_outputs import ResultsError, read_run_record, write_metrics
+    from distlab.records.metrics import METRICS_SCHEMA_VERSION
+    from distlab.records.run_outputs import ResultsError, read_run_record, write_metrics
 
     written = {"schema_version": METRICS_SCHEMA_VERSION, "experiment": "ddp-x", "machine": "box", "stage": "ddp",
                "status": "ok", "spec": {"world_size": 2}, "loss": {"per_step": [3.0, float("nan")]}}
@@ -221,7 +221,7 @@ def test_no_module_reads_metrics_json_by_hand_tests_and_benchmarks_included():
             for folder in ("distlab", "scripts", "tests", "benchmarks") for path in sorted((REPO / folder).rglob("*.py"))
             for line, function in metrics_json_hand_reads(path.read_text())
             if (str(path.relative_to(REPO)), function) not in HAND_READS_KEPT]
-    assert hand == [], "metrics.json read by hand (use distlab.run_outputs.read_run_record):\n" + "\n".join(hand)
+    assert hand == [], "metrics.json read by hand (use distlab.records.run_outputs.read_run_record):\n" + "\n".join(hand)
 
 
 def test_the_hand_read_finder_sees_a_read_through_a_name_a_loop_and_a_closure():

@@ -35,7 +35,7 @@ def write_corpus(tmp_path):
 def test_a_folder_missing_weights_stops_the_run_before_any_job_naming_them(model_copy, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from distlab.config import ConfigError, load
+    from distlab.configuration.config import ConfigError, load
 
     weights = load_file(str(model_copy / "model.safetensors"))
     kept = {k: v for k, v in weights.items() if "layers.1." not in k}  # one decoder layer's weights gone
@@ -48,7 +48,7 @@ def test_a_folder_missing_weights_stops_the_run_before_any_job_naming_them(model
 def test_weights_of_the_wrong_shape_are_named(model_copy):
     from safetensors.torch import load_file, save_file
 
-    from distlab.input_checks import ConfigError, model_config
+    from distlab.configuration.input_checks import ConfigError, model_config
 
     weights = load_file(str(model_copy / "model.safetensors"))
     weights["model.norm.weight"] = weights["model.norm.weight"][:-1].clone()
@@ -62,7 +62,7 @@ def test_a_config_claiming_trillions_of_parameters_beside_a_tiny_file_is_refused
 
     import torch
 
-    from distlab.input_checks import ConfigError, model_config
+    from distlab.configuration.input_checks import ConfigError, model_config
 
     config = json.loads((model_copy / "config.json").read_text())
     config.update(hidden_size=65536, num_hidden_layers=64, intermediate_size=262144, vocab_size=256000)
@@ -74,7 +74,7 @@ def test_a_config_claiming_trillions_of_parameters_beside_a_tiny_file_is_refused
 
 
 def test_a_truncated_weights_file_is_named(model_copy):
-    from distlab.input_checks import ConfigError, model_config
+    from distlab.configuration.input_checks import ConfigError, model_config
 
     path = model_copy / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-1000])
@@ -83,7 +83,7 @@ def test_a_truncated_weights_file_is_named(model_copy):
 
 
 def test_custom_code_is_refused_at_config_time(model_copy, tmp_path):
-    from distlab.config import ConfigError, load
+    from distlab.configuration.config import ConfigError, load
 
     config = json.loads((model_copy / "config.json").read_text())
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
@@ -95,7 +95,7 @@ def test_custom_code_is_refused_at_config_time(model_copy, tmp_path):
 def test_the_job_s_loader_refuses_missing_weights_too(model_copy):
     from safetensors.torch import load_file, save_file
 
-    from distlab.model import load_model
+    from distlab.runtime.model import load_model
 
     weights = load_file(str(model_copy / "model.safetensors"))
     save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, str(model_copy / "model.safetensors"),
@@ -107,12 +107,12 @@ def test_the_job_s_loader_refuses_missing_weights_too(model_copy):
 def test_a_tokenizer_transformers_extends_on_load_is_decided_at_config_time_as_in_the_job(tmp_path):
     """A Qwen2-type folder whose tokenizer lacks <|endoftext|>: AutoTokenizer adds it as one
     more id, past the model's vocab_size. The files alone said the tokenizer fits; the job
-    refused it. Both now load it with distlab.data.load_tokenizer and refuse it alike."""
+    refused it. Both now load it with distlab.data_prep.data.load_tokenizer and refuse it alike."""
     from test_data_tokenizer import _own_tokenizer
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from distlab.config import ConfigError, load
-    from distlab.data import load_tokenizer
+    from distlab.configuration.config import ConfigError, load
+    from distlab.data_prep.data import load_tokenizer
 
     folder = tmp_path / "qwen"
     tok = _own_tokenizer(folder, specials=("<s>", "<|im_end|>", "<pad>"))

@@ -1,10 +1,10 @@
-"""The machine's noise while steps are timed (distlab.noise): other processes' CPU time is
+"""The machine's noise while steps are timed (distlab.runtime.noise): other processes' CPU time is
 measured from /proc/stat, not guessed, and a run that had to share its cores says so."""
 import subprocess
 import sys
 import time
 
-from distlab.noise import NoiseProbe, machine_cores, summarize_noise
+from distlab.runtime.noise import NoiseProbe, machine_cores, summarize_noise
 
 
 def test_other_processes_cpu_during_the_window_marks_the_run_busy():

@@ -35,7 +35,7 @@ def test_loading_a_ranks_part_unmaps_the_safetensors_after_each_layer(prepared, 
     import json
     import shutil
 
-    from distlab.partial_load import WeightFiles, empty_model, load_held_weights
+    from distlab.runtime.partial_load import WeightFiles, empty_model, load_held_weights
 
     closes = []
     original = WeightFiles.close
@@ -61,13 +61,13 @@ def test_loading_a_ranks_part_unmaps_the_safetensors_after_each_layer(prepared, 
 @pytest.mark.parametrize("loader", ["tp/pp", "zero3", "fsdp"])
 def test_every_sharded_loader_refuses_a_folder_missing_a_weight_naming_it_before_reading_any(prepared, tmp_path,
                                                                                             monkeypatch, loader):
-    """The three strategies' loads share one coverage check (distlab.partial_load.ShardedLoad):
+    """The three strategies' loads share one coverage check (distlab.runtime.partial_load.ShardedLoad):
     a parameter the model folder does not hold stops the load, named, before any weight is read."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    from distlab.partial_load import MissingWeights, RankSlices, empty_model
+    from distlab.runtime.partial_load import MissingWeights, RankSlices, empty_model
     from distlab.strategies.deepspeed_load import ZeroPartitions
     from distlab.strategies.fsdp_load import DCPShards
 
@@ -94,7 +94,7 @@ def test_every_sharded_loader_refuses_a_folder_missing_a_weight_naming_it_before
     (["model.layers.10.x", "model.layers.1.x"], [["model.layers.10.x"], ["model.layers.1.x"]]),
 ])
 def test_weights_are_grouped_by_decoder_layer(names, groups):
-    from distlab.partial_load import layer_groups
+    from distlab.runtime.partial_load import layer_groups
 
     assert layer_groups(names) == groups
 

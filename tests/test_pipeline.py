@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from conftest import snakemake, tiny_config
-from distlab.run_outputs import read_run_record
+from distlab.records.run_outputs import read_run_record
 
 from report_fixtures import MACHINE, STAGES
 
@@ -54,7 +54,7 @@ def test_every_runs_curves_are_in_tensorboard_and_the_machines_mlflow_store(fini
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from distlab.tracking import mlflow_uri
+    from distlab.runtime.tracking import mlflow_uri
 
     work, _ = finished
     client = MlflowClient(tracking_uri=mlflow_uri(work / "results" / MACHINE / "tracking"))
@@ -181,7 +181,7 @@ def test_a_config_file_on_the_command_line_replaces_the_embedded_default(tmp_pat
 def test_delete_all_output_leaves_nothing_of_a_run_but_its_logs(finished, tmp_path):
     import shutil
 
-    from distlab.config import load
+    from distlab.configuration.config import load
 
     work, cfg = finished
     copy_dir = tmp_path / "work"
@@ -198,7 +198,7 @@ def test_delete_all_output_leaves_nothing_of_a_run_but_its_logs(finished, tmp_pa
     assert {"accelerate_config.yaml", "pipeline-rank0.json", "pipeline-rank1.json"} <= written, written
     snakemake(copy_dir, "--delete-all-output", "--cores", "1", config=cfg)
     logs = {".log", ".tsv"}  # Snakemake keeps logs and benchmarks by design
-    # ...and the machine's MLflow store, which every job adds its run to (distlab/tracking.py).
+    # ...and the machine's MLflow store, which every job adds its run to (distlab/runtime/tracking.py).
     shared = {"tracking/mlflow.db", "tracking/mlflow.lock"}
     left = sorted(str(p.relative_to(results)) for p in (results / MACHINE).rglob("*")
                   if p.is_file() and p.suffix not in logs and str(p.relative_to(results / MACHINE)) not in shared)

@@ -1,5 +1,5 @@
 """Each GPU preset (config/presets/*.yaml) runs on CPU as a scaled-down twin: the preset's
-model shape divided down to a few million parameters (distlab.preset_twins), built here, and
+model shape divided down to a few million parameters (distlab.tools.preset_twins), built here, and
 the preset's own experiments (strategy, world size, LoRA, ZeRO stage and offload, FSDP
 settings, precision, accumulation) run for 2 short steps, so a preset that cannot run is
 caught here rather than on the user's GPUs.
@@ -15,8 +15,8 @@ import time
 import pytest
 
 from conftest import run_experiment
-from distlab import advisor, advisor_check, preset_twins
-from distlab.config import load
+from distlab.tools import advisor, advisor_check, preset_twins
+from distlab.configuration.config import load
 
 SEQ = 16
 SHORT = {"steps": 2, "untimed_steps": 1, "seq_len": SEQ}

@@ -16,10 +16,10 @@ import pytest
 
 from conftest import REPO, resolve, run_experiment, seed_hardware, snakemake, tiny_config
 
-from distlab.job import Job
+from distlab.jobs.job import Job
 from distlab.launchers.ray_nodes import RayNodes
-from distlab.run_outputs import read_run_record
-from distlab.two_hosts import newest_checkpoint_world
+from distlab.records.run_outputs import read_run_record
+from distlab.jobs.two_hosts import newest_checkpoint_world
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +208,7 @@ def test_elastic_ray_run_grows_when_a_node_joins_and_shrinks_when_it_leaves(prep
 
     def run():
         try:
-            from distlab.launch import launch
+            from distlab.jobs.launch import launch
 
             # run_experiment's job, with room for three worker-group restarts on a busy box
             job = Job(spec=spec, run_dir=str(run_dir), data_dir=str(prepared / "data32"),

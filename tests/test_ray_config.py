@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import resolve, tiny_config
-from distlab.config import ConfigError, load
+from distlab.configuration.config import ConfigError, load
 
 
 @pytest.mark.parametrize("overrides, field", [

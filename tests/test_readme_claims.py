@@ -59,8 +59,8 @@ def test_every_readme_command_that_starts_joins_or_drives_a_ray_cluster_sets_tok
 
 
 def test_the_readme_s_kuberay_section_names_what_the_manifests_are_checked_against():
-    from distlab.kuberay import SUBMISSION_MODE
-    from distlab.kuberay_crd import CRD_DIR, KUBERAY_VERSION
+    from distlab.tools.kuberay import SUBMISSION_MODE
+    from distlab.tools.kuberay_crd import CRD_DIR, KUBERAY_VERSION
 
     text = " ".join(section("Kubernetes (KubeRay)").split())
     schema = yaml.safe_load((REPO / "config" / "schema.yaml").read_text())
@@ -73,7 +73,7 @@ def test_the_readme_s_kuberay_section_names_what_the_manifests_are_checked_again
 
 
 def test_the_readme_clears_a_stale_results_lock_as_the_refusal_says():
-    from distlab.results_lock import LOCK_NAME, busy_message
+    from distlab.configuration.results_lock import LOCK_NAME, busy_message
 
     refusal = busy_message(Path("RESULTS") / LOCK_NAME, {"host": "h", "pid": 1}, checked=False)
     assert f"delete {Path('RESULTS') / LOCK_NAME}" in refusal

@@ -43,7 +43,7 @@ def test_overlapping_spreads_are_no_clear_winner():
 
 def test_repeats_need_two_timed_steps_per_window():
     from conftest import resolve
-    from distlab.config import ConfigError
+    from distlab.configuration.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"experiments\[0\]\.repeats"):
         resolve({"repeats": 3}, steps=6, untimed_steps=2)
@@ -171,7 +171,7 @@ def test_the_report_reads_only_what_its_rule_declares(finished_pipeline, tmp_pat
 
     from distlab.report.build import report_rule
     from distlab.report.inputs import declared_inputs
-    from distlab.run_layout import MACHINE_FILES, RUN_SIDE_FILES
+    from distlab.records.run_layout import MACHINE_FILES, RUN_SIDE_FILES
 
     work, cfg = finished_pipeline
     results = tmp_path / "results"

@@ -286,7 +286,7 @@ def test_no_report_card_opens_a_file():
     assert opened == []
 
 
-# Built and rendered in a fresh interpreter: runs written and read back through distlab.run_outputs
+# Built and rendered in a fresh interpreter: runs written and read back through distlab.records.run_outputs
 # first, then every open() recorded while the report is built from them in memory.
 IN_MEMORY_REPORT = """
 import builtins, io, json, sys
@@ -301,7 +301,7 @@ runs = [fake_run(root / "a", {"world_size": 1, "micro_batch": 8}),
                               "deepspeed": {"zero_stage": 3}}, "deepspeed", as_built={"deepspeed": {"zero_stage": 3}}),
         fake_run(root / "d", {"strategy": "fsdp", "world_size": 2, "micro_batch": 4}, "fsdp",
                  as_built={"outer_wrapper": "FSDPModule", "wrappers_found": ["FSDPModule"]})]
-for run in runs:  # the load, training and save peaks distlab.memory records per rank
+for run in runs:  # the load, training and save peaks distlab.runtime.memory records per rank
     for rank in run["memory"]["per_rank"]:
         rank.update({phase: {"rss_peak_bytes": 2**20} for phase in ("load_phase", "training_phase", "save_phase")})
 opened, real_open = [], io.open

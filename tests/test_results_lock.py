@@ -14,10 +14,10 @@ import time
 import pytest
 
 from conftest import REPO, tiny_config
-from distlab.results_lock import LOCK_NAME, ResultsFolderBusy, acquire, is_read_only_call
-from distlab.run_outputs import read_run_record
+from distlab.configuration.results_lock import LOCK_NAME, ResultsFolderBusy, acquire, is_read_only_call
+from distlab.records.run_outputs import read_run_record
 
-HOLD = ("import sys, time; sys.path.insert(0, sys.argv[2]); from distlab.results_lock import acquire; "
+HOLD = ("import sys, time; sys.path.insert(0, sys.argv[2]); from distlab.configuration.results_lock import acquire; "
         "acquire(sys.argv[1]); print('held', flush=True); time.sleep(120)")
 
 

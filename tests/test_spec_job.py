@@ -8,9 +8,9 @@ import yaml
 
 from conftest import resolve
 
-from distlab.config import load_file
-from distlab.job import Job, JobError, ValidationJob, read_job, replace
-from distlab.spec import Spec, SpecError
+from distlab.configuration.config import load_file
+from distlab.jobs.job import Job, JobError, ValidationJob, read_job, replace
+from distlab.configuration.spec import Spec, SpecError
 
 
 def test_every_expanded_experiment_is_a_frozen_spec_changed_only_by_replace():

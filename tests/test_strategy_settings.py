@@ -4,7 +4,7 @@ with a setting of its own added by its files alone, and the mechanisms every str
 import pytest
 
 from conftest import REPO
-from distlab.config import ConfigError, load
+from distlab.configuration.config import ConfigError, load
 from test_config import ddp_config
 
 
@@ -12,8 +12,8 @@ def test_the_schema_names_exactly_the_strategies_with_settings_files_and_ranks_f
     """config/schema.yaml's strategy enum is checked against distlab/strategies/*_settings.py
     (each strategy with settings has their block), and a rank finds its class from those files,
     not from the schema."""
-    from distlab import config as config_module
-    from distlab import schema as schema_module
+    from distlab.configuration import config as config_module
+    from distlab.configuration import schema as schema_module
     from distlab import strategies
     from distlab.strategies.base import Strategy
     from distlab.strategies.settings import schema_mismatch
@@ -114,17 +114,17 @@ def test_a_new_strategy_with_a_setting_is_its_files_its_schema_entry_and_a_repor
 
     from types import SimpleNamespace
 
-    from distlab import config as config_module
-    from distlab import families
-    from distlab import schema as schema_module
+    from distlab.configuration import config as config_module
+    from distlab.configuration import families
+    from distlab.configuration import schema as schema_module
     from distlab import strategies
-    from distlab.activations import check_checkpointing
-    from distlab.advisor import model_state, strategy_state
-    from distlab.save_estimate import save_estimate
+    from distlab.runtime.activations import check_checkpointing
+    from distlab.tools.advisor import model_state, strategy_state
+    from distlab.tools.save_estimate import save_estimate
     from distlab.strategies.base import expected_layout, offloads_parameters
-    from distlab.advisor_check import estimate_key
+    from distlab.tools.advisor_check import estimate_key
     from distlab.report import cards
-    from distlab.validation_scope import checkpoint_format, shards_checkpoint, validated_experiments
+    from distlab.configuration.validation_scope import checkpoint_format, shards_checkpoint, validated_experiments
 
     (tmp_path / "strategies").mkdir()
     (tmp_path / "strategies" / "mine.py").write_text(MINE_MODULE)
@@ -174,7 +174,7 @@ def test_a_new_strategy_with_a_setting_is_its_files_its_schema_entry_and_a_repor
         with pytest.raises(ConfigError, match=r"'stages.ddp.experiments\[0\].strategy': task text-to-image cannot "
                                               r"run mine: mine cuts decoder layers; a UNet has none"):
             load(ddp_config({"strategy": "mine", "task": "text-to-image", "method": "lora"}), gpu_count=0)
-        # What it needs of a model.path folder's family, asked by distlab.families (the folder's
+        # What it needs of a model.path folder's family, asked by distlab.configuration.families (the folder's
         # transformers config stood in for: no transformers import here).
         folder = tmp_path / "family"
         folder.mkdir()
@@ -214,23 +214,23 @@ def strategy_literals(paths, names) -> list[str]:
 def test_no_task_or_family_code_names_a_strategy():
     """What a strategy cannot train (a task, a model family) is said in its own settings
     (refused_tasks, check_task, family_refusal), so a new strategy touches only its own files:
-    distlab/tasks/ and distlab/families.py spell no strategy's name as a string."""
+    distlab/tasks/ and distlab/configuration/families.py spell no strategy's name as a string."""
     from distlab import strategies
 
-    paths = sorted((REPO / "distlab" / "tasks").rglob("*.py")) + [REPO / "distlab" / "families.py"]
+    paths = sorted((REPO / "distlab" / "tasks").rglob("*.py")) + [REPO / "distlab" / "configuration" / "families.py"]
     assert strategy_literals(paths, strategies.strategy_names()) == []
     assert strategy_literals([REPO / "distlab" / "strategies" / "tp_settings.py"], ["tp"])  # the check sees them
 
 
 def test_precision_names_and_the_accumulation_loss_scale_are_decided_in_one_place_each():
-    """distlab/precision.py maps a precision name to its torch dtype and distlab/accumulation.py
+    """distlab/runtime/precision.py maps a precision name to its torch dtype and distlab/runtime/accumulation.py
     scales a micro-batch's loss: no other module spells either rule out again."""
     import re
 
     import torch
 
-    from distlab.accumulation import accumulation_scaled, accumulation_unscaled
-    from distlab.precision import low_precision_dtype, torch_dtype
+    from distlab.runtime.accumulation import accumulation_scaled, accumulation_unscaled
+    from distlab.runtime.precision import low_precision_dtype, torch_dtype
 
     assert [torch_dtype(p) for p in ("fp32", "bf16", "fp16")] == [torch.float32, torch.bfloat16, torch.float16]
     assert low_precision_dtype("fp32") is None
@@ -243,6 +243,6 @@ def test_precision_names_and_the_accumulation_loss_scale_are_decided_in_one_plac
     for path in package.rglob("*.py"):
         text = path.read_text()
         if path.name != "precision.py":
-            assert not dtype_map.search(text), f"{path}: a precision -> dtype map besides distlab/precision.py"
+            assert not dtype_map.search(text), f"{path}: a precision -> dtype map besides distlab/runtime/precision.py"
         if path.name != "accumulation.py":
-            assert not micro_scale.search(text), f"{path}: loss scaled for accumulation besides distlab/accumulation.py"
+            assert not micro_scale.search(text), f"{path}: loss scaled for accumulation besides distlab/runtime/accumulation.py"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import REPO, snakemake, tiny_config
-from distlab.run_outputs import read_run_record
+from distlab.records.run_outputs import read_run_record
 
 MACHINE = "testbox"
 SD = {"task": "text-to-image", "method": "lora", "micro_batch": 2}
@@ -38,7 +38,7 @@ def sd_config() -> dict:
 @pytest.fixture(scope="module")
 def workflow(tmp_path_factory):
     """(results folder, {experiment: metrics}) of one `snakemake --cores 2` run of every strategy."""
-    from distlab import hardware
+    from distlab.tools import hardware
 
     work = tmp_path_factory.mktemp("text-to-image")
     (work / "results" / MACHINE).mkdir(parents=True)
@@ -178,7 +178,7 @@ def test_saved_lora_loads_in_plain_diffusers_and_reproduces_the_runs_output(work
 
 @pytest.mark.slow
 def test_checkpoint_validation_of_a_lora_unet_passes_export_reload_resume_and_reshard(workflow):
-    from distlab.validate import validate_run
+    from distlab.jobs.validate import validate_run
 
     results, _ = workflow
     run_dir = results / MACHINE / "accelerate-lora-w1-mb2-ga1-sd"
@@ -224,8 +224,8 @@ def test_report_shows_the_sd_card_and_a_browser_decodes_its_sample_grid(workflow
 
 def test_strategies_loop_and_launchers_never_ask_which_task_they_run():
     """The task is its own axis: no task name and no `task` field read in these modules."""
-    modules = [*sorted((REPO / "distlab" / "strategies").glob("*.py")), REPO / "distlab" / "loop.py",
-               *sorted((REPO / "distlab" / "launchers").glob("*.py")), REPO / "distlab" / "worker.py"]
+    modules = [*sorted((REPO / "distlab" / "strategies").glob("*.py")), REPO / "distlab" / "runtime" / "loop.py",
+               *sorted((REPO / "distlab" / "launchers").glob("*.py")), REPO / "distlab" / "runtime" / "worker.py"]
     for path in modules:
         text = path.read_text()
         for needle in ("text-to-image", "causal-lm", "text_to_image", 'spec["task"]', "spec.get(\"task\""):
@@ -261,7 +261,7 @@ def test_a_v_prediction_scheduler_trains_against_the_velocity(workflow, tmp_path
 def test_the_sd_advisor_answers_as_the_roadmaps_home_lab_table_for_24_gib_gpus(workflow):
     """The roadmap: Stable Diffusion, data parallel is enough; FLUX may need model parallel. The
     sized models (advice-sd.json) re-answered for two 24 GiB cards (10% headroom)."""
-    from distlab.advisor_diffusion import GIB, per_device
+    from distlab.tools.advisor_diffusion import GIB, per_device
 
     results, _ = workflow
     advice = json.loads((results / MACHINE / "advice-sd.json").read_text())

@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 
 from conftest import REPO, tiny_config
-from distlab.config import load, load_file
-from distlab.input_checks import ConfigError
+from distlab.configuration.config import load, load_file
+from distlab.configuration.input_checks import ConfigError
 
 SD = {"task": "text-to-image", "method": "lora"}
 

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from conftest import assert_advisor_estimate_holds, resolve, run_experiment
-from distlab.config import ConfigError
+from distlab.configuration.config import ConfigError
 from test_fsdp import (DEFAULTS, FINETUNE, assert_eval_points_end_at_the_final_eval, assert_same_trajectory,
                        ddp_baseline, sharded_checks)
 
@@ -99,7 +99,7 @@ def test_impossible_parallel_layouts_are_config_errors_naming_the_field(override
 
 def test_pipeline_refuses_tied_embeddings_across_stages():
     from conftest import tiny_config
-    from distlab.config import load
+    from distlab.configuration.config import load
 
     cfg = tiny_config({"parallel": {"experiments": [{"strategy": "pp", "world_size": 2}]}})
     cfg["model"]["build"]["tie_word_embeddings"] = True

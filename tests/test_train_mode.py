@@ -25,7 +25,7 @@ def eval_mode_loss(model_folder, data_dir, samples: list[int]) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from distlab.data import load_blocks
+    from distlab.data_prep.data import load_blocks
 
     model = AutoModelForCausalLM.from_pretrained(str(model_folder), dtype=torch.float32).eval()
     ids = load_blocks(data_dir, "train")[samples]

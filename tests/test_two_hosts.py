@@ -1,14 +1,14 @@
 """Two hosts, one Ray cluster: `snakemake two_hosts` puts a Ray head and a worker node on two
 namespaced hosts and trains across both while the worker node leaves and rejoins
-(distlab/two_hosts.py). Needs root (network namespaces); skipped elsewhere with the reason."""
+(distlab/jobs/two_hosts.py). Needs root (network namespaces); skipped elsewhere with the reason."""
 import json
 
 import pytest
 
 from conftest import seed_hardware, snakemake, tiny_config
 
-from distlab import links
-from distlab.run_outputs import read_run_record
+from distlab.jobs import links
+from distlab.records.run_outputs import read_run_record
 
 pytestmark = pytest.mark.skipif(bool(links.refusal()), reason=f"links cannot be made here: {links.refusal()}")
 

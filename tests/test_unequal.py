@@ -1,5 +1,5 @@
 """Unequal devices: per-rank micro-batches give the uniform gradient and beat uniform batches
-when the ranks are not equally fast (distlab/unequal.py)."""
+when the ranks are not equally fast (distlab/runtime/unequal.py)."""
 import json
 import os
 import textwrap
@@ -15,9 +15,9 @@ from conftest import REPO, resolve, run_experiment
 GRADIENT_SCRIPT = textwrap.dedent("""
     import json, sys
     import torch, torch.distributed as dist
-    from distlab.data import load_blocks
-    from distlab.loop import IndexStream
-    from distlab.model import load_model
+    from distlab.data_prep.data import load_blocks
+    from distlab.runtime.loop import IndexStream
+    from distlab.runtime.model import load_model
     from distlab.strategies.base import RunContext
     from distlab.strategies.ddp import DDPStrategy
 
@@ -69,7 +69,7 @@ def test_sized_micro_batches_give_the_one_rank_gradient_of_the_same_samples(prep
 
 
 def test_sized_batches_split_by_speed_within_memory():
-    from distlab.unequal import split_batch
+    from distlab.runtime.unequal import split_batch
 
     assert split_batch(8, [2.0, 1.0], [None, None]) == [5, 3]  # largest remainders
     assert split_batch(8, [1.0, 1.0], [None, None]) == [4, 4]
@@ -85,7 +85,7 @@ BUDGETS = {"world_size": 2, "micro_batch": 12, "rank_cpu_budget": [0.5, 0.125], 
 
 @pytest.fixture(scope="module")
 def uniform_and_sized(prepared, tmp_path_factory):
-    from distlab.cpu_budget import refusal
+    from distlab.jobs.cpu_budget import refusal
 
     if refusal():
         pytest.skip(f"CPU budgets cannot be enforced here: {refusal()}")
@@ -117,14 +117,14 @@ def test_sized_batches_beat_uniform_batches_on_unequal_cpu_ranks(uniform_and_siz
     ({"world_size": 2, "rank_cpu_budget": [0.5, 0.25, 0.1]}, "rank_cpu_budget", "one budget per rank"),
 ])
 def test_unequal_device_settings_that_cannot_hold_are_refused_naming_the_field(experiment, field, why):
-    from distlab.input_checks import ConfigError
+    from distlab.configuration.input_checks import ConfigError
 
     with pytest.raises(ConfigError, match=rf"\.{field}': .*{why}"):
         resolve(experiment)
 
 
 def test_each_rank_gets_its_own_thread_count():
-    from distlab.unequal import rank_threads
+    from distlab.runtime.unequal import rank_threads
 
     spec = resolve({"world_size": 2, "rank_cpu_threads": [2, 1]})
     assert [rank_threads(spec, rank) for rank in (0, 1)] == [2, 1]

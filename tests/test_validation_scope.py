@@ -7,8 +7,8 @@ from conftest import REPO
 
 
 def test_default_validation_covers_each_zero_stage_offload_and_fsdp_variant_once():
-    from distlab.config import load
-    from distlab.validation_scope import checkpoint_format, validated_experiments
+    from distlab.configuration.config import load
+    from distlab.configuration.validation_scope import checkpoint_format, validated_experiments
 
     cfg, specs = load(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), gpu_count=0)
     chosen = validated_experiments(cfg, specs)
@@ -32,8 +32,8 @@ def test_while_rank_0_checks_the_export_the_other_ranks_import_the_model_code():
     then import transformers' modeling code one after another: they import it meanwhile."""
     from types import SimpleNamespace
 
-    from distlab.job import ValidationJob
-    from distlab.validate_ranks import check_export_meanwhile_import
+    from distlab.jobs.job import ValidationJob
+    from distlab.runtime.validate_ranks import check_export_meanwhile_import
 
     def run(rank: int, plan: list) -> list:
         calls = []

@@ -1,5 +1,5 @@
 """The native checkpoint formats: how each strategy's ranks write and read the `state/` folder
-of a checkpoint (distlab.checkpoint lays out the rest of the folder and makes it atomic).
+of a checkpoint (distlab.checkpoints.checkpoint lays out the rest of the folder and makes it atomic).
 
 - `plain`: rank 0 writes the trainable parameters (safetensors) and the optimizer; every rank
   reads the same files (DDP: each rank holds the whole model).

@@ -25,7 +25,7 @@ def _dcp_options(strict: bool = True):
 def _trainable_state(strategy):
     """(model state, optimizer state, whether frozen weights were left out): the model part
     holds the trainable parameters only (LoRA: the adapters; the frozen base is named by
-    identity in the checkpoint's metadata, distlab.checkpoint)."""
+    identity in the checkpoint's metadata, distlab.checkpoints.checkpoint)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from distlab.strategies.base import trainable_names
@@ -42,7 +42,7 @@ def dcp_save(strategy, path: str) -> None:
     killed save leaves no checkpoint."""
     import torch.distributed.checkpoint as dcp
 
-    from distlab.checkpoint_files import atomic_dir
+    from distlab.checkpoints.checkpoint_files import atomic_dir
 
     model_state, optim_state, _ = _trainable_state(strategy)
     tmp, commit = atomic_dir(path) if dist.get_rank() == 0 else (Path(str(path) + ".tmp"), None)

@@ -17,10 +17,10 @@ def save_plain(strategy, path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from distlab.checkpoint_files import atomic_dir
-    from distlab.export_files import SafetensorsFile
+    from distlab.checkpoints.checkpoint_files import atomic_dir
+    from distlab.checkpoints.export_files import SafetensorsFile
     from distlab.strategies.base import trainable_names
-    from distlab.streamed import host
+    from distlab.runtime.streamed import host
 
     if dist.get_rank() == 0:
         tmp, commit = atomic_dir(path)
@@ -44,7 +44,7 @@ def load_plain(strategy, path: str) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from distlab.checkpoint import CheckpointMismatch
+    from distlab.checkpoints.checkpoint import CheckpointMismatch
     from distlab.strategies.base import trainable_names
 
     path = Path(path)

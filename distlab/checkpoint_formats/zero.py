@@ -1,6 +1,6 @@
 """DeepSpeed's own checkpoint layout: every rank writes its ZeRO partitions of the model and
 optimizer (engine.save_checkpoint, tag `final`, plus `latest`), frozen parameters left out
-(LoRA's base: the checkpoint names it by identity, distlab.checkpoint)."""
+(LoRA's base: the checkpoint names it by identity, distlab.checkpoints.checkpoint)."""
 from __future__ import annotations
 
 import torch.distributed as dist

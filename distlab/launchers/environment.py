@@ -14,7 +14,7 @@ BASE_ENV = {
 def rank_environment(spec: dict) -> dict:
     env = dict(os.environ)
     env.update(BASE_ENV)
-    from distlab.gpu_alloc import cuda_rank_threads
+    from distlab.jobs.gpu_alloc import cuda_rank_threads
 
     # CPU: a "device" is cpu_threads_per_rank cores; CUDA: the job's cores split over its ranks.
     env["OMP_NUM_THREADS"] = str(spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else cuda_rank_threads(spec))

@@ -193,8 +193,8 @@ def run_tree(cmd: list[str], env: dict, stdout, timeout: float | None, marker: s
 
 def launch_line(cmd: list[str]) -> str:
     """The `$ ...` line a log gets for a command distlab starts: with the paths of this checkout,
-    the working folder and the home folder written relative to them (distlab.sharing)."""
-    from distlab.sharing import portable
+    the working folder and the home folder written relative to them (distlab.records.sharing)."""
+    from distlab.records.sharing import portable
 
     return "$ " + portable(" ".join(cmd)) + "\n"
 

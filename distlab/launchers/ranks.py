@@ -1,9 +1,9 @@
 """Start N ranks of a module on this machine and wait for them: the one service training
-(the torchrun and accelerate launchers), checkpoint validation (distlab.validate) and the
-collective benchmark (distlab.collectives) start their ranks through, so every process
+(the torchrun and accelerate launchers), checkpoint validation (distlab.jobs.validate) and the
+collective benchmark (distlab.tools.collectives) start their ranks through, so every process
 distlab starts obeys the same rules:
 - threads and GPUs: the rank environment (distlab.launchers.environment): OMP_NUM_THREADS per
-  rank, no GPU visible to a CPU spec, else the GPUs the caller holds (distlab.launch.assigned_gpus);
+  rank, no GPU visible to a CPU spec, else the GPUs the caller holds (distlab.jobs.launch.assigned_gpus);
 - rendezvous on loopback only: torchrun or accelerate launch through distlab.launchers.loopback;
 - hygiene: the launcher asks for SIGKILL when its caller dies (PR_SET_PDEATHSIG), and its
   whole tree is killed on a timeout, an error or a signal (distlab.launchers.process.run_tree);
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from distlab.job import Job
+from distlab.jobs.job import Job
 from distlab.launchers.accelerate import accelerate_command, launch_environment, write_accelerate_config
 from distlab.launchers.environment import single_node_environment
 from distlab.launchers.process import run_ranks
 from distlab.launchers.torchrun import torchrun_command
-from distlab.run_layout import run_files_dir
+from distlab.records.run_layout import run_files_dir
 
 
 def rank_command(spec: dict, module: str, args: list[str], marker: str, run_dir=None) -> tuple[list[str], dict]:
@@ -47,19 +47,19 @@ def start_ranks(spec: dict, module: str, args: list[str], marker: str | Path, lo
 
 
 def run(job: Job, job_path: str, log_path: str | None, timeout: float | None) -> None:
-    """The torchrun and accelerate launchers: the experiment's ranks of distlab.worker."""
+    """The torchrun and accelerate launchers: the experiment's ranks of distlab.runtime.worker."""
     spec = job.spec
-    if spec.get("link"):  # one agent per host namespace instead (torchrun only: distlab.config_links)
+    if spec.get("link"):  # one agent per host namespace instead (torchrun only: distlab.configuration.config_links)
         from distlab.launchers import linked
 
         linked.run(job, job_path, log_path, timeout)
         return
     if spec.get("rank_cpu_budget"):  # the ranks' cpu cgroups: empty ones of earlier runs go first
-        from distlab.cpu_budget import sweep
+        from distlab.jobs.cpu_budget import sweep
 
         sweep()
     try:
-        start_ranks(spec, "distlab.worker", ["--job", job_path], job_path, log_path, timeout, run_dir=job.run_dir)
+        start_ranks(spec, "distlab.runtime.worker", ["--job", job_path], job_path, log_path, timeout, run_dir=job.run_dir)
     finally:
         if spec.get("rank_cpu_budget"):
             sweep()

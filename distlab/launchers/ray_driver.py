@@ -1,4 +1,4 @@
-"""The `ray` launcher, driver side: the ranks of distlab.worker.run_rank run as Ray Train v2
+"""The `ray` launcher, driver side: the ranks of distlab.runtime.worker.run_rank run as Ray Train v2
 workers (their side: distlab.launchers.ray_worker; the record: distlab.launchers.ray_record).
 
 `TorchTrainer` places one worker per rank and sets up the torch process group (gloo on
@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from distlab.job import Job, read_job, replace
+from distlab.jobs.job import Job, read_job, replace
 from distlab.launchers.environment import BASE_ENV, rank_environment
 from distlab.launchers.process import run_ranks
 from distlab.launchers.ray_nodes import token_auth_environment
@@ -65,10 +65,10 @@ def worker_environment(spec: dict) -> dict:
     env = dict(BASE_ENV, OMP_NUM_THREADS=str(spec["cpu_threads_per_rank"]))
     if spec["device"] == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
-    from distlab.checkpoint import FAULT_ENV
+    from distlab.checkpoints.checkpoint import FAULT_ENV
 
     # The fault-injection test hook reaches the workers too; so does the link interface gloo
-    # must use on namespaced hosts (distlab/two_hosts.py).
+    # must use on namespaced hosts (distlab/jobs/two_hosts.py).
     for key in (FAULT_ENV, "GLOO_SOCKET_IFNAME"):
         if os.environ.get(key):
             env[key] = os.environ[key]
@@ -189,7 +189,7 @@ def fit(job: Job) -> dict:
 
 
 def write_results(job: Job, outcome: dict, cluster: dict) -> None:
-    from distlab.run_outputs import write_outputs
+    from distlab.records.run_outputs import write_outputs
 
     spec = job.spec
     returned = outcome["result"].return_value
@@ -215,7 +215,7 @@ def drive(job: Job) -> None:
     with ray_cluster(job.spec) as cluster:
         outcome = fit(job)
     if outcome["error"] is not None or outcome["result"].return_value is None:
-        for event in outcome["events"]:  # oom-rank<N>.json: distlab.launch then records status 'oom'
+        for event in outcome["events"]:  # oom-rank<N>.json: distlab.jobs.launch then records status 'oom'
             if event["event"] == "oom":
                 Path(job.run_dir, f"oom-rank{event['rank']}.json").write_text(json.dumps(
                     {"rank": event["rank"], "error": event["error"], "memory": {}}))
@@ -227,7 +227,7 @@ def run(job: Job, job_path: str, log_path: str | None, timeout: float | None) ->
     """LAUNCHERS entry: the Ray driver runs in its own process, its output in the job's log."""
     env = rank_environment(job.spec)
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing leaves the machine
-    # The two-host run (distlab/two_hosts.py) starts the driver inside the head's namespace:
+    # The two-host run (distlab/jobs/two_hosts.py) starts the driver inside the head's namespace:
     # job.driver_inside is that command prefix (nsenter ...); the head is reachable only there.
     command = list(job.driver_inside) + [sys.executable, "-m", "distlab.launchers.ray_driver", "--job", job_path]
     if resolve_address(job.spec):
@@ -245,7 +245,7 @@ def run(job: Job, job_path: str, log_path: str | None, timeout: float | None) ->
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Ray Train driver of one distlab experiment")
-    parser.add_argument("--job", required=True, help="job.json written by distlab.launch")
+    parser.add_argument("--job", required=True, help="job.json written by distlab.jobs.launch")
     args = parser.parse_args(argv)
     drive(read_job(args.job))
 

@@ -2,7 +2,7 @@
 
 Where each rank ran is recorded by Ray node id (random per node start) and host label: the
 workers report their node's IP address, which the driver turns into a label before anything is
-written (distlab.sharing: shared results carry no address of the cluster's machines)."""
+written (distlab.records.sharing: shared results carry no address of the cluster's machines)."""
 from __future__ import annotations
 
 

@@ -1,6 +1,6 @@
 """Ray Train worker side of the `ray` launcher: what each worker process runs.
 
-`train_worker` is the TorchTrainer training function: distlab.worker.run_rank with
+`train_worker` is the TorchTrainer training function: distlab.runtime.worker.run_rank with
 checkpoints that Ray knows about (every periodic checkpoint is reported with
 `ray.train.report`; a restarted or resized group resumes from `ray.train.get_checkpoint()`).
 Events go to the driver's RunLog actor (distlab.launchers.ray_driver), so no shared
@@ -18,13 +18,13 @@ def node_identity() -> dict:
     import ray
 
     # No host name; the IP address reaches only the driver, which writes a host label in its
-    # place (ray_record.host_labels): results/<machine>/ names no machine (distlab.sharing).
+    # place (ray_record.host_labels): results/<machine>/ names no machine (distlab.records.sharing).
     return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
             "pid": os.getpid()}
 
 
 def _ray_checkpoints_class():
-    """TrainingCheckpoints (distlab.training_checkpoints) that also tells Ray about every checkpoint and
+    """TrainingCheckpoints (distlab.runtime.training_checkpoints) that also tells Ray about every checkpoint and
     resumes from the one Ray hands back; built on first use so that importing this module
     (the launcher registry does) loads neither torch nor Ray."""
     import ray
@@ -32,8 +32,8 @@ def _ray_checkpoints_class():
     import torch.distributed as dist
     from ray.train import Checkpoint
 
-    from distlab import checkpoint as ckpt
-    from distlab.training_checkpoints import TrainingCheckpoints
+    from distlab.checkpoints import checkpoint as ckpt
+    from distlab.runtime.training_checkpoints import TrainingCheckpoints
 
     class RayCheckpoints(TrainingCheckpoints):
         run_log = None  # the driver's RunLog actor, set by train_worker
@@ -77,7 +77,7 @@ def _ray_checkpoints_class():
             ray.get(self.run_log.add.remote(event))
 
         def on_step_end(self, step: int) -> None:
-            # The fault-injection test hook (distlab.checkpoint.FAULT_ENV) fires here instead,
+            # The fault-injection test hook (distlab.checkpoints.checkpoint.FAULT_ENV) fires here instead,
             # after Ray has been told of this step's checkpoint, and once per run: a group that
             # resumes before the step must not be killed again.
             fault = os.environ.pop(ckpt.FAULT_ENV, None) or getattr(self, "fault", None)
@@ -118,16 +118,16 @@ def earlier_losses(folder: Path, world_size: int) -> list[dict]:
 
 
 def train_worker(config: dict):
-    """What every Ray Train worker runs: distlab.worker.run_rank with Ray-aware checkpoints."""
+    """What every Ray Train worker runs: distlab.runtime.worker.run_rank with Ray-aware checkpoints."""
     import ray
     import ray.train
     import torch
 
-    from distlab import worker
-    from distlab.job import replace
-    from distlab.sharing import private_files
+    from distlab.runtime import worker
+    from distlab.jobs.job import replace
+    from distlab.records.sharing import private_files
 
-    private_files()  # a worker on a node `ray start` began writes as the ranks do (distlab.sharing)
+    private_files()  # a worker on a node `ray start` began writes as the ranks do (distlab.records.sharing)
     # An elastic group may hold fewer than max_workers: the rank code checks the world size
     # it really got against this group's size (Ray checked it is within [min, max]).
     job = config["job"]

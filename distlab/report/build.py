@@ -14,8 +14,8 @@ import csv
 import os
 from dataclasses import dataclass, field
 
-from distlab import advisor as adv
-from distlab import advisor_check
+from distlab.tools import advisor as adv
+from distlab.tools import advisor_check
 from distlab.report.cards import (COMPARED, DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Table, all_cards, is_busy)
 from distlab.report.cards.across import (card_noting_missing, collectives_card, loss_card, machines_card,
                                          ranking_card)
@@ -98,7 +98,7 @@ def headline(runs: list[dict], advice: dict) -> list[str]:
 
 
 def busy_note(runs: list[dict]) -> str:
-    """How many runs were timed on a busy machine (distlab.noise), named: their speed figures
+    """How many runs were timed on a busy machine (distlab.runtime.noise), named: their speed figures
     include waiting for a core and say nothing about the strategy."""
     timed = [r for r in runs if r.get("status") == "ok"]
     recorded = [r for r in timed if (r.get("noise") or {}).get("busy") is not None]
@@ -161,7 +161,7 @@ def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
                                  f"tensors; right = the total and each of params, grads and optimizer within "
                                  f"{adv.TOLERANCE:.0%} ('where' names a part that is not). Activations: the bytes "
                                  "autograd held at the end of one micro-batch's forward on rank 0 (saved-tensor "
-                                 "hooks) vs distlab.activations' estimate (data-parallel strategies; peak RSS, "
+                                 "hooks) vs distlab.runtime.activations' estimate (data-parallel strategies; peak RSS, "
                                  "which includes the interpreter and libraries, is not compared)."))
         card.notes.append(f"The estimate was wrong for {len(wrong)} of {len(checked)} run(s)"
                           + (": " + "; ".join(f"{c['experiment']} ({c['where'] or 'total'})" for c in wrong)

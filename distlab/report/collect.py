@@ -23,8 +23,8 @@ import statistics
 from pathlib import Path
 
 from distlab.report.inputs import job_wall_seconds, readable
-from distlab.run_layout import KUBERAY_CHECKS, run_files_dir
-from distlab.run_outputs import MAX_RESULTS_FILE_BYTES, ResultsError, parse_json, read_json_object, read_run_record
+from distlab.records.run_layout import KUBERAY_CHECKS, run_files_dir
+from distlab.records.run_outputs import MAX_RESULTS_FILE_BYTES, ResultsError, parse_json, read_json_object, read_run_record
 
 VALIDATION_SCHEMA_VERSION = 1
 COLLECTIVES_SCHEMA_VERSION = 1
@@ -47,7 +47,7 @@ def check_schema(data, kind: str, path) -> None:
     the schema of `kind` (results_schema.yaml)."""
     from jsonschema.exceptions import best_match
 
-    from distlab.input_checks import StrictValidator
+    from distlab.configuration.input_checks import StrictValidator
 
     schemas = _schemas()
     schema = {"$defs": schemas["$defs"], **schemas[kind]}
@@ -100,7 +100,7 @@ def unit_of(run: dict) -> str:
 def throughput_stats(run: dict) -> dict | None:
     """Tokens/s (images/s for a text-to-image run) with a spread, as the report compares runs.
 
-    launches = L >= 2 (separate launches, distlab.launches): median and min-max over them.
+    launches = L >= 2 (separate launches, distlab.jobs.launches): median and min-max over them.
     Else repeats = R >= 2: the timed steps (after warm-up) are split into R consecutive windows;
     each window's tokens/s = tokens per step / its median step time; median over windows,
     spread = [min, max] over windows. R = 1: one window; spread = tokens per step over the
@@ -301,7 +301,7 @@ def validation_status(run: dict) -> str | None:
 
 
 def summary_row(run: dict) -> dict:
-    from distlab.memory_phases import phase_peaks
+    from distlab.records.memory_phases import phase_peaks
 
     spec = run["spec"]
     step = _get(run, "timing", "step_time_s", default={}) or {}
@@ -331,12 +331,12 @@ def summary_row(run: dict) -> dict:
         "images_per_s": _get(run, "throughput", "images_per_s"),
         "mfu": _get(run, "flops", "mfu"),
         "comm_inflight_median_s": _get(run, "timing", "comm_inflight_s_per_step", "median"),
-        # distlab.noise: other processes' CPU while the steps were timed; busy = figures inflated.
+        # distlab.runtime.noise: other processes' CPU while the steps were timed; busy = figures inflated.
         "machine_busy": _get(run, "noise", "busy"), "others_cores": _get(run, "noise", "others_cores"),
         "load_avg_1min_max": max(_get(run, "noise", "load_avg_1min", default=None) or [None], key=lambda v: v or 0),
         "loss_first": _get(run, "loss", "first"), "loss_last": _get(run, "loss", "last"),
         "peak_rss_max_bytes": max(rss) if rss else None,
-        # distlab.memory: process start -> first step, then the steps alone (largest rank).
+        # distlab.runtime.memory: process start -> first step, then the steps alone (largest rank).
         "load_phase_peak_max_bytes": phase_peaks(run)["load_phase"],
         "training_phase_peak_max_bytes": phase_peaks(run)["training_phase"],
         "save_phase_peak_max_bytes": phase_peaks(run)["save_phase"],
@@ -358,7 +358,7 @@ def summary_row(run: dict) -> dict:
 def summary_frame(runs: list[dict]):
     import pandas as pd
 
-    from distlab.config import STAGE_ORDER
+    from distlab.configuration.config import STAGE_ORDER
 
     frame = pd.DataFrame([summary_row(r) for r in runs])
     if frame.empty:

@@ -48,7 +48,7 @@ def write_evidence(evidence: dict, html_path: str, json_path: str) -> None:
 def links_page(metrics_paths, collectives_paths, html_path: str, md_path: str, json_path: str,
                declared: frozenset[str] | None = None) -> None:
     """Rule links: the stage `links` runs and the collectives measured at each link cap."""
-    from distlab.config_links import link_label
+    from distlab.configuration.config_links import link_label
     from distlab.report.cards import links
 
     runs = checked_runs(metrics_paths, declared=declared)

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distlab.precision import ACCELERATE_MIXED_PRECISION
-from distlab.run_layout import RUN_FILES, run_files_dir
+from distlab.runtime.precision import ACCELERATE_MIXED_PRECISION
+from distlab.records.run_layout import RUN_FILES, run_files_dir
 from distlab.strategies.accelerate_settings import CONFIG_NAME, uses_accelerate_fsdp
 from distlab.strategies.base import FidelityError, Strategy
 
@@ -86,7 +86,7 @@ class AccelerateStrategy(Strategy):
     # -- model --------------------------------------------------------------------------
     def wrap(self, model) -> None:
         if self.fsdp:
-            from distlab.model import decoder_layer_class
+            from distlab.runtime.model import decoder_layer_class
 
             plugin = self.accelerator.state.fsdp_plugin
             plugin.transformer_cls_names_to_wrap = [decoder_layer_class(model).__name__]
@@ -160,7 +160,7 @@ class AccelerateStrategy(Strategy):
 
     # -- truth --------------------------------------------------------------------------
     def state_bytes(self) -> dict:
-        from distlab.metrics import model_state_bytes
+        from distlab.records.metrics import model_state_bytes
 
         return model_state_bytes(self.model, self.optimizer.optimizer)
 
@@ -261,7 +261,7 @@ class AccelerateStrategy(Strategy):
     def save_checkpoint(self, path: str) -> None:
         """accelerator.save_state (model safetensors, optimizer, RNG per rank) into `path`, the
         model's frozen parameters left out (LoRA's base: named by identity in the checkpoint's
-        metadata); distlab.checkpoint makes the save atomic around it."""
+        metadata); distlab.checkpoints.checkpoint makes the save atomic around it."""
         import json
 
         self.accelerator.save_state(str(path))

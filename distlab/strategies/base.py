@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distlab.accumulation import accumulation_scaled
-from distlab.job import Job
-from distlab.precision import autocast, frozen_base_dtype
+from distlab.runtime.accumulation import accumulation_scaled
+from distlab.jobs.job import Job
+from distlab.runtime.precision import autocast, frozen_base_dtype
 
 
 class FidelityError(RuntimeError):
@@ -77,7 +77,7 @@ class Strategy:
         """The model this rank starts from, before LoRA and wrap(): by default every rank
         loads the task's whole trained module (host memory) in frozen_base_dtype(spec).
         Strategies that shard or split the model override this so that no rank ever holds
-        more than its part (distlab.model_setup)."""
+        more than its part (distlab.runtime.model_setup)."""
         return self.task.load_model(model_source, dtype=frozen_base_dtype(self.spec))
 
     def lora_context(self):
@@ -141,10 +141,10 @@ class Strategy:
         return self.optimizer
 
     def attach_scheduler(self) -> None:
-        """The run's LR schedule (distlab.schedule), once the optimizer exists (DeepSpeed
+        """The run's LR schedule (distlab.runtime.schedule), once the optimizer exists (DeepSpeed
         builds it inside wrap(), where its engine takes it)."""
         if self.scheduler is None:
-            from distlab.schedule import lr_scheduler
+            from distlab.runtime.schedule import lr_scheduler
 
             self.scheduler = lr_scheduler(self.spec, self.scheduled_optimizer())
 
@@ -162,8 +162,8 @@ class Strategy:
 
     def clip_gradients(self):
         """Pre-clip global norm of this step's gradients, clipped to max_grad_norm when > 0
-        (distlab.clipping: plain tensors, DTensor shards and pipeline stages alike)."""
-        from distlab.clipping import clip_to
+        (distlab.runtime.clipping: plain tensors, DTensor shards and pipeline stages alike)."""
+        from distlab.runtime.clipping import clip_to
 
         return clip_to(self.trainable(self.model), self.spec["max_grad_norm"], self.stage_group())
 
@@ -184,14 +184,14 @@ class Strategy:
 
     def evaluate(self, ids, labels) -> dict | None:
         """Collective: held-out loss of the model as trained so far (eval_every), on rank 0
-        (None elsewhere): forward_logits on the model as it is held (distlab.evaluation)."""
-        from distlab.evaluation import evaluate_forward
+        (None elsewhere): forward_logits on the model as it is held (distlab.runtime.evaluation)."""
+        from distlab.runtime.evaluation import evaluate_forward
 
         return evaluate_forward(self, ids, labels)
 
     # -- truth --------------------------------------------------------------------------
     def state_bytes(self) -> dict:
-        from distlab.metrics import model_state_bytes
+        from distlab.records.metrics import model_state_bytes
 
         return model_state_bytes(self.model, self.optimizer)
 
@@ -227,7 +227,7 @@ class Strategy:
         if described["device"].split(":")[0] != spec["device"]:
             raise FidelityError(f"spec device {spec['device']} but the model is on {described['device']}")
         if described.get("activation_checkpointing"):
-            from distlab.activations import check_checkpointing
+            from distlab.runtime.activations import check_checkpointing
 
             problem = check_checkpointing(described["activation_checkpointing"], spec)
             if problem:
@@ -256,7 +256,7 @@ class Strategy:
         """Collective: logits of the model as it trains (still sharded, on this rank's device,
         training precision, eval mode, no grad) on rank 0; None elsewhere. Strategies whose
         ranks each hold the whole model run it on rank 0 alone. every_rank: each data-parallel
-        rank passes its own batch and gets its own logits (distlab.evaluation.evaluate_forward)."""
+        rank passes its own batch and gets its own logits (distlab.runtime.evaluation.evaluate_forward)."""
         if not self.collective_forward and dist.get_rank() != 0 and not every_rank:
             return None
         module = self.model if self.collective_forward else self.unwrapped()
@@ -271,12 +271,12 @@ class Strategy:
 
     def state_groups(self, select=None):
         """Collective generator over the trained parameters, one group at a time (a decoder
-        layer, or one other parameter: distlab.streamed.parameter_groups): {name: host (CPU)
+        layer, or one other parameter: distlab.runtime.streamed.parameter_groups): {name: host (CPU)
         tensor} on rank 0, {} on the others, names as in unwrapped().named_parameters() (peft
         names for LoRA); select(name) keeps some. A DTensor (FSDP2, tensor parallel) is gathered
         whole on every rank one parameter at a time (full_tensor), its shard first moved to the
         collective's device when it was offloaded to the CPU. Every rank iterates to the end."""
-        from distlab.streamed import host, parameter_groups
+        from distlab.runtime.streamed import host, parameter_groups
 
         module = self.unwrapped()
         params = dict(module.named_parameters())
@@ -297,14 +297,14 @@ class Strategy:
         return {name: value.clone() for group in self.state_groups() for name, value in group.items()}
 
     # -- checkpoints --------------------------------------------------------------------
-    # Both are collective: every rank calls them. distlab/checkpoint.py wraps them (atomic
-    # folder, manifest, trainer state, export); distlab/validate.py checks them.
+    # Both are collective: every rank calls them. distlab/checkpoints/checkpoint.py wraps them (atomic
+    # folder, manifest, trainer state, export); distlab/jobs/validate.py checks them.
     def save_checkpoint(self, path: str) -> None:
         """Write the native format under `path`: the trainable parameters (LoRA: the adapters
         only; the frozen base is named by identity in distlab_checkpoint.json), the optimizer
         and any scheduler state.
         Only safetensors, JSON or tensors torch.load(weights_only=True) can read. RNG, step and
-        data position are saved by distlab.checkpoint, not here."""
+        data position are saved by distlab.checkpoints.checkpoint, not here."""
         raise NotImplementedError(f"{self.name} has no checkpoint save yet")
 
     def load_checkpoint(self, path: str) -> None:

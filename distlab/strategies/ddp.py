@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from distlab.accumulation import accumulation_scaled
-from distlab.precision import autocast
+from distlab.runtime.accumulation import accumulation_scaled
+from distlab.runtime.precision import autocast
 from distlab.strategies.base import Strategy
-from distlab.unequal import label_share, rank_batches
+from distlab.runtime.unequal import label_share, rank_batches
 
 
 class CommTimer:
@@ -103,7 +103,7 @@ class DDPStrategy(Strategy):
 
     def wrap(self, model) -> None:
         model.to(self.ctx.device)
-        # Unequal devices: each rank's micro-batch (given, or sized by probing: distlab.unequal).
+        # Unequal devices: each rank's micro-batch (given, or sized by probing: distlab.runtime.unequal).
         self.rank_batches, self.sizing = rank_batches(model, self.spec, self.ctx.device)
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
         self.model = DistributedDataParallel(model, device_ids=device_ids)
@@ -115,7 +115,7 @@ class DDPStrategy(Strategy):
         if self.rank_batches is None:
             return super().forward_backward(batch, micro_index, n_micro)
         # Sized batches: weight this rank's mean loss by its share of the global batch's label
-        # tokens, so that DDP's average over ranks is the uniform gradient (distlab.unequal).
+        # tokens, so that DDP's average over ranks is the uniform gradient (distlab.runtime.unequal).
         with self.sync_context(micro_index == n_micro - 1):
             with autocast(self.spec, self.ctx.device):
                 loss = self.task.loss(self.model, batch)

@@ -2,13 +2,13 @@
 data-parallel one Accelerate shares."""
 from __future__ import annotations
 
-from distlab.precision import frozen_base_precision
+from distlab.runtime.precision import frozen_base_precision
 from distlab.strategies.settings import StrategySettings, state
 
 
 def replicated_state(counts: dict, lora: bool, precision: str, buckets: bool) -> dict:
     """Every rank holds the whole model: autocast over fp32 weights (LoRA's frozen base in bf16
-    when precision is bf16, distlab.precision.frozen_base_precision), gradients plus DDP's flat
+    when precision is bf16, distlab.runtime.precision.frozen_base_precision), gradients plus DDP's flat
     gradient buckets (a second copy) when `buckets`, AdamW's two fp32 moments."""
     psi = counts["total"]
     t = counts["trainable"] if lora else psi

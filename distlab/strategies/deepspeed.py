@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from distlab.checkpoint_formats.zero import zero_load, zero_save
-from distlab.model import decoder_layers
-from distlab.precision import deepspeed_precision, torch_dtype
-from distlab.run_layout import run_files_dir
+from distlab.runtime.model import decoder_layers
+from distlab.runtime.precision import deepspeed_precision, torch_dtype
+from distlab.records.run_layout import run_files_dir
 from distlab.strategies.base import FidelityError, Strategy
 from distlab.strategies.deepspeed_config import (CONFIG_NAME, deepspeed_config, file_sha256, gradient_bucket_size,
                                                 uses_torch_adam, write_config)
@@ -120,8 +120,8 @@ class DeepSpeedStrategy(Strategy):
         forget_deepspeed_groups()
         # The file on disk, not the dict: what a user reruns by hand is what ran here.
         # The run's LR schedule is handed to the engine, which steps it on each boundary's step
-        # and saves it in its checkpoints (distlab.schedule builds it on DeepSpeed's optimizer).
-        from distlab.schedule import lr_scheduler
+        # and saves it in its checkpoints (distlab.runtime.schedule builds it on DeepSpeed's optimizer).
+        from distlab.runtime.schedule import lr_scheduler
 
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=model, model_parameters=self.trainable(model), config=self.config_path,
@@ -147,7 +147,7 @@ class DeepSpeedStrategy(Strategy):
         and steps the LR schedule itself. Returns the pre-clip global norm: ZeRO 1-3 compute it
         over their partitions (engine.get_global_grad_norm); ZeRO-0's plain optimizer does not,
         so it is taken here from the whole, already averaged gradients before the step."""
-        from distlab.clipping import global_grad_norm
+        from distlab.runtime.clipping import global_grad_norm
 
         engine = self.model
         if not engine.is_gradient_accumulation_boundary():
@@ -266,7 +266,7 @@ class DeepSpeedStrategy(Strategy):
         released. With bf16 these are the module's bf16 weights, not DeepSpeed's fp32 masters."""
         import deepspeed
 
-        from distlab.streamed import host, parameter_groups
+        from distlab.runtime.streamed import host, parameter_groups
 
         module = self.unwrapped()
         params = dict(module.named_parameters())

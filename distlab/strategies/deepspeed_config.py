@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from distlab.precision import deepspeed_precision
+from distlab.runtime.precision import deepspeed_precision
 
 CONFIG_NAME = "deepspeed_config.json"
 # torch.optim.AdamW defaults, written out so the config file says what runs.
@@ -110,7 +110,7 @@ def deepspeed_config(spec: dict, world_size: int, layer_params: int | None = Non
             # torch: torch.optim.AdamW, the implementation DDP runs (nothing to compile).
             # deepspeed: FusedAdam, or DeepSpeedCPUAdam when offloading (JIT-built ops).
             "torch_adam": uses_torch_adam(spec)}},
-        # The spec's max_grad_norm (0 = off), the global norm other strategies clip to (distlab.clipping).
+        # The spec's max_grad_norm (0 = off), the global norm other strategies clip to (distlab.runtime.clipping).
         "gradient_clipping": float(spec["max_grad_norm"]),
         "zero_optimization": zero,
         **deepspeed_precision(spec["precision"]),

@@ -27,7 +27,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from distlab.partial_load import ShardedLoad, WeightFiles
+from distlab.runtime.partial_load import ShardedLoad, WeightFiles
 
 ROUTE_RANK_SLICES = ("built under deepspeed.zero.Init (no weight init), then each rank copied only its own "
                      "partition of every weight from the safetensors (safetensors get_slice, rows covering it)")
@@ -63,7 +63,7 @@ def build_partitioned(source: str, ds_config: dict, dtype):
     # prevent_arange_dtype_change: zero.Init would cast the rotary buffers' arange to a bf16
     # run's dtype; transformers enters it before its own zero.Init from the release that has
     # it (5.24 does; 5.17 and 5.0 did not, and neither did their ZeRO-3 route). Where it is
-    # missing, distlab.buffers puts the plain model's buffers back (model_setup).
+    # missing, distlab.runtime.buffers puts the plain model's buffers back (model_setup).
     keep_arange = getattr(hf_deepspeed, "prevent_arange_dtype_change", contextlib.nullcontext)
     with initialization.no_init_weights(), keep_arange(), \
             deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=dtype):
@@ -79,7 +79,7 @@ def load_through_transformers(source: str, ds_config: dict, dtype):
     from transformers.integrations import HfDeepSpeedConfig
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    from distlab.model import load_model
+    from distlab.runtime.model import load_model
 
     # transformers holds only a weak reference: alive while loading, then released. Left
     # alive, every later from_config/from_pretrained on rank 0 alone (the export's reload

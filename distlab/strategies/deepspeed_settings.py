@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from distlab.parameter_counts import sharded_counts
+from distlab.tools.parameter_counts import sharded_counts
 from distlab.strategies.settings import StrategySettings, precision_layout, state
 
 

@@ -24,10 +24,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from distlab.accumulation import accumulation_scaled
+from distlab.runtime.accumulation import accumulation_scaled
 from distlab.checkpoint_formats.dcp import dcp_load, dcp_save
-from distlab.model import decoder_layers
-from distlab.precision import is_mixed, low_precision_dtype
+from distlab.runtime.model import decoder_layers
+from distlab.runtime.precision import is_mixed, low_precision_dtype
 from distlab.strategies.base import FidelityError, Strategy
 
 

@@ -11,7 +11,7 @@ to real weights, with no rank ever holding more than its shards (torchtitan's re
    seeded RNG (kept by keep_adapter_init while peft moved them to meta), so the step-0 loss
    equals DDP's.
 Every parameter must be covered by 3 or 4, or the run fails naming the ones left empty
-(distlab.partial_load.check_coverage, before anything is read).
+(distlab.runtime.partial_load.check_coverage, before anything is read).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from distlab.partial_load import ShardedLoad
+from distlab.runtime.partial_load import ShardedLoad
 
 ADAPTER_INIT_ATTRIBUTE = "_distlab_adapter_init"
 
@@ -71,7 +71,7 @@ def checkpoint_keys(folder: str) -> set[str]:
 
 def checkpoint_name(parameter_name: str) -> str | None:
     """The safetensors name of a (possibly peft-wrapped) parameter; None for an adapter."""
-    from distlab.lora import base_name
+    from distlab.runtime.lora import base_name
 
     return base_name(parameter_name)
 

@@ -2,7 +2,7 @@
 and memory formula. `via: accelerate` hands the run to the Accelerate strategy."""
 from __future__ import annotations
 
-from distlab.parameter_counts import sharded_counts
+from distlab.tools.parameter_counts import sharded_counts
 from distlab.strategies.settings import StrategySettings, precision_layout, state
 
 
@@ -25,7 +25,7 @@ class FSDPSettings(StrategySettings):
         return {"fsdp_config": {
             "fsdp_version": 2,
             # The decoder layer class is found from the loaded model by the strategy
-            # (distlab.model.decoder_layer_class), never named here.
+            # (distlab.runtime.model.decoder_layer_class), never named here.
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_reshard_after_forward": bool(fsdp["reshard_after_forward"]),
             "fsdp_offload_params": bool(fsdp["cpu_offload"]),

@@ -6,9 +6,9 @@ A stage is the model's own forward with the other stages' layers replaced by pas
 (StageModule): masks (sliding window, per-layer attention types), rotary embeddings and norms
 are the model's code, not a re-implementation (distlab.strategies.pp_stages). Which children run before and after the
 layers comes from the model's `base_model_pp_plan`; families without one, or with tied
-embeddings, are refused at config time (distlab.families). Each rank builds the model on the
+embeddings, are refused at config time (distlab.configuration.families). Each rank builds the model on the
 meta device and reads from the safetensors only the weights of its stage
-(distlab.partial_load): no rank ever holds the whole model.
+(distlab.runtime.partial_load): no rank ever holds the whole model.
 
 Each loop micro-batch is cut into pp.microbatches pipeline micro-batches and run by the
 schedule the spec names (GPipe: all forwards, then all backwards; 1F1B: interleaved so
@@ -31,12 +31,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from distlab.accumulation import accumulation_scaled, accumulation_unscaled
+from distlab.runtime.accumulation import accumulation_scaled, accumulation_unscaled
 from distlab.checkpoint_formats.dcp import dcp_load, dcp_save
-from distlab.model import decoder_layers
-from distlab.partial_load import empty_model, load_held_weights
-from distlab.precision import autocast
-from distlab.run_layout import run_files_dir
+from distlab.runtime.model import decoder_layers
+from distlab.runtime.partial_load import empty_model, load_held_weights
+from distlab.runtime.precision import autocast
+from distlab.records.run_layout import run_files_dir
 from distlab.strategies.base import FidelityError, ModelParallel, Strategy
 from distlab.strategies.pp_stages import StageModule, bubble_formula, prune_to_stage, split_layers
 
@@ -168,7 +168,7 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
             self._write_bubble()
 
     def _write_bubble(self) -> None:
-        from distlab.metrics import summarize
+        from distlab.records.metrics import summarize
 
         warm = self.spec["untimed_steps"]
         timed = self._timings[warm:]
@@ -260,7 +260,7 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
 
     def held_groups(self, select=None) -> list[list[tuple]]:
         """This stage's groups as (name, shape, dtype) lists: what the others must receive."""
-        from distlab.streamed import parameter_groups
+        from distlab.runtime.streamed import parameter_groups
 
         params = dict(self.model.named_parameters())
         return [[(n, tuple(params[n].shape), str(params[n].dtype).removeprefix("torch.")) for n in group]
@@ -270,7 +270,7 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
         """Strategy.state_groups for stages: the ranks first tell each other which groups they
         hold (names, shapes, dtypes), then, in the model's order, rank 0 yields its own and
         receives every other stage's group by point-to-point transfer, one group at a time."""
-        from distlab.streamed import host
+        from distlab.runtime.streamed import host
 
         rank = dist.get_rank()
         params = dict(self.model.named_parameters())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from distlab.families import pp_pieces
+from distlab.configuration.families import pp_pieces
 from distlab.strategies.settings import ModelParallelSettings, state
 
 

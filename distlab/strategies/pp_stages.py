@@ -68,8 +68,8 @@ class StageModule(nn.Module):
 def prune_to_stage(model, keep: range, first: bool, last: bool) -> nn.Module:
     """Drop what other stages own, keeping Hugging Face parameter names for what stays; returns
     this stage's first decoder layer. What runs before and after the layers comes from the
-    model's own pipeline plan (config.base_model_pp_plan, see distlab.families)."""
-    from distlab.families import pp_pieces
+    model's own pipeline plan (config.base_model_pp_plan, see distlab.configuration.families)."""
+    from distlab.configuration.families import pp_pieces
 
     if model.config.tie_word_embeddings and not (first and last):
         raise NotImplementedError("pipeline parallel with tied input/output embeddings would put one weight on "

@@ -5,7 +5,7 @@ of them changes the checkpoint, and its memory formula.
 Each strategy `<name>` keeps these beside its module, in distlab/strategies/<name>_settings.py,
 as `SETTINGS = <StrategySettings subclass instance>`. The registry is those files, found by
 their names (a directory listing: no schema read, no torch): the Snakefile's config expansion
-(distlab.config), distlab.validation_scope, the advisor and every rank (distlab.strategies.
+(distlab.configuration.config), distlab.configuration.validation_scope, the advisor and every rank (distlab.strategies.
 strategy_for) read strategies through it. config/schema.yaml's strategy enum must name the
 same strategies and hold a block for each one's settings (`schema_mismatch`, checked when a
 config is validated).
@@ -18,7 +18,7 @@ import importlib
 import pkgutil
 import sys
 
-from distlab.precision import is_mixed
+from distlab.runtime.precision import is_mixed
 
 SUFFIX = "_settings"
 
@@ -41,14 +41,14 @@ class StrategySettings:
     #: Whether a rank holds a run of the decoder layers numbered in the whole model (a pipeline
     #: stage): there selective activation checkpointing cannot be checked layer by layer.
     holds_layer_run: bool = False
-    #: The advisor rows (distlab.advisor.ROW_ORDER) this strategy stands for: {row: its settings block}.
+    #: The advisor rows (distlab.tools.advisor.ROW_ORDER) this strategy stands for: {row: its settings block}.
     advisor_rows: dict[str, dict] = {}
     #: {task name: why this strategy cannot train that task at all}: the config refuses such an
     #: experiment naming its `strategy` field (check_task). Said here, beside the strategy, so no
     #: task keeps a list of strategies and a new strategy touches only its own files.
     refused_tasks: dict[str, str] = {}
     #: Whether it splits the model by the model family's own plans (the transformers config of a
-    #: `model.path` folder, read at config time by distlab.families; family_refusal says what it
+    #: `model.path` folder, read at config time by distlab.configuration.families; family_refusal says what it
     #: needs of them). False: it calls the model's forward whole and runs every causal-LM family,
     #: so the config never imports transformers for it at parse time.
     splits_by_family_plan: bool = False
@@ -63,12 +63,12 @@ class StrategySettings:
 
     def check(self, spec: dict, config: dict, fail, shape: dict) -> None:
         """fail(field, why) for settings this strategy refuses; `shape` is the model's config
-        (distlab.config.model_shape)."""
+        (distlab.configuration.config.model_shape)."""
 
     def check_task(self, task: str, spec: dict, fail) -> None:
         """fail(field, why) for what of the task `task` (distlab.tasks) this strategy cannot
         train: the task whole (refused_tasks) or, in subclasses, settings of its own the task's
-        model cannot take. Checked before the task's own refusals (distlab.config)."""
+        model cannot take. Checked before the task's own refusals (distlab.configuration.config)."""
         if task in self.refused_tasks:
             fail("strategy", f"task {task} cannot run {self.name}: {self.refused_tasks[task]}")
 
@@ -105,13 +105,13 @@ class StrategySettings:
         return (spec["precision"],)
 
     def advisor_row(self, spec: dict) -> str | None:
-        """The advisor row (distlab.advisor.ROW_ORDER, or a formula of its own) a run's spec
+        """The advisor row (distlab.tools.advisor.ROW_ORDER, or a formula of its own) a run's spec
         corresponds to; None: the advisor has no formula for it and checks none of its runs."""
         return None
 
     def model_state(self, counts: dict, n: int, precision: str, lora: bool, settings: dict) -> dict | None:
         """Bytes one of n ranks holds (`state(...)`), as this strategy allocates them
-        (distlab.advisor's docstring); settings: the spec's block and grad_accum. None: no formula."""
+        (distlab.tools.advisor's docstring); settings: the spec's block and grad_accum. None: no formula."""
         return None
 
     def module_precision(self, workload: dict) -> bool:
@@ -133,7 +133,7 @@ def precision_layout(precision: str) -> str:
 
 class ModelParallelSettings(StrategySettings):
     """Tensor and pipeline parallel: the ranks split the model itself, so the model family must
-    say how (family_refusal, read through distlab.families), LoRA is refused, and each rank's
+    say how (family_refusal, read through distlab.configuration.families), LoRA is refused, and each rank's
     checkpoint is a shard. Their memory formulas are their own (no advisor row)."""
 
     data_parallel = False
@@ -181,7 +181,7 @@ def settings_for(spec: dict) -> StrategySettings:
 
 
 def advisor_rows() -> dict[str, tuple[str, dict]]:
-    """{advisor row: (strategy, its settings block)}: what each row of distlab.advisor stands
+    """{advisor row: (strategy, its settings block)}: what each row of distlab.tools.advisor stands
     for, as distlab runs it (each strategy's `advisor_rows`)."""
     return {row: (name, block) for name, s in registered().items() for row, block in s.advisor_rows.items()}
 

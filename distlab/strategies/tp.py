@@ -8,7 +8,7 @@ models declare it in `config.base_model_tp_plan` (the same plan `from_pretrained
 (gloo) mesh as well as on CUDA. Attention modules size their heads from the projection
 output (`view(..., -1, head_dim)`), so a rank simply sees heads/tp of them.
 
-Every style a plan uses maps to a torch style (distlab.families.TP_STYLES): Phi-3's packed
+Every style a plan uses maps to a torch style (distlab.configuration.families.TP_STYLES): Phi-3's packed
 qkv_proj / gate_up_proj are "colwise_gather_output" (split by columns, the output gathered
 whole before the packed tensor is cut into q, k, v) followed by "rowwise_split_input".
 A family without a plan (GPT-2) or with a style torch cannot express is refused at config
@@ -17,7 +17,7 @@ left replicated: the embedding and head are held whole on every rank.
 
 Loading: the model is built on the meta device, the layers are parallelized there, and each
 rank then reads from the safetensors only its shard of every split weight (safetensors
-`get_slice`, distlab.partial_load) and the replicated rest whole: no rank holds a full copy
+`get_slice`, distlab.runtime.partial_load) and the replicated rest whole: no rank holds a full copy
 of the split linears at any time.
 
 Every TP rank computes the same batch: the data-parallel size is 1.
@@ -30,9 +30,9 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from distlab.checkpoint_formats.dcp import dcp_load, dcp_save
-from distlab.families import TP_STYLES, layer_tp_plan
-from distlab.model import decoder_layers
-from distlab.partial_load import empty_model, load_held_weights
+from distlab.configuration.families import TP_STYLES, layer_tp_plan
+from distlab.runtime.model import decoder_layers
+from distlab.runtime.partial_load import empty_model, load_held_weights
 from distlab.strategies.base import FidelityError, ModelParallel, Strategy
 
 #: families.TP_STYLES' names made real; "replicate" (None) leaves the weight whole.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from distlab.families import TP_STYLES, layer_tp_plan
+from distlab.configuration.families import TP_STYLES, layer_tp_plan
 from distlab.strategies.settings import ModelParallelSettings, state
 
 

@@ -10,14 +10,14 @@ them at parse time (config checks, rule paths)."""
 from __future__ import annotations
 
 from distlab.registry import load
-from distlab.schema import task_enum
+from distlab.configuration.schema import task_enum
 
 DEFAULT_TASK = "causal-lm"
 
 
 def task_names() -> list[str]:
-    """The task enum of config/schema.yaml (read through distlab.schema, not distlab.config:
-    distlab.config asks this package for each experiment's task)."""
+    """The task enum of config/schema.yaml (read through distlab.configuration.schema, not distlab.configuration.config:
+    distlab.configuration.config asks this package for each experiment's task)."""
     return task_enum()
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 
-from distlab.job import Job
+from distlab.jobs.job import Job
 
 
 def lazy(target: str):
@@ -81,7 +81,7 @@ class Task:
 
     # -- rank time -----------------------------------------------------------------------
     def import_code(self, source: str, lora: bool) -> None:
-        """Import the modeling libraries before the RSS baseline is read (distlab.memory)."""
+        """Import the modeling libraries before the RSS baseline is read (distlab.runtime.memory)."""
 
     def load_model(self, source: str, dtype=None, device: str | None = None):
         """The trained module, whole (device None) or on the meta device (device "meta")."""

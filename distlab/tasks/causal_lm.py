@@ -1,8 +1,8 @@
 """The default task: causal language modelling on packed token blocks (text, chat or
 instruction data), a Hugging Face causal LM, full fine-tuning or LoRA through peft.
 
-Each method hands over to the module that always did the work (distlab.model, distlab.lora,
-distlab.data, distlab.evaluation, distlab.checkpoint, distlab.validate_causal_lm): this file is
+Each method hands over to the module that always did the work (distlab.runtime.model, distlab.runtime.lora,
+distlab.data_prep.data, distlab.runtime.evaluation, distlab.checkpoints.checkpoint, distlab.runtime.validate_causal_lm): this file is
 where the rest of distlab meets them.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ class TokenBlocks(TrainData):
     prompt token of chat/instruction data; none stored = every token is a label)."""
 
     def __init__(self, data_dir, split: str, seq_len: int):
-        from distlab.data import load_blocks, load_labels
+        from distlab.data_prep.data import load_blocks, load_labels
 
         self.blocks = load_blocks(data_dir, split)
         if self.blocks.shape[1] != seq_len:
@@ -73,13 +73,13 @@ class CausalLM(Task):
         return spec["seq_len"]
 
     # -- rank time ------------------------------------------------------------------------
-    import_code = lazy("distlab.model:import_model_code")
-    load_model = lazy("distlab.model:load_model")
-    evaluate_trained = lazy("distlab.evaluation:evaluate_sharded")
-    export_pass = lazy("distlab.export:export_pass")
-    trained_outputs = lazy("distlab.validate_causal_lm:streamed_outputs")
-    check_export = lazy("distlab.validate_causal_lm:check_export")
-    lora_base_frozen = lazy("distlab.validate_causal_lm:lora_base_frozen")
+    import_code = lazy("distlab.runtime.model:import_model_code")
+    load_model = lazy("distlab.runtime.model:load_model")
+    evaluate_trained = lazy("distlab.runtime.evaluation:evaluate_sharded")
+    export_pass = lazy("distlab.checkpoints.export:export_pass")
+    trained_outputs = lazy("distlab.runtime.validate_causal_lm:streamed_outputs")
+    check_export = lazy("distlab.runtime.validate_causal_lm:check_export")
+    lora_base_frozen = lazy("distlab.runtime.validate_causal_lm:lora_base_frozen")
 
     def hidden_size(self, source):
         from transformers import AutoConfig
@@ -92,12 +92,12 @@ class CausalLM(Task):
         return deepspeed_load.load_partitioned(source, ds_config, dtype, nvme_params=nvme_params)
 
     def apply_lora(self, model, spec):
-        from distlab.lora import apply_lora
+        from distlab.runtime.lora import apply_lora
 
         return apply_lora(model, spec["lora"], spec["seed"])
 
     def flops(self, model, spec, count):
-        from distlab.metrics import model_flops_per_token
+        from distlab.records.metrics import model_flops_per_token
 
         return model_flops_per_token(model, spec["seq_len"], count=count)
 
@@ -108,7 +108,7 @@ class CausalLM(Task):
         return model(**batch).loss
 
     def data_facts(self, job, records_by_rank, ranks_per_replica):
-        from distlab.data import run_data_facts
+        from distlab.data_prep.data import run_data_facts
 
         return run_data_facts(job.data_dir, records_by_rank, ranks_per_replica)
 

@@ -69,7 +69,7 @@ SPREAD_CAVEAT = ("spreads are within one process (its timed steps split into win
 
 
 def is_busy(run) -> bool:
-    """Timed while other processes needed cores the run had not left free (distlab.noise), in
+    """Timed while other processes needed cores the run had not left free (distlab.runtime.noise), in
     its launch or any of its further launches (spec launches)."""
     return any((n or {}).get("busy") for n in [run.get("noise"), *(x.get("noise") for x in run.get("launches") or [])])
 
@@ -121,14 +121,14 @@ def ok_runs(runs: list[dict], stage: str) -> list[dict]:
 PHASES_HOW = ("load: process start (interpreter, libraries) to the first step, model load and sharding included; "
               "training: the steps alone (peak reset before step 0); save: the final evaluation, checkpoint save "
               "and export alone (peak reset after the last step; the export gathers one decoder layer at a time). "
-              "CPU: VmHWM (peak RSS) of the rank process; CUDA: torch.cuda.max_memory_reserved. distlab.memory")
+              "CPU: VmHWM (peak RSS) of the rank process; CUDA: torch.cuda.max_memory_reserved. distlab.runtime.memory")
 
 
 def phase_peak_table(runs: list[dict], title: str, extra=None) -> Table:
     """Load, training and save peaks of every rank of `runs` (MiB); extra(run) adds columns."""
     import pandas as pd
 
-    from distlab.memory_phases import PHASES, rank_phase_peaks
+    from distlab.records.memory_phases import PHASES, rank_phase_peaks
 
     rows = []
     for run in runs:

@@ -1,5 +1,5 @@
 """The checkpoint section of the report: one row per trained experiment from its
-validation.json (distlab/validate.py): reload diff, resharding, resume parity, export,
+validation.json (distlab/jobs/validate.py): reload diff, resharding, resume parity, export,
 size and save/load seconds. Not a stage card: build.py places it after the stage cards.
 """
 from __future__ import annotations
@@ -110,7 +110,7 @@ def checkpoint_card(runs: list[dict]) -> Card | None:
     if unvalidated:
         card.notes.append(f"Not validated ({NOT_RUN}; config validation.scope, default per_format: the first "
                           f"experiment of each distinct checkpoint format): {', '.join(unvalidated)}.")
-    from distlab.validate import MERGE_TOLERANCE, PARITY_TOLERANCE, RELOAD_TOLERANCE
+    from distlab.jobs.validate import MERGE_TOLERANCE, PARITY_TOLERANCE, RELOAD_TOLERANCE
 
     tolerances = {"reload, reshard and export logits": RELOAD_TOLERANCE, "merged LoRA export": MERGE_TOLERANCE,
                   **{f"resume loss ({p})": t for p, t in PARITY_TOLERANCE.items()}}

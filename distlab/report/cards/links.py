@@ -1,9 +1,9 @@
 """The link card (`snakemake links`): the same DDP, ZeRO-2/3, FSDP and TP runs over links of
-several speeds, each rank on a host of its own (distlab/links.py). Not a `stage*` module: the
+several speeds, each rank on a host of its own (distlab/jobs/links.py). Not a `stage*` module: the
 milestone report does not show it; its own page does, and the advisor cites its card.json."""
 from __future__ import annotations
 
-from distlab.config_links import link_label
+from distlab.configuration.config_links import link_label
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Goal, Table, comm_ms, \
     metrics_link
 from distlab.report.plots import figure, label_axes, to_png_b64
@@ -171,7 +171,7 @@ def build(runs: list[dict], collectives: dict) -> tuple[Card, dict]:
             ax.plot(sizes, busbw, marker=".", label=label)
         ax.set_xscale("log")
         ax.set_yscale("log")
-        how = ("distlab.collectives with each rank on its own host of the link (gloo, float32, median of timed calls, "
+        how = ("distlab.tools.collectives with each rank on its own host of the link (gloo, float32, median of timed calls, "
                "the slowest rank's time); nccl-tests' busbw; the largest message of each op")
         label_axes(ax, "message bytes", "all-reduce busbw (Gbit/s)", "Collective bandwidth by link")
         card.figures.append(Figure("All-reduce bus bandwidth by link", to_png_b64(fig), how))

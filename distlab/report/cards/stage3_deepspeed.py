@@ -2,7 +2,7 @@
 (distlab.report.cards.zero_memory), the budget, offload and DDP-parity goals."""
 from __future__ import annotations
 
-from distlab.evaluation import eval_sentence
+from distlab.runtime.evaluation import eval_sentence
 from distlab.report.cards import (COMPARED, DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, load_cell,
                                   metrics_link, noise_cause, ok_runs, phase_peak_table)
 from distlab.report.cards.parity import NOT_COMPARED, gap_sentence, parity_rows
@@ -23,7 +23,7 @@ def deepspeed_runs(runs: list[dict]) -> list[dict]:
 def budget_goal(runs: list[dict]) -> Goal:
     """A 1-device run out of memory under the budget and a ZeRO-3 run on 2+ devices that finished
     under the same budget, on the same model. The budget is enforced per rank process
-    (distlab.memory: CUDA allocator fraction, CPU RSS watchdog); a run recorded before CPU
+    (distlab.runtime.memory: CUDA allocator fraction, CPU RSS watchdog); a run recorded before CPU
     enforcement is only compared, and says so. Passed only where both verdicts are enforced."""
     budgeted = [r for r in runs if r["stage"] == "deepspeed" and r["spec"].get("memory_budget_gib")]
     single, sharded = [], []

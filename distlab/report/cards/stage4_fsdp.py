@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from distlab.evaluation import eval_sentence
+from distlab.runtime.evaluation import eval_sentence
 from distlab.report.cards import (DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, is_busy, load_cell,
                                   metrics_link, noise_cause, ok_runs, phase_peak_table, tokens_per_s)
 from distlab.report.cards.parity import NOT_COMPARED, gap_sentence, parity_rows
@@ -107,7 +107,7 @@ def peak_mib(run: dict) -> tuple[float | None, str]:
 def phase_columns(run: dict) -> dict:
     """Load-phase (process start -> first step), training-phase and save-phase (final eval,
     save, export) peaks of the largest rank."""
-    from distlab.memory_phases import PHASES, phase_peaks
+    from distlab.records.memory_phases import PHASES, phase_peaks
 
     peaks = phase_peaks(run)
     return {f"{phase.split('_')[0]} peak / rank (MiB)": round(peaks[phase] / MIB, 1) if peaks[phase] is not None

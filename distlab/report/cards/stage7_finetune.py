@@ -83,7 +83,7 @@ def activation_goal(card: Card, runs: list[dict]) -> None:
                            f"saved activations {'below' if saved_ok else 'NOT below'} the none run's in every "
                            "checkpointed run", links))
     how = ("peak memory: each rank's training-phase peak (CUDA allocator reserved, else VmHWM); saved activations: "
-           "bytes autograd held at the end of one micro-batch's forward (distlab.activations.ActivationProbe; the "
+           "bytes autograd held at the end of one micro-batch's forward (distlab.runtime.activations.ActivationProbe; the "
            "advisor's estimate of the same figure is in the advisor card's check table); step time: median over "
            f"the timed steps (max over ranks); {SPREAD_CAVEAT}")
     card.tables.append(Table("Activation checkpointing: memory and time per mode", pd.DataFrame(rows), how))
@@ -109,7 +109,7 @@ def schedule_goal(card: Card, runs: list[dict]) -> None:
     label_axes(ax2, "optimizer step", "pre-clip gradient norm", "Global gradient norm (dashed: max_grad_norm)")
     card.figures.append(Figure("Learning rate and gradient norm", to_png_b64(fig),
                                "lr read from the optimizer before each step (transformers.get_scheduler); grad norm: "
-                               "global L2 norm before clipping (distlab.clipping)"))
+                               "global L2 norm before clipping (distlab.runtime.clipping)"))
     clipped = sum(1 for r in scheduled for n in r["optimization"]["grad_norm_per_step"]
                   if n is not None and r["spec"].get("max_grad_norm") and n > r["spec"]["max_grad_norm"])
     card.goals.append(Goal("bonus", GOAL_SCHEDULE, PASSED,

@@ -65,7 +65,7 @@ class TextToImage(Task):
     def check_experiment(self, spec, config, fail):
         # The strategies that cannot train this task say so in their own settings (refused_tasks,
         # check_task: the UNet has no transformers tp plan, its skip connections cross pipeline
-        # cuts, its ZeRO-3 load is not wired to NVMe), checked by distlab.config before this.
+        # cuts, its ZeRO-3 load is not wired to NVMe), checked by distlab.configuration.config before this.
         if spec["method"] != "lora":
             fail("method", "task text-to-image trains LoRA adapters on the UNet (diffusers' "
                            "train_text_to_image_lora.py); set method: lora")
@@ -86,7 +86,7 @@ class TextToImage(Task):
                  "its UNet once, after the last step")
         if spec.get("rank_micro_batch") is not None:
             fail("rank_micro_batch", "per-rank micro-batches weight each rank's loss by its share of the label "
-                                     "tokens (distlab.unequal); task text-to-image has no label tokens")
+                                     "tokens (distlab.runtime.unequal); task text-to-image has no label tokens")
         if spec["launcher"] == "ray":
             fail("launcher", "task text-to-image runs under torchrun and accelerate launch; its runs "
                              "under Ray Train have not been built or checked")

@@ -10,7 +10,7 @@ import io
 import json
 from pathlib import Path
 
-from distlab.input_checks import ConfigError
+from distlab.configuration.input_checks import ConfigError
 
 SAMPLE_ROWS = 200  # rows per metadata/data file whose image and caption are checked
 PIPELINE_CLASS = "StableDiffusionPipeline"

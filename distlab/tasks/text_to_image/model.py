@@ -149,7 +149,7 @@ def flops_per_image(model, spec: dict, count: bool) -> dict:
     from diffusers import UNet2DConditionModel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from distlab.metrics import _cpu_attention_flops
+    from distlab.records.metrics import _cpu_attention_flops
 
     shapes = step_shapes(model.distlab_source, model.config, spec["text_to_image"]["resolution"])
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from distlab.job import Job
+from distlab.jobs.job import Job
 from distlab.tasks.text_to_image.data import FIXED_BATCH, FrozenEncoders, heldout_inputs, unet_outputs
 from distlab.tasks.text_to_image.model import add_lora, load_unet
 
@@ -56,7 +56,7 @@ def evaluate_base(source: str, data_dir, out_path, settings: dict) -> dict:
 
 def evaluate_run_unet(unet, job: Job) -> dict:
     """Rank 0 after training: held-out loss of the consolidated UNet, and the sample grid."""
-    from distlab.run_layout import run_files_dir
+    from distlab.records.run_layout import run_files_dir
     from distlab.tasks.text_to_image.samples import sample_grid
 
     settings = job.spec["text_to_image"]
@@ -96,8 +96,8 @@ def check_export(validator) -> dict:
     at save time, and a 2-step generation through the whole pipeline."""
     from diffusers import StableDiffusionPipeline
 
-    from distlab import checkpoint as ckpt
-    from distlab.validate import FAILED, PASSED, RELOAD_TOLERANCE
+    from distlab.checkpoints import checkpoint as ckpt
+    from distlab.jobs.validate import FAILED, PASSED, RELOAD_TOLERANCE
 
     job = validator.job
     folder = Path(job.final) / "export"
@@ -125,7 +125,7 @@ def check_export(validator) -> dict:
 def frozen_base_report(peft_state: dict, base_state: dict) -> dict:
     """A LoRA UNet's full state against the base UNet's: every base weight bit-identical
     (torch.equal), none missing, none unknown."""
-    from distlab.lora import base_name
+    from distlab.runtime.lora import base_name
 
     compared, changed, unknown, adapters = set(), [], [], 0
     for key, tensor in peft_state.items():
@@ -147,7 +147,7 @@ def frozen_base_report(peft_state: dict, base_state: dict) -> dict:
 def lora_base_frozen(unet, source: str, meta: dict, base: dict | None, reload_diff: float) -> dict:
     """The reloaded UNet's frozen weights vs a freshly loaded base UNet: bit for bit (the
     checkpoint's base identity was already checked by compatibility)."""
-    from distlab.validate import FAILED, PASSED
+    from distlab.jobs.validate import FAILED, PASSED
 
     report = frozen_base_report(unet.state_dict(), load_unet(source).state_dict())
     return {"status": PASSED if report["identical"] else FAILED, **report,
@@ -157,7 +157,7 @@ def lora_base_frozen(unet, source: str, meta: dict, base: dict | None, reload_di
 # -- the collective hooks (distlab.tasks.base.Task): the UNet is consolidated on rank 0 ----------
 # The Stable Diffusion UNets this task trains fit one process (SD 1.5's is 0.86B parameters, 3.4
 # GB in fp32), so rank 0 evaluates, records and exports a whole consolidated copy; the causal LM
-# streams its state one layer at a time instead (distlab.export).
+# streams its state one layer at a time instead (distlab.checkpoints.export).
 def evaluate_trained(strategy, job: Job) -> dict | None:
     """Collective: the held-out loss (and sample grid) of the consolidated UNet, on rank 0."""
     import torch.distributed as dist
@@ -189,7 +189,7 @@ def export_pass(strategy, job: Job, spec: dict, folder) -> tuple[dict | None, st
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from distlab.memory import is_out_of_memory
+    from distlab.runtime.memory import is_out_of_memory
 
     started = time.perf_counter()
     try:

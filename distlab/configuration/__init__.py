@@ -1,0 +1,7 @@
+"""Runs while the Snakefile parses (rules/common.smk imports it) and in `distlab-check-config`,
+before any job starts: the config schema, its defaults and its expansion into experiment specs,
+the fine-tuning keys, which strategies fit a model family, which checkpoints get validated, the
+checks of everything a job would read (model folders, data files, tokenizers, links, unequal
+devices) and the results folder's one-workflow lock. Light on purpose: a check that needs torch,
+transformers or datasets imports them inside its function, so parsing never pays for them.
+"""

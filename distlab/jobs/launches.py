@@ -1,0 +1,51 @@
+"""Independent launches of one experiment (spec `launches`): run-to-run variance measured.
+
+The first launch is the experiment (it trains, evaluates, saves). Each further launch runs
+the same job again in fresh processes with a fresh process group, timing its steps only (no
+checkpoint, no held-out eval), in a folder of its own that is removed afterwards. What each
+launch measured (tokens/s, median step, last loss, machine noise) is folded into the first
+launch's metrics.json under `launches`; the report's tokens/s is then their median and its
+spread their min-max (distlab.report.collect.throughput_stats). A launch that reached other
+losses did not do the same work: the run fails.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from distlab.jobs.job import Job, replace
+from distlab.records.run_layout import run_files_dir
+from distlab.records.run_outputs import read_run_record, write_metrics
+
+# Float summation order only (the same seed, data and world size): identical here to ~1e-6.
+LOSS_TOLERANCE = 1e-5
+
+
+def summary_of(metrics: dict) -> dict:
+    return {"tokens_per_s": metrics["throughput"]["tokens_per_s"],
+            "median_step_s": metrics["timing"]["step_time_s"]["median"],
+            "loss_last": metrics["loss"]["last"], "noise": metrics.get("noise")}
+
+
+def repeat_launches(job: Job, run_launcher, log_path: str | None, timeout: float | None) -> list[dict]:
+    run_dir = Path(job.run_dir)
+    first = read_run_record(run_dir / "metrics.json").to_dict()
+    launches = [summary_of(first)]
+    for k in range(2, job.spec["launches"] + 1):
+        folder = run_dir / f"launch-{k}"
+        shutil.rmtree(folder, ignore_errors=True)
+        again = replace(job, run_dir=str(folder), checkpoint_dir=None, timing_only=True, base_eval_json=None)
+        run_files_dir(folder).mkdir(parents=True)
+        job_path = folder / "job.json"
+        again.write(job_path)
+        run_launcher(again, str(job_path.resolve()), log_path, timeout)
+        metrics = read_run_record(folder / "metrics.json").to_dict()
+        gap = max(abs(a - b) for a, b in zip(first["loss"]["per_step"], metrics["loss"]["per_step"]))
+        if gap > LOSS_TOLERANCE:
+            raise RuntimeError(f"launch {k} of {job.spec['id']} reached other losses (max gap {gap:.2e} > "
+                               f"{LOSS_TOLERANCE}): not the same work as launch 1")
+        launches.append(summary_of(metrics))
+        shutil.rmtree(folder)
+    first["launches"] = launches
+    write_metrics(run_dir, first)
+    return launches

@@ -1,0 +1,175 @@
+"""One rank of one experiment: `python -m distlab.runtime.worker --job job.json` under torchrun
+(or the same `run_rank` under accelerate launch / a Ray Train worker).
+
+Loads the base model, applies LoRA if asked, lets the strategy wrap it, verifies the
+result matches the spec, trains, and has rank 0 write metrics.json and steps.jsonl.
+The pieces: distlab.runtime.model_setup (build, LoRA, wrap, verify), distlab.runtime.training_checkpoints
+(resume and saves), distlab.runtime.loop (the steps), distlab.runtime.memory (budget, OOM record),
+distlab.runtime.run_summary (what the run measured), distlab.records.run_outputs (the result files).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from distlab.runtime.activations import ActivationProbe
+from distlab.runtime.evaluation import evaluate_run
+from distlab.jobs.job import Job, read_job
+from distlab.jobs.links import interface_counters
+from distlab.runtime.loop import gather, train
+from distlab.runtime.memory import (OOM_EXIT_CODE, add_peaks_through_save, apply_memory_budget, budget_verdict,
+                            gather_peaks_through_save, is_out_of_memory, load_phase_record, memory_record,
+                            record_oom, rss_now, start_save_phase)
+from distlab.runtime.model_setup import prepare_model
+from distlab.runtime.monitor import RunMonitor
+from distlab.records.run_outputs import write_outputs
+from distlab.runtime.run_summary import gather_ranks, summarize_run
+from distlab.strategies import strategy_for
+from distlab.strategies.base import RunContext, local_device
+from distlab.runtime.timeline import Timeline
+from distlab.runtime.tracking import hide_mlflow
+from distlab.runtime.training_checkpoints import TrainingCheckpoints
+from distlab.runtime.unequal import enter_cpu_budget, leave_cpu_budget, rank_threads
+
+TIMELINE = Timeline()
+TIMELINE.mark("interpreter and imports")  # python start + torch, transformers, distlab
+
+
+def make_context(job: Job) -> RunContext:
+    spec = job.spec
+    return RunContext(spec=spec, run_dir=job.run_dir, device=local_device(spec),
+                      rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)),
+                      local_rank=int(os.environ.get("LOCAL_RANK", 0)), job=job)
+
+
+def run_rank(job: Job, checkpoints_class=None) -> tuple[dict, list] | None:
+    """Everything one rank does; returns (metrics, step rows) on rank 0, None elsewhere.
+
+    checkpoints_class: a TrainingCheckpoints subclass (the Ray launcher's reports to Ray)."""
+    started = time.time()
+    timeline = TIMELINE.after_imports()
+    spec = job.spec
+    if spec["device"] == "cpu":
+        # On CPU a "device" is cpu_threads_per_rank cores, the same for every world size
+        # (rank_cpu_threads: unequal CPU devices, one count per rank).
+        torch.set_num_threads(rank_threads(spec, int(os.environ.get("RANK", 0))))
+    ctx = make_context(job)
+    budget = apply_memory_budget(ctx)
+    strategy = strategy_for(spec)(ctx)
+    strategy.init_distributed()
+    ctx.rank, ctx.world_size = dist.get_rank(), dist.get_world_size()
+    timeline.mark("process group")
+
+    strategy.task.import_code(job.model_source, spec["method"] == "lora")
+    cpu_budget = enter_cpu_budget(spec, ctx.rank)  # rank_cpu_budget: a slower CPU device, load to last step
+    rss_before_model = rss_now()  # interpreter + libraries + process group: what a rank costs before its model
+    prepared = prepare_model(strategy, job.model_source, spec)
+    timeline.mark("model load, wrap, verify")
+    if cpu_budget is not None:  # what the kernel enforces on every rank, read back
+        prepared.described["cpu_budget"] = gather(cpu_budget)
+    train_data = strategy.task.train_data(job, spec, ctx.device)  # the task's samples and their batches
+    prepared.described["task"] = train_data.describe()
+
+    checkpoints = (checkpoints_class or TrainingCheckpoints)(job, ctx, strategy, prepared.signature,
+                                                             len(train_data))
+    start_step = checkpoints.resume()
+    # Progress, trackers and eval points between steps; the activation-memory probe on an untimed step.
+    monitor = RunMonitor(job, ctx, strategy, checkpoints.records, start_step, checkpoints)
+    probe = ActivationProbe(spec, ctx.rank, start_step)
+
+    def on_step_end(step: int) -> None:
+        monitor.after_step(step)  # first: a checkpoint saved at this step holds its eval point
+        checkpoints.on_step_end(step)
+
+    load_phase = load_phase_record(ctx.device, rss_before_model)  # process start -> first step
+    timeline.mark("data, resume")
+    wire_before = interface_counters() if spec.get("link") else None  # this host's link, around the steps
+    result = train(ctx, strategy, train_data, start_step=start_step, stream=checkpoints.stream,
+                   on_step_end=on_step_end, records=checkpoints.records, micro_context=probe)
+    timeline.mark("steps")
+    during = monitor.finish()
+    leave_cpu_budget(cpu_budget)
+    if wire_before is not None:  # bytes this rank's host sent and received during its steps
+        wire = interface_counters()
+        prepared.described["link_traffic"] = gather({k: wire[k] - wire_before[k] for k in wire})
+    prepared.described.update(strategy.facts_after_training() or {}, train_mode=result["train_mode"])
+    memory = memory_record(ctx, load_phase)
+    memory["activations"] = probe.result
+    memory["budget"] = budget_verdict(budget, memory, result["state_bytes"])
+
+    ranks = gather_ranks(result, memory)
+    timeline.mark("gather records")
+    reset_for_save = start_save_phase(ctx.device)  # the final evaluation, save and export measured alone
+    # Collective: the trained model on the held-out data (a timing-only launch, spec launches, skips it).
+    last_point = next((p for p in during["eval_points"] if p["steps_done"] == spec["steps"]), None)
+    evaluation = None if job.timing_only else evaluate_run(strategy, job, last_point)
+    timeline.mark("held-out eval")
+    out = summarize_run(job, ctx, strategy, prepared, ranks, len(train_data), started) if ctx.is_main else None
+    if out is not None:
+        if evaluation is not None:
+            out[0]["eval"] = {**evaluation, "during_training": during["eval_points"]}
+            if "selected" in during:
+                out[0]["eval"]["selected"] = during["selected"]
+        else:
+            out[0]["eval"] = None
+        out[0]["tracking"] = during.get("tracking")
+        # The run's figures are on disk before the final save: a save that fails (or runs out of
+        # memory, distlab.jobs.launch.write_oom_metrics) cannot take them with it.
+        out[0]["checkpoint"] = {"status": "saving" if checkpoints.enabled else "off",
+                                "note": "metrics.json was written before the final save; this record replaces it"}
+        out[0]["timeline"] = timeline.record()
+        write_outputs(job.run_dir, out)
+    saved = checkpoints.save_final()
+    timeline.mark("final save and export")
+    peaks_through_save = gather_peaks_through_save(ctx.device, reset_for_save)  # collective
+    if out is not None:
+        out[0]["checkpoint"] = saved or {"status": "off", "reason": "the job names no checkpoint folder"}
+        out[0]["timeline"] = timeline.record()
+        add_peaks_through_save(out[0]["memory"], peaks_through_save)
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--job", required=True, help="job.json written by distlab.jobs.launch")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help="accepted for the deepspeed launcher; LOCAL_RANK is used")
+    args = parser.parse_args(argv)
+    import faulthandler
+
+    from distlab.launchers.process import die_with_parent
+    from distlab.records.sharing import private_files
+
+    # A rank killed by a signal from native code (SIGABRT: "terminate called without an active
+    # exception", seen twice under load, cause unknown) leaves every thread's Python stack in its log.
+    faulthandler.enable()
+
+    die_with_parent(same_launch=True)  # a rank never outlives its launcher
+    private_files()  # what this rank writes under results/ is not world-readable (distlab.records.sharing)
+    job = read_job(args.job)
+    # Only the rank that writes to MLflow imports it (DeepSpeed's import would otherwise pull it in).
+    hide_mlflow(uses_it=int(os.environ.get("RANK", 0)) == 0 and "mlflow" in job.spec["tracking"])
+    try:
+        summary = run_rank(job)
+    except Exception as error:  # noqa: BLE001 - only allocation failures are handled; the rest re-raise
+        if not is_out_of_memory(error):
+            raise
+        record_oom(job, error)
+        # Peers may be blocked in a collective: exit hard, torchrun tears the group down.
+        os._exit(OOM_EXIT_CODE)
+    if summary is not None:
+        metrics, steps = summary
+        write_outputs(job.run_dir, (metrics, steps))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    from distlab.launchers.process import exit_without_teardown
+
+    exit_without_teardown()  # a finished rank skips the interpreter's teardown (~1.3 s of CPU)
