@@ -222,6 +222,6 @@ def test_zero_gradient_buckets_are_sized_by_the_model_not_deepspeeds_5e8(layer, 
         zero = deepspeed_config(spec, 2, layer if stage == 3 else None, expected)["zero_optimization"]
         assert zero["reduce_bucket_size"] == expected
         assert zero.get("allgather_bucket_size") == (expected if stage < 3 else None)
-    overridden = deepspeed_spec(zero_stage=2)
-    overridden["deepspeed"]["zero_config"] = {"reduce_bucket_size": 7}
+    two = deepspeed_spec(zero_stage=2)
+    overridden = two.replace(deepspeed={**two["deepspeed"], "zero_config": {"reduce_bucket_size": 7}})
     assert deepspeed_config(overridden, 2, None, expected)["zero_optimization"]["reduce_bucket_size"] == 7

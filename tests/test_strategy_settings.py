@@ -57,7 +57,7 @@ class MineSettings(StrategySettings):
     dcp_checkpoint = True  # its checkpoint is a DCP folder: the save estimate counts its containers
     holds_layer_run = True  # a rank holds a run of the layers: selective checkpointing is checked loosely
     advisor_rows = {"mine-c2": {"chunks": 2}}  # an advisor row it stands for
-    refused_tasks = {"text-to-image": "mine cuts decoder layers; a UNet has none"}  # a task it cannot train
+    needs_of_task = {"layer_stack": "mine cuts decoder layers"}  # what it needs of a task's model
     splits_by_family_plan = True  # it splits the model by its family's plan: a model.path family is asked
 
     def family_refusal(self, model_config, world_size):
@@ -172,7 +172,7 @@ def test_a_new_strategy_with_a_setting_is_its_files_its_schema_entry_and_a_repor
                                            "activation_checkpointing_every": 2})
         # The task it refuses, said in its settings: the task's code names no strategy.
         with pytest.raises(ConfigError, match=r"'stages.ddp.experiments\[0\].strategy': task text-to-image cannot "
-                                              r"run mine: mine cuts decoder layers; a UNet has none"):
+                                              r"run mine: mine cuts decoder layers; a UNet's skip connections"):
             load(ddp_config({"strategy": "mine", "task": "text-to-image", "method": "lora"}), gpu_count=0)
         # What it needs of a model.path folder's family, asked by distlab.configuration.families (the folder's
         # transformers config stood in for: no transformers import here).
@@ -213,7 +213,7 @@ def strategy_literals(paths, names) -> list[str]:
 
 def test_no_task_or_family_code_names_a_strategy():
     """What a strategy cannot train (a task, a model family) is said in its own settings
-    (refused_tasks, check_task, family_refusal), so a new strategy touches only its own files:
+    (needs_of_task, check_task, family_refusal), so a new strategy touches only its own files:
     distlab/tasks/ and distlab/configuration/families.py spell no strategy's name as a string."""
     from distlab import strategies
 

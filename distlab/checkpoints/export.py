@@ -133,7 +133,7 @@ def write_export(skeleton, groups, job: Job, spec: dict, folder: Path, batch, tr
     if fault == f"{spec['id']}:oom":
         from distlab.runtime.memory import OOM_EXIT_CODE, record_oom
 
-        record_oom(job, MemoryError(f"{SAVE_FAULT_ENV}: injected out-of-memory in the final save's export"))
+        record_oom(job.run_dir, MemoryError(f"{SAVE_FAULT_ENV}: injected out-of-memory in the final save's export"))
         os._exit(OOM_EXIT_CODE)
     opts, source = settings(spec), job.model_source
     export = folder / "export"

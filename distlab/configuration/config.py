@@ -223,7 +223,7 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
     task, strategy = task_for(spec), settings_for(spec)
     # First what cannot run at all: the strategy's refusal of the task (declared beside the
     # strategy, so no task lists strategies), then the task's own.
-    strategy.check_task(task.name, spec, fail)
+    strategy.check_task(task, spec, fail)
     task.check_experiment(spec, config, fail)
     finetune_config.resolve_length(spec)  # epochs: steps stay None until the data exists (rules/common.smk)
     if spec["steps"] is not None:

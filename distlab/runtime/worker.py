@@ -158,7 +158,7 @@ def main(argv=None) -> None:
     except Exception as error:  # noqa: BLE001 - only allocation failures are handled; the rest re-raise
         if not is_out_of_memory(error):
             raise
-        record_oom(job, error)
+        record_oom(job.run_dir, error)
         # Peers may be blocked in a collective: exit hard, torchrun tears the group down.
         os._exit(OOM_EXIT_CODE)
     if summary is not None:

@@ -55,9 +55,9 @@ class DeepSpeedSettings(StrategySettings):
 
     def check_task(self, task, spec, fail):
         super().check_task(task, spec, fail)
-        if task == "text-to-image" and spec["deepspeed"]["offload_param"] == "nvme":
-            fail("deepspeed.offload_param", "the UNet's ZeRO-3 load copies each rank's partition into "
-                                            "memory; NVMe parameter offload is not wired up for it")
+        if spec["deepspeed"]["offload_param"] == "nvme" and "nvme_parameter_offload" in task.lacks:
+            fail("deepspeed.offload_param", f"task {task.name}: {task.lacks['nvme_parameter_offload']}; NVMe "
+                                            "parameter offload is not wired up for it")
 
     def parameter_layout(self, spec):
         return "deepspeed_partition" if spec.get("deepspeed", {}).get("zero_stage") == 3 else None

@@ -12,9 +12,7 @@ class PPSettings(ModelParallelSettings):
     name = "pp"
     defaults = {"schedule": "gpipe", "microbatches": 4}
     holds_layer_run = True
-    refused_tasks = {"text-to-image": "pipeline parallel cuts a sequence of decoder layers passing one hidden "
-                                      "state; a UNet's skip connections cross every cut (down blocks feed the up "
-                                      "blocks)"}
+    needs_of_task = {"layer_stack": "pipeline parallel cuts a sequence of decoder layers passing one hidden state"}
 
     def variant(self, spec):
         return f"{spec['pp']['schedule']}-m{spec['pp']['microbatches']}"

@@ -43,10 +43,10 @@ class StrategySettings:
     holds_layer_run: bool = False
     #: The advisor rows (distlab.tools.advisor.ROW_ORDER) this strategy stands for: {row: its settings block}.
     advisor_rows: dict[str, dict] = {}
-    #: {task name: why this strategy cannot train that task at all}: the config refuses such an
-    #: experiment naming its `strategy` field (check_task). Said here, beside the strategy, so no
-    #: task keeps a list of strategies and a new strategy touches only its own files.
-    refused_tasks: dict[str, str] = {}
+    #: {task trait: why this strategy needs it} (the traits: distlab.tasks.base.Task.lacks): an
+    #: experiment whose task's model lacks one is refused naming its `strategy` field
+    #: (check_task). Traits, not names: no task lists strategies, no strategy lists tasks.
+    needs_of_task: dict[str, str] = {}
     #: Whether it splits the model by the model family's own plans (the transformers config of a
     #: `model.path` folder, read at config time by distlab.configuration.families; family_refusal says what it
     #: needs of them). False: it calls the model's forward whole and runs every causal-LM family,
@@ -65,12 +65,14 @@ class StrategySettings:
         """fail(field, why) for settings this strategy refuses; `shape` is the model's config
         (distlab.configuration.config.model_shape)."""
 
-    def check_task(self, task: str, spec: dict, fail) -> None:
-        """fail(field, why) for what of the task `task` (distlab.tasks) this strategy cannot
-        train: the task whole (refused_tasks) or, in subclasses, settings of its own the task's
-        model cannot take. Checked before the task's own refusals (distlab.configuration.config)."""
-        if task in self.refused_tasks:
-            fail("strategy", f"task {task} cannot run {self.name}: {self.refused_tasks[task]}")
+    def check_task(self, task, spec: dict, fail) -> None:
+        """fail(field, why) for what of `task` (a distlab.tasks Task) this strategy cannot train:
+        the task whole (a trait of needs_of_task its model lacks) or, in subclasses, settings of
+        its own the task's model cannot take. Checked before the task's own refusals
+        (distlab.configuration.config)."""
+        for trait, why in self.needs_of_task.items():
+            if trait in task.lacks:
+                fail("strategy", f"task {task.name} cannot run {self.name}: {why}; {task.lacks[trait]}")
 
     def family_refusal(self, model_config, world_size: int) -> str | None:
         """Why this strategy cannot split a model of the family `model_config` (its transformers

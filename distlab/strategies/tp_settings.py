@@ -11,8 +11,7 @@ from distlab.strategies.settings import ModelParallelSettings, state
 
 class TPSettings(ModelParallelSettings):
     name = "tp"
-    refused_tasks = {"text-to-image": "tensor parallel splits layers by a transformers base_model_tp_plan; "
-                                      "a diffusers UNet has none"}
+    needs_of_task = {"tensor_parallel_plan": "tensor parallel splits layers by a transformers base_model_tp_plan"}
 
     def parameter_layout(self, spec):
         return "dtensor"

@@ -48,6 +48,12 @@ class Task:
     name = "base"
     #: what throughput counts ("token": tokens/s; "image": images/s) and MFU is per
     unit = "sample"
+    #: {trait: why}: what this task's model lacks that a strategy may need ("tensor_parallel_plan":
+    #: a transformers base_model_tp_plan; "layer_stack": one stack of layers passing one hidden
+    #: state, which pipeline stages cut; "nvme_parameter_offload": a ZeRO-3 load that can leave
+    #: parameters on NVMe). Each strategy's settings say what it needs (needs_of_task, check_task),
+    #: so no task names a strategy and no strategy names a task.
+    lacks: dict[str, str] = {}
 
     # -- config time (no torch) ----------------------------------------------------------
     def id_part(self) -> str | None:

@@ -40,6 +40,9 @@ def settings(config: dict) -> dict:
 class TextToImage(Task):
     name = "text-to-image"
     unit = "image"
+    lacks = {"tensor_parallel_plan": "a diffusers UNet has none",
+             "layer_stack": "a UNet's skip connections cross every cut (down blocks feed the up blocks)",
+             "nvme_parameter_offload": "the UNet's ZeRO-3 load copies each rank's partition into memory"}
 
     # -- config time ----------------------------------------------------------------------
     def id_part(self):
@@ -63,9 +66,9 @@ class TextToImage(Task):
         checks.check_data(block["data"])
 
     def check_experiment(self, spec, config, fail):
-        # The strategies that cannot train this task say so in their own settings (refused_tasks,
-        # check_task: the UNet has no transformers tp plan, its skip connections cross pipeline
-        # cuts, its ZeRO-3 load is not wired to NVMe), checked by distlab.configuration.config before this.
+        # What its UNet lacks (`lacks`: no transformers tp plan, skip connections across pipeline
+        # cuts, a ZeRO-3 load not wired to NVMe) is weighed by each strategy's settings
+        # (needs_of_task, check_task), checked by distlab.configuration.config before this.
         if spec["method"] != "lora":
             fail("method", "task text-to-image trains LoRA adapters on the UNet (diffusers' "
                            "train_text_to_image_lora.py); set method: lora")
