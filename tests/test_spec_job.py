@@ -1,5 +1,6 @@
 """The seams between config, launch and ranks are frozen, checked types: a Spec built at config
 expansion, a Job written by the launch and read back by every rank through one reader."""
+import dataclasses
 import json
 import pickle
 
@@ -48,7 +49,7 @@ def test_a_job_file_round_trips_and_every_rank_reads_it_through_one_reader(tmp_p
     phase = ValidationJob(spec=job.spec, run_dir=str(tmp_path), plan=[["same", 2]], expected_losses=[1.5, 1.25])
     back = read_job(phase.write(tmp_path / "validation.json"))
     assert isinstance(back, ValidationJob) and back.plan == [["same", 2]] and back.expected_losses == [1.5, 1.25]
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         back.run_dir = "elsewhere"  # frozen: a phase's own job is made with replace()
     assert replace(back, run_dir="elsewhere").run_dir == "elsewhere" and back.run_dir == str(tmp_path)
 
