@@ -35,6 +35,19 @@ include: "rules/kuberay.smk"
 include: "rules/links.smk"
 
 
+# CPU ranks fork from one warm interpreter per run (config warm_start; distlab.launchers.warm_start).
+onstart:
+    start_warm_start_server()
+
+
+onsuccess:
+    stop_warm_start_server()
+
+
+onerror:
+    stop_warm_start_server()
+
+
 # Light rules run where Snakemake runs, never as cluster jobs (profiles/slurm).
 localrules:
     all,

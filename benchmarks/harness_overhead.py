@@ -15,6 +15,12 @@ noise during each run's steps (distlab.runtime.noise) is printed beside it. Each
 measured too: rank 0's per phase (the timeline's cpu_s), and the launch's and the validation's
 over every process (the children's rusage: launcher, agent, all ranks).
 
+--warm: each job with and without a warm start (distlab.launchers.warm_start: ranks and agents
+forked from one interpreter that imported torch and transformers once, as a snakemake run
+does), interleaved, each variant in a fresh process tree; prints per phase the median of each
+and the ratio warm/fresh. CPU is the machine's (/proc/stat busy time over the job: a warm rank
+is the server's child, not the launcher's), so run it on an otherwise quiet machine.
+
 --before REV: the same jobs under the code of git revision REV (exported to a temporary folder:
 its distlab, its config's specs) and under this checkout, interleaved (before then after in
 even rounds, after then before in odd ones), each job in a fresh process tree, on the same
@@ -67,6 +73,13 @@ def children_cpu() -> float:
     return used.ru_utime + used.ru_stime
 
 
+def machine_cpu() -> float:
+    """CPU seconds every core spent busy so far (a warm rank is not this process's child)."""
+    from distlab.runtime.noise import machine_busy_seconds
+
+    return machine_busy_seconds() or 0.0
+
+
 def run_job(spec: dict, root: Path, run_dir: Path) -> dict:
     from distlab.jobs.launch import launch
     from distlab.records.run_outputs import read_run_record
@@ -75,19 +88,22 @@ def run_job(spec: dict, root: Path, run_dir: Path) -> dict:
     job = Job(spec=spec, run_dir=str(run_dir), data_dir=str(root / "data"),
               model_source=str(root / "model"), hardware_json=str(root / "hardware.json"), env_allowlist=[],
               checkpoint_dir=str(run_dir / "checkpoint"), base_eval_json=str(root / "base_eval.json"))
-    cpu, start = children_cpu(), time.perf_counter()
+    cpu, busy, start = children_cpu(), machine_cpu(), time.perf_counter()
     launch(job, log_path=str(run_dir) + ".log", timeout=1800)
-    wall, job_cpu = time.perf_counter() - start, children_cpu() - cpu
+    wall, job_cpu, job_machine_cpu = time.perf_counter() - start, children_cpu() - cpu, machine_cpu() - busy
     metrics = read_run_record(run_dir / "metrics.json").to_dict()
-    cpu, start = children_cpu(), time.perf_counter()
+    cpu, busy, start = children_cpu(), machine_cpu(), time.perf_counter()
     validation = validate_run(run_dir, str(root / "model"), str(root / "data"), run_dir / "validation.json",
                               log_path=str(run_dir) + "-validate.log")
+    validation_machine_cpu = machine_cpu() - busy
     phases = {p["phase"]: p["wall_s"] for p in metrics["timeline"]["phases"]}
     ranks_end = metrics["timeline"]["phases"][-1]["end_s"]
     return {"experiment": spec["id"], "job_wall_s": wall, "job_cpu_s": job_cpu, "phases": phases,
             "phases_cpu": {p["phase"]: p.get("cpu_s") for p in metrics["timeline"]["phases"]},
             "launcher_and_teardown_s": wall - ranks_end, "validation_wall_s": time.perf_counter() - start,
-            "validation_cpu_s": children_cpu() - cpu, "validation": validation["status"], "noise": metrics["noise"]}
+            "validation_cpu_s": children_cpu() - cpu, "job_machine_cpu_s": job_machine_cpu,
+            "validation_machine_cpu_s": validation_machine_cpu, "validation": validation["status"],
+            "start": metrics["timeline"].get("start"), "noise": metrics["noise"]}
 
 
 def specs_of(code: Path) -> dict:
@@ -105,10 +121,30 @@ def child(args) -> None:
     Path(args.run_dir + ".row.json").write_text(json.dumps(row))
 
 
-def run_variant(code: Path, experiment: str, root: Path, run_dir: Path) -> dict:
+def start_warm_server(tmp: Path) -> str:
+    """A warm-start server as a snakemake run's (its environment is what the ranks' will be:
+    PYTHONPATH set as run_variant sets it), ready when this returns."""
+    from distlab.launchers import warm_start
+    from distlab.launchers.environment import warm_start_environment
+
+    os.environ["PYTHONPATH"] = str(REPO)
+    log = tmp / "warm-start.log"
+    server = warm_start.start_server(warm_start_environment(), str(log))
+    while "imported" not in (log.read_text() if log.exists() else ""):
+        time.sleep(0.2)
+    return server
+
+
+def warm_socket_env() -> str:
+    from distlab.launchers import warm_start
+
+    return warm_start.SOCKET_ENV
+
+
+def run_variant(code: Path, experiment: str, root: Path, run_dir: Path, env: dict | None = None) -> dict:
     """run_job in a fresh process whose distlab (and ranks' distlab, through PYTHONPATH) is code's."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(code))
+    env = dict(env or os.environ, PYTHONPATH=str(code))
     subprocess.run([sys.executable, __file__, "--child", experiment, "--code", str(code), "--root", str(root),
                     "--run-dir", str(run_dir)], env=env, check=True, stdout=subprocess.DEVNULL)
     return json.loads(Path(str(run_dir) + ".row.json").read_text())
@@ -124,9 +160,9 @@ def export_revision(rev: str, folder: Path) -> Path:
 
 def measures(row: dict) -> dict:
     """The figures compared before/after: rank 0's phases (wall, CPU), the launch and validation."""
-    out = {"job wall": row["job_wall_s"], "job CPU (all processes)": row["job_cpu_s"],
+    out = {"job wall": row["job_wall_s"], "job CPU (machine)": row["job_machine_cpu_s"],
            "launcher + teardown wall": row["launcher_and_teardown_s"],
-           "validation wall": row["validation_wall_s"], "validation CPU (all processes)": row["validation_cpu_s"]}
+           "validation wall": row["validation_wall_s"], "validation CPU (machine)": row["validation_machine_cpu_s"]}
     for phase, wall in row["phases"].items():
         out[f"rank 0 {phase} wall"] = wall
         if row["phases_cpu"].get(phase) is not None:
@@ -170,6 +206,7 @@ def main():
     p.add_argument("--experiments", default=DEFAULT)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--before", default=None, help="git revision to compare this checkout with, interleaved")
+    p.add_argument("--warm", action="store_true", help="compare fresh and warm starts of this checkout, interleaved")
     p.add_argument("--out", default=str(REPO / "results" / "benchmarks" / "harness_overhead.json"))
     for internal in ("--child", "--code", "--root", "--run-dir"):  # one job of a --before run
         p.add_argument(internal, help=argparse.SUPPRESS)
@@ -183,13 +220,24 @@ def main():
         variants = [("after", REPO)]
         if args.before:
             variants.insert(0, ("before", export_revision(args.before, Path(tmp) / "before")))
+        server = start_warm_server(Path(tmp)) if args.warm else None
+        if args.warm:  # before = fresh, after = warm: the same checkout
+            variants = [("before", REPO), ("after", REPO)]
         for r in range(args.rounds):
             for exp in args.experiments.split(","):
                 for name, code in (variants if r % 2 == 0 else variants[::-1]):
-                    row = (run_variant(code, exp, root, root / "runs" / name / f"r{r}" / exp) if args.before else
+                    env = dict(os.environ)
+                    if args.warm and name == "after":
+                        env[warm_socket_env()] = server
+                    row = (run_variant(code, exp, root, root / "runs" / name / f"r{r}" / exp, env)
+                           if args.before or args.warm else
                            run_job(copy.deepcopy(specs[exp]), root, root / "runs" / f"r{r}" / exp))
                     rows.append(dict(row, variant=name, round=r))
                     print(json.dumps({k: v for k, v in rows[-1].items() if k != "noise"}), flush=True)
+        if server:
+            from distlab.launchers import warm_start
+
+            warm_start.stop_server(server)
     after = [r for r in rows if r["variant"] == "after"]
     total = sum(r["job_wall_s"] + r["validation_wall_s"] for r in after)
     steps = sum(r["phases"].get("steps", 0) for r in after)
@@ -201,17 +249,20 @@ def main():
                "busy_runs": sum(bool(r["noise"].get("busy")) for r in rows), "runs": len(rows)}
     print(table(after))
     compared = None
-    if args.before:
+    if args.before or args.warm:
         text, compared = comparison(rows)
-        print(f"\nbefore = {args.before}, after = this checkout; {args.rounds} interleaved round(s)\n" + text)
+        print(("\nbefore = fresh starts, after = warm starts" if args.warm else
+               f"\nbefore = {args.before}, after = this checkout") + f"; {args.rounds} interleaved round(s)\n" + text)
         for variant in ("before", "after"):
             mine = [r for r in rows if r["variant"] == variant]
-            summary[f"{variant}_total_cpu_s"] = sum(r["job_cpu_s"] + r["validation_cpu_s"] for r in mine)
+            summary[f"{variant}_total_machine_cpu_s"] = sum(r["job_machine_cpu_s"] + r["validation_machine_cpu_s"]
+                                                            for r in mine)
             summary[f"{variant}_total_wall_s"] = sum(r["job_wall_s"] + r["validation_wall_s"] for r in mine)
     print(json.dumps(summary, indent=1))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "summary": summary, "before": args.before, "compared": compared,
+    out.write_text(json.dumps({"rows": rows, "summary": summary, "before": "fresh starts" if args.warm else args.before,
+                               "compared": compared,
                                "how": __doc__.split("\n\n")[2].strip()}, indent=1))
 
 

@@ -136,6 +136,28 @@ def check_epochs_experiments():
 check_epochs_experiments()
 
 
+def start_warm_start_server():
+    """onstart: this run's warm-start server (distlab.launchers.warm_start), when config
+    warm_start is on, a CPU experiment is in the run and its jobs run on this machine (not a
+    cluster executor: a job elsewhere would find no server and start fresh); its socket reaches
+    every job through the environment they inherit (ranks of CPU launches only:
+    distlab.launchers.environment)."""
+    from distlab.launchers import warm_start
+    from distlab.launchers.environment import warm_start_environment
+
+    cpu_specs = [spec for spec in SPECS.values() if spec["device"] == "cpu"]
+    if config["warm_start"] and cpu_specs and workflow.local_exec:
+        os.environ[warm_start.SOCKET_ENV] = warm_start.start_server(warm_start_environment(),
+                                                                    f"{RESULTS}/logs/warm-start.log")
+
+
+def stop_warm_start_server():
+    """onsuccess / onerror: the server goes (it would die with snakemake anyway)."""
+    from distlab.launchers import warm_start
+
+    warm_start.stop_server(os.environ.pop(warm_start.SOCKET_ENV, None))
+
+
 def on_ray_cluster(spec):
     """Ranks that run on an existing Ray cluster use its cores and GPUs, not this machine's."""
     return spec["launcher"] == "ray" and spec["ray"]["address"] is not None

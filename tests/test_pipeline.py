@@ -121,6 +121,29 @@ def test_what_distlab_writes_into_the_logs_names_no_local_absolute_path(finished
     assert leaks == []
 
 
+def test_a_runs_cpu_ranks_start_warm_and_its_servers_end_with_it(finished):
+    """snakemake's onstart server (distlab.launchers.warm_start): every CPU rank of the run was
+    forked from it, and neither it nor its flavour servers outlive the run."""
+    import psutil
+
+    work, cfg = finished
+    starts = {path.parent.name: read_run_record(path).to_dict()["timeline"]["start"]
+              for path in (work / "results" / MACHINE).glob("*/metrics.json")}
+    assert len(starts) == 2 and all(start.startswith("forked from the run's warm interpreter")
+                                    for start in starts.values()), starts
+    log = (work / "results" / "logs" / "warm-start.log").read_text()
+    pids = [int(pid) for pid in re.findall(r"^warm start (?:flavour )?server (\d+):", log, re.M)]
+    assert pids and "imported torch" in log, log
+
+    def a_server(pid):
+        try:
+            return "distlab.launchers.warm_server" in " ".join(psutil.Process(pid).cmdline())
+        except psutil.Error:
+            return False
+
+    assert not [pid for pid in pids if a_server(pid)]
+
+
 def test_benchmark_and_log_recorded_for_training_jobs(finished):
     run = finished[0] / "results" / MACHINE / "ddp-full-w1-mb8-ga1"
     assert (run / "benchmark.tsv").read_text().startswith("s\t")

@@ -3,12 +3,18 @@ from __future__ import annotations
 
 import os
 
+from distlab.launchers import warm_start
+
 BASE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "PYTHONUNBUFFERED": "1",
     "HF_HUB_OFFLINE": "1",  # nothing downloads at run time; a missing file is an error
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
 }
+
+
+# A CPU experiment's ranks: DeepSpeed's CPU accelerator, and no GPU touched by accident.
+CPU_ENV = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def rank_environment(spec: dict) -> dict:
@@ -19,8 +25,18 @@ def rank_environment(spec: dict) -> dict:
     # CPU: a "device" is cpu_threads_per_rank cores; CUDA: the job's cores split over its ranks.
     env["OMP_NUM_THREADS"] = str(spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else cuda_rank_threads(spec))
     if spec["device"] == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
-        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU experiment must not touch a GPU by accident
+        env.update(CPU_ENV)
+    else:  # warm starts are for CPU ranks: a GPU rank's start is a small part of its run
+        env.pop(warm_start.SOCKET_ENV, None)
+    return env
+
+
+def warm_start_environment() -> dict:
+    """The environment the run's warm-start server imports under (distlab.launchers.warm_start):
+    a CPU rank's, less what each launch sets."""
+    env = {**os.environ, **BASE_ENV, **CPU_ENV}
+    env.pop(warm_start.SOCKET_ENV, None)
+    env.pop(warm_start.LAUNCH_ENV, None)  # a copy's launch is the one its server records, never the server's own
     return env
 
 

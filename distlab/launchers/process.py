@@ -32,8 +32,10 @@ from pathlib import Path
 
 import psutil
 
+from distlab.launchers import warm_start
+
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-LAUNCH_ENV = "DISTLAB_LAUNCH"
+LAUNCH_ENV = warm_start.LAUNCH_ENV
 
 
 def die_with_parent(parent: int | None = None, parent_names: str | None = None, same_launch: bool = False) -> None:
@@ -48,6 +50,8 @@ def die_with_parent(parent: int | None = None, parent_names: str | None = None, 
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if warm_start.in_copy():
+        return  # a warm copy's parent is the server; its stand-in passed these checks and holds its life
     if parent is not None and os.getppid() != parent:
         os._exit(1)
     if same_launch or parent_names is not None:
@@ -62,6 +66,19 @@ def die_with_parent(parent: int | None = None, parent_names: str | None = None, 
             print(f"parent process is gone (no process of {wanted} above pid {os.getpid()}); exiting",
                   file=sys.stderr, flush=True)
             os._exit(1)
+
+
+def enter(module: str, same_launch: bool = True, job: str | None = None) -> None:
+    """The first statement of every entry module distlab starts (`python -m <module>`), before its
+    heavy imports: the parent check (die_with_parent; same_launch: the module is a rank, whose
+    parent is its launch's agent), then a warm start where this run offers one
+    (distlab.launchers.warm_start.hand_over: this process then ends with its forked copy).
+    job: "training" or "validation" for a rank of a --job file (what else it imports follows
+    from its spec: warm_start.rank_imports)."""
+    if same_launch:
+        die_with_parent(same_launch=True)
+    imports = warm_start.job_rank_imports(training=job == "training") if job else []
+    warm_start.hand_over(module, imports)
 
 
 def exit_without_teardown(code: int = 0) -> None:
@@ -91,7 +108,7 @@ def new_launch_identity(job_path: str) -> str:
 def launch_of(proc: psutil.Process) -> str | None:
     """The DISTLAB_LAUNCH identity a process was started with (None: none, or not readable)."""
     try:
-        return proc.environ().get(LAUNCH_ENV)
+        return proc.environ().get(LAUNCH_ENV) or warm_start.launch_of_copy(proc.pid, proc.cmdline())
     except (psutil.Error, OSError):
         return None
 

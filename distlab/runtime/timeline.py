@@ -6,22 +6,24 @@ from __future__ import annotations
 
 import time
 
-HOW = ("seconds since the rank process started (psutil create_time) at each phase boundary, on rank 0; "
-       "cpu_s: its process CPU time (every thread) at that mark")
+HOW = ("seconds since the rank process started (psutil create_time; a warm start's: its stand-in's, "
+       "distlab.launchers.warm_start) at each phase boundary, on rank 0; cpu_s: its process CPU time "
+       "(every thread; a warm copy's from its fork) at that mark")
 
 
 class Timeline:
     def __init__(self):
-        import psutil
+        from distlab.launchers import warm_start
 
-        self.origin = psutil.Process().create_time()
+        self.origin = warm_start.process_started()
+        self.start = warm_start.start_record()
         self.marks: list[tuple[str, float, float]] = []
 
     def after_imports(self) -> "Timeline":
         """A copy holding only the first mark (imports): one per run in a process that runs
         several (a Ray worker restarted in place)."""
         copy = Timeline.__new__(Timeline)
-        copy.origin, copy.marks = self.origin, self.marks[:1]
+        copy.origin, copy.start, copy.marks = self.origin, self.start, self.marks[:1]
         return copy
 
     def mark(self, name: str) -> None:
@@ -34,4 +36,4 @@ class Timeline:
             phases.append({"phase": name, "end_s": round(at, 3), "wall_s": round(at - before, 3),
                            "cpu_s": round(cpu - cpu_before, 3)})
             before, cpu_before = at, cpu
-        return {"phases": phases, "how": HOW}
+        return {"phases": phases, "start": self.start, "how": HOW}

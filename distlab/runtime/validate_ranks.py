@@ -13,6 +13,11 @@ process holds a whole model.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # first, before the heavy imports: a warm start skips them
+    from distlab.launchers.process import enter
+
+    enter("distlab.runtime.validate_ranks", job="validation")
+
 import argparse
 import gc
 import json

@@ -9,6 +9,11 @@ distlab.runtime.run_summary (what the run measured), distlab.records.run_outputs
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # first, before the heavy imports: a warm start skips them
+    from distlab.launchers.process import enter
+
+    enter("distlab.runtime.worker", job="training")
+
 import argparse
 import os
 import time

@@ -1,0 +1,236 @@
+"""Warm starts: CPU ranks and their torchrun agents forked from an interpreter that imported
+torch and transformers once for the whole Snakemake run, instead of each importing them.
+
+Why: on a laptop a short experiment is mostly fixed costs. Every rank process imported torch
+(~1.3 s of CPU), transformers' model code (~2.7 s), distlab and its strategy's libraries, and
+every launch's torchrun agent imported torch again: ~4-5 s of CPU per rank, paid ~100 times by
+the default run on 2 cores.
+
+How (the pattern of multiprocessing's forkserver and Android's zygote):
+- `snakemake` starts one server per run (`start_server`, from the Snakefile's onstart;
+  distlab.launchers.warm_server). It imports PRELOAD and waits; for a rank that also imports
+  MLflow, DeepSpeed, Accelerate or PEFT (`rank_imports`) it forks a flavour server that imports
+  them too, on the first such request, and keeps it for the run. Servers start no thread and never touch a GPU, so forking them is safe.
+- The launcher starts its agent and ranks exactly as before (`python -m <entry module> ...`, the
+  lines in the log rerun by hand). Each entry module's first statement is
+  distlab.launchers.process.enter: with SOCKET_ENV in its environment (CPU launches only:
+  distlab.launchers.environment) the process sends the server its module, argv, environment,
+  working folder, umask, CPU affinity and its stdin/stdout/stderr (SCM_RIGHTS), and stays as the
+  stand-in of the forked copy: it forwards the signals it gets and exits with the copy's status
+  (or by its signal). The server kills the copy if the stand-in dies (its socket closes), and a
+  copy dies with its server.
+- The copy takes over the stand-in's state, resets the memory high-water mark (so the rank's
+  peaks and its memory budget count its own life, distlab.runtime.memory) and runs the module as
+  `__main__`. Its process clock starts at the fork: the timeline's origin is the stand-in's start
+  (`process_started`), and rank 0's timeline says how the rank started (`start_record`).
+- Memory: a copy maps the server's imported modules as a fresh rank maps its own (the server
+  imports nothing the rank would not), but only the pages it touches count in its RSS: warm
+  ranks of the default run measured 60-100 MB less RSS than fresh ones (pages only the import
+  touched). The budget and the peaks are this process's, as measured.
+- A process's launch identity (distlab.launchers.process) is read from /proc/<pid>/environ, which
+  a fork keeps from the server: the server records each copy's DISTLAB_LAUNCH in its folder
+  (`launch_of_copy`), so refuse_if_running and kill_tree see warm ranks as they see fresh ones.
+
+Refused (the process then starts as before, and says why on stderr and in the timeline): no
+server, another distlab checkout or Python, or an environment variable read while a library is
+imported that differs from the server's (distlab.launchers.warm_server.refusal): a warm rank
+must be the process a fresh start would have been.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+SOCKET_ENV = "DISTLAB_WARM_SOCKET"
+REFUSED_ENV = "DISTLAB_WARM_REFUSED"  # why a process with a server started fresh
+SERVER_MODULE = "distlab.launchers.warm_server"
+LAUNCH_ENV = "DISTLAB_LAUNCH"  # distlab.launchers.process.LAUNCH_ENV (imported there from here)
+
+_in_copy = False  # True in a forked copy: its entry module runs, it does not hand over again
+_started: float | None = None  # a copy's stand-in's start (a copy's process clock starts at the fork)
+
+
+# -- the stand-in ----------------------------------------------------------------------------------
+def hand_over(module: str, imports: list[str]) -> None:
+    """Run the rest of this process in a warm copy when a server is offered; return otherwise
+    (a fresh start). imports: what this process imports beyond PRELOAD (rank_imports).
+    Called by distlab.launchers.process.enter, after the entry's parent check."""
+    path = os.environ.get(SOCKET_ENV)
+    if _in_copy or not path:
+        return
+    reply, sock = _request(path, module, imports)
+    if "redirect" in reply:  # the flavour server that imported `imports` too
+        sock.close()
+        reply, sock = _request(reply["redirect"], module, imports)
+    if "pid" not in reply:
+        os.environ[REFUSED_ENV] = reply["refused"]
+        print(f"distlab warm start refused, starting fresh: {reply['refused']}", file=sys.stderr, flush=True)
+        return
+    copy = reply["pid"]
+
+    def forward(signum, _frame):
+        try:
+            os.kill(copy, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, forward)
+    status = read_message(sock)  # the server's word when the copy ends (it reaps it)
+    sys.stdout.flush()
+    if status is None:
+        print("distlab warm start: the server went away before the copy ended", file=sys.stderr, flush=True)
+        os._exit(1)
+    if "signal" in status:  # end as the copy ended
+        if status["signal"] not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(status["signal"], signal.SIG_DFL)
+        os.kill(os.getpid(), status["signal"])
+    os._exit(status["exit"])
+
+
+def _request(path: str, module: str, imports: list[str]) -> tuple[dict, socket.socket | None]:
+    import psutil
+
+    import distlab
+
+    started = psutil.Process().create_time()
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+    except OSError as exc:
+        return {"refused": f"no server at {path} ({exc.strerror or exc})"}, None
+    umask = os.umask(0)
+    os.umask(umask)
+    request = {"module": module, "argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ), "umask": umask,
+               "affinity": sorted(os.sched_getaffinity(0)), "started": started, "executable": sys.executable, "imports": sorted(imports),
+               "distlab": os.path.dirname(os.path.abspath(distlab.__file__))}
+    body = json.dumps(request).encode()
+    socket.send_fds(sock, [struct.pack("!I", len(body)) + body], [0, 1, 2])
+    reply = read_message(sock)
+    return (reply if reply is not None else {"refused": "the server closed the connection"}), sock
+
+
+def read_message(sock: socket.socket) -> dict | None:
+    """One length-prefixed JSON message; None at end of stream."""
+    head = _read_exactly(sock, 4)
+    if head is None:
+        return None
+    body = _read_exactly(sock, struct.unpack("!I", head)[0])
+    return None if body is None else json.loads(body)
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def send_message(sock: socket.socket, message: dict) -> None:
+    body = json.dumps(message).encode()
+    sock.sendall(struct.pack("!I", len(body)) + body)
+
+
+# -- what a copy and the timeline ask ---------------------------------------------------------------
+def in_copy() -> bool:
+    return _in_copy
+
+
+def become_copy(started: float) -> None:
+    """Called by the server in a forked copy, before it runs the stand-in's module."""
+    global _in_copy, _started
+    _in_copy, _started = True, started
+
+
+def process_started() -> float:
+    """When this process started, as a user sees it: a copy's stand-in's start."""
+    if _in_copy:
+        return _started
+    import psutil
+
+    return psutil.Process().create_time()
+
+
+def start_record() -> str:
+    """How this process started, for its timeline."""
+    if _in_copy:
+        return "forked from the run's warm interpreter (distlab.launchers.warm_start)"
+    refused = os.environ.get(REFUSED_ENV)
+    return f"fresh interpreter (warm start refused: {refused})" if refused else "fresh interpreter"
+
+
+def launch_of_copy(pid: int, cmdline: list[str]) -> str | None:
+    """A copy's launch identity, recorded by its server (a fork keeps the server's environ)."""
+    if len(cmdline) >= 5 and cmdline[1:4] == ["-m", SERVER_MODULE, "serve"]:
+        try:
+            return (open(os.path.join(cmdline[4], "copies", str(pid))).read() or None)
+        except OSError:
+            return None
+    return None
+
+
+def rank_imports(spec: dict, rank: int, training: bool = True) -> list[str]:
+    """What a rank of `spec` imports beyond PRELOAD that a flavour server can import once:
+    DeepSpeed for its strategy, Accelerate for its launcher, PEFT for LoRA, MLflow on a training
+    rank 0 that tracks to it (distlab.runtime.tracking.hide_mlflow keeps it out of the others).
+    Each is imported by a fresh rank of such a spec (tests/test_warm_start.py checks it)."""
+    imports = []
+    if spec["strategy"] == "deepspeed":
+        imports.append("deepspeed")
+    if spec.get("launcher") == "accelerate":
+        imports.append("accelerate")
+    if spec["method"] == "lora":
+        imports.append("peft")
+    if training and rank == 0 and "mlflow" in spec.get("tracking", []):
+        imports.append("mlflow")
+    return imports
+
+
+def job_rank_imports(training: bool = True) -> list[str]:
+    """rank_imports of the rank this process is: its job file (--job) and RANK."""
+    try:
+        path = sys.argv[sys.argv.index("--job") + 1]
+        with open(path) as fh:
+            spec = json.load(fh)["spec"]
+        return rank_imports(spec, int(os.environ.get("RANK", 0)), training)
+    except (ValueError, IndexError, OSError, KeyError):
+        return []  # the entry module reports a missing or broken job file itself
+
+
+# -- the run's server, from the Snakefile ---------------------------------------------------------------
+def start_server(environment: dict, log_path: str) -> str:
+    """Start this run's server (it ends with this process); returns its socket's path. The
+    environment is a CPU rank's (distlab.launchers.environment.warm_start_environment)."""
+    import subprocess
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="distlab-warm-")  # 0700: only this user reaches the sockets
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+    with open(log_path, "a") as log:
+        subprocess.Popen([sys.executable, "-m", SERVER_MODULE, "serve", folder, str(os.getpid())], env=environment,
+                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    return os.path.join(folder, "socket")
+
+
+def stop_server(path: str | None) -> None:
+    """End the servers behind `path` and remove their folder (their copies are done by then)."""
+    import shutil
+
+    if not path:
+        return
+    folder = os.path.dirname(path)
+    try:
+        import psutil
+
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            if (proc.info["cmdline"] or [])[1:5] == ["-m", SERVER_MODULE, "serve", folder]:
+                proc.kill()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,199 @@
+"""Warm starts (distlab.launchers.warm_start): CPU ranks and their torchrun agents forked from
+one interpreter that imported torch and transformers once per run. A warm rank must be the
+process a fresh start would have been: the same losses, its launch identity seen by the
+hygiene checks, its life tied to the process its launcher started, its exit status passed on."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from distlab.launchers import warm_server, warm_start
+from distlab.launchers.environment import warm_start_environment
+from distlab.launchers.process import launch_of, processes_of
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A warm-start server for this module's launches (a run's is started by the Snakefile)."""
+    log = tmp_path_factory.mktemp("warm") / "warm-start.log"
+    path = warm_start.start_server(warm_start_environment(), str(log))
+    deadline = time.monotonic() + 120
+    while "imported" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "imported" in log.read_text(), log.read_text()
+    yield path
+    warm_start.stop_server(path)
+    assert not Path(path).parent.exists()
+
+
+def copies_of(path: str) -> list[int]:
+    return [int(name) for name in os.listdir(Path(path).parent / "copies")]
+
+
+def test_a_warm_rank_trains_exactly_what_a_fresh_rank_trains(server, prepared, tmp_path, monkeypatch):
+    from tests.conftest import resolve, run_experiment
+
+    spec = resolve({"strategy": "ddp", "world_size": 2}, steps=4, untimed_steps=1)
+    fresh = run_experiment(prepared, tmp_path / "fresh", spec)
+    monkeypatch.setenv(warm_start.SOCKET_ENV, server)
+    warm = run_experiment(prepared, tmp_path / "warm", spec)
+    assert fresh["timeline"]["start"] == "fresh interpreter"
+    assert warm["timeline"]["start"].startswith("forked from the run's warm interpreter"), warm["timeline"]
+    assert warm["loss"]["per_step"] == fresh["loss"]["per_step"]
+    # the copy skipped the imports: its first phase is the hand-over, not torch's import
+    first = {run: record["timeline"]["phases"][0]["cpu_s"] for run, record in (("fresh", fresh), ("warm", warm))}
+    assert first["warm"] < first["fresh"] / 5, first
+    assert copies_of(server) == []  # every copy reaped and its record gone
+
+
+def stand_in(server: str, job: Path, identity: str, out: Path) -> tuple[subprocess.Popen, psutil.Process]:
+    """A rank's process as torchrun starts it, with a warm server offered, under a parent that
+    carries the launch identity (as torchrun's agent does; the rank checks it first)."""
+    import socket
+
+    with socket.socket() as probe:  # a free loopback port for the 1-rank process group
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(warm_start_environment(), **{warm_start.SOCKET_ENV: server, "DISTLAB_LAUNCH": identity,
+                                            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    rank = f"{sys.executable} -m distlab.runtime.worker --job {job}"
+    agent = subprocess.Popen(["sh", "-c", f"{rank} > {out} 2>&1; echo status $? >> {out}"], env=env, cwd=REPO,
+                             start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not psutil.Process(agent.pid).children() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    (rank_process,) = psutil.Process(agent.pid).children()
+    return agent, rank_process
+
+
+def test_a_warm_rank_passes_on_its_exit_status_and_its_error(server, tmp_path):
+    agent, _ = stand_in(server, tmp_path / "missing-job.json", "warmtest-1", tmp_path / "out")
+    agent.wait(timeout=60)
+    out = (tmp_path / "out").read_text()
+    assert out.endswith("status 1\n"), out
+    assert "missing-job.json" in out and "Traceback" in out, out  # the copy's error, in the stand-in's output
+
+
+def test_a_copy_carries_its_launch_identity_dies_with_its_stand_in_and_takes_signals(server, prepared, tmp_path):
+    from tests.conftest import resolve
+    from distlab.jobs.job import Job
+
+    spec = resolve({"strategy": "ddp", "world_size": 1}, steps=100000, untimed_steps=1)
+    job = Job(spec=spec, run_dir=str(tmp_path / "run"), data_dir=str(prepared / "data32"),
+              model_source=str(prepared / "model"), hardware_json=str(prepared / "hardware.json"),
+              env_allowlist=[], checkpoint_dir=None)
+    job_path = tmp_path / "job.json"
+    job.write(job_path)
+    identity = "warmtest-2"
+    for ending in ("stand-in killed", "SIGTERM forwarded"):
+        agent, rank = stand_in(server, job_path, identity, tmp_path / "out")
+        deadline = time.monotonic() + 60
+        while not copies_of(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (copy,) = copies_of(server)
+        # the hygiene checks find the copy by its launch (a fork keeps the server's environ)
+        assert launch_of(psutil.Process(copy)) == identity
+        assert copy in {p.pid for p in processes_of(identity)}
+        if ending == "stand-in killed":
+            rank.kill()
+        else:
+            rank.send_signal(signal.SIGTERM)
+        agent.wait(timeout=30)
+        out = (tmp_path / "out").read_text()
+        # killed: sh reports 137; SIGTERM: the stand-in ends as its copy ended, by SIGTERM (143)
+        assert out.endswith("status 137\n" if ending == "stand-in killed" else "status 143\n"), (ending, out)
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(copy) and psutil.Process(copy).status() != psutil.STATUS_ZOMBIE \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not psutil.pid_exists(copy) or psutil.Process(copy).status() == psutil.STATUS_ZOMBIE, ending
+        deadline = time.monotonic() + 10
+        while copies_of(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert copies_of(server) == [], ending
+
+
+def request(**changes) -> dict:
+    import distlab
+
+    env = dict(warm_start_environment())
+    base = {"module": "distlab.runtime.worker", "executable": sys.executable, "env": env, "imports": [],
+            "distlab": os.path.dirname(os.path.abspath(distlab.__file__))}
+    return {**base, **changes}
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"env": {"HF_HUB_OFFLINE": "0"}}, "HF_HUB_OFFLINE"),
+    ({"env": {"PYTHONPATH": "/elsewhere"}}, "PYTHONPATH"),
+    ({"env": {"MALLOC_ARENA_MAX": "2"}}, "MALLOC_ARENA_MAX"),
+    ({"module": "os"}, "not an entry module"),
+    ({"distlab": "/another/checkout/distlab"}, "another distlab checkout"),
+    ({"executable": "/usr/bin/python-other"}, "another Python"),
+    ({"imports": ["scipy"]}, "no flavour server imports ['scipy']"),
+])
+def test_a_start_the_server_cannot_make_identical_to_a_fresh_one_is_refused(change, named, monkeypatch):
+    monkeypatch.setattr(warm_server, "_environ_before_imports", dict(warm_start_environment()))
+    wanted = request()
+    if "env" in change:
+        wanted["env"] = {**wanted["env"], **change["env"]}
+    else:
+        wanted.update(change)
+    assert named in warm_server.refusal(wanted)
+    assert warm_server.refusal(request()) is None
+    # per-launch settings are applied in the copy, not refused
+    assert warm_server.refusal(request(env={**request()["env"], "OMP_NUM_THREADS": "3", "RANK": "1",
+                                           "TORCHELASTIC_RUN_ID": "x", "MKL_NUM_THREADS": "3"})) is None
+
+
+@pytest.mark.parametrize("overrides, wanted", [
+    ({"strategy": "deepspeed", "deepspeed": {"zero_stage": 1}}, ["deepspeed", "mlflow"]),
+    ({"strategy": "accelerate", "launcher": "accelerate", "method": "lora"}, ["accelerate", "peft", "mlflow"]),
+])
+def test_a_flavour_server_imports_only_what_a_fresh_rank_of_that_spec_imports(overrides, wanted, prepared,
+                                                                               tmp_path, monkeypatch):
+    """A warm copy maps its server's modules: each flavour import must be one the fresh rank
+    makes itself (Python's own import log, -X importtime, of a fresh 1-rank run)."""
+    import re
+
+    from tests.conftest import resolve, run_experiment
+
+    spec = resolve(dict(overrides, world_size=1, tracking=["mlflow"]), steps=2, untimed_steps=1)
+    assert warm_start.rank_imports(spec, 0) == wanted
+    assert warm_start.rank_imports(spec, 1) == [name for name in wanted if name != "mlflow"]
+    monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    run_experiment(prepared, tmp_path / "run", spec, checkpoint=False)
+    imported = set(re.findall(r"^import time:.*\|\s+([\w.]+)$", (tmp_path / "run" / "train.log").read_text(), re.M))
+    assert "torch" in imported  # the log is there
+    assert set(wanted) <= imported, set(wanted) - imported
+
+
+def test_a_refused_start_runs_fresh_and_says_why(server, prepared, tmp_path, monkeypatch):
+    from tests.conftest import resolve, run_experiment
+
+    monkeypatch.setenv(warm_start.SOCKET_ENV, server)
+    monkeypatch.setenv("HF_HUB_VERBOSITY", "error")  # read by huggingface_hub at import: not the server's
+    record = run_experiment(prepared, tmp_path / "run", resolve({"world_size": 1}, steps=2, untimed_steps=1))
+    assert record["timeline"]["start"] == ("fresh interpreter (warm start refused: HF_HUB_VERBOSITY differs "
+                                           "('error'; the server imported under None))")
+    assert "distlab warm start refused" in (tmp_path / "run" / "train.log").read_text()
+
+
+def test_a_gpu_launch_is_never_offered_a_warm_start(monkeypatch):
+    from distlab.launchers.environment import rank_environment
+    from tests.conftest import resolve
+
+    monkeypatch.setenv(warm_start.SOCKET_ENV, "/some/socket")
+    cpu = resolve({"world_size": 1})
+    assert rank_environment(cpu)[warm_start.SOCKET_ENV] == "/some/socket"
+    assert warm_start.SOCKET_ENV not in rank_environment(cpu.replace(device="cuda"))
