@@ -145,10 +145,27 @@ def start_warm_start_server():
     from distlab.launchers import warm_start
     from distlab.launchers.environment import warm_start_environment
 
-    cpu_specs = [spec for spec in SPECS.values() if spec["device"] == "cpu"]
-    if config["warm_start"] and cpu_specs and workflow.local_exec:
-        os.environ[warm_start.SOCKET_ENV] = warm_start.start_server(warm_start_environment(),
-                                                                    f"{RESULTS}/logs/warm-start.log")
+    if config["warm_start"] and workflow.local_exec and starts_cpu_ranks():
+        try:
+            os.environ[warm_start.SOCKET_ENV] = warm_start.start_server(warm_start_environment(),
+                                                                        f"{RESULTS}/logs/warm-start.log")
+        except OSError as error:  # each rank then starts fresh and its timeline says so
+            print(f"distlab: no warm-start server ({error}); every rank starts fresh", file=sys.stderr)
+
+
+def starts_cpu_ranks():
+    """Whether this run has a job that starts CPU ranks (a run that only prepares data, or
+    trains only on GPUs or a Ray cluster, would pay the server's imports for nothing)."""
+    try:
+        jobs = list(workflow.dag.needrun_jobs())
+    except AttributeError:  # another Snakemake's DAG: assume it does
+        return True
+    launches = {"train", "validate_checkpoint", "collectives"}
+    for job in jobs:
+        experiment = getattr(job.wildcards, "experiment", None)
+        if job.rule.name in launches and (experiment is None or SPECS[experiment]["device"] == "cpu"):
+            return True
+    return False
 
 
 def stop_warm_start_server():

@@ -197,3 +197,21 @@ def test_a_gpu_launch_is_never_offered_a_warm_start(monkeypatch):
     cpu = resolve({"world_size": 1})
     assert rank_environment(cpu)[warm_start.SOCKET_ENV] == "/some/socket"
     assert warm_start.SOCKET_ENV not in rank_environment(cpu.replace(device="cuda"))
+
+
+def test_a_server_that_never_answers_does_not_hang_the_rank(tmp_path, monkeypatch):
+    """A stuck server (it accepts nothing) leaves the request in its backlog: the stand-in gives
+    up after REPLY_TIMEOUT_S and starts fresh, saying why."""
+    import socket
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "socket"))
+    listener.listen(1)
+    monkeypatch.setattr(warm_start, "REPLY_TIMEOUT_S", 0.5)
+    started = time.monotonic()
+    reply, sock = warm_start._request(str(tmp_path / "socket"), "distlab.runtime.worker", [])
+    assert reply == {"refused": "the server did not answer in 0.5 s"} and sock is None
+    assert time.monotonic() - started < 10
+    reply, _ = warm_start._request(str(tmp_path / "nothing"), "distlab.runtime.worker", [])
+    assert reply["refused"].startswith(f"no server at {tmp_path / 'nothing'}")
+    listener.close()

@@ -48,6 +48,7 @@ import sys
 SOCKET_ENV = "DISTLAB_WARM_SOCKET"
 REFUSED_ENV = "DISTLAB_WARM_REFUSED"  # why a process with a server started fresh
 SERVER_MODULE = "distlab.launchers.warm_server"
+REPLY_TIMEOUT_S = 120  # the server's imports take ~5 s here; a slow laptop's, a few times that
 LAUNCH_ENV = "DISTLAB_LAUNCH"  # distlab.launchers.process.LAUNCH_ENV (imported there from here)
 
 _in_copy = False  # True in a forked copy: its entry module runs, it does not hand over again
@@ -67,6 +68,8 @@ def hand_over(module: str, imports: list[str]) -> None:
         sock.close()
         reply, sock = _request(reply["redirect"], module, imports)
     if "pid" not in reply:
+        if sock is not None:
+            sock.close()
         os.environ[REFUSED_ENV] = reply["refused"]
         print(f"distlab warm start refused, starting fresh: {reply['refused']}", file=sys.stderr, flush=True)
         return
@@ -106,11 +109,23 @@ def _request(path: str, module: str, imports: list[str]) -> tuple[dict, socket.s
     umask = os.umask(0)
     os.umask(umask)
     request = {"module": module, "argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ), "umask": umask,
-               "affinity": sorted(os.sched_getaffinity(0)), "started": started, "executable": sys.executable, "imports": sorted(imports),
-               "distlab": os.path.dirname(os.path.abspath(distlab.__file__))}
+               "affinity": sorted(os.sched_getaffinity(0)), "started": started, "executable": sys.executable,
+               "imports": sorted(imports), "distlab": os.path.dirname(os.path.abspath(distlab.__file__))}
     body = json.dumps(request).encode()
-    socket.send_fds(sock, [struct.pack("!I", len(body)) + body], [0, 1, 2])
-    reply = read_message(sock)
+    # A server still importing keeps the request in its backlog; one that never answers (stuck,
+    # or gone after accepting) must not hang the rank: it starts fresh instead. A copy the server
+    # forks after that finds its stand-in gone and is killed (warm_server).
+    sock.settimeout(REPLY_TIMEOUT_S)
+    try:
+        socket.send_fds(sock, [struct.pack("!I", len(body)) + body], [0, 1, 2])
+        reply = read_message(sock)
+    except TimeoutError:
+        sock.close()
+        return {"refused": f"the server did not answer in {REPLY_TIMEOUT_S} s"}, None
+    except OSError as exc:
+        sock.close()
+        return {"refused": f"the server's socket failed ({exc.strerror or exc})"}, None
+    sock.settimeout(None)  # the copy's status comes when it ends, however long it trains
     return (reply if reply is not None else {"refused": "the server closed the connection"}), sock
 
 

@@ -2,7 +2,8 @@
 training-phase peaks, and the record a rank leaves when it runs out of memory.
 
 The budget (`memory_budget_gib`) counts the whole rank process, as a machine's RAM would:
-interpreter, torch/transformers/deepspeed and their libraries included.
+interpreter, torch/transformers/deepspeed and their libraries included (a warm-started CPU
+rank, distlab.launchers.warm_start, counts the pages of its server's imports it touches).
 
 - CUDA: `torch.cuda.set_per_process_memory_fraction(budget / device total)`; the caching
   allocator refuses past it (torch.OutOfMemoryError).
