@@ -30,7 +30,7 @@ SHARED_GROUPS = {"pipeline": {"test_pipeline", "test_report", "test_bad_input", 
 # it would sort them by their number of tests, which put these few-test groups last (two_hosts
 # 53rd of 61), one running alone at the end while the other worker idled (21 min 48 s).
 LONGEST_FIRST = ["test_memory_sharded", "test_ray", "test_two_hosts", "pipeline", "test_text_to_image",
-                 "test_gpu_rehearsal", "test_deepspeed", "test_checkpoint_faults", "test_warm_start"]
+                 "test_gpu_rehearsal", "test_deepspeed", "test_checkpoint_faults"]
 
 
 # tryfirst: xdist's own collection hook turns the xdist_group marker into the scheduling key,
