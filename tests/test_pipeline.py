@@ -126,7 +126,7 @@ def test_a_runs_cpu_ranks_start_warm_and_its_servers_end_with_it(finished):
     forked from it, and neither it nor its flavour servers outlive the run."""
     import psutil
 
-    work, cfg = finished
+    work, _ = finished
     starts = {path.parent.name: read_run_record(path).to_dict()["timeline"]["start"]
               for path in (work / "results" / MACHINE).glob("*/metrics.json")}
     assert len(starts) == 2 and all(start.startswith("forked from the run's warm interpreter")
