@@ -56,3 +56,25 @@ def deepspeed_precision(precision: str) -> dict:
     """The `bf16` and `fp16` blocks of a DeepSpeed config: the engine keeps its module in that
     dtype, with fp32 masters in the optimizer."""
     return {"bf16": {"enabled": precision == "bf16"}, "fp16": {"enabled": precision == "fp16"}}
+
+
+def dtype_name(dtype) -> str:
+    """'float32' for torch.float32: how as_built records a dtype."""
+    return str(dtype).replace("torch.", "")
+
+
+def parameter_dtype_mismatch(precision: str, parameter_dtypes: dict, master_dtypes: dict | None) -> str | None:
+    """Why the dtypes a rank holds contradict its precision, or None. An fp32 run holds only fp32
+    parameters; a mixed-precision run holds fp32 and its 16-bit dtype (DeepSpeed's 16-bit module,
+    a LoRA run's frozen bf16 base); the tensors an optimizer steps (its masters) are fp32 in both.
+    The label alone is not trusted: DeepSpeed once built an fp32 run's ZeRO-3 parameters in bf16
+    (strategies.deepspeed_load.zero_init)."""
+    allowed = {"float32"} | ({dtype_name(low_precision_dtype(precision))} if is_mixed(precision) else set())
+    stray = sorted(set(parameter_dtypes) - allowed)
+    if stray:
+        return (f"precision {precision} implies parameters in {sorted(allowed)}, but this rank holds "
+                f"{parameter_dtypes} (elements per dtype)")
+    masters = sorted(set(master_dtypes or {}) - {"float32"})
+    if masters:
+        return f"precision {precision} implies fp32 optimizer masters, but the optimizer steps {master_dtypes}"
+    return None

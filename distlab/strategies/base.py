@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from distlab.runtime.accumulation import accumulation_scaled
 from distlab.jobs.job import Job
-from distlab.runtime.precision import autocast, frozen_base_dtype
+from distlab.runtime.precision import autocast, dtype_name, frozen_base_dtype, parameter_dtype_mismatch
 
 
 class FidelityError(RuntimeError):
@@ -208,6 +208,7 @@ class Strategy:
             # Read from the tensors, not from the spec: where each parameter's storage lives
             # and in what form (DTensor shard, DeepSpeed ZeRO-3 partition, plain tensor).
             **parameter_facts(self.model),
+            "optimizer_master_dtypes": optimizer_dtypes(self.optimizer),
         }
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             # Read from the wrapper: on, DDP walks the autograd graph every step to find parameters
@@ -226,6 +227,11 @@ class Strategy:
                                 f"found outer wrapper {described['outer_wrapper']}")
         if described["device"].split(":")[0] != spec["device"]:
             raise FidelityError(f"spec device {spec['device']} but the model is on {described['device']}")
+        if "parameter_dtypes" in described:
+            problem = parameter_dtype_mismatch(spec["precision"], described["parameter_dtypes"],
+                                               described.get("optimizer_master_dtypes"))
+            if problem:
+                raise FidelityError(problem)
         if described.get("activation_checkpointing"):
             from distlab.runtime.activations import check_checkpointing
 
@@ -348,12 +354,30 @@ def _storage(param):
 
 
 def parameter_facts(model) -> dict:
-    devices, layout = {}, {}
+    """Where each parameter's storage lives, in what form, and in what dtype: elements per dtype
+    that this rank holds (its ZeRO-3 partition or DTensor shard, else the whole tensor)."""
+    devices, layout, dtypes = {}, {}, {}
     for param in model.parameters():
         tensor, kind = _storage(param)
         devices[tensor.device.type] = devices.get(tensor.device.type, 0) + 1
         layout[kind] = layout.get(kind, 0) + 1
-    return {"parameter_devices": devices, "parameter_layout": layout}
+        name = dtype_name(tensor.dtype)
+        dtypes[name] = dtypes.get(name, 0) + tensor.numel()
+    return {"parameter_devices": devices, "parameter_layout": layout, "parameter_dtypes": dtypes}
+
+
+def optimizer_dtypes(optimizer) -> dict | None:
+    """Elements per dtype of the tensors the optimizer steps (its masters: DeepSpeed's fp32
+    partitions, a plain optimizer's parameters); None without an optimizer."""
+    if optimizer is None:
+        return None
+    dtypes = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            tensor = _storage(param)[0]
+            name = dtype_name(tensor.dtype)
+            dtypes[name] = dtypes.get(name, 0) + tensor.numel()
+    return dtypes
 
 
 def offloads_parameters(spec: dict) -> bool:

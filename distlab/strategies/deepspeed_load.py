@@ -50,11 +50,53 @@ def load_partitioned(source: str, ds_config: dict, dtype, nvme_params: bool) -> 
     return load_through_transformers(source, ds_config, dtype), {"how": ROUTE_TRANSFORMERS, "why": why}
 
 
+def config_dtype(ds_config: dict):
+    """The dtype a DeepSpeed config's `bf16`/`fp16` blocks keep the module in (fp32 when neither)."""
+    if (ds_config.get("bf16") or {}).get("enabled"):
+        return torch.bfloat16
+    if (ds_config.get("fp16") or {}).get("enabled"):
+        return torch.float16
+    return torch.float32
+
+
+def zero_init(ds_config: dict, dtype):
+    """`deepspeed.zero.Init` that builds every parameter in `dtype`, on every CPU and GPU.
+
+    DeepSpeed 0.19.7/0.19.8 `Init._set_dtype` (deepspeed/runtime/zero/partition_parameters.py)
+    reads a given dtype as
+    `dtype or torch.float16 if get_accelerator().is_fp16_supported() else torch.bfloat16 if ...`:
+    by Python's precedence the given dtype is used only where the accelerator supports fp16, and
+    on a CPU without AVX512-FP16/AMX-FP16 an fp32 run is built in bf16. With `dtype=None` the same
+    method takes the dtype from the config's bf16/fp16 blocks, which every DeepSpeed path honours,
+    so the dtype is passed that way, and a config that implies another dtype is refused here
+    rather than silently built in it."""
+    import deepspeed
+
+    implied = config_dtype(ds_config)
+    if implied != dtype:
+        raise ValueError(f"zero.Init asked for {dtype} parameters but the DeepSpeed config's bf16/fp16 blocks "
+                         f"imply {implied}")
+    return deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=None)
+
+
+def check_built_dtype(model, dtype, what: str) -> None:
+    """Fail when any parameter of a model built under zero_init is not in `dtype` (the partition
+    a rank holds, ds_tensor, and the parameter's own dtype alike)."""
+    wrong = {}
+    for name, param in model.named_parameters():
+        held = getattr(param, "ds_tensor", param)
+        for tensor in (param, held):
+            if tensor.dtype != dtype:
+                wrong.setdefault(str(tensor.dtype).replace("torch.", ""), name)
+    if wrong:
+        raise RuntimeError(f"{what} was asked for {str(dtype).replace('torch.', '')} parameters but DeepSpeed built "
+                           + ", ".join(f"{kind} ones (e.g. {name})" for kind, name in sorted(wrong.items())))
+
+
 def build_partitioned(source: str, ds_config: dict, dtype):
     """The causal LM of `source`, every parameter a ZeRO-3 partition, weights not yet read."""
     import contextlib
 
-    import deepspeed
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers import initialization
     from transformers.integrations import deepspeed as hf_deepspeed
@@ -65,11 +107,11 @@ def build_partitioned(source: str, ds_config: dict, dtype):
     # it (5.24 does; 5.17 and 5.0 did not, and neither did their ZeRO-3 route). Where it is
     # missing, distlab.runtime.buffers puts the plain model's buffers back (model_setup).
     keep_arange = getattr(hf_deepspeed, "prevent_arange_dtype_change", contextlib.nullcontext)
-    with initialization.no_init_weights(), keep_arange(), \
-            deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=dtype):
+    with initialization.no_init_weights(), keep_arange(), zero_init(ds_config, dtype):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()  # built without weights, the head is left untied: it is never stored on its own
+    check_built_dtype(model, dtype, "the ZeRO-3 causal LM")
     model.distlab_source = str(source)
     return model
 
@@ -84,9 +126,13 @@ def load_through_transformers(source: str, ds_config: dict, dtype):
     # transformers holds only a weak reference: alive while loading, then released. Left
     # alive, every later from_config/from_pretrained on rank 0 alone (the export's reload
     # check, held-out evaluation) would enter zero.Init, a collective, and hang.
+    if config_dtype(ds_config) != dtype:  # transformers' zero.Init takes its dtype from the config
+        raise ValueError(f"ZeRO-3 load asked for {dtype} but the DeepSpeed config implies {config_dtype(ds_config)}")
     hf_deepspeed_config = HfDeepSpeedConfig(ds_config)
     try:
-        return load_model(source, dtype=dtype)
+        model = load_model(source, dtype=dtype)
+        check_built_dtype(model, dtype, "the ZeRO-3 causal LM (transformers' route)")
+        return model
     finally:
         del hf_deepspeed_config
         unset_hf_deepspeed_config()

@@ -84,15 +84,15 @@ def load_unet_partitioned(source: str, ds_config: dict, dtype, nvme_params: bool
     Only the UNet is built here: the frozen VAE and text encoder load in the task's TrainData,
     outside zero.Init (as diffusers' ZeRO-3 recipe keeps them out: they are never trained).
     nvme_params: refused at config time (the copy needs the partitions in memory)."""
-    import deepspeed
     from diffusers import UNet2DConditionModel
     from safetensors import safe_open
 
-    from distlab.strategies.deepspeed_load import _copy_partition
+    from distlab.strategies.deepspeed_load import _copy_partition, check_built_dtype, zero_init
 
     folder = Path(source) / UNET
-    with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=dtype):
+    with zero_init(ds_config, dtype):  # not deepspeed.zero.Init(dtype=...): zero_init says why
         unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(str(source), subfolder=UNET))
+    check_built_dtype(unet, dtype, "the ZeRO-3 UNet")
     unet.requires_grad_(False)
     unet.distlab_source = str(source)
     where = weight_files(folder)
