@@ -55,5 +55,8 @@ def load_plain(strategy, path: str) -> None:
         raise CheckpointMismatch(f"{path / 'model.safetensors'} holds {len(state)} tensors, this model trains "
                                  f"{len(expected)}: e.g. {sorted(set(state) ^ expected)[:3]}")
     module.load_state_dict(state, strict=False)
-    optimizer = torch.load(path / "optimizer.pt", weights_only=True)
+    # Read into host memory: a checkpoint saved on a GPU machine tags its tensors cuda:N, which a
+    # CPU-only machine cannot place; load_state_dict then casts each state tensor to its parameter's
+    # device, on a GPU machine too.
+    optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
     strategy.optimizer.load_state_dict(optimizer)
