@@ -21,15 +21,8 @@ ZERO_VARIANTS = {
     "z3-lean": {"zero_stage": 3, "zero3_profile": "lean"},
     "z3-offload": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
 }
-# Median-free guard on speed: each variant's fastest timed step within this many times DDP's
-# fastest (the least load-sensitive figure of a run). On the tests' model a step is mostly
-# per-module overhead: ZeRO-3 ran 4.4-5.9x DDP here quiet (FSDP 2.3-3.3x); the regression
-# this guards against took 16x. A busy CI box stretched a ratio 1.6x (lean: 7.1-7.8x quiet,
-# 12.3x there), hence 12, not 10. The lean ZeRO-3 profile is left out: it trades speed for
-# memory by design (one layer live, nothing persistent), and its configuration is what
-# test_the_deepspeed_config_on_disk_is_the_one_the_engine_used holds it to.
-STEP_FACTOR = 12
-SPEED_GUARDED = [name for name, ds in ZERO_VARIANTS.items() if ds.get("zero3_profile") != "lean"]
+# No step-time guard here: a test checks behaviour, and speed against DDP is measured side by
+# side in benchmarks/strategy_parity.py.
 
 
 def deepspeed_spec(checkpointing: str = "none", eval_every: int = 0, **ds):
@@ -60,17 +53,6 @@ def test_zero_stage_matches_ddp_loss_lr_and_clipped_norm_over_20_steps(runs, var
     assert runs[variant]["as_built"]["deepspeed"]["gradient_clipping"] == 1.0
     if variant == "z3":
         assert_eval_points_end_at_the_final_eval(runs[variant])
-
-
-def fastest_step(run) -> float:
-    return run["timing"]["step_time_s"]["min"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", SPEED_GUARDED)
-def test_a_zero_stages_step_time_stays_within_a_factor_of_ddps(runs, variant):
-    ratio = fastest_step(runs[variant]) / fastest_step(runs["ddp"])
-    assert ratio < STEP_FACTOR, (variant, ratio, runs[variant]["noise"], runs["ddp"]["noise"])
 
 
 @pytest.mark.slow

@@ -39,19 +39,22 @@ def test_a_name_that_only_contains_a_known_board_gets_no_peak():
         hw.gpu_peak("NVIDIA H200", "int8")
 
 
-def test_fp32_runs_use_the_tf32_peak_only_when_torch_runs_fp32_matmuls_as_tf32(monkeypatch):
+def test_fp32_runs_use_the_tf32_peak_only_when_torch_runs_fp32_matmuls_as_tf32():
     assert hw.matmul_precision("bf16", tf32=True) == "bf16"
     assert hw.matmul_precision("fp32", tf32=False) == "fp32"
     assert hw.matmul_precision("fp32", tf32=True) == "tf32"
-    previous = torch.get_float32_matmul_precision()
+    # Set and restored by hand: allow_tf32 is a property of torch's cuBLAS module object, which
+    # pytest's monkeypatch (9.2) cannot restore (it tries to delete it).
+    previous, previous_tf32 = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
     try:
         torch.set_float32_matmul_precision("highest")
-        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+        torch.backends.cuda.matmul.allow_tf32 = False
         assert hw.tf32_matmuls(torch) is False
         torch.set_float32_matmul_precision("high")
         assert hw.tf32_matmuls(torch) is True
     finally:
         torch.set_float32_matmul_precision(previous)
+        torch.backends.cuda.matmul.allow_tf32 = previous_tf32
 
 
 def test_rank_peak_follows_the_runs_precision_and_probes_an_unknown_board(monkeypatch):

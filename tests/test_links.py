@@ -44,7 +44,6 @@ def test_a_capped_link_slows_ddp_communication_in_the_order_of_its_bandwidth(cap
     assert [r["experiment"] for r in (slow, fast)] == ["ddp-full-w2-mb4-ga1-link20m", "ddp-full-w2-mb4-ga1-link200m"]
     # 10x less bandwidth: the all-reduce takes several times longer (10x when bandwidth-bound).
     assert comm(slow) > 3 * comm(fast), (comm(slow), comm(fast))
-    assert slow["timing"]["step_time_s"]["median"] > fast["timing"]["step_time_s"]["median"]
     # The link changes the time, never the training: the same losses over both links.
     assert max(abs(a - b) for a, b in zip(slow["loss"]["per_step"], fast["loss"]["per_step"])) < 1e-6
 

@@ -79,3 +79,28 @@ def test_the_readme_clears_a_stale_results_lock_as_the_refusal_says():
     assert f"delete {Path('RESULTS') / LOCK_NAME}" in refusal
     documented = " ".join(README.split())
     assert f"delete `<results_dir>/{LOCK_NAME}` by hand" in documented
+
+
+def test_the_readme_and_ci_install_what_ci_tested_into_a_fresh_venv():
+    """A fresh machine gets the versions the suite passed with: both commands make a venv and
+    install with constraints.txt, which pins every dependency within pyproject.toml's ranges."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    run_command = next(line for line in readme_code()[0] if "snakemake --cores all" in line and "pip" in line)
+    ci = (REPO / ".ci" / "run").read_text()
+    for text in (run_command, ci):
+        assert "-m venv" in text and "-c constraints.txt" in text, text
+    assert 'rm -rf "$venv"' in ci  # fresh each time, never a venv with leftovers
+    pins = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[name.lower().replace("_", "-")] = version
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    for spec in project["dependencies"] + project["optional-dependencies"]["test"]:
+        requirement = Requirement(spec)
+        name = requirement.name.lower().replace("_", "-")
+        assert name in pins, f"{name} is not pinned in constraints.txt"
+        assert requirement.specifier.contains(pins[name], prereleases=True), (name, pins[name], str(requirement))

