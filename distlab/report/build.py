@@ -20,6 +20,7 @@ from distlab.report.cards import (COMPARED, DOUBTFUL, FAILED, NOT_RUN, PASSED, C
 from distlab.report.cards.across import (card_noting_missing, collectives_card, loss_card, machines_card,
                                          ranking_card)
 from distlab.report.cards.checkpoint_table import checkpoint_card
+from distlab.report.cards.parity import GOAL_LESSON
 from distlab.report.collect import (COLLECTIVES_SCHEMA_VERSION, HARDWARE_SCHEMA_VERSION, ResultsError,
                                     attach_machine_records, clear_winner, load_checked_runs, load_runs,
                                     machine_files, read_json, unit_of)
@@ -44,6 +45,11 @@ def overview_card(cards: list[Card], runs: list[dict], advice: dict) -> Card:
         rows.append(row)
     frame = pd.DataFrame(rows, columns=["stage", "minimal", "bonus"])
     card = Card(0, "What to run here, and where you stand")
+    # First: a stage whose runs did not train what DDP trains, or whose checkpoints failed
+    # validation, has not taught its lesson, whatever its other goals say.
+    unsound = [f"{c.title}: {g.evidence}" for c in cards for g in c.goals if g.text == GOAL_LESSON and g.status == FAILED]
+    if unsound:
+        card.notes.append("NOT SOUND: " + " | ".join(unsound))
     card.notes.extend(headline(runs, advice))
     card.notes.append(busy_note(runs))
     if len(frame):

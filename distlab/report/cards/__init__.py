@@ -154,5 +154,12 @@ def all_cards(runs: list[dict]) -> list[Card]:
         if info.name.startswith("stage"):
             module = importlib.import_module(f"{__name__}.{info.name}")
             task = getattr(module, "TASK", "causal-lm")
-            cards.append(module.build([r for r in runs if run_task(r) == task]))
+            mine = [r for r in runs if run_task(r) == task]
+            card = module.build(mine)
+            lesson = getattr(module, "LESSON", None)  # (stage, whether its runs must train what DDP trains)
+            if lesson:
+                from distlab.report.cards.parity import lesson_goal
+
+                card.goals.insert(0, lesson_goal(lesson[0], mine, lesson[1]))
+            cards.append(card)
     return sorted(cards, key=lambda c: c.number)

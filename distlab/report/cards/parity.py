@@ -3,6 +3,8 @@ trained them the same way. Stages 3, 4 and 6 all ask this; one rule answers it, 
 compares a run with a DDP run of another recipe and reports the recipe's gap as the strategy's."""
 from __future__ import annotations
 
+from distlab.report.cards import FAILED, NOT_RUN, PASSED, Goal
+
 # Max |loss diff| vs DDP below which a card says sharding left fp32 training unchanged (float
 # summation order moves the loss by ~1e-6 here); above it the card says it did not.
 PARITY_TOLERANCE = 1e-4
@@ -67,3 +69,29 @@ def gap_sentence(rows: list[dict], label: str, sharding: str, library: str) -> s
                        "training unchanged up to float summation order.")
     return head + (f"{len(over)} run(s) differ from DDP by more than {PARITY_TOLERANCE:g} ({', '.join(over)}): "
                    f"on these runs {library} did NOT reproduce DDP's training.")
+
+
+GOAL_LESSON = "Every run trains what DDP trains on the same recipe, and every validated checkpoint passed"
+
+
+def lesson_goal(stage: str, runs: list[dict], compare_with_ddp: bool) -> Goal:
+    """A stage has not taught its lesson while one of its runs missed loss parity with its DDP twin
+    (compare_with_ddp: the sharding and model-parallel stages, whose runs must train what DDP
+    trains) or failed its checkpoint validation; the overview then shows the stage failed."""
+    mine = [r for r in runs if r.get("stage") == stage]
+    rows = parity_rows([r for r in mine if r.get("status") == "ok" and r["spec"]["strategy"] != "ddp"], runs,
+                       "run") if compare_with_ddp else []
+    off = [f"{r['run']} vs {r['DDP run']} by {r['max |loss diff|']}" for r in rows
+           if not float(r["max |loss diff|"]) <= PARITY_TOLERANCE]
+    validated = [r for r in mine if r.get("_validation")]
+    invalid = [f"{r['experiment']} ({r['_validation'].get('reason') or 'failed'})" for r in validated
+               if not r["_validation"].get("passed")]
+    if off or invalid:
+        return Goal("minimal", GOAL_LESSON, FAILED, "; ".join(
+            ([f"loss differs from DDP by more than {PARITY_TOLERANCE:g}: " + ", ".join(off)] if off else []) +
+            ([f"checkpoint validation failed: " + ", ".join(invalid)] if invalid else [])))
+    if not rows and not validated:
+        return Goal("minimal", GOAL_LESSON, NOT_RUN, "no run of this stage had a DDP twin or a validated checkpoint")
+    return Goal("minimal", GOAL_LESSON, PASSED,
+                f"{len(rows)} run(s) within {PARITY_TOLERANCE:g} of their DDP twin; {len(validated)} checkpoint "
+                "validation(s) passed")

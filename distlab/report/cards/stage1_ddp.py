@@ -7,6 +7,9 @@ from distlab.report.cards import (DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figur
 from distlab.report.collect import clear_winner
 from distlab.report.plots import figure, label_axes, loss_curves, to_png_b64
 
+# Its lesson (cards.parity.lesson_goal): the stage, and whether its runs must train what DDP trains.
+LESSON = ("ddp", False)
+
 
 def scaling_groups(runs):
     """Runs that differ only in world size (same machine, model shape, seq_len, method,

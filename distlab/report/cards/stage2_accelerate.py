@@ -17,6 +17,9 @@ from distlab.report.cards import (FAILED, NOT_RUN, PASSED, Card, Figure, Goal, T
 from distlab.report.plots import figure, label_axes, loss_curves, to_png_b64
 from distlab.records.run_layout import run_files_dir
 
+# Its lesson (cards.parity.lesson_goal): the stage, and whether its runs must train what DDP trains.
+LESSON = ("accelerate", False)
+
 STAGE = "accelerate"
 
 

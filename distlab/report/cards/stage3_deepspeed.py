@@ -9,6 +9,9 @@ from distlab.report.cards.parity import NOT_COMPARED, gap_sentence, parity_rows
 from distlab.report.cards.zero_memory import GAP_LIMIT, MIB, gap_note, memory_figure, memory_rows
 from distlab.report.plots import loss_curves
 
+# Its lesson (cards.parity.lesson_goal): the stage, and whether its runs must train what DDP trains.
+LESSON = ("deepspeed", True)
+
 GOAL_TABLE = "ZeRO stage memory table, measured vs formula (ZeRO on 2+ devices, memory measured)"
 GOAL_BUDGET = "ZeRO-3 ran what a single device could not, under the same per-rank memory budget"
 GOAL_OFFLOAD = "Offload slowdown measured (same model and batch, with and without offload)"

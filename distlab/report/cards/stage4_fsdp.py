@@ -15,6 +15,9 @@ from distlab.report.cards.parity import NOT_COMPARED, gap_sentence, parity_rows
 from distlab.report.collect import clear_winner
 from distlab.report.plots import loss_curves, to_png_b64
 
+# Its lesson (cards.parity.lesson_goal): the stage, and whether its runs must train what DDP trains.
+LESSON = ("fsdp", True)
+
 GOAL_RUN = "FSDP fine-tune ran, checkpoint saved"
 GOAL_VS = "ZeRO-3 vs FSDP throughput"
 MIB = 2**20

@@ -9,6 +9,9 @@ from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Ta
 from distlab.report.collect import clear_winner
 from distlab.report.plots import figure, loss_curves, to_png_b64
 
+# Its lesson (cards.parity.lesson_goal): the stage, and whether its runs must train what DDP trains.
+LESSON = ("ray", False)
+
 # Spec fields that may differ between a Ray run and its torchrun twin.
 LAUNCH_ONLY = ("launcher", "id", "stage", "ray", "tag")
 DOCS_CLAIM = 0.025  # the roadmap's figure for Ray Train's overhead over plain torchrun

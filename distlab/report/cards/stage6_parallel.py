@@ -13,6 +13,9 @@ from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Ta
 from distlab.report.cards.parity import ddp_twin, loss_gap
 from distlab.report.plots import figure, loss_curves, to_png_b64
 
+# Its lesson (cards.parity.lesson_goal): the stage, and whether its runs must train what DDP trains.
+LESSON = ("parallel", True)
+
 # Same data, seed and global batch in fp32: only float reduction order differs. Measured
 # differences are ~1e-5; anything past this is a real difference in the update.
 LOSS_TOLERANCE = 1e-3
