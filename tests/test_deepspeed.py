@@ -51,6 +51,9 @@ def test_zero_stage_matches_ddp_loss_lr_and_clipped_norm_over_20_steps(runs, var
     # Losses, the engine-stepped schedule's rates and the pre-clip norm of DeepSpeed's own clipping.
     assert_same_trajectory(runs[variant], runs["ddp"])
     assert runs[variant]["as_built"]["deepspeed"]["gradient_clipping"] == 1.0
+    # What each rank really held, not the label: an fp32 run's parameters and masters are fp32.
+    assert set(runs[variant]["as_built"]["parameter_dtypes"]) == {"float32"}
+    assert set(runs[variant]["as_built"]["optimizer_master_dtypes"]) == {"float32"}
     if variant == "z3":
         assert_eval_points_end_at_the_final_eval(runs[variant])
 
