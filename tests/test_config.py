@@ -281,7 +281,7 @@ def test_warmup_steps_still_works_and_says_it_means_untimed_steps_not_the_lr_war
     assert spec["untimed_steps"] == 3 and "warmup_steps" not in spec and spec["lr_warmup_steps"] == 0
 
 
-def test_the_readmes_three_epoch_fine_tune_config_loads(prepared, tmp_path):
+def test_the_docs_three_epoch_fine_tune_config_loads(prepared, tmp_path):
     import json
     import re
 
@@ -289,8 +289,8 @@ def test_the_readmes_three_epoch_fine_tune_config_loads(prepared, tmp_path):
 
     from conftest import REPO
 
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Fine-tune my own model for 3 epochs", 1)[1]
+    page = (REPO / "docs" / "fine-tuning.md").read_text()
+    section = page.split("## Fine-tune my own model for 3 epochs", 1)[1]
     cfg = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))
     chat = tmp_path / "chat.jsonl"
     chat.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},

@@ -1,7 +1,7 @@
-"""What the README tells a user to type or to expect about safety holds for the code: every
-command that starts, joins or drives a Ray cluster turns token auth on as distlab's own
-clusters do, the KubeRay section names what the manifests are checked against, and the
-results-folder lock is cleared the way its refusal says."""
+"""What the README and its pages under docs/ tell a user to type or to expect about safety
+holds for the code: every command that starts, joins or drives a Ray cluster turns token auth
+on as distlab's own clusters do, the KubeRay section names what the manifests are checked
+against, and the results-folder lock is cleared the way its refusal says."""
 from __future__ import annotations
 
 import re
@@ -12,17 +12,21 @@ import yaml
 from conftest import REPO
 
 README = (REPO / "README.md").read_text()
+# The user's documentation: the README and one page per topic under docs/.
+DOC_PAGES = {path.relative_to(REPO).as_posix(): path.read_text()
+             for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]}
+USER_DOCS = "\n\n".join(DOC_PAGES.values())
 FENCE = re.compile(r"^\s*```")
 # A Ray command someone will paste: `ray start` with an option given a value, or a driver
 # pointed at a head. A bare `ray start --head` in prose names the command, it is not one.
 RAY_COMMAND = re.compile(r"\bray start\b.*=|RAY_ADDRESS=", re.DOTALL)
 
 
-def readme_code() -> tuple[list[str], list[str]]:
-    """(code block lines, inline code spans of the prose) of the README."""
+def readme_code(text: str = USER_DOCS) -> tuple[list[str], list[str]]:
+    """(code block lines, inline code spans of the prose) of the README and docs/ (or of `text`)."""
     blocks, prose = [], []
     in_fence, after_blank, in_indented = False, True, False
-    for line in README.splitlines():
+    for line in text.splitlines():
         if FENCE.match(line):
             in_fence = not in_fence
             continue
@@ -38,9 +42,14 @@ def readme_code() -> tuple[list[str], list[str]]:
 
 
 def section(title: str) -> str:
-    start = README.index(f"### {title}")
-    end = README.find("\n#", start + 1)
-    return README[start:end]
+    """The text under the one heading `title` of the README or a docs/ page, up to the next heading."""
+    heading = re.compile(rf"^#+ {re.escape(title)}$", re.MULTILINE)
+    found = [(page, match) for page, text in DOC_PAGES.items() for match in heading.finditer(text)]
+    assert len(found) == 1, f"heading {title!r} is in {[page for page, _ in found]}, not in exactly one page"
+    page, match = found[0]
+    text = DOC_PAGES[page]
+    end = text.find("\n#", match.start() + 1)
+    return text[match.start():end if end != -1 else len(text)]
 
 
 def test_every_readme_command_that_starts_joins_or_drives_a_ray_cluster_sets_token_auth(tmp_path):
@@ -77,7 +86,7 @@ def test_the_readme_clears_a_stale_results_lock_as_the_refusal_says():
 
     refusal = busy_message(Path("RESULTS") / LOCK_NAME, {"host": "h", "pid": 1}, checked=False)
     assert f"delete {Path('RESULTS') / LOCK_NAME}" in refusal
-    documented = " ".join(README.split())
+    documented = " ".join(USER_DOCS.split())
     assert f"delete `<results_dir>/{LOCK_NAME}` by hand" in documented
 
 
@@ -88,7 +97,7 @@ def test_the_readme_and_ci_install_what_ci_tested_into_a_fresh_venv():
 
     from packaging.requirements import Requirement
 
-    run_command = next(line for line in readme_code()[0] if "snakemake --cores all" in line and "pip" in line)
+    run_command = next(line for line in readme_code(README)[0] if "snakemake --cores all" in line and "pip" in line)
     ci = (REPO / ".ci" / "run").read_text()
     for text in (run_command, ci):
         assert "-m venv" in text and "-c constraints.txt" in text, text
