@@ -2,7 +2,7 @@
 tiny model: runs each default-config strategy shape for 3 steps (distlab.testing.run_experiment)
 and prints advisor.check_against_runs' row and rank 0's measured parts (MiB).
 
-    nice -n 10 python benchmarks/advisor_check.py [case ...]      # README "Choosing a strategy"
+    nice -n 10 python benchmarks/advisor_check.py [case ...]      # benchmarks/RESULTS.md, docs/advisor.md
 
 Runs are kept under $ADVISOR_CHECK_DIR (default /tmp/distlab-advisor-check) and reused."""
 import json

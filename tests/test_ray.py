@@ -43,7 +43,7 @@ def cluster():
 
 
 def test_a_driver_without_the_cluster_s_token_is_refused_by_the_head(cluster, tmp_path):
-    """Token auth is on for the nodes distlab starts (the README's two-machine recipe): a
+    """Token auth is on for the nodes distlab starts (docs/ray.md's two-machine recipe): a
     client with no token (no RAY_AUTH_*, no ~/.ray) is refused; the same client with the
     cluster's token connects."""
     import subprocess

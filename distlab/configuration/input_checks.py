@@ -184,7 +184,7 @@ def check_ray_token_auth(address: str, field: str) -> None:
     if address in ("auto", "local"):
         return
     how = ("set RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN_PATH, RAY_AUTH_TOKEN or "
-           "~/.ray/auth_token); distlab drives no Ray cluster without token auth (README, home PC + cloud GPU)")
+           "~/.ray/auth_token); distlab drives no Ray cluster without token auth (docs/ray.md, home PC + cloud GPU)")
     if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
         raise ConfigError(f"config field '{field}': driving Ray head {address} needs token auth, but RAY_AUTH_MODE "
                           f"is {os.environ.get('RAY_AUTH_MODE', 'not set')!r}: {how}")

@@ -38,7 +38,7 @@ def token_auth_environment(folder: str) -> dict:
     RAY_AUTH_MODE=token is set, never left to Ray: `ray start --head` turns auth on by itself
     only when a token file already exists, and `ray start --address` or a driver given an
     address never does (Ray 2.60, ray/scripts/scripts.py, ray/_private/worker.py); only a
-    local ray.init() of a new cluster does. The README's two-machine steps set the same keys."""
+    local ray.init() of a new cluster does. docs/ray.md's two-machine steps set the same keys."""
     token = Path(folder, "auth_token")
     token.write_text(secrets.token_hex(32))
     token.chmod(0o600)

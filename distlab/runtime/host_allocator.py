@@ -5,13 +5,13 @@ layers FSDP/ZeRO-3 gather and free again (4-12 MB each at 309M), and the layers 
 streams, come from the heap and stay in RSS after they are freed: a rank then shows more of
 the model resident than it holds (measured at 309M under the dynamic threshold: full ZeRO-3
 w2's rank 0 above one DDP rank, FSDP over a budget it fits, DDP w2's save phase +1.1 GiB;
-README). A fixed threshold (mallopt M_MMAP_THRESHOLD) gives every allocation at or above it
+benchmarks/RESULTS.md). A fixed threshold (mallopt M_MMAP_THRESHOLD) gives every allocation at or above it
 its own mapping, returned to the OS on free, so RSS shows what the rank holds.
 
 That fix has a price on every step: each activation at or above the threshold (the logits, a
 wide MLP's output) is a fresh mapping the kernel zero-fills, where the dynamic threshold reuses
 heap memory (the default model's 1-rank step: 1.09x Trainer's at 2 MiB, 0.93x dynamic;
-benchmarks/trainer_parity.py, README). And it buys nothing for a model whose layers are all
+benchmarks/trainer_parity.py, benchmarks/RESULTS.md). And it buys nothing for a model whose layers are all
 under it: their gathered and streamed copies come from the heap either way. So the threshold is
 fixed where a decoder layer holds a weight at or above it, and left to glibc otherwise; the
 choice and its reason are recorded in every rank's memory record.

@@ -37,7 +37,7 @@ def zero3_limits(profile: str, layer_params: int | None, hidden_size: int | None
 
     lean: nothing persistent, one decoder layer live and the next prefetched, as FSDP2's full
     shard holds them: least memory (0.8x a DDP rank's training peak against 1.6-1.9x at the 1e9
-    limits on a 155M LoRA model, README), every parameter re-gathered for backward and each
+    limits on a 155M LoRA model, benchmarks/RESULTS.md), every parameter re-gathered for backward and each
     small one in a collective of its own: on a busy 2-core machine the collectives' waits
     dominate (benchmarks/strategy_parity.py sets the two beside FSDP and DDP).
 

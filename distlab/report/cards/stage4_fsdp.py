@@ -145,7 +145,7 @@ def trade_note(auto: dict, lean: dict) -> str:
     leaner = ""
     if None not in peaks and peaks[1] >= peaks[0]:
         leaner = (" On this model the lean profile saved no memory: the gathered copy the auto profile keeps is "
-                  "small beside what a rank holds anyway; its saving shows on larger models (README, "
+                  "small beside what a rank holds anyway; its saving shows on larger models (benchmarks/RESULTS.md, "
                   "benchmarks/memory_peaks.py).")
     return (f"ZeRO-3's trade, measured: the memory-lean profile ({lean['experiment']}: nothing persistent, one layer "
             f"live, every parameter re-gathered for backward) {speed} the auto profile "
