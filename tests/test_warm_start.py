@@ -132,6 +132,7 @@ def server_state(monkeypatch):
     ({"env": {"HF_HUB_OFFLINE": "0"}}, "HF_HUB_OFFLINE"),
     ({"env": {"PYTHONPATH": "/elsewhere"}}, "PYTHONPATH"),
     ({"env": {"MALLOC_ARENA_MAX": "2"}}, "MALLOC_ARENA_MAX"),
+    ({"env": {"OPENBLAS_CORETYPE": "Haswell"}}, "OPENBLAS_CORETYPE"),
     ({"module": "os"}, "not an entry module"),
     ({"distlab": "/another/checkout/distlab"}, "another distlab checkout"),
     ({"executable": "/usr/bin/python-other"}, "another Python"),

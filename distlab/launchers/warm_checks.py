@@ -25,14 +25,14 @@ ENTRY_MODULES = ("distlab.runtime.worker", "distlab.runtime.validate_ranks", "di
 # A flavour server's extra imports may be only these (what warm_start.rank_imports names).
 FLAVOURS = ("deepspeed", "accelerate", "peft", "mlflow")
 # Variables a library reads when it is imported (the interpreter, the loader, glibc's malloc,
-# GNU OpenMP, MKL, torch, Hugging Face, CUDA, DeepSpeed): a request whose value differs from the
+# GNU OpenMP, MKL, OpenBLAS, torch, Hugging Face, CUDA, DeepSpeed): a request whose value differs from the
 # server's is refused. Thread counts are set per job (snakemake) and launch (distlab) and applied
 # in the copy (THREAD_POOLS); torchrun's TORCHELASTIC_* and TORCH_NCCL_* are read when the agent
 # runs and the process group is made. Intel OpenMP's KMP_* (accelerate launch sets KMP_AFFINITY on
 # CPU) count only where libiomp5 is loaded (`_iomp_loaded`): torch's pip wheels use GNU libgomp,
 # which never reads them.
-IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "OMP_", "GOMP_", "MKL_", "TORCH", "PYTORCH_", "HF_",
-                        "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "CUDA_", "DS_")
+IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "OMP_", "GOMP_", "MKL_", "OPENBLAS_", "GOTO_", "TORCH",
+                        "PYTORCH_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "CUDA_", "DS_")
 PER_LAUNCH_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_")
 # The variables each thread pool reads for its count when its library loads, first set wins:
 # torch's intra-op pool (ATen's intraop_default_num_threads: MKL_NUM_THREADS over OMP_NUM_THREADS;
