@@ -141,16 +141,15 @@ def start_warm_start_server():
     warm_start is on, a CPU experiment is in the run and its jobs run on this machine (not a
     cluster executor: a job elsewhere would find no server and start fresh); its socket reaches
     every job through the environment they inherit (ranks of CPU launches only:
-    distlab.launchers.environment)."""
+    distlab.launchers.environment). A socket inherited from another run is never offered."""
     from distlab.launchers import warm_start
     from distlab.launchers.environment import warm_start_environment
 
-    if config["warm_start"] and workflow.local_exec and starts_cpu_ranks():
-        try:
-            os.environ[warm_start.SOCKET_ENV] = warm_start.start_server(warm_start_environment(),
-                                                                        f"{RESULTS}/logs/warm-start.log")
-        except OSError as error:  # each rank then starts fresh and its timeline says so
-            print(f"distlab: no warm-start server ({error}); every rank starts fresh", file=sys.stderr)
+    wanted = config["warm_start"] and workflow.local_exec and starts_cpu_ranks()
+    try:
+        warm_start.start_run_server(wanted, warm_start_environment(), f"{RESULTS}/logs/warm-start.log")
+    except OSError as error:  # each rank then starts fresh and its timeline says so
+        print(f"distlab: no warm-start server ({error}); every rank starts fresh", file=sys.stderr)
 
 
 def starts_cpu_ranks():
@@ -169,10 +168,11 @@ def starts_cpu_ranks():
 
 
 def stop_warm_start_server():
-    """onsuccess / onerror: the server goes (it would die with snakemake anyway)."""
+    """onsuccess / onerror: the server this run started goes (it would die with snakemake
+    anyway), and only the files it made; nothing of a server this run did not start."""
     from distlab.launchers import warm_start
 
-    warm_start.stop_server(os.environ.pop(warm_start.SOCKET_ENV, None))
+    warm_start.stop_run_server()
 
 
 def on_ray_cluster(spec):

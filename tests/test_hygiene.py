@@ -211,3 +211,29 @@ def test_a_process_that_only_names_the_job_file_neither_blocks_a_launch_nor_dies
     finally:
         reader.kill()
         reader.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starting a process as another user needs root")
+def test_another_users_process_with_the_launch_identity_neither_blocks_a_launch_nor_dies_with_it(tmp_path, reaper):
+    """Anybody may set DISTLAB_LAUNCH on a process of their own (the identity is a hash of the job
+    file's path): when distlab runs as root, another user's process is never taken for a rank."""
+    from distlab.jobs.launch import job_file
+    from distlab.launchers.process import LAUNCH_ENV, kill_tree, new_launch_identity, processes_of, \
+        refuse_if_running, run_key
+
+    job_path = job_file(str(tmp_path / "run"))
+    identity = new_launch_identity(job_path)
+    stranger = subprocess.Popen(["sleep", "120"], user=65534, group=65534,
+                                env=dict(os.environ, **{LAUNCH_ENV: identity}))
+    mine = subprocess.Popen(["sleep", "120"], env=dict(os.environ, **{LAUNCH_ENV: identity}))
+    try:
+        time.sleep(0.2)
+        assert [p.pid for p in processes_of(run_key(job_path))] == [mine.pid]  # this user's orphan still counts
+        mine.kill()
+        mine.wait()
+        refuse_if_running(job_path, "experiment x")  # not refused
+        kill_tree(None, identity)
+        assert alive(stranger.pid)  # the launch's clean-up left it alone
+    finally:
+        stranger.kill()
+        stranger.wait()

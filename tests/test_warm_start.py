@@ -10,33 +10,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
 
-from distlab.launchers import warm_server, warm_start
+from distlab.launchers import warm_checks, warm_start
 from distlab.launchers.environment import warm_start_environment
 from distlab.launchers.process import launch_of, processes_of
 
+from warm_fixtures import copies_of, server, server_log, server_pid  # noqa: F401 - server: a fixture
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """A warm-start server for this module's launches (a run's is started by the Snakefile)."""
-    log = tmp_path_factory.mktemp("warm") / "warm-start.log"
-    path = warm_start.start_server(warm_start_environment(), str(log))
-    deadline = time.monotonic() + 120
-    while "imported" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert "imported" in log.read_text(), log.read_text()
-    yield path
-    warm_start.stop_server(path)
-    assert not Path(path).parent.exists()
-
-
-def copies_of(path: str) -> list[int]:
-    return [int(name) for name in os.listdir(Path(path).parent / "copies")]
 
 
 def test_a_warm_rank_trains_exactly_what_a_fresh_rank_trains(server, prepared, tmp_path, monkeypatch):
@@ -55,9 +40,11 @@ def test_a_warm_rank_trains_exactly_what_a_fresh_rank_trains(server, prepared, t
     assert copies_of(server) == []  # every copy reaped and its record gone
 
 
-def stand_in(server: str, job: Path, identity: str, out: Path) -> tuple[subprocess.Popen, psutil.Process]:
+def stand_in(server: str, job: Path, identity: str, out: Path,
+             prefix: str = "") -> tuple[subprocess.Popen, psutil.Process]:
     """A rank's process as torchrun starts it, with a warm server offered, under a parent that
-    carries the launch identity (as torchrun's agent does; the rank checks it first)."""
+    carries the launch identity (as torchrun's agent does; the rank checks it first). prefix: a
+    command that execs the rank (in another context)."""
     import socket
 
     with socket.socket() as probe:  # a free loopback port for the 1-rank process group
@@ -66,7 +53,7 @@ def stand_in(server: str, job: Path, identity: str, out: Path) -> tuple[subproce
     env = dict(warm_start_environment(), **{warm_start.SOCKET_ENV: server, "DISTLAB_LAUNCH": identity,
                                             "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    rank = f"{sys.executable} -m distlab.runtime.worker --job {job}"
+    rank = f"{prefix} {sys.executable} -m distlab.runtime.worker --job {job}"
     agent = subprocess.Popen(["sh", "-c", f"{rank} > {out} 2>&1; echo status $? >> {out}"], env=env, cwd=REPO,
                              start_new_session=True)
     deadline = time.monotonic() + 30
@@ -127,32 +114,43 @@ def request(**changes) -> dict:
     import distlab
 
     env = dict(warm_start_environment())
-    base = {"module": "distlab.runtime.worker", "executable": sys.executable, "env": env, "imports": [],
-            "distlab": os.path.dirname(os.path.abspath(distlab.__file__))}
+    base = {"module": "distlab.runtime.worker", "argv": ["-m"], "cwd": str(REPO), "env": env, "umask": 0o22,
+            "affinity": sorted(os.sched_getaffinity(0)), "started": time.time(), "executable": sys.executable,
+            "imports": [], "distlab": os.path.dirname(os.path.abspath(distlab.__file__)),
+            "hash_seed": warm_start.hash_seed()}
     return {**base, **changes}
+
+
+@pytest.fixture
+def server_state(monkeypatch):
+    """warm_checks' record of a server started under this process's environment."""
+    monkeypatch.setattr(warm_checks, "environ_before_imports", dict(warm_start_environment()))
+    monkeypatch.setattr(warm_checks, "hash_seed_of_server", ["random"])
 
 
 @pytest.mark.parametrize("change, named", [
     ({"env": {"HF_HUB_OFFLINE": "0"}}, "HF_HUB_OFFLINE"),
     ({"env": {"PYTHONPATH": "/elsewhere"}}, "PYTHONPATH"),
     ({"env": {"MALLOC_ARENA_MAX": "2"}}, "MALLOC_ARENA_MAX"),
+    ({"env": {"OPENBLAS_CORETYPE": "Haswell"}}, "OPENBLAS_CORETYPE"),
     ({"module": "os"}, "not an entry module"),
     ({"distlab": "/another/checkout/distlab"}, "another distlab checkout"),
     ({"executable": "/usr/bin/python-other"}, "another Python"),
     ({"imports": ["scipy"]}, "no flavour server imports ['scipy']"),
+    ({"hash_seed": "7"}, "hash seed 7 (the server's is random): a forked interpreter cannot change its hash seed"),
 ])
-def test_a_start_the_server_cannot_make_identical_to_a_fresh_one_is_refused(change, named, monkeypatch):
-    monkeypatch.setattr(warm_server, "_environ_before_imports", dict(warm_start_environment()))
+def test_a_start_the_server_cannot_make_identical_to_a_fresh_one_is_refused(change, named, server_state):
     wanted = request()
     if "env" in change:
         wanted["env"] = {**wanted["env"], **change["env"]}
     else:
         wanted.update(change)
-    assert named in warm_server.refusal(wanted)
-    assert warm_server.refusal(request()) is None
+    assert named in warm_checks.refusal(wanted)
+    assert warm_checks.refusal(request()) is None
     # per-launch settings are applied in the copy, not refused
-    assert warm_server.refusal(request(env={**request()["env"], "OMP_NUM_THREADS": "3", "RANK": "1",
-                                           "TORCHELASTIC_RUN_ID": "x", "MKL_NUM_THREADS": "3"})) is None
+    assert warm_checks.refusal(request(env={**request()["env"], "OMP_NUM_THREADS": "3", "RANK": "1",
+                                           "TORCHELASTIC_RUN_ID": "x", "MKL_NUM_THREADS": "3",
+                                           "OPENBLAS_NUM_THREADS": "2"})) is None
 
 
 @pytest.mark.parametrize("overrides, wanted", [
@@ -189,7 +187,10 @@ def test_a_refused_start_runs_fresh_and_says_why(server, prepared, tmp_path, mon
     assert "distlab warm start refused" in (tmp_path / "run" / "train.log").read_text()
 
 
-def test_a_gpu_launch_is_never_offered_a_warm_start(monkeypatch):
+def test_a_gpu_or_link_launch_is_never_offered_a_warm_start(monkeypatch):
+    """A link's ranks run in host namespaces a copy of the server would not be in; nothing
+    started there (nsenter) carries the socket (tests/test_links_warm.py runs one)."""
+    from distlab.jobs.links import LinkedHosts
     from distlab.launchers.environment import rank_environment
     from tests.conftest import resolve
 
@@ -197,6 +198,12 @@ def test_a_gpu_launch_is_never_offered_a_warm_start(monkeypatch):
     cpu = resolve({"world_size": 1})
     assert rank_environment(cpu)[warm_start.SOCKET_ENV] == "/some/socket"
     assert warm_start.SOCKET_ENV not in rank_environment(cpu.replace(device="cuda"))
+    assert warm_start.SOCKET_ENV not in rank_environment(cpu.replace(link={"bandwidth_mbit": 100}))
+    hosts = LinkedHosts(1)
+    hosts.holders["host0"] = SimpleNamespace(pid=1234)  # inside() reads only the holder's pid
+    command = hosts.inside(0, ["python"])
+    assert command[:command.index("python")].count("-u") == 1
+    assert command[command.index("-u") + 1] == warm_start.SOCKET_ENV
 
 
 def test_a_server_that_never_answers_does_not_hang_the_rank(tmp_path, monkeypatch):
@@ -215,3 +222,79 @@ def test_a_server_that_never_answers_does_not_hang_the_rank(tmp_path, monkeypatc
     reply, _ = warm_start._request(str(tmp_path / "nothing"), "distlab.runtime.worker", [])
     assert reply["refused"].startswith(f"no server at {tmp_path / 'nothing'}")
     listener.close()
+
+
+def test_a_stand_in_in_another_context_starts_fresh_and_the_server_says_why(server, tmp_path):
+    """A rank started under other resource limits (as under `prlimit`, a job scheduler's
+    ulimit) would run with the server's in a copy: it starts fresh, and both logs say why."""
+    agent, _ = stand_in(server, tmp_path / "missing-job.json", "warmtest-5", tmp_path / "out",
+                        prefix="prlimit --nofile=1000:1000 --")
+    agent.wait(timeout=120)
+    out = (tmp_path / "out").read_text()
+    assert "distlab warm start refused, starting fresh: limit 'Max open files' differs ('1000 1000 files'" in out
+    assert out.endswith("status 1\n") and "missing-job.json" in out, out  # the fresh start's own error
+    assert "limit 'Max open files' differs" in server_log(server)
+
+
+def waiting_for_reply(pid: int) -> bool:
+    """Whether a stand-in sent its request and now waits for the server's reply: it holds a unix
+    socket and sleeps in the kernel reading it (a socket with a timeout: in poll)."""
+    try:
+        waiting = Path(f"/proc/{pid}/wchan").read_text().startswith(("unix_stream", "poll_schedule_timeout"))
+        return waiting and bool(psutil.Process(pid).net_connections(kind="unix"))
+    except (OSError, psutil.Error):
+        return False
+
+
+def raw_request(path: str, message) -> "socket.socket":
+    """A request as a stand-in sends it (with /dev/null as its stdio)."""
+    import json
+    import socket
+    import struct
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    body = json.dumps(message).encode()
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        socket.send_fds(sock, [struct.pack("!I", len(body)) + body], [null, null, null])
+    finally:
+        os.close(null)
+    return sock
+
+
+def test_one_bad_or_abandoned_request_never_ends_the_server(server, tmp_path):
+    """While the server is busy (stopped here, as it is while it imports) requests queue: one
+    without `module`, one whose stand-in closed its connection, one whose rank was killed while
+    it waited. Each costs its own request only: the rank queued after them runs warm."""
+    base = server_pid(server)
+    os.kill(base, signal.SIGSTOP)
+    try:
+        shapeless = raw_request(server, {key: value for key, value in request().items() if key != "module"})
+        raw_request(server, request(argv=["worker", "--job", str(tmp_path / "none.json")])).close()
+        agent, rank = stand_in(server, tmp_path / "missing-job.json", "warmtest-6", tmp_path / "killed")
+        deadline = time.monotonic() + 60
+        while not waiting_for_reply(rank.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert waiting_for_reply(rank.pid)
+        rank.kill()
+        agent.wait(timeout=30)
+        agent, rank = stand_in(server, tmp_path / "missing-job.json", "warmtest-7", tmp_path / "out")
+        deadline = time.monotonic() + 60
+        while not waiting_for_reply(rank.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        os.kill(base, signal.SIGCONT)
+    assert warm_start.read_message(shapeless) == {"refused": "request field 'module' is missing"}
+    shapeless.close()
+    agent.wait(timeout=60)
+    out = (tmp_path / "out").read_text()
+    assert out.endswith("status 1\n") and "Traceback" in out, out  # the copy's own error...
+    assert "warm start" not in out, out  # ...from a copy: neither refused nor left by its server
+    assert psutil.Process(base).status() != psutil.STATUS_ZOMBIE
+    deadline = time.monotonic() + 10
+    while copies_of(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert copies_of(server) == []  # the abandoned request's copy was killed and its record removed
+    log = server_log(server)
+    assert "BrokenPipeError" in log or "ConnectionResetError" in log, log[-3000:]

@@ -100,8 +100,23 @@ def _deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
+# Top-level switches a user sets with `snakemake --config key=value`: Snakemake's parser turns
+# only "True"/"False" into booleans and leaves "false" a string (snakemake.cli.parse_config).
+COMMAND_LINE_BOOLEANS = ("warm_start",)
+BOOLEAN_WORDS = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False}
+
+
+def _command_line_booleans(config: dict) -> None:
+    """`--config warm_start=false` as the boolean it spells (YAML's words, any case), in place."""
+    for key in COMMAND_LINE_BOOLEANS:
+        value = config.get(key)
+        if isinstance(value, str) and value.lower() in BOOLEAN_WORDS:
+            config[key] = BOOLEAN_WORDS[value.lower()]
+
+
 def validate_schema(config: dict) -> dict:
     """Validate against config/schema.yaml and fill the schema's defaults (in place)."""
+    _command_line_booleans(config)
     schema = load_schema()
     mismatch = schema_mismatch(schema)  # a strategy added without its schema entry, or the reverse
     if mismatch:

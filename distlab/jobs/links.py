@@ -268,9 +268,13 @@ class LinkedHosts:
         return address(index)
 
     def inside(self, index: int, command: list[str]) -> list[str]:
-        """`command` run inside host `index`'s namespace, tagged with this run's owner (LINK_ENV)."""
+        """`command` run inside host `index`'s namespace, tagged with this run's owner (LINK_ENV).
+        Never offered the run's warm-start server: a copy it forked would run in the server's
+        namespace, not the host's (distlab.launchers.warm_start)."""
+        from distlab.launchers.warm_start import SOCKET_ENV
+
         return ["nsenter", f"--net=/proc/{self.holders[self.role(index)].pid}/ns/net", "--",
-                "env", f"{LINK_ENV}={self.tag}", *command]
+                "env", "-u", SOCKET_ENV, f"{LINK_ENV}={self.tag}", *command]
 
     def counters(self) -> list[dict]:
         """Bytes and packets each host's eth0 sent and received so far (the kernel's counters)."""

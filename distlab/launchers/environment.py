@@ -26,7 +26,9 @@ def rank_environment(spec: dict) -> dict:
     env["OMP_NUM_THREADS"] = str(spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else cuda_rank_threads(spec))
     if spec["device"] == "cpu":
         env.update(CPU_ENV)
-    else:  # warm starts are for CPU ranks: a GPU rank's start is a small part of its run
+    # Warm starts are for CPU ranks in this machine's own namespaces: a GPU rank's start is a small
+    # part of its run, and a link's rank runs in a host namespace the server's copy would not be in.
+    if spec["device"] != "cpu" or spec.get("link"):
         env.pop(warm_start.SOCKET_ENV, None)
     return env
 

@@ -106,9 +106,16 @@ def new_launch_identity(job_path: str) -> str:
 
 
 def launch_of(proc: psutil.Process) -> str | None:
-    """The DISTLAB_LAUNCH identity a process was started with (None: none, or not readable)."""
+    """The DISTLAB_LAUNCH identity a process was started with (None: none, or not readable).
+    Only this user's processes have one: anybody may set the variable on a process of their own,
+    and distlab running as root would otherwise let any local user block its launches
+    (refuse_if_running) or see their process counted as a rank (kill_tree). A process of this
+    user could do worse than that to this one anyway."""
     try:
-        return proc.environ().get(LAUNCH_ENV) or warm_start.launch_of_copy(proc.pid, proc.cmdline())
+        uids = proc.uids()
+        if uids.real != os.getuid() or uids.effective != os.getuid():
+            return None
+        return proc.environ().get(LAUNCH_ENV) or warm_start.launch_of_copy(proc.pid, proc.cmdline(), proc.ppid())
     except (psutil.Error, OSError):
         return None
 

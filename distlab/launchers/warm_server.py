@@ -2,7 +2,8 @@
 `python -m distlab.launchers.warm_server serve <folder> <snakemake pid>`.
 
 It binds <folder>/socket before importing (requests wait in the backlog), imports PRELOAD, then
-serves: for each request it checks `refusal`, forks a copy that becomes the stand-in's process
+serves: for each request it checks its shape, the request and the stand-in's process context
+(distlab.launchers.warm_checks), forks a copy that becomes the stand-in's process
 (`_become`), records the copy's launch identity in <folder>/copies/<pid>, and tells the
 stand-in how the copy ended when it reaps it. A request that imports more (MLflow, DeepSpeed,
 Accelerate, PEFT: warm_start.rank_imports) is redirected to a flavour server: a fork of this one
@@ -21,64 +22,16 @@ import socket
 import struct
 import sys
 
-from distlab.launchers import warm_start
+from distlab.launchers import warm_checks, warm_start
 from distlab.launchers.warm_start import LAUNCH_ENV, send_message
 
-ENTRY_MODULES = ("distlab.runtime.worker", "distlab.runtime.validate_ranks", "distlab.launchers.loopback",
-                 "distlab.tools.collectives")
 # What every CPU rank imports anyway: torch, distlab's rank code, transformers' model base (its
 # import is ~2.7 s of CPU); besides, for the agents, torchrun's launcher API (~0.1 s of import),
 # and the default model's family (a rank of another family imports its own on top).
 PRELOAD = ("torch", "torch.distributed.launcher.api", "distlab.runtime.worker", "distlab.runtime.validate_ranks",
            "transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama")
-# A flavour server's extra imports may be only these (what rank_imports names).
-FLAVOURS = ("deepspeed", "accelerate", "peft", "mlflow")
-# Variables a library reads when it is imported (the interpreter, the loader, glibc's malloc,
-# GNU OpenMP, MKL, torch, Hugging Face, CUDA, DeepSpeed): a request whose value differs from the
-# server's is refused. Thread counts are set per job (snakemake) and launch (distlab) and applied
-# in the copy (torch.set_num_threads sets OpenMP's and MKL's); torchrun's TORCHELASTIC_* and
-# TORCH_NCCL_* are read when the agent runs and the process group is made. Intel OpenMP's KMP_*
-# (accelerate launch sets KMP_AFFINITY on CPU) count only where libiomp5 is loaded (`_iomp_loaded`):
-# torch's pip wheels use GNU libgomp, which never reads them.
-IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "OMP_", "GOMP_", "MKL_", "TORCH", "PYTORCH_", "HF_",
-                        "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "CUDA_", "DS_")
-PER_LAUNCH = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-PER_LAUNCH_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_")
 
-_environ_before_imports: dict[str, str] = {}  # this server's environment as it started (compared on)
-_environ_added: dict[str, str] = {}  # what its imports set (torch: TORCHINDUCTOR_CACHE_DIR)
 _flavour: tuple[str, ...] = ()  # what this server imported beyond PRELOAD
-
-
-def _iomp_loaded() -> bool:
-    try:
-        with open("/proc/self/maps") as fh:
-            return "libiomp" in fh.read()
-    except OSError:
-        return False
-
-
-def refusal(request: dict) -> str | None:
-    """Why this server must not run the request (None: it may)."""
-    if request["module"] not in ENTRY_MODULES:
-        return f"{request['module']} is not an entry module distlab starts"
-    if not set(request.get("imports", [])) <= set(FLAVOURS):
-        return f"no flavour server imports {sorted(set(request['imports']) - set(FLAVOURS))}"
-    if request["executable"] != sys.executable:
-        return f"another Python ({request['executable']}, the server runs {sys.executable})"
-    import distlab
-
-    here = os.path.dirname(os.path.abspath(distlab.__file__))
-    if request["distlab"] != here:
-        return f"another distlab checkout ({request['distlab']}, the server imported {here})"
-    prefixes = IMPORT_TIME_PREFIXES + (("KMP_",) if _iomp_loaded() else ())
-    theirs, ours = request["env"], _environ_before_imports
-    for name in sorted(set(theirs) | set(ours)):
-        if (name.startswith(prefixes) and name not in PER_LAUNCH and not name.startswith(PER_LAUNCH_PREFIXES)
-                and theirs.get(name) != ours.get(name)
-                and not (name in _environ_added and theirs.get(name) == _environ_added[name])):  # an import set it
-            return f"{name} differs ({theirs.get(name)!r}; the server imported under {ours.get(name)!r})"
-    return None
 
 
 def _die_with_parent() -> None:
@@ -109,7 +62,7 @@ def _import(names) -> None:
 
 
 def serve(folder: str, parent: int) -> None:
-    _environ_before_imports.update(os.environ)
+    warm_checks.record_server_start()
     _die_with_parent()  # the server ends with the snakemake that started it
     if os.getppid() != parent:
         return
@@ -118,7 +71,8 @@ def serve(folder: str, parent: int) -> None:
     listener.listen(64)  # requests wait here while PRELOAD imports
     os.makedirs(os.path.join(folder, "copies"), exist_ok=True)
     _import(PRELOAD)
-    _environ_added.update({name: value for name, value in os.environ.items() if name not in _environ_before_imports})
+    warm_checks.environ_added.update({name: value for name, value in os.environ.items()
+                                      if name not in warm_checks.environ_before_imports})
     print(f"warm start server {os.getpid()}: imported {', '.join(PRELOAD)}", flush=True)
     # Flavour servers start on a rank's first request for one, not ahead: started with the base
     # server they competed with the run's data preparation (the default run took as long,
@@ -127,54 +81,76 @@ def serve(folder: str, parent: int) -> None:
 
 
 def _serve(listener: socket.socket, folder: str, selector, flavours: dict[tuple[str, ...], str]) -> None:
-    """flavours: the base server's, flavour -> its socket (a flavour server's is empty)."""
+    """flavours: the base server's, flavour -> its socket (a flavour server's is empty).
+    Each event is handled inside its own error boundary: one bad request, or a stand-in gone
+    before its reply, costs that request only (every copy dies with its server)."""
     selector.register(listener, selectors.EVENT_READ, ("accept", None))
     copies: dict[int, tuple[socket.socket, int]] = {}
     while True:
         for key, _ in selector.select():
             kind, pid = key.data
-            if kind == "accept":
-                conn, _ = listener.accept()
-                request, fds = _read_request(conn)
-                if request is None:
-                    conn.close()
-                    continue
-                wanted = tuple(sorted(request.get("imports", [])))
-                why = refusal(request)
-                if why is None and wanted != _flavour:
-                    if _flavour:
-                        why = f"this flavour server imported {_flavour}, not {wanted}"
-                    else:
-                        if wanted not in flavours:
-                            flavours[wanted] = _start_flavour(wanted, folder, len(flavours), listener, selector,
-                                                              copies, [conn.fileno(), *fds])
-                        send_message(conn, {"redirect": flavours[wanted]})
-                if why is not None:
-                    send_message(conn, {"refused": why})
-                if why is not None or wanted != _flavour:
-                    for fd in fds:
-                        os.close(fd)
-                    conn.close()
-                    continue
-                pid, pidfd = _fork_copy(request, fds, conn, folder, listener, selector, copies)
-                copies[pid] = (conn, pidfd)
-                selector.register(pidfd, selectors.EVENT_READ, ("exited", pid))
-                selector.register(conn, selectors.EVENT_READ, ("stand-in", pid))
-            elif kind == "stand-in":  # the stand-in went away (killed): its copy goes too
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                selector.unregister(copies[pid][0])
-            else:  # the copy ended: tell its stand-in how
-                _reap(pid, copies, selector, folder)
+            try:
+                if kind == "accept":
+                    _accept(listener, folder, selector, flavours, copies)
+                elif kind == "stand-in":  # the stand-in went away (killed): its copy goes too
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    selector.unregister(copies[pid][0])
+                else:  # the copy ended: tell its stand-in how
+                    _reap(pid, copies, selector, folder)
+            except Exception as error:  # noqa: BLE001 - logged; the server serves on
+                import traceback
+
+                print(f"warm start server {os.getpid()}: dropped a failed {kind} event, serving on: {error!r}\n"
+                      f"{traceback.format_exc()}", flush=True)
 
 
-def _read_request(conn: socket.socket) -> tuple[dict | None, list[int]]:
+def _accept(listener, folder: str, selector, flavours: dict, copies: dict) -> None:
+    """One request: refused, redirected to a flavour server, or served by a forked copy (then
+    its connection stays open until the copy ends; otherwise it closes here, whatever failed)."""
+    conn, _ = listener.accept()
+    fds, copy = [], None
+    try:
+        request, fds, peer = _read_request(conn)
+        if request is None:
+            return
+        why = warm_checks.shape_error(request)
+        wanted = tuple(sorted(request["imports"])) if why is None else ()
+        why = why or warm_checks.refusal(request) or warm_checks.context_refusal(peer)
+        if why is None and wanted != _flavour:
+            if _flavour:
+                why = f"this flavour server imported {_flavour}, not {wanted}"
+            else:
+                if wanted not in flavours:
+                    flavours[wanted] = _start_flavour(wanted, folder, len(flavours), listener, selector,
+                                                      copies, [conn.fileno(), *fds])
+                send_message(conn, {"redirect": flavours[wanted]})
+                return
+        if why is not None:
+            print(f"warm start server {os.getpid()}: refused pid {peer}: {why}", flush=True)
+            send_message(conn, {"refused": why})
+            return
+        copy = _fork_copy(request, fds, conn, folder, listener, selector, copies)
+    finally:
+        for fd in fds:  # the copy has its own; the server never needs them
+            os.close(fd)
+        if copy is None:
+            conn.close()
+    pid, pidfd = copy
+    copies[pid] = (conn, pidfd)
+    selector.register(pidfd, selectors.EVENT_READ, ("exited", pid))
+    selector.register(conn, selectors.EVENT_READ, ("stand-in", pid))
+
+
+def _read_request(conn: socket.socket) -> tuple[dict | None, list[int], int]:
+    """The stand-in's request, the stdio it sent and its pid (SO_PEERCRED; 0 where the server
+    cannot see it). None for another user's connection or a broken message."""
     conn.settimeout(10)
-    uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+    peer, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     if uid != os.getuid():
-        return None, []
+        return None, [], peer
     fds = []
     try:
         msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
@@ -189,9 +165,9 @@ def _read_request(conn: socket.socket) -> tuple[dict | None, list[int]]:
     except (OSError, ValueError, struct.error):
         for fd in fds:
             os.close(fd)
-        return None, []
+        return None, [], peer
     conn.settimeout(None)
-    return request, fds
+    return request, fds, peer
 
 
 def _start_flavour(wanted: tuple[str, ...], folder: str, index: int, listener, selector, copies,
@@ -254,12 +230,21 @@ def _fork_copy(request: dict, fds: list[int], conn, folder: str, listener, selec
             other.close()
             os.close(pidfd)
         _become(request, fds, conn, listener, selector)  # never returns
-    for fd in fds:
-        os.close(fd)
-    with open(os.path.join(folder, "copies", str(pid)), "w") as fh:
-        fh.write(request["env"].get(LAUNCH_ENV, ""))
-    send_message(conn, {"pid": pid})
-    return pid, os.pidfd_open(pid)
+    record = os.path.join(folder, "copies", str(pid))
+    try:
+        with open(record, "w") as fh:
+            fh.write(request["env"].get(LAUNCH_ENV, ""))
+        send_message(conn, {"pid": pid})
+        return pid, os.pidfd_open(pid)
+    except BaseException:  # the stand-in is gone (BrokenPipeError, ConnectionResetError): no copy without it
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        print(f"warm start server {os.getpid()}: copy {pid} killed, its stand-in could not be told", flush=True)
+        try:
+            os.unlink(record)
+        except FileNotFoundError:
+            pass
+        raise
 
 
 def _become(request: dict, fds: list[int], conn, listener, selector) -> None:
@@ -282,7 +267,7 @@ def _become(request: dict, fds: list[int], conn, listener, selector) -> None:
         os.umask(request["umask"])
         os.sched_setaffinity(0, request["affinity"])
         os.environ.clear()  # the stand-in's environment, and what the server's imports set, as a fresh import would
-        os.environ.update({**_environ_added, **request["env"]})
+        os.environ.update({**warm_checks.environ_added, **request["env"]})
         sys.argv = list(request["argv"])
         sys.path[0] = request["cwd"]  # what `python -m` puts first
         try:
@@ -290,10 +275,7 @@ def _become(request: dict, fds: list[int], conn, listener, selector) -> None:
                 fh.write("5")
         except OSError:
             pass
-        if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-            import torch
-
-            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        warm_checks.apply_thread_settings(request["env"])
         import runpy
 
         # As `python -m` runs it: as __main__ only (the preloaded copy under its own name would

@@ -32,14 +32,18 @@ How (the pattern of multiprocessing's forkserver and Android's zygote):
   (`launch_of_copy`), so refuse_if_running and kill_tree see warm ranks as they see fresh ones.
 
 Refused (the process then starts as before, and says why on stderr and in the timeline): no
-server, another distlab checkout or Python, or an environment variable read while a library is
-imported that differs from the server's (distlab.launchers.warm_server.refusal): a warm rank
-must be the process a fresh start would have been.
+server, another distlab checkout or Python, another hash seed, an environment variable read
+while a library is imported that differs from the server's, or another process context
+(namespaces, cgroup, resource limits; distlab.launchers.warm_checks): a warm rank must be the
+process a fresh start would have been. A rank in a link's host namespace is never offered one.
+The run's server and its folder belong to the run that started it (`start_run_server`): the stop
+hooks remove only the files it made, and the next start removes what dead servers left.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -110,7 +114,8 @@ def _request(path: str, module: str, imports: list[str]) -> tuple[dict, socket.s
     os.umask(umask)
     request = {"module": module, "argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ), "umask": umask,
                "affinity": sorted(os.sched_getaffinity(0)), "started": started, "executable": sys.executable,
-               "imports": sorted(imports), "distlab": os.path.dirname(os.path.abspath(distlab.__file__))}
+               "imports": sorted(imports), "distlab": os.path.dirname(os.path.abspath(distlab.__file__)),
+               "hash_seed": hash_seed()}
     body = json.dumps(request).encode()
     # A server still importing keeps the request in its backlog; one that never answers (stuck,
     # or gone after accepting) must not hang the rank: it starts fresh instead. A copy the server
@@ -127,6 +132,13 @@ def _request(path: str, module: str, imports: list[str]) -> tuple[dict, socket.s
         return {"refused": f"the server's socket failed ({exc.strerror or exc})"}, None
     sock.settimeout(None)  # the copy's status comes when it ends, however long it trains
     return (reply if reply is not None else {"refused": "the server closed the connection"}), sock
+
+
+def hash_seed() -> str:
+    """This interpreter's hash seed as it was drawn at start: PYTHONHASHSEED's number, or "random"
+    (a seed of its own; a warm copy has its server's, one per run)."""
+    value = "" if sys.flags.ignore_environment else os.environ.get("PYTHONHASHSEED", "")
+    return value if value.isdigit() else "random"
 
 
 def read_message(sock: socket.socket) -> dict | None:
@@ -181,14 +193,22 @@ def start_record() -> str:
     return f"fresh interpreter (warm start refused: {refused})" if refused else "fresh interpreter"
 
 
-def launch_of_copy(pid: int, cmdline: list[str]) -> str | None:
-    """A copy's launch identity, recorded by its server (a fork keeps the server's environ)."""
-    if len(cmdline) >= 5 and cmdline[1:4] == ["-m", SERVER_MODULE, "serve"]:
-        try:
-            return (open(os.path.join(cmdline[4], "copies", str(pid))).read() or None)
-        except OSError:
+def launch_of_copy(pid: int, cmdline: list[str], parent: int) -> str | None:
+    """A copy's launch identity, recorded by its server (a fork keeps the server's environ): read
+    only from a server folder of this user (start_server's name and owner) whose server, running
+    with that folder, is the copy's parent."""
+    if len(cmdline) < 5 or cmdline[1:4] != ["-m", SERVER_MODULE, "serve"] or not _server_folder(cmdline[4]):
+        return None
+    import psutil
+
+    try:
+        server = psutil.Process(parent)
+        if server.cmdline()[1:5] != cmdline[1:5] or server.uids().real != os.getuid():
             return None
-    return None
+        with open(os.path.join(cmdline[4], "copies", str(pid))) as fh:
+            return fh.read() or None
+    except (OSError, psutil.Error):
+        return None
 
 
 def rank_imports(spec: dict, rank: int, training: bool = True) -> list[str]:
@@ -220,32 +240,146 @@ def job_rank_imports(training: bool = True) -> list[str]:
 
 
 # -- the run's server, from the Snakefile ---------------------------------------------------------------
+FOLDER_PREFIX = "distlab-warm-"
+SERVER_RECORD = "server"  # "<pid> <start time>" of the folder's server, written by start_server
+# What a server makes in its folder (with copies/<pid> records): nothing else is ever removed.
+SERVER_FILES = re.compile(r"socket|flavour-\d+|" + SERVER_RECORD)
+STALE_AFTER_S = 600  # a folder whose start never recorded a server (killed in between) is stale after this
+
+_started_here: list[str] = []  # the socket of the server this process started (the stop hook stops only it)
+
+
+def start_run_server(wanted: bool, environment: dict, log_path: str) -> str | None:
+    """The Snakefile's onstart: an inherited SOCKET_ENV (another run's server) is never offered
+    to this run's ranks; when `wanted`, this run's server starts and its socket is offered."""
+    os.environ.pop(SOCKET_ENV, None)
+    if not wanted:
+        return None
+    path = start_server(environment, log_path)
+    _started_here.append(path)
+    os.environ[SOCKET_ENV] = path
+    return path
+
+
+def stop_run_server() -> None:
+    """The Snakefile's onsuccess / onerror: stop what start_run_server started, nothing else."""
+    while _started_here:
+        path = _started_here.pop()
+        if os.environ.get(SOCKET_ENV) == path:
+            del os.environ[SOCKET_ENV]
+        stop_server(path)
+
+
 def start_server(environment: dict, log_path: str) -> str:
     """Start this run's server (it ends with this process); returns its socket's path. The
-    environment is a CPU rank's (distlab.launchers.environment.warm_start_environment)."""
+    environment is a CPU rank's (distlab.launchers.environment.warm_start_environment). Folders
+    of servers that died without their stop hook (a killed snakemake) are removed first."""
     import subprocess
     import tempfile
 
-    folder = tempfile.mkdtemp(prefix="distlab-warm-")  # 0700: only this user reaches the sockets
+    import psutil
+
+    remove_stale_folders(tempfile.gettempdir())
+    folder = tempfile.mkdtemp(prefix=FOLDER_PREFIX)  # 0700: only this user reaches the sockets
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     with open(log_path, "a") as log:
-        subprocess.Popen([sys.executable, "-m", SERVER_MODULE, "serve", folder, str(os.getpid())], env=environment,
-                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", SERVER_MODULE, "serve", folder, str(os.getpid())],
+                                env=environment, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        started = psutil.Process(proc.pid).create_time()
+    except psutil.NoSuchProcess:
+        started = 0.0
+    with open(os.path.join(folder, SERVER_RECORD), "w") as fh:
+        fh.write(f"{proc.pid} {started}")
     return os.path.join(folder, "socket")
 
 
-def stop_server(path: str | None) -> None:
-    """End the servers behind `path` and remove their folder (their copies are done by then)."""
-    import shutil
+def _server_folder(folder: str) -> bool:
+    """Whether `folder` is one start_server makes: the expected name, a real folder, this user's."""
+    import stat
 
-    if not path:
+    try:
+        info = os.lstat(folder)
+    except OSError:
+        return False
+    return (os.path.basename(folder).startswith(FOLDER_PREFIX) and stat.S_ISDIR(info.st_mode)
+            and info.st_uid == os.getuid())
+
+
+def _server_running(folder: str) -> bool:
+    """Whether the server start_server recorded in `folder` still runs (pid and start time)."""
+    import psutil
+
+    try:
+        pid, started = open(os.path.join(folder, SERVER_RECORD)).read().split()
+        return abs(psutil.Process(int(pid)).create_time() - float(started)) < 0.01
+    except FileNotFoundError:  # recorded a moment after the folder is made; or a server of before the record
+        import time
+
+        return time.time() - os.lstat(folder).st_mtime < STALE_AFTER_S or bool(_servers_of(folder))
+    except (OSError, ValueError, psutil.Error):
+        return False
+
+
+def _remove_server_files(folder: str) -> None:
+    """Remove what a server made in `folder` (its sockets, its record, its copies' records),
+    then the folder if nothing else is in it."""
+    copies = os.path.join(folder, "copies")
+    for directory, pattern in ((copies, re.compile(r"\d+")), (folder, SERVER_FILES)):
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
+            if pattern.fullmatch(name) and not os.path.isdir(os.path.join(directory, name)):
+                os.unlink(os.path.join(directory, name))
+        if directory == copies:
+            _rmdir_if_empty(copies)
+    _rmdir_if_empty(folder)
+
+
+def _rmdir_if_empty(folder: str) -> None:
+    try:
+        os.rmdir(folder)
+    except OSError:  # not empty (someone else's file), or gone
+        pass
+
+
+def remove_stale_folders(root: str) -> list[str]:
+    """The server files of folders under `root` whose server is gone (a killed snakemake never
+    ran its stop hook); returns the folders cleaned."""
+    cleaned = []
+    for name in sorted(os.listdir(root)):
+        folder = os.path.join(root, name)
+        if _server_folder(folder) and not _server_running(folder):
+            _remove_server_files(folder)
+            cleaned.append(folder)
+    return cleaned
+
+
+def _servers_of(folder: str) -> list:
+    """This user's server processes of `folder` (a flavour server and a copy carry its command line)."""
+    import psutil
+
+    return [proc for proc in psutil.process_iter(["cmdline", "uids"])
+            if (proc.info["cmdline"] or [])[1:5] == ["-m", SERVER_MODULE, "serve", folder]
+            and proc.info["uids"] and proc.info["uids"].real == os.getuid()]
+
+
+def stop_server(path: str | None) -> None:
+    """End the servers behind `path` (their copies die with them) and remove the files they made
+    in their folder; a folder not of start_server's name and owner is left alone."""
+    if not path or not _server_folder(os.path.dirname(path)):
         return
     folder = os.path.dirname(path)
     try:
         import psutil
 
-        for proc in psutil.process_iter(["pid", "cmdline"]):
-            if (proc.info["cmdline"] or [])[1:5] == ["-m", SERVER_MODULE, "serve", folder]:
+        for proc in _servers_of(folder):
+            try:
                 proc.kill()
+            except psutil.NoSuchProcess:
+                pass
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        _remove_server_files(folder)
