@@ -371,12 +371,16 @@ def optimizer_dtypes(optimizer) -> dict | None:
     partitions, a plain optimizer's parameters); None without an optimizer."""
     if optimizer is None:
         return None
+    # ZeRO-3 hands its fp32 partitions to the inner optimizer's param_groups only around a step;
+    # between steps they are its own flat groups.
+    masters = getattr(optimizer, "fp32_partitioned_groups_flat", None)
+    if masters is None:
+        masters = [param for group in optimizer.param_groups for param in group["params"]]
     dtypes = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            tensor = _storage(param)[0]
-            name = dtype_name(tensor.dtype)
-            dtypes[name] = dtypes.get(name, 0) + tensor.numel()
+    for param in masters:
+        tensor = _storage(param)[0]
+        name = dtype_name(tensor.dtype)
+        dtypes[name] = dtypes.get(name, 0) + tensor.numel()
     return dtypes
 
 
