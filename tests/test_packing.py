@@ -100,3 +100,28 @@ def test_pipeline_parallel_takes_instruction_rows_one_per_sequence():
     data = {"extra": {"sft": {"source": "python-docs-instructions", "format": "instruction", "packing": "none"}}}
     _, specs = load(config_with(data, {"strategy": "pp", "world_size": 2, "dataset": "sft"}), gpu_count=0)
     assert len(specs) == 1
+
+
+@pytest.mark.slow
+def test_fine_tuning_card_sets_label_tokens_per_second_of_documents_against_none(prepared, packed, tmp_path):
+    """Two real runs on the same rows, packed as documents and one per sequence: the card pairs
+    them and shows each one's label tokens per second; documents puts more label tokens in a step."""
+    from conftest import resolve, run_experiment
+    from distlab.report.cards import PASSED, stage7_finetune
+
+    runs = []
+    for mode in ("documents", "none"):
+        spec = resolve({"strategy": "ddp", "world_size": 1, "micro_batch": 4, "seq_len": SEQ, "tag": mode},
+                       steps=4, untimed_steps=1)
+        runs.append(dict(run_experiment(prepared, tmp_path / mode, spec, checkpoint=False,
+                                        data_dir=packed[mode]["dir"]), _dir=str(tmp_path / mode)))
+    per_step = {run["data_prep"]["packing"]: run["data_prep"]["run_tokens"]["trained"] / 4 for run in runs}
+    assert per_step["documents"] > per_step["none"]
+    card = stage7_finetune.build(runs)
+    (goal,) = [g for g in card.goals if g.text == stage7_finetune.GOAL_PACKING]
+    assert goal.status == PASSED
+    (table,) = [t for t in card.tables if t.title.startswith("Packing")]
+    rates = dict(zip(table.frame["packing"], table.frame["label tokens/s"]))
+    for run in runs:
+        expected = run["data_prep"]["run_tokens"]["trained"] / 4 / run["timing"]["step_time_s"]["median"]
+        assert abs(rates[run["data_prep"]["packing"]] - expected) < 0.1
