@@ -18,16 +18,23 @@ AC_KEYS = ("id", "tag", "activation_checkpointing", "activation_checkpointing_ev
            "progress_every_s", "eval_every", "checkpoint_select", "checkpoint_every", "repeats")
 
 
+def twin_groups(runs: list[dict], free_keys: tuple, variant) -> list[dict]:
+    """{variant(run): run} per group of ok runs on one machine whose specs match outside
+    free_keys; runs whose variant is None are left out."""
+    groups: dict = {}
+    for run in runs:
+        if run.get("status") != "ok" or variant(run) is None:
+            continue
+        key = (run["machine"], repr(sorted((k, repr(v)) for k, v in run["spec"].items() if k not in free_keys)))
+        groups.setdefault(key, {})[variant(run)] = run
+    return list(groups.values())
+
+
 def ac_groups(runs: list[dict]) -> list[dict]:
     """{mode: run} per group of ok runs that differ only in activation checkpointing, with a
     'none' run and at least one other mode."""
-    groups: dict = {}
-    for run in runs:
-        if run.get("status") != "ok":
-            continue
-        key = (run["machine"], repr(sorted((k, repr(v)) for k, v in run["spec"].items() if k not in AC_KEYS)))
-        groups.setdefault(key, {})[run["spec"].get("activation_checkpointing", "none")] = run
-    return [g for g in groups.values() if "none" in g and len(g) > 1]
+    groups = twin_groups(runs, AC_KEYS, lambda run: run["spec"].get("activation_checkpointing", "none"))
+    return [g for g in groups if "none" in g and len(g) > 1]
 
 
 def peak_per_rank(run: dict) -> list[float | None]:
@@ -139,14 +146,11 @@ PACKING_KEYS = ("id", "tag", "dataset", "checkpoint_select", "checkpoint_every",
 def packing_pairs(runs: list[dict]) -> list[dict]:
     """{packing: run} per group of ok runs that differ only in their dataset (and bookkeeping),
     one on rows packed as documents and one on rows one per sequence (data.packing none)."""
-    groups: dict = {}
-    for run in runs:
-        packing = (run.get("data_prep") or {}).get("packing")
-        if run.get("status") != "ok" or packing not in ("documents", "none"):
-            continue
-        key = (run["machine"], repr(sorted((k, repr(v)) for k, v in run["spec"].items() if k not in PACKING_KEYS)))
-        groups.setdefault(key, {})[packing] = run
-    return [g for g in groups.values() if len(g) == 2]
+    def packing(run):
+        mode = (run.get("data_prep") or {}).get("packing")
+        return mode if mode in ("documents", "none") else None
+
+    return [g for g in twin_groups(runs, PACKING_KEYS, packing) if len(g) == 2]
 
 
 def label_tokens_per_s(run: dict) -> float:
