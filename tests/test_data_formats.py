@@ -73,7 +73,7 @@ def test_training_loss_counts_only_response_tokens(prepared, instruction_data, t
     from conftest import resolve
     from distlab.jobs.launch import launch
     from distlab.runtime.model import load_model
-    from distlab.tasks.causal_lm import packed_inputs
+    from distlab.data_prep.packing import packed_inputs
 
     spec = resolve({"strategy": "ddp", "world_size": 1, "micro_batch": 4}, steps=3, untimed_steps=1)
     job = Job(spec=spec, run_dir=str(tmp_path), data_dir=str(instruction_data),

@@ -63,7 +63,7 @@ def test_packed_rows_attend_only_to_their_own_row_in_every_family():
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from distlab.tasks.causal_lm import packed_inputs
+    from distlab.data_prep.packing import packed_inputs
     from test_families import FAMILIES
 
     for family, (class_name, fields) in FAMILIES.items():

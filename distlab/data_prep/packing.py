@@ -28,6 +28,14 @@ MODES = ("documents", "none", "blocks")
 POSITIONS = "position_ids"
 
 
+def packed_inputs(position_ids) -> dict:
+    """Forward arguments of rows packed as documents: their position ids, and no cache and no
+    attention mask, the case in which the model's own mask code (transformers' create_causal_mask,
+    and the sliding-window one) reads packed rows from the position ids and keeps each row's
+    attention to itself."""
+    return {"position_ids": position_ids, "use_cache": False}
+
+
 def packing_mode(cfg: dict) -> str:
     """The dataset's packing: as given, else documents for chat/instruction rows, blocks for text."""
     return cfg.get("packing") or ("blocks" if cfg.get("format", "text") == "text" else "documents")

@@ -44,7 +44,7 @@ def eval_positions(data_dir, n_blocks: int | None = None):
 
 def forward_inputs(positions, start: int, stop: int, device) -> dict:
     """The forward's arguments besides the tokens: packed rows' position ids (no cache), or none."""
-    from distlab.tasks.causal_lm import packed_inputs
+    from distlab.data_prep.packing import packed_inputs
 
     return {} if positions is None else packed_inputs(positions[start:stop].to(device))
 

@@ -17,14 +17,6 @@ def model_suffix(name: str) -> str:
     return "" if name == "default" else f"_{name}"
 
 
-def packed_inputs(position_ids) -> dict:
-    """Forward arguments of rows packed with packing documents: their position ids, and no cache
-    and no attention mask, the case in which the model's own mask code (transformers'
-    create_causal_mask, and the sliding-window one) reads packed rows from the position ids and
-    keeps each row's attention to itself."""
-    return {"position_ids": position_ids, "use_cache": False}
-
-
 class TokenBlocks(TrainData):
     """A prepared data folder's packed blocks of one split, with their labels (-100 = a masked
     prompt token of chat/instruction data; none stored = every token is a label)."""
@@ -44,10 +36,12 @@ class TokenBlocks(TrainData):
     def batch(self, indices, device, step):
         input_ids = self.blocks[indices].to(device, non_blocking=True)
         # Causal LM: packed text trains on every token; chat/instruction data only on the
-        # response tokens (the rest -100). HF shifts the labels inside the model.
+        # response tokens (the rest -100). The loss shifts them (distlab.runtime.evaluation.loss_terms).
         labels = input_ids if self.labels is None else self.labels[indices].to(device, non_blocking=True)
         if self.positions is None:
             return {"input_ids": input_ids, "labels": labels}
+        from distlab.data_prep.packing import packed_inputs
+
         return {"input_ids": input_ids, "labels": labels, **packed_inputs(self.positions[indices].to(device))}
 
     def describe(self) -> dict:
