@@ -3,8 +3,9 @@
 Files load with datasets.load_dataset(<builder>, data_files=...) and every step after is a
 batched Dataset.map or a generator written to Arrow as it goes: memory stays flat however
 large the corpus (no Python list of it). Deterministic: files in the given order, the
-embedded corpus in sorted order, one continuous token stream cut into blocks, a seeded
-permutation for the train/eval split.
+embedded corpus in sorted order, one continuous token stream cut into blocks (packing blocks)
+or rows packed apart (documents, none: distlab.data_prep.packing), a seeded permutation for the
+train/eval split (of blocks; of rows when rows are packed apart).
 
 Longer than ~300 lines on purpose: loading, streaming .txt pieces, tokenizing and packing are
 one chain over one datasets.Dataset; each step is a function of its own here.
