@@ -255,6 +255,8 @@ def build_dataset(rows, tokenizer, seq_len: int, eval_fraction: float, seed: int
     fn, fn_kwargs, columns = encoder_for(cfg, tokenizer)
     with_labels = cfg["format"] != "text"
     packing = packing_mode(cfg)
+    if packing != "blocks" and not with_labels:
+        raise ValueError(f"data.packing {packing} packs chat or instruction rows; text is packed as blocks")
     ids = datasets.Sequence(datasets.Value("int32"))
     encoded_features = datasets.Features({"input_ids": ids, **({"labels": ids} if with_labels else {})})
     features = datasets.Features({**encoded_features, **({POSITIONS: ids} if packing == "documents" else {}),
