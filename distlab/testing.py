@@ -54,14 +54,28 @@ def resolve(overrides: dict, stage: str = "ddp", **defaults) -> dict:
     return spec
 
 
-def run_experiment(prepared: Path, run_dir: Path, spec: dict, checkpoint: bool = True) -> dict:
-    """Run one experiment through distlab.jobs.launch (real ranks); returns its metrics (as the one
-    reader, run_outputs.read_run_record, reads them)."""
+def build_instruction_data(prepared: Path, out_dir: Path, seq_len: int = 32, **options) -> Path:
+    """config.yaml's pydoc-instructions dataset (instruction rows, prompt labels -100) prepared
+    with the tiny workspace's tokenizer; options: further data keys (packing, eval_blocks)."""
+    from distlab.data_prep import data
+
+    cfg = {"source": "python-docs-instructions", "format": "instruction", "prompt_field": "prompt",
+           "response_field": "response", **options}
+    tok = data.load_tokenizer(prepared / "tokenizer")
+    data.build_dataset(data.load_rows(cfg), tok, seq_len, 0.1, 0, out_dir, cfg=cfg,
+                       tokenizer_source=prepared / "tokenizer")
+    return out_dir
+
+
+def run_experiment(prepared: Path, run_dir: Path, spec: dict, checkpoint: bool = True, data_dir=None) -> dict:
+    """Run one experiment through distlab.jobs.launch (real ranks) on the workspace's data (or
+    data_dir's); returns its metrics (as the one reader, run_outputs.read_run_record, reads them)."""
     from distlab.jobs.job import Job
     from distlab.jobs.launch import launch
     from distlab.records.run_outputs import read_run_record
 
-    job = Job(spec=spec, run_dir=str(run_dir), data_dir=str(prepared / f"data{spec['seq_len']}"),
+    data_dir = data_dir or prepared / f"data{spec['seq_len']}"
+    job = Job(spec=spec, run_dir=str(run_dir), data_dir=str(data_dir),
               model_source=str(prepared / "model"), hardware_json=str(prepared / "hardware.json"),
               env_allowlist=["OMP_NUM_THREADS"],
               checkpoint_dir=str(run_dir / "checkpoint") if checkpoint else None)

@@ -73,6 +73,7 @@ def test_training_loss_counts_only_response_tokens(prepared, instruction_data, t
     from conftest import resolve
     from distlab.jobs.launch import launch
     from distlab.runtime.model import load_model
+    from distlab.data_prep.packing import packed_inputs
 
     spec = resolve({"strategy": "ddp", "world_size": 1, "micro_batch": 4}, steps=3, untimed_steps=1)
     job = Job(spec=spec, run_dir=str(tmp_path), data_dir=str(instruction_data),
@@ -83,10 +84,11 @@ def test_training_loss_counts_only_response_tokens(prepared, instruction_data, t
     first = json.loads((tmp_path / "steps.jsonl").read_text().splitlines()[0])["samples_by_rank"][0]
     ids = data.load_blocks(instruction_data, "train")[first]
     labels = data.load_labels(instruction_data, "train")[first]
+    packed = packed_inputs(data.load_positions(instruction_data, "train")[first])  # rows packed as documents
     model = load_model(prepared / "model")
     with torch.no_grad():
-        masked = model(input_ids=ids, labels=labels).loss.item()
-        unmasked = model(input_ids=ids, labels=ids).loss.item()
+        masked = model(input_ids=ids, labels=labels, **packed).loss.item()
+        unmasked = model(input_ids=ids, labels=ids, **packed).loss.item()
     assert abs(metrics["loss"]["first"] - masked) < 1e-5 and abs(masked - unmasked) > 1e-3
     run_tokens = metrics["data_prep"]["run_tokens"]
     assert run_tokens["masked"] > 0 and run_tokens["trained"] > 0

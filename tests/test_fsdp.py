@@ -102,6 +102,7 @@ def _rank_main(job_path: str) -> None:
     import torch.distributed as dist
 
     from distlab.data_prep.data import load_blocks
+    from distlab.runtime.accumulation import step_items
     from distlab.runtime.model import load_model
     from distlab.strategies import strategy_for
     from distlab.strategies.base import FidelityError, RunContext
@@ -124,7 +125,8 @@ def _rank_main(job_path: str) -> None:
         mb = strategy.spec["micro_batch"]
         start = (index * strategy.data_parallel_size + strategy.data_parallel_rank) * mb
         ids = blocks[start:start + mb]
-        strategy.forward_backward({"input_ids": ids, "labels": ids}, 0, 1)
+        batch = {"input_ids": ids, "labels": ids}
+        strategy.forward_backward(batch, 0, 1, step_items(strategy, [batch], torch.device("cpu")))
         strategy.optimizer_step()
 
     def same(a, b):

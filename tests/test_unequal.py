@@ -16,6 +16,7 @@ GRADIENT_SCRIPT = textwrap.dedent("""
     import json, sys
     import torch, torch.distributed as dist
     from distlab.data_prep.data import load_blocks
+    from distlab.runtime.accumulation import step_items
     from distlab.runtime.loop import IndexStream
     from distlab.runtime.model import load_model
     from distlab.strategies.base import RunContext
@@ -36,7 +37,8 @@ GRADIENT_SCRIPT = textwrap.dedent("""
     strategy.wrap(load_model(prepared + "/model"))
     stream = IndexStream(len(blocks), spec, rank, world, strategy.rank_batches)
     mine = stream.next()
-    strategy.forward_backward({"input_ids": blocks[mine], "labels": labels[mine]}, 0, 1)
+    batch = {"input_ids": blocks[mine], "labels": labels[mine]}
+    strategy.forward_backward(batch, 0, 1, step_items(strategy, [batch], torch.device("cpu")))
     sized = flat_grad(strategy.model.module.parameters())
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)

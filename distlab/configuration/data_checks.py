@@ -259,6 +259,10 @@ def check_data(config: dict) -> None:
         if cfg["source"] == "python-docs" and cfg["format"] == "chat":
             raise ConfigError(f"config field '{prefix}.format': python-docs holds no chat rows; use format "
                               "text, or source python-docs-instructions with format instruction")
+        if cfg["format"] == "text" and cfg.get("packing") not in (None, "blocks"):
+            raise ConfigError(f"config field '{prefix}.packing': {cfg['packing']} packs rows that are documents, "
+                              "as chat and instruction rows are; text rows may be pieces of one file "
+                              "(a .txt streams in pieces), so text is packed as blocks")
         if cfg["source"] == "python-docs-instructions" and cfg["format"] != "instruction":
             raise ConfigError(f"config field '{prefix}.format': python-docs-instructions rows are "
                               "instructions; set format: instruction")

@@ -3,8 +3,9 @@
 Files load with datasets.load_dataset(<builder>, data_files=...) and every step after is a
 batched Dataset.map or a generator written to Arrow as it goes: memory stays flat however
 large the corpus (no Python list of it). Deterministic: files in the given order, the
-embedded corpus in sorted order, one continuous token stream cut into blocks, a seeded
-permutation for the train/eval split.
+embedded corpus in sorted order, one continuous token stream cut into blocks (packing blocks)
+or rows packed apart (documents, none: distlab.data_prep.packing), a seeded permutation for the
+train/eval split (of blocks; of rows when rows are packed apart).
 
 Longer than ~300 lines on purpose: loading, streaming .txt pieces, tokenizing and packing are
 one chain over one datasets.Dataset; each step is a function of its own here.
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from distlab.configuration.data_checks import builder_for
 from distlab.data_prep.data_formats import BUILT_CHAT_TEMPLATE, DOCUMENT_END, IGNORE, encoder_for
+from distlab.data_prep.packing import POSITIONS, RowPacker, packing_mode
 from distlab.data_prep.prep_progress import TokenizeProgress, summary
 from distlab.configuration.tokenizer_checks import load_tokenizer  # noqa: F401 (data prep's, and callers' data.load_tokenizer)
 
@@ -252,10 +254,13 @@ def build_dataset(rows, tokenizer, seq_len: int, eval_fraction: float, seed: int
         rows = datasets.Dataset.from_dict({cfg["text_field"]: rows})
     fn, fn_kwargs, columns = encoder_for(cfg, tokenizer)
     with_labels = cfg["format"] != "text"
+    packing = packing_mode(cfg)
+    if packing != "blocks" and not with_labels:
+        raise ValueError(f"data.packing {packing} packs chat or instruction rows; text is packed as blocks")
     ids = datasets.Sequence(datasets.Value("int32"))
     encoded_features = datasets.Features({"input_ids": ids, **({"labels": ids} if with_labels else {})})
-    features = datasets.Features({**encoded_features, "block": datasets.Value("int64"),
-                                  "trained_tokens": datasets.Value("int32")})
+    features = datasets.Features({**encoded_features, **({POSITIONS: ids} if packing == "documents" else {}),
+                                  "block": datasets.Value("int64"), "trained_tokens": datasets.Value("int32")})
     with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
         # new_fingerprint: the results live in a scratch folder removed below, so nothing is
         # looked up by fingerprint; naming one skips hashing the tokenizer (dill) per map.
@@ -273,26 +278,46 @@ def build_dataset(rows, tokenizer, seq_len: int, eval_fraction: float, seed: int
                            features=encoded_features, new_fingerprint=f"{tag}-tokenize",
                            cache_file_name=os.path.join(scratch, "encoded.arrow"), desc="tokenize")
         packed_at = time.perf_counter()
-        blocks = encoded.with_format("arrow").map(
-            StreamPacker(seq_len, with_labels), batched=True, batch_size=PACK_BATCH,
-            remove_columns=encoded.column_names, features=features, new_fingerprint=f"{tag}-pack",
-            cache_file_name=os.path.join(scratch, "packed.arrow"), desc="pack").with_format(None)
+        pack = dict(batched=True, batch_size=PACK_BATCH, remove_columns=encoded.column_names, features=features)
+        if packing == "blocks":
+            blocks = encoded.with_format("arrow").map(
+                StreamPacker(seq_len, with_labels), **pack, new_fingerprint=f"{tag}-pack",
+                cache_file_name=os.path.join(scratch, "packed.arrow"), desc="pack").with_format(None)
+            parts = split_blocks(blocks, eval_fraction, seed)
+        else:
+            # Split by row before packing: the held-out rows are whole (distlab.data_prep.packing).
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            order = np.random.default_rng(seed).permutation(len(encoded))
+            n_eval = max(1, int(round(len(encoded) * eval_fraction)))
+            parts = {name: encoded.select(np.sort(rows)).map(
+                RowPacker(seq_len, packing, pad), **pack, new_fingerprint=f"{tag}-{packing}-{name}",
+                cache_file_name=os.path.join(scratch, f"packed-{name}.arrow"), desc=f"pack {name}")
+                for name, rows in (("eval", order[:n_eval]), ("train", order[n_eval:]))}
+            blocks = datasets.concatenate_datasets([parts["train"], parts["eval"]])
+            if not len(parts["train"]) or not len(parts["eval"]):
+                raise ValueError(f"{len(encoded)} rows give {len(parts['train'])} train and {len(parts['eval'])} "
+                                 "eval sequences: too few rows for this eval_fraction")
         prep = summary(encoded, blocks, started, packed_at)
         if len(blocks) < 4:
             raise ValueError(f"only {len(blocks)} blocks of {seq_len} tokens: the corpus is too small for this seq_len")
-        order = np.random.default_rng(seed).permutation(len(blocks))
-        n_eval = max(1, int(round(len(blocks) * eval_fraction)))
-        dataset = datasets.DatasetDict({"eval": blocks.select(order[:n_eval]),
-                                        "train": blocks.select(np.sort(order[n_eval:]))})
-        dataset.save_to_disk(str(out_dir))
+        datasets.DatasetDict(parts).save_to_disk(str(out_dir))
     saved = datasets.load_from_disk(str(out_dir))
-    info = {"format": cfg["format"], "seq_len": seq_len, "rows": len(rows), "blocks": len(blocks),
+    info = {"format": cfg["format"], "packing": packing, "seq_len": seq_len, "rows": len(rows), "blocks": len(blocks),
             "eval_blocks": cfg.get("eval_blocks", 16), "prep": prep,  # eval_blocks: the held-out tokens
             "splits": {name: token_counts(part, seq_len) for name, part in saved.items()}}
     if tokenizer_source is not None:
         info["tokenizer"] = tokenizer_identity(tokenizer, tokenizer_source, Path(out_dir) / "tokenizer")
     Path(out_dir, DATA_INFO).write_text(json.dumps(info, indent=1))
     return saved
+
+
+def split_blocks(blocks, eval_fraction: float, seed: int) -> dict:
+    """packing blocks: a seeded permutation of the blocks, its first eval_fraction held out."""
+    import numpy as np
+
+    order = np.random.default_rng(seed).permutation(len(blocks))
+    n_eval = max(1, int(round(len(blocks) * eval_fraction)))
+    return {"eval": blocks.select(order[:n_eval]), "train": blocks.select(np.sort(order[n_eval:]))}
 
 
 def column(split, name: str):
@@ -370,6 +395,15 @@ def load_blocks(path, split: str = "train", column: str = "input_ids") -> TokenB
     return TokenBlocks(datasets.load_from_disk(str(path))[split], column)
 
 
+def load_positions(path, split: str = "train"):
+    """The split's position ids (packing documents: restarting per row), or None where a
+    sequence's positions are 0..seq_len-1 (the model's own default)."""
+    import datasets
+
+    part = datasets.load_from_disk(str(path))[split]
+    return TokenBlocks(part, POSITIONS) if POSITIONS in part.column_names else None
+
+
 def load_labels(path, split: str = "train"):
     """The split's labels (-100 = not trained on), or None where every token is a label."""
     import datasets
@@ -391,7 +425,7 @@ def run_data_facts(data_dir, records_by_rank: list[list[dict]], ranks_per_replic
     read = [i for recs in records_by_rank for rec in recs for i in rec["samples"]]
     trained = int(per_block[read].sum()) // ranks_per_replica
     total = len(read) * (seq_len - 1) // ranks_per_replica
-    return {"format": info.get("format", "text"), "tokenizer": info.get("tokenizer"),
+    return {"format": info.get("format", "text"), "packing": info.get("packing", "blocks"), "tokenizer": info.get("tokenizer"),
             "prepared": info.get("splits"),
             "run_tokens": {"trained": trained, "masked": total - trained,
                            "how": "label positions after the causal shift (seq_len - 1 per block) over every "

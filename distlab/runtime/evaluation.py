@@ -34,6 +34,21 @@ def eval_tokens(data_dir, n_blocks: int | None = None):
     return ids, (ids if labels is None else labels[:n])
 
 
+def eval_positions(data_dir, n_blocks: int | None = None):
+    """The position ids of eval_tokens' blocks where rows are packed as documents (None otherwise)."""
+    from distlab.data_prep.data import load_positions, read_data_info
+
+    positions = load_positions(data_dir, "eval")
+    return None if positions is None else positions[:n_blocks or read_data_info(data_dir).get("eval_blocks", 16)]
+
+
+def forward_inputs(positions, start: int, stop: int, device) -> dict:
+    """The forward's arguments besides the tokens: packed rows' position ids (no cache), or none."""
+    from distlab.data_prep.packing import packed_inputs
+
+    return {} if positions is None else packed_inputs(positions[start:stop].to(device))
+
+
 def loss_terms(logits, labels):
     """(summed cross-entropy, label positions) of one batch's logits, as tensors on the logits'
     device (the CPU labels moved there)."""
@@ -58,8 +73,9 @@ def summarize_loss(total: float, count: int, blocks: int, where: str) -> dict:
             "how": HOW.format(n=blocks, where=where)}
 
 
-def evaluate_model(model, ids, labels, device=None) -> dict:
-    """A plain model (one process holds it) on the eval tokens, fp32."""
+def evaluate_model(model, ids, labels, device=None, positions=None) -> dict:
+    """A plain model (one process holds it) on the eval tokens (positions: packed rows' position
+    ids), fp32."""
     import torch
 
     model.eval()
@@ -67,7 +83,8 @@ def evaluate_model(model, ids, labels, device=None) -> dict:
     with torch.no_grad():
         for start in range(0, len(ids), EVAL_BATCH):
             batch = ids[start:start + EVAL_BATCH].to(device or "cpu")
-            part = loss_sum(model(input_ids=batch).logits, labels[start:start + EVAL_BATCH])
+            extra = forward_inputs(positions, start, start + EVAL_BATCH, device or "cpu")
+            part = loss_sum(model(input_ids=batch, **extra).logits, labels[start:start + EVAL_BATCH])
             total, count = total + part[0], count + part[1]
     return summarize_loss(total, count, len(ids), "fp32, the whole model in one process")
 
@@ -83,13 +100,14 @@ def evaluate_base(model_source: str, data_dir, out_path, threads: int | None = N
         torch.set_num_threads(threads)
     ids, labels = eval_tokens(data_dir)
     result = {"model": str(model_source), "data_dir": str(data_dir),
-              **evaluate_model(load_model(model_source), ids, labels), "threads": torch.get_num_threads()}
+              **evaluate_model(load_model(model_source), ids, labels, positions=eval_positions(data_dir)),
+              "threads": torch.get_num_threads()}
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     Path(out_path).write_text(json.dumps(result, indent=1))
     return result
 
 
-def evaluate_forward(strategy, ids, labels) -> dict | None:
+def evaluate_forward(strategy, ids, labels, positions=None) -> dict | None:
     """Collective: held-out loss of the model as the strategy holds it (Strategy.forward_logits:
     still sharded or split, on its device, training precision), eval_batch_size sequences at a
     time (the micro-batch, or more where their no-grad forward holds less than training keeps for
@@ -114,7 +132,8 @@ def evaluate_forward(strategy, ids, labels) -> dict | None:
     for i in range(rounds):
         counted = i < len(mine)
         start = mine[i] if counted else 0
-        logits = strategy.forward_logits(ids[start:start + batch], every_rank=size > 1)
+        logits = strategy.forward_logits(ids[start:start + batch], every_rank=size > 1,
+                                         extra=forward_inputs(positions, start, start + batch, strategy.ctx.device))
         if logits is not None and counted and error is None:
             try:
                 part = loss_sum(logits, labels[start:start + batch])
@@ -162,7 +181,7 @@ def eval_batch_size(spec: dict, config, shape, data_parallel: bool) -> int:
 
 def evaluate_sharded(strategy, job: Job) -> dict | None:
     """Collective: the causal LM's trained model on the eval tokens (evaluate_forward)."""
-    return evaluate_forward(strategy, *eval_tokens(job.data_dir))
+    return evaluate_forward(strategy, *eval_tokens(job.data_dir), eval_positions(job.data_dir))
 
 
 def evaluate_run(strategy, job: Job, last_point: dict | None = None) -> dict | None:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
 
+from distlab.runtime.accumulation import step_items, step_loss
 from distlab.runtime.noise import NoiseProbe
 from distlab.strategies.base import RunContext, Strategy
 
@@ -105,7 +106,8 @@ def train(ctx: RunContext, strategy: Strategy, train_data, start_step: int = 0,
     micro_context(step, micro): a context around one micro-batch's forward and backward (None:
     none), e.g. the activation-memory probe of an untimed step (distlab.runtime.activations).
     records: the records of steps before start_step when resuming; new ones are appended to it.
-    Every step records the learning rate it used and the pre-clip global gradient norm; the
+    Every step records its loss (the mean over the step's label tokens on every data-parallel
+    rank: distlab.runtime.accumulation), the learning rate it used and the pre-clip global gradient norm; the
     strategy clips (max_grad_norm) and the LR schedule is stepped once per optimizer step.
     """
     spec = ctx.spec
@@ -126,15 +128,18 @@ def train(ctx: RunContext, strategy: Strategy, train_data, start_step: int = 0,
             noise.start()
         start = time.perf_counter()
         lr = strategy.learning_rate()  # the rate this step's update uses
-        losses, consumed = [], []
-        for micro in range(n_micro):
+        shares, consumed, batches = [], [], []
+        for _ in range(n_micro):  # the whole step's batches first: its item count comes before any forward
             indices = stream.next()
             consumed.extend(indices)
-            batch = train_data.batch(indices, ctx.device, step)
+            batches.append(train_data.batch(indices, ctx.device, step))
+        num_items = step_items(strategy, batches, ctx.device)  # over micro-batches and data-parallel ranks
+        for micro, batch in enumerate(batches):
             with micro_context(step, micro) if micro_context else contextlib.nullcontext():
-                loss = strategy.forward_backward(batch, micro, n_micro)
-            if loss is not None:  # pipeline stages without the loss return None
-                losses.append(loss)
+                share = strategy.forward_backward(batch, micro, n_micro, num_items)
+            if share is not None:  # pipeline stages without the loss return None
+                shares.append(share)
+        del batches
         if step == spec["steps"] - 1:
             # Counted while gradients and optimizer state both exist: the peak model state.
             state_bytes = strategy.state_bytes()
@@ -143,9 +148,8 @@ def train(ctx: RunContext, strategy: Strategy, train_data, start_step: int = 0,
         if cuda:
             torch.cuda.synchronize(ctx.device)
         elapsed = time.perf_counter() - start
-        # .item() after the timer: the loss sync must not be billed to the step.
-        local_loss = float(torch.stack(losses).float().mean().item()) if losses else None
-        records.append({"step": step, "loss": local_loss, "step_time_s": elapsed,
+        # After the timer: the loss's all-reduce and sync must not be billed to the step.
+        records.append({"step": step, "loss": step_loss(shares, strategy), "step_time_s": elapsed,
                         "comm_inflight_s": strategy.take_comm_seconds(), "samples": consumed, "lr": lr,
                         "grad_norm": None if grad_norm is None else float(grad_norm)})
         if on_step_end is not None:

@@ -65,9 +65,9 @@ class RunMonitor:
         self.trackers = Trackers(job, start_step) if self.main and spec["tracking"] else None
         self.eval_tokens = None
         if spec["eval_every"]:
-            from distlab.runtime.evaluation import eval_tokens
+            from distlab.runtime.evaluation import eval_positions, eval_tokens
 
-            self.eval_tokens = eval_tokens(job.data_dir)
+            self.eval_tokens = (*eval_tokens(job.data_dir), eval_positions(job.data_dir))
         # Eval points already made before a resume (rank 0's records hold them).
         self.best = min((r["eval"] for r in records if r.get("eval")), key=lambda e: e["loss"], default=None)
         if self.trackers is not None:

@@ -6,12 +6,10 @@ the smallest one's memory sets the batch (the roadmap: "the smaller one limits")
 one seeded permutation of the data is cut into global batches of B, rank r takes its slice
 (distlab.runtime.loop.IndexStream), so a 1-rank run with micro_batch B reads the same samples.
 
-The gradient. Hugging Face's causal-LM loss is the mean over the micro-batch's label
-tokens (n_r of them), and DDP averages gradients over the W ranks. Rank r therefore
-back-propagates loss_r * W * n_r / N (N = sum of n_r, one all-reduce of a count per
-micro-batch): DDP's average then gives sum_r (n_r / N) grad(loss_r), the gradient of the mean
-loss over all N tokens: the 1-rank gradient of the same global batch
-(tests/test_unequal.py, 1e-6).
+The gradient. Every step's loss is the mean over the step's label tokens, counted over all
+ranks before the forward (distlab.runtime.accumulation): rank r back-propagates its summed
+token loss over that count, so DDP's sum of the ranks' parts is the 1-rank gradient of the same
+global batch however unequal the slices are (tests/test_unequal.py, 1e-6).
 
 `auto` sizes the batches at start: each rank times forward+backward of its model on
 random tokens (seconds per sample) and reads its free memory (CUDA: free device memory; CPU:
@@ -137,14 +135,3 @@ def rank_batches(model, spec: dict, device) -> tuple[list[int] | None, dict | No
                            f"over at least {PROBE_PASSES} passes and {PROBE_SECONDS} s), capped by the samples its free memory holds"),
                    "sizes": sizes, "probes": probes}
 
-
-def label_share(labels, world_size: int):
-    """W * n_r / N for this rank's micro-batch (n_r = its label tokens after the causal shift;
-    one all-reduce of the count): the factor that makes DDP's average the uniform gradient."""
-    import torch
-    import torch.distributed as dist
-
-    mine = (labels[..., 1:] != -100).sum().to(torch.float64)
-    total = mine.clone()
-    dist.all_reduce(total)
-    return (world_size * mine / total).float()

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.runtime.precision import ACCELERATE_MIXED_PRECISION
+from distlab.runtime.accumulation import for_backward
 from distlab.records.run_layout import RUN_FILES, run_files_dir
 from distlab.strategies.accelerate_settings import CONFIG_NAME, uses_accelerate_fsdp
 from distlab.strategies.base import FidelityError, Strategy
@@ -104,7 +105,12 @@ class AccelerateStrategy(Strategy):
     def _count_step(self, optimizer, args, kwargs) -> None:
         self.counts["optimizer_steps_taken"] += 1
 
-    def forward_backward(self, batch: dict, micro_index: int, n_micro: int) -> torch.Tensor:
+    def gradient_divisor(self, n_micro: int) -> int:
+        # accelerator.backward divides the loss by gradient_accumulation_steps, and the DDP (or
+        # FSDP) it prepared averages over the processes.
+        return self.data_parallel_size * n_micro
+
+    def forward_backward(self, batch: dict, micro_index: int, n_micro: int, num_items) -> torch.Tensor:
         accelerator = self.accelerator
         if n_micro != accelerator.gradient_accumulation_steps:
             raise FidelityError(f"the loop accumulates {n_micro} micro-batches per step, Accelerate "
@@ -115,11 +121,11 @@ class AccelerateStrategy(Strategy):
             if accelerator.sync_gradients != (micro_index == n_micro - 1):
                 raise FidelityError(f"Accelerate's sync_gradients is {accelerator.sync_gradients} on "
                                     f"micro-batch {micro_index + 1} of {n_micro}")
-            loss = self.task.loss(self.model, batch)
-            accelerator.backward(loss)  # divides by gradient_accumulation_steps
+            share = self.task.loss(self.model, batch, num_items)
+            accelerator.backward(for_backward(share, self.gradient_divisor(n_micro)))
         self.counts["micro_batches"] += 1
         self.counts["gradient_syncs"] += int(accelerator.sync_gradients)
-        return loss.detach()
+        return share.detach()
 
     def clip_gradients(self):
         """accelerator.clip_grad_norm_ (unscales fp16 gradients first; FSDP-aware) when clipping;
@@ -250,13 +256,13 @@ class AccelerateStrategy(Strategy):
     def collective_forward(self) -> bool:
         return self.fsdp  # FSDP's layers are gathered in forward: every rank joins
 
-    def forward_logits(self, input_ids, every_rank=False):
+    def forward_logits(self, input_ids, every_rank=False, extra=None):
         if not self.fsdp:
-            return super().forward_logits(input_ids, every_rank)
+            return super().forward_logits(input_ids, every_rank, extra)
         from distlab.strategies.fsdp import resharding_after_forward
 
         with resharding_after_forward(self.model, bool(self.spec["fsdp"]["reshard_after_forward"])):
-            return super().forward_logits(input_ids, every_rank)
+            return super().forward_logits(input_ids, every_rank, extra)
 
     def save_checkpoint(self, path: str) -> None:
         """accelerator.save_state (model safetensors, optimizer, RNG per rank) into `path`, the

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distlab.runtime.accumulation import accumulation_scaled
+from distlab.runtime.accumulation import for_backward
 from distlab.jobs.job import Job
 from distlab.runtime.precision import autocast, dtype_name, frozen_base_dtype, parameter_dtype_mismatch
 
@@ -72,6 +72,15 @@ class Strategy:
     def data_parallel_size(self) -> int:
         return dist.get_world_size()
 
+    def data_parallel_group(self):
+        """The process group of the data-parallel ranks (None: the whole world)."""
+        return None
+
+    def gradient_divisor(self, n_micro: int) -> int:
+        """What the wrapper divides the summed gradients by: DDP and FSDP average over the
+        data-parallel ranks (distlab.runtime.accumulation multiplies the loss by it first)."""
+        return self.data_parallel_size
+
     # -- model --------------------------------------------------------------------------
     def load_model(self, model_source: str):
         """The model this rank starts from, before LoRA and wrap(): by default every rank
@@ -117,15 +126,17 @@ class Strategy:
         """Context for one micro-batch's backward; data-parallel wrappers skip sync until the last."""
         return contextlib.nullcontext()
 
-    def forward_backward(self, batch: dict, micro_index: int, n_micro: int) -> torch.Tensor:
+    def forward_backward(self, batch: dict, micro_index: int, n_micro: int, num_items) -> torch.Tensor:
         """One micro-batch: batch = what the task's TrainData built (causal LM: {"input_ids",
-        "labels"}, [micro_batch, seq_len] each, a label of -100 not trained on). Returns the
-        detached loss (None on ranks without it)."""
+        "labels"}, [micro_batch, seq_len] each, a label of -100 not trained on); num_items: the
+        step's item count over every micro-batch and data-parallel rank
+        (distlab.runtime.accumulation). Returns this micro-batch's detached share of the step's
+        loss (None on ranks without it)."""
         with self.sync_context(micro_index == n_micro - 1):
             with autocast(self.spec, self.ctx.device):
-                loss = self.task.loss(self.model, batch)
-            accumulation_scaled(loss, n_micro).backward()
-        return loss.detach()
+                share = self.task.loss(self.model, batch, num_items)
+            for_backward(share, self.gradient_divisor(n_micro)).backward()
+        return share.detach()
 
     def optimizer_step(self):
         """Clip (max_grad_norm) and step; returns the pre-clip global gradient norm (a tensor:
@@ -182,12 +193,12 @@ class Strategy:
         """The plain Hugging Face module (for saving, evaluation, counting)."""
         return self.model
 
-    def evaluate(self, ids, labels) -> dict | None:
+    def evaluate(self, ids, labels, positions=None) -> dict | None:
         """Collective: held-out loss of the model as trained so far (eval_every), on rank 0
         (None elsewhere): forward_logits on the model as it is held (distlab.runtime.evaluation)."""
         from distlab.runtime.evaluation import evaluate_forward
 
-        return evaluate_forward(self, ids, labels)
+        return evaluate_forward(self, ids, labels, positions)
 
     # -- truth --------------------------------------------------------------------------
     def state_bytes(self) -> dict:
@@ -258,11 +269,12 @@ class Strategy:
         """The precision context of an evaluation forward: training's autocast by default."""
         return autocast(self.spec, self.ctx.device)
 
-    def forward_logits(self, input_ids: torch.Tensor, every_rank: bool = False) -> torch.Tensor | None:
+    def forward_logits(self, input_ids: torch.Tensor, every_rank: bool = False, extra: dict | None = None) -> torch.Tensor | None:
         """Collective: logits of the model as it trains (still sharded, on this rank's device,
         training precision, eval mode, no grad) on rank 0; None elsewhere. Strategies whose
         ranks each hold the whole model run it on rank 0 alone. every_rank: each data-parallel
-        rank passes its own batch and gets its own logits (distlab.runtime.evaluation.evaluate_forward)."""
+        rank passes its own batch and gets its own logits (distlab.runtime.evaluation.evaluate_forward).
+        extra: further forward arguments (packed rows' position ids)."""
         if not self.collective_forward and dist.get_rank() != 0 and not every_rank:
             return None
         module = self.model if self.collective_forward else self.unwrapped()
@@ -270,7 +282,7 @@ class Strategy:
         module.train(False)
         try:
             with torch.no_grad(), self.eval_context():
-                logits = module(input_ids=input_ids.to(self.ctx.device)).logits
+                logits = module(input_ids=input_ids.to(self.ctx.device), **(extra or {})).logits
         finally:
             module.train(was_training)
         return logits if every_rank or dist.get_rank() == 0 else None

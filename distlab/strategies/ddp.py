@@ -9,10 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from distlab.runtime.accumulation import accumulation_scaled
-from distlab.runtime.precision import autocast
 from distlab.strategies.base import Strategy
-from distlab.runtime.unequal import label_share, rank_batches
+from distlab.runtime.unequal import rank_batches
 
 
 class CommTimer:
@@ -110,17 +108,6 @@ class DDPStrategy(Strategy):
         self.hook = CommTimer()
         self.model.register_comm_hook(state=self.hook, hook=timed_allreduce_hook)
         self.optimizer = self.build_optimizer(self.trainable(self.model))
-
-    def forward_backward(self, batch: dict, micro_index: int, n_micro: int):
-        if self.rank_batches is None:
-            return super().forward_backward(batch, micro_index, n_micro)
-        # Sized batches: weight this rank's mean loss by its share of the global batch's label
-        # tokens, so that DDP's average over ranks is the uniform gradient (distlab.runtime.unequal).
-        with self.sync_context(micro_index == n_micro - 1):
-            with autocast(self.spec, self.ctx.device):
-                loss = self.task.loss(self.model, batch)
-            accumulation_scaled(loss * label_share(batch["labels"], dist.get_world_size()), n_micro).backward()
-        return loss.detach()
 
     def describe(self) -> dict:
         described = super().describe()

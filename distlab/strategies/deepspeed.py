@@ -14,6 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from distlab.runtime.accumulation import for_backward
 from distlab.checkpoint_formats.zero import zero_load, zero_save
 from distlab.runtime.model import decoder_layers
 from distlab.runtime.precision import deepspeed_precision, torch_dtype
@@ -128,19 +129,24 @@ class DeepSpeedStrategy(Strategy):
             lr_scheduler=lambda ds_optimizer: lr_scheduler(self.spec, ds_optimizer))
         self.model, self.optimizer, self.scheduler = engine, optimizer, scheduler
 
-    def forward_backward(self, batch, micro_index: int, n_micro: int):
+    def gradient_divisor(self, n_micro: int) -> int:
+        # engine.backward divides the loss by gradient_accumulation_steps, and ZeRO's gradient
+        # reduction averages over the data-parallel ranks.
+        return self.data_parallel_size * n_micro
+
+    def forward_backward(self, batch, micro_index: int, n_micro: int, num_items):
         engine = self.model
         if n_micro != engine.gradient_accumulation_steps():
             raise FidelityError(f"the loop accumulates {n_micro} micro-batches but the DeepSpeed engine "
                                 f"{engine.gradient_accumulation_steps()}")
         # bf16/fp16 are DeepSpeed's (low-precision module + fp32 master), not autocast.
-        loss = self.task.loss(engine, batch)
-        engine.backward(loss)  # scales by 1/gradient_accumulation_steps
+        share = self.task.loss(engine, batch, num_items)
+        engine.backward(for_backward(share, self.gradient_divisor(n_micro)))
         if engine.global_steps == self.spec["steps"] - 1:
             self._record_peak_state()
         if micro_index < n_micro - 1:
             engine.step()  # not a boundary: DeepSpeed only counts the micro-step
-        return loss.detach()
+        return share.detach()
 
     def optimizer_step(self):
         """The boundary's engine.step(): DeepSpeed clips to its gradient_clipping (= max_grad_norm)
@@ -252,8 +258,8 @@ class DeepSpeedStrategy(Strategy):
     def eval_context(self):
         return contextlib.nullcontext()  # bf16/fp16 are DeepSpeed's module dtype, not autocast
 
-    def forward_logits(self, input_ids, every_rank=False):
-        logits = super().forward_logits(input_ids, every_rank)
+    def forward_logits(self, input_ids, every_rank=False, extra=None):
+        logits = super().forward_logits(input_ids, every_rank, extra)
         if self.model.zero_optimization_stage() == 3:
             # A forward without its backward leaves ZeRO-3's prefetched partitions in flight;
             # gathering them again (state_groups, the next forward) asserts on them.

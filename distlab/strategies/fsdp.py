@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from distlab.runtime.accumulation import accumulation_scaled
+from distlab.runtime.accumulation import for_backward
 from distlab.checkpoint_formats.dcp import dcp_load, dcp_save
 from distlab.runtime.model import decoder_layers
 from distlab.runtime.precision import is_mixed, low_precision_dtype
@@ -86,14 +86,14 @@ class FSDPStrategy(Strategy):
         self.model.set_requires_gradient_sync(is_last_micro)
         return super().sync_context(is_last_micro)
 
-    def forward_backward(self, batch, micro_index, n_micro):
+    def forward_backward(self, batch, micro_index, n_micro, num_items):
         if not self.mixed_precision:
-            return super().forward_backward(batch, micro_index, n_micro)
+            return super().forward_backward(batch, micro_index, n_micro, num_items)
         # MixedPrecisionPolicy already casts parameters: autocast on top would be a second policy.
         with self.sync_context(micro_index == n_micro - 1):
-            loss = self.task.loss(self.model, batch)
-            accumulation_scaled(loss, n_micro).backward()
-        return loss.detach()
+            share = self.task.loss(self.model, batch, num_items)
+            for_backward(share, self.gradient_divisor(n_micro)).backward()
+        return share.detach()
 
     # -- truth --------------------------------------------------------------------------
     def describe(self) -> dict:
@@ -140,9 +140,9 @@ class FSDPStrategy(Strategy):
         # A MixedPrecisionPolicy already casts the gathered parameters (as in forward_backward).
         return contextlib.nullcontext() if self.mixed_precision else super().eval_context()
 
-    def forward_logits(self, input_ids, every_rank=False):
+    def forward_logits(self, input_ids, every_rank=False, extra=None):
         with resharding_after_forward(self.model, self.spec["fsdp"]["reshard_after_forward"]):
-            return super().forward_logits(input_ids, every_rank)
+            return super().forward_logits(input_ids, every_rank, extra)
 
     def save_checkpoint(self, path: str) -> None:
         dcp_save(self, path)

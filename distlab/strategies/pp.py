@@ -31,7 +31,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from distlab.runtime.accumulation import accumulation_scaled, accumulation_unscaled
 from distlab.checkpoint_formats.dcp import dcp_load, dcp_save
 from distlab.runtime.model import decoder_layers
 from distlab.runtime.partial_load import empty_model, load_held_weights
@@ -106,12 +105,12 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
         self.model = model  # the pruned HF model: parameter names stay Hugging Face names
         self.n_pipe = self.spec["pp"]["microbatches"]
         self.stage = PipelineStage(self.stage_module, rank, world, self.ctx.device)
-        # scale_grads=False: the loss below is already divided by every micro-batch count, so
-        # gradients accumulated over the loop's micro-batches are not rescaled twice.
+        # scale_grads=False: each piece's loss below is its summed token loss over the step's
+        # token count (distlab.runtime.accumulation), so the accumulated gradients need no rescaling.
         self.schedule = SCHEDULES[self.spec["pp"]["schedule"]](self.stage, self.n_pipe, loss_fn=self._loss,
                                                                scale_grads=False)
         self.optimizer = self.build_optimizer(self.trainable(model))
-        self._n_micro = 1
+        self._num_items = None  # the step's label-token count, set per micro-batch
         self.compute = ComputeTimer(self.ctx.device)
         self._timings: list[dict] = []
         self._step_wall = self._step_busy = 0.0
@@ -119,9 +118,9 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
 
     def _loss(self, logits, labels):
         with self.compute:
-            shifted = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                                      labels[:, 1:].reshape(-1))
-            return accumulation_scaled(shifted, self._n_micro, pieces=self.n_pipe)
+            summed = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                     labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+            return summed / self._num_items
 
     def _time_stage_compute(self) -> None:
         """Wrap the stage's compute calls so the schedule's busy time can be told from waiting."""
@@ -134,8 +133,10 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
 
             setattr(self.stage, name, timed)
 
-    def forward_backward(self, batch, micro_index, n_micro):
-        self._n_micro = n_micro
+    def forward_backward(self, batch, micro_index, n_micro, num_items):
+        if "position_ids" in batch:  # refused at config time (pp_settings); never trained on silently
+            raise FidelityError("pipeline stages take the token ids only; packed rows' position ids cannot reach them")
+        self._num_items = num_items
         losses = [] if self.last else None
         start = time.perf_counter()
         with autocast(self.spec, self.ctx.device):
@@ -148,8 +149,8 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
         self._step_busy += self.compute.take()
         if not self.last:
             return None
-        # Undo the scaling that made the gradients right: report the plain mean loss.
-        return accumulation_unscaled(torch.stack([l.detach() for l in losses]).mean(), n_micro, pieces=self.n_pipe)
+        # The pieces' shares of the step's token mean: their sum is this micro-batch's share.
+        return torch.stack([l.detach() for l in losses]).sum()
 
     def optimizer_step(self):
         norm = super().optimizer_step()
@@ -225,11 +226,14 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
     # -- the whole model and checkpoints -------------------------------------------------
     collective_forward = True
 
-    def forward_logits(self, input_ids, every_rank=False):
+    def forward_logits(self, input_ids, every_rank=False, extra=None):
         """The stages run one after another on the whole batch (no schedule: nothing to
         overlap without a backward): each sends its activations on, the last sends the logits
         to rank 0. Transfers are fp32 on the rank's device (NCCL moves device tensors only).
-        every_rank is never asked of PP: its data-parallel size is 1 (ModelParallel)."""
+        every_rank is never asked of PP: its data-parallel size is 1 (ModelParallel). Neither is
+        extra: rows packed as documents are refused for PP at config time (pp_settings)."""
+        if extra:
+            raise FidelityError("pipeline stages take the token ids only; packed rows' position ids cannot reach them")
         rank, world, device = dist.get_rank(), dist.get_world_size(), self.ctx.device
         ids = input_ids.to(device)
         was_training = self.model.training

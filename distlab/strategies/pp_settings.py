@@ -29,6 +29,18 @@ class PPSettings(ModelParallelSettings):
             fail("pp.microbatches", f"micro_batch {spec['micro_batch']} must divide into "
                  f"{spec['pp']['microbatches']} pipeline micro-batches")
 
+    def check(self, spec, config, fail, shape):
+        super().check(spec, config, fail, shape)
+        from distlab.configuration.data_checks import datasets_of
+        from distlab.data_prep.packing import packing_mode
+
+        data = datasets_of(config["data"]).get(spec.get("dataset", "default"))
+        if data and spec.get("task", "causal-lm") == "causal-lm" and packing_mode(data) == "documents":
+            fail("dataset", f"dataset {spec.get('dataset', 'default')!r} packs rows as documents (packing: documents, "
+                 "the default for chat/instruction rows), whose position ids keep each row's attention to itself; "
+                 "pipeline stages pass only hidden states on, so the later stages would attend across rows. "
+                 "Set packing: none (one row per sequence) or blocks on that dataset for pipeline parallel")
+
     def family_refusal(self, model_config, world_size):
         """The family needs a pipeline plan (config.base_model_pp_plan) naming its decoder
         layers, untied embeddings across stages, and a layer for every stage."""

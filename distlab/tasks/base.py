@@ -117,8 +117,14 @@ class Task:
     def train_data(self, job: Job, spec: dict, device, split: str = "train") -> TrainData:
         raise NotImplementedError
 
-    def loss(self, model, batch: dict):
-        """The micro-batch's loss, from the (possibly wrapped) trained module; autograd on."""
+    def loss(self, model, batch: dict, num_items=None):
+        """The micro-batch's loss, from the (possibly wrapped) trained module; autograd on.
+        num_items None: its mean over the micro-batch's items; else its summed loss over
+        num_items, the step's item count (distlab.runtime.accumulation)."""
+        raise NotImplementedError
+
+    def loss_items(self, batch: dict) -> int:
+        """How many items (label tokens, images) of this micro-batch the loss averages over."""
         raise NotImplementedError
 
     def data_facts(self, job: Job, records_by_rank: list, ranks_per_replica: int) -> dict:

@@ -22,12 +22,13 @@ class TokenBlocks(TrainData):
     prompt token of chat/instruction data; none stored = every token is a label)."""
 
     def __init__(self, data_dir, split: str, seq_len: int):
-        from distlab.data_prep.data import load_blocks, load_labels
+        from distlab.data_prep.data import load_blocks, load_labels, load_positions
 
         self.blocks = load_blocks(data_dir, split)
         if self.blocks.shape[1] != seq_len:
             raise ValueError(f"data blocks are {self.blocks.shape[1]} tokens, spec seq_len is {seq_len}")
         self.labels = load_labels(data_dir, split)
+        self.positions = load_positions(data_dir, split)  # packing documents: restarting per row
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -35,9 +36,13 @@ class TokenBlocks(TrainData):
     def batch(self, indices, device, step):
         input_ids = self.blocks[indices].to(device, non_blocking=True)
         # Causal LM: packed text trains on every token; chat/instruction data only on the
-        # response tokens (the rest -100). HF shifts the labels inside the model.
+        # response tokens (the rest -100). The loss shifts them (distlab.runtime.evaluation.loss_terms).
         labels = input_ids if self.labels is None else self.labels[indices].to(device, non_blocking=True)
-        return {"input_ids": input_ids, "labels": labels}
+        if self.positions is None:
+            return {"input_ids": input_ids, "labels": labels}
+        from distlab.data_prep.packing import packed_inputs
+
+        return {"input_ids": input_ids, "labels": labels, **packed_inputs(self.positions[indices].to(device))}
 
     def describe(self) -> dict:
         return {"name": CausalLM.name}
@@ -104,8 +109,18 @@ class CausalLM(Task):
     def train_data(self, job, spec, device, split="train"):
         return TokenBlocks(job.data_dir, split, spec["seq_len"])
 
-    def loss(self, model, batch):
-        return model(**batch).loss
+    def loss(self, model, batch, num_items=None):
+        # The summed token loss from the logits, by the same function as the held-out
+        # evaluation (not the model's own loss: a model that ignored num_items_in_batch would
+        # silently return a mean again).
+        from distlab.runtime.evaluation import loss_terms
+
+        inputs = {name: value for name, value in batch.items() if name != "labels"}
+        total, count = loss_terms(model(**inputs).logits, batch["labels"])
+        return total / (count if num_items is None else num_items)
+
+    def loss_items(self, batch):
+        return (batch["labels"][..., 1:] != -100).sum()
 
     def data_facts(self, job, records_by_rank, ranks_per_replica):
         from distlab.data_prep.data import run_data_facts

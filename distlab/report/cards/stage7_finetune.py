@@ -18,16 +18,23 @@ AC_KEYS = ("id", "tag", "activation_checkpointing", "activation_checkpointing_ev
            "progress_every_s", "eval_every", "checkpoint_select", "checkpoint_every", "repeats")
 
 
+def twin_groups(runs: list[dict], free_keys: tuple, variant) -> list[dict]:
+    """{variant(run): run} per group of ok runs on one machine whose specs match outside
+    free_keys; runs whose variant is None are left out."""
+    groups: dict = {}
+    for run in runs:
+        if run.get("status") != "ok" or variant(run) is None:
+            continue
+        key = (run["machine"], repr(sorted((k, repr(v)) for k, v in run["spec"].items() if k not in free_keys)))
+        groups.setdefault(key, {})[variant(run)] = run
+    return list(groups.values())
+
+
 def ac_groups(runs: list[dict]) -> list[dict]:
     """{mode: run} per group of ok runs that differ only in activation checkpointing, with a
     'none' run and at least one other mode."""
-    groups: dict = {}
-    for run in runs:
-        if run.get("status") != "ok":
-            continue
-        key = (run["machine"], repr(sorted((k, repr(v)) for k, v in run["spec"].items() if k not in AC_KEYS)))
-        groups.setdefault(key, {})[run["spec"].get("activation_checkpointing", "none")] = run
-    return [g for g in groups.values() if "none" in g and len(g) > 1]
+    groups = twin_groups(runs, AC_KEYS, lambda run: run["spec"].get("activation_checkpointing", "none"))
+    return [g for g in groups if "none" in g and len(g) > 1]
 
 
 def peak_per_rank(run: dict) -> list[float | None]:
@@ -130,9 +137,65 @@ def eval_goal(card: Card, runs: list[dict]) -> None:
                            [metrics_link(r) for r in evaluated]))
 
 
+GOAL_PACKING = "Packing documents vs one row per sequence: label tokens/s on the same rows"
+# Spec keys that may differ between the two runs of a packing pair (the rest must match).
+PACKING_KEYS = ("id", "tag", "dataset", "checkpoint_select", "checkpoint_every", "eval_every", "tracking",
+                "progress_every_s", "repeats")
+
+
+def packing_pairs(runs: list[dict]) -> list[dict]:
+    """{packing: run} per group of ok runs that differ only in their dataset (and bookkeeping),
+    one on rows packed as documents and one on rows one per sequence (data.packing none)."""
+    def packing(run):
+        mode = (run.get("data_prep") or {}).get("packing")
+        return mode if mode in ("documents", "none") else None
+
+    return [g for g in twin_groups(runs, PACKING_KEYS, packing) if len(g) == 2]
+
+
+def label_tokens_per_s(run: dict) -> float:
+    """Label (trained) tokens per second: the run's trained tokens per step over its median step time."""
+    steps = len(run["loss"]["per_step"])
+    return run["data_prep"]["run_tokens"]["trained"] / steps / run["timing"]["step_time_s"]["median"]
+
+
+def packing_goal(card: Card, runs: list[dict]) -> None:
+    import pandas as pd
+
+    pairs = packing_pairs(runs)
+    if not pairs:
+        card.goals.append(Goal("bonus", GOAL_PACKING, NOT_RUN, "needs two runs that differ only in a dataset "
+                               "packed as documents and one with packing none"))
+        return
+    rows, gains = [], []
+    for pair in pairs:
+        rates = {mode: label_tokens_per_s(run) for mode, run in pair.items()}
+        gains.append(rates["documents"] / rates["none"])
+        for mode in ("documents", "none"):
+            run = pair[mode]
+            trained = (run.get("eval") or {}).get("trained") or {}
+            rows.append({"packing": mode, "experiment": run["experiment"],
+                         "label tokens/s": round(rates[mode], 1),
+                         "sequence positions/s": round(run["throughput"]["tokens_per_s"], 1)
+                         if (run.get("throughput") or {}).get("tokens_per_s") else "n/a",
+                         "median step (ms)": round(run["timing"]["step_time_s"]["median"] * 1000, 1),
+                         "last loss": round(run["loss"]["last"], 4),
+                         "held-out loss": round(trained["loss"], 4) if isinstance(trained.get("loss"), float) else "n/a"})
+    card.goals.append(Goal("bonus", GOAL_PACKING, PASSED,
+                           f"{len(pairs)} pair(s); documents trains on " + ", ".join(f"{g:.2f}x" for g in gains)
+                           + " the label tokens per second of one row per sequence",
+                           [metrics_link(r) for pair in pairs for r in pair.values()]))
+    how = ("label tokens/s: the label positions the run trained on (data_prep.run_tokens.trained, after the causal "
+           "shift, -100 excluded) per step over the median step time (max over ranks); sequence positions/s counts "
+           "padding too (throughput.tokens_per_s). Both runs read the same rows (data.packing documents vs none, "
+           f"distlab/data_prep/packing.py); {SPREAD_CAVEAT}")
+    card.tables.append(Table("Packing: documents vs one row per sequence", pd.DataFrame(rows), how))
+
+
 def build(runs: list[dict]) -> Card:
     card = Card(7, "Fine-tuning controls - activation checkpointing, schedules, clipping, eval")
     activation_goal(card, runs)
     schedule_goal(card, runs)
     eval_goal(card, runs)
+    packing_goal(card, runs)
     return card

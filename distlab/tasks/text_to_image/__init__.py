@@ -128,6 +128,7 @@ class TextToImage(Task):
     apply_lora = lazy(f"{MODEL}:add_lora")
     flops = lazy(f"{MODEL}:flops_per_image")
     loss = lazy(f"{DATA}:denoising_loss")
+    loss_items = lazy(f"{DATA}:images_in")
     evaluate_trained = lazy(f"{OUTPUTS}:evaluate_trained")
     export_pass = lazy(f"{OUTPUTS}:export_pass")
     trained_outputs = lazy(f"{OUTPUTS}:trained_outputs")

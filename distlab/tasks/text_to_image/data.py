@@ -179,13 +179,21 @@ class ImageCaptions:
                        "precision; counts read from their tensors"}
 
 
-def denoising_loss(model, batch: dict) -> torch.Tensor:
+def denoising_loss(model, batch: dict, num_items=None) -> torch.Tensor:
     """MSE between the (possibly wrapped) UNet's prediction and the target, in fp32 as the example.
-    Inputs are cast to the module's parameter dtype (DeepSpeed keeps a bf16 module in bf16 runs)."""
+    Inputs are cast to the module's parameter dtype (DeepSpeed keeps a bf16 module in bf16 runs).
+    num_items None: the micro-batch's mean; else its per-image means summed over the step's image
+    count (distlab.runtime.accumulation): the step optimises the mean over its images."""
     dtype = next(iter(model.parameters())).dtype
     prediction = model(batch["noisy_latents"].to(dtype), batch["timesteps"],
                        batch["encoder_hidden_states"].to(dtype), return_dict=False)[0]
-    return F.mse_loss(prediction.float(), batch["target"].float(), reduction="mean")
+    mean = F.mse_loss(prediction.float(), batch["target"].float(), reduction="mean")
+    return mean if num_items is None else mean * len(batch["target"]) / num_items
+
+
+def images_in(batch: dict) -> int:
+    """What a step's denoising loss is a mean over: images."""
+    return len(batch["target"])
 
 
 # -- held-out images: fixed crops, noise and timesteps -------------------------------------------
