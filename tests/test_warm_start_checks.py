@@ -189,11 +189,11 @@ def test_warm_start_can_be_switched_off_on_the_command_line(given, meant):
         validate_schema({**tiny_config({}), "warm_start": "maybe"})
 
 
-def test_the_readme_command_that_switches_warm_starts_off_plans(tmp_path):
+def test_the_documented_command_that_switches_warm_starts_off_plans(tmp_path):
     from conftest import snakemake, tiny_config
 
     planned = snakemake(tmp_path, "-n", "--config", "warm_start=false",
                         config=tiny_config({"ddp": {"experiments": [{"world_size": 1}]}}))
     assert planned.returncode == 0
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert "--config warm_start=false" in readme
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "warm-start.md").read_text()
+    assert "--config warm_start=false" in docs
