@@ -37,6 +37,8 @@ def rule_job(snakemake, run_dir: str) -> Job:
         base_eval_json=os.path.abspath(snakemake.input.base_eval),
         # Trackers' store beside the machine's runs (absolute, as above): results/<machine>/tracking.
         tracking_dir=os.path.abspath(os.path.join(os.path.dirname(run_dir), "tracking")),
+        # The bound on every collective wait of its ranks (distlab.jobs.job.collective_timeout).
+        runtime_minutes=getattr(snakemake.resources, "runtime", None),
     )
 
 
