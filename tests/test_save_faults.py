@@ -150,3 +150,25 @@ def test_deepspeeds_writes_keep_their_error_until_its_save_has_passed_its_barrie
     assert "save" not in vars(engine.checkpoint_engine)
     with pytest.raises(OSError):
         engine.checkpoint_engine.save({"x": 1}, str(full / "again.pt"))
+
+
+def test_a_rank_waits_in_a_collective_no_longer_than_its_job_may_run(monkeypatch):
+    """The process group's timeout is the job's runtime (Snakemake's `runtime` resource, or the
+    rule's own estimate for a launch outside a rule), not gloo's fixed 30 minutes."""
+    import torch
+    import torch.distributed as dist
+    from conftest import resolve
+
+    from distlab.jobs.job import Job, estimated_runtime_minutes
+    from distlab.strategies.base import RunContext
+    from distlab.strategies.ddp import DDPStrategy
+
+    spec = resolve({"world_size": 1}, steps=120)
+    asked = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: asked.update(kwargs))
+    for runtime, minutes in ((7, 7), (None, estimated_runtime_minutes(spec))):
+        job = Job(spec=spec, run_dir="run", runtime_minutes=runtime)
+        DDPStrategy(RunContext(spec=job.spec, run_dir="run", device=torch.device("cpu"), job=job)).init_distributed()
+        assert asked["timeout"] == timedelta(minutes=minutes)
+    assert estimated_runtime_minutes(spec) == 12  # 10 + 120 steps // 60, as the train rule's runtime
