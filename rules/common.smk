@@ -16,6 +16,7 @@ from distlab.records.run_layout import KUBERAY_CHECKS, MACHINE_FILES, RUN_FILES,
 from distlab.tasks import task_for
 from distlab.tasks.causal_lm import CausalLM, model_suffix
 from distlab.jobs.two_hosts import two_hosts_spec
+from distlab.jobs.job import estimated_runtime_minutes
 from distlab.tools.advisor_box import measured_evidence
 from distlab.report.collect import shared_metrics_paths
 from distlab.records.sharing import private_files
@@ -327,7 +328,7 @@ def experiment_runtime(wildcards, rule="train"):
     if steps is None:  # epochs: known once the data exists (a resource cannot wait on a checkpoint)
         folder = data_dir(wildcards)
         steps = resolve_epochs(spec, folder)["steps"] if os.path.isfile(f"{folder}/distlab_data.json") else 3600
-    return (10 + (steps * spec.get("repeats", 1)) // 60) * spec.get("launches", 1)
+    return estimated_runtime_minutes(spec, steps)
 
 
 def validation_runtime(wildcards):

@@ -5,6 +5,7 @@ import json
 import sys
 
 from distlab.runtime.evaluation import eval_columns
+from distlab.records.run_outputs import ResultsError
 from distlab.report.collect import load_checked_runs, spreadsheet_safe, summary_frame
 from distlab.report.inputs import declared_inputs
 from distlab.jobs.rule_log import logged
@@ -12,6 +13,13 @@ from distlab.jobs.rule_log import logged
 with logged(snakemake):
     runs, rejected = load_checked_runs(list(snakemake.input.mine) + list(snakemake.input.shared),
                                        declared=declared_inputs(snakemake.input))  # it reads no other file
+    # This workflow's own runs are all in it or the summary fails, naming them: one the
+    # results schema refuses (a stage it does not know) must not vanish from an exit-0 report.
+    own = {str(path) for path in snakemake.input.mine}
+    own_left_out = [item["reason"] for item in rejected if item["path"] in own]
+    if own_left_out:
+        raise ResultsError(f"{len(own_left_out)} run(s) this workflow trained do not read, so no summary is "
+                           "written: " + "; ".join(own_left_out))
     rejected = list(snakemake.params.ignored) + rejected
     for item in rejected:
         print(f"WARNING: left out of the summary: {item['reason']}", file=sys.stderr)

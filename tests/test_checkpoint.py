@@ -392,6 +392,17 @@ def test_a_refused_resume_checkpoint_is_kept_and_named_never_deleted(trained, pr
     assert json.loads(line)["kept_as"] == str(kept)
 
 
+def test_past_a_million_steps_pruning_keeps_the_newest_checkpoint_by_step_number(tmp_path):
+    """Folder names are zero-padded to 6 digits: by name step-1000000 sorts before step-999999,
+    and the newest checkpoint would be the one removed."""
+    from distlab.runtime.training_checkpoints import prune_periodic
+
+    for step in (999_998, 999_999, 1_000_000):
+        (tmp_path / f"step-{step:06d}").mkdir()
+    assert prune_periodic(tmp_path, keep=1, parity_step=None) == ["step-999998", "step-999999"]
+    assert [p.name for p in tmp_path.iterdir()] == ["step-1000000"]
+
+
 def test_checkpoint_keep_keeps_the_newest_periodic_saves_and_the_one_validation_resumes_from(tmp_path):
     from distlab.runtime.training_checkpoints import prune_periodic
 

@@ -92,6 +92,30 @@ def test_custom_code_is_refused_at_config_time(model_copy, tmp_path):
         load(probe_config(model_copy, tmp_path), gpu_count=0)  # the plain config check, no probing needed
 
 
+def test_a_weight_index_naming_files_outside_the_model_folder_is_refused_naming_it(model_copy, tmp_path):
+    """model.safetensors.index.json may name only files of its own folder: '../' would have the
+    check, the loaders and the export read (and copy) any file on the machine."""
+    from safetensors import safe_open
+
+    from distlab.checkpoints.export_files import WeightIndexError, weight_index
+    from distlab.configuration.input_checks import ConfigError, model_config
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.move(model_copy / "model.safetensors", elsewhere / "model.safetensors")
+    with safe_open(str(elsewhere / "model.safetensors"), framework="pt") as fh:
+        names = list(fh.keys())
+    index = model_copy / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {n: "../elsewhere/model.safetensors" for n in names}}))
+    with pytest.raises(ConfigError, match=rf"model\.path.*{index}.*outside its folder.*\.\./elsewhere"):
+        model_config(model_copy, weights=True)
+    with pytest.raises(WeightIndexError, match=str(index)):  # the jobs' and the export's reader alike
+        weight_index(model_copy)
+    index.write_text(json.dumps({"weight_map": {n: str(elsewhere / "model.safetensors") for n in names}}))
+    with pytest.raises(ConfigError, match="outside its folder"):
+        model_config(model_copy, weights=True)
+
+
 def test_the_job_s_loader_refuses_missing_weights_too(model_copy):
     from safetensors.torch import load_file, save_file
 

@@ -111,6 +111,26 @@ def test_a_checkpoint_goal_names_only_the_checks_every_checkpoint_passed(tmp_pat
     assert "reload" in goal.text and "reshard: " in goal.evidence and "unsupported" in goal.evidence
 
 
+def test_a_thin_foreign_validation_file_is_shown_unreadable_and_named_not_a_crash(tmp_path):
+    """A validation.json that matches the results schema but whose passed checks lack the
+    figures distlab writes (another tool's, an older one's): its cells read 'unreadable', the
+    card names the file, and its 'passed' does not turn the goal green."""
+    from card_runs import fake_run
+    from distlab.report.cards.checkpoint_table import UNREADABLE, checkpoint_card
+
+    run = fake_run(tmp_path / "run", {"world_size": 2, "micro_batch": 4})
+    run["_validation"] = {"schema_version": 1, "passed": True, "status": "passed",
+                          "checks": {"reload": {"status": "passed"}, "resume_parity": {"status": "passed"}}}
+    card = checkpoint_card([run])
+    (table,) = card.tables
+    assert table.frame["reload max |dlogit|"].tolist() == [UNREADABLE]
+    assert table.frame["resume max |dloss|"].tolist() == [UNREADABLE]
+    named = [note for note in card.notes if str(tmp_path / "run" / "validation.json") in note]
+    assert named and "max_abs_logit_diff" in named[0]
+    (goal,) = card.goals
+    assert goal.status == "failed" and "validation.json" in goal.evidence
+
+
 def test_fsdp_through_accelerate_is_on_the_stage4_card_and_does_not_turn_it_red(tmp_path):
     from distlab.report.cards import stage4_fsdp
 

@@ -53,6 +53,49 @@ def test_a_lock_whose_holder_died_is_replaced_and_released_at_exit(tmp_path):
     assert not (tmp_path / LOCK_NAME).exists()
 
 
+def test_of_two_workflows_that_find_the_same_stale_lock_only_one_takes_the_folder(tmp_path, monkeypatch):
+    """B opened the stale lock file before A replaced it; A took the folder and holds it. When
+    B then gets the stale file's flock (A let go of it), B must judge the file the name now
+    names, A's, and stop: not replace A's live lock with its own."""
+    import distlab.configuration.results_lock as results_lock
+
+    dead = hold_in_subprocess(tmp_path)
+    dead.send_signal(signal.SIGKILL)
+    dead.wait()
+    path = tmp_path / LOCK_NAME
+    opened_before = os.open(path, os.O_RDONLY)  # B's view of the lock, taken before A's replace
+    winner = hold_in_subprocess(tmp_path)  # A: replaces the stale lock and holds the folder
+    try:
+        assert json.loads(path.read_text())["pid"] == winner.pid
+        real_open, handed = os.open, []
+
+        def open_as_before(name, flags, *args):
+            if str(name) == str(path) and flags == os.O_RDONLY and not handed:
+                handed.append(name)
+                return opened_before
+            return real_open(name, flags, *args)
+
+        monkeypatch.setattr(results_lock.os, "open", open_as_before)
+        with pytest.raises(ResultsFolderBusy, match=f"pid {winner.pid}"):
+            acquire(tmp_path)
+        assert handed and json.loads(path.read_text())["pid"] == winner.pid
+    finally:
+        winner.kill()
+        winner.wait()
+
+
+def test_a_relative_results_dir_s_lock_is_removed_after_the_working_directory_changed(tmp_path, monkeypatch):
+    """snakemake -d: the Snakefile takes the lock of a relative results_dir, then the working
+    directory changes before the exit hook releases it."""
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    lock = acquire("results")
+    assert (tmp_path / "work" / "results" / LOCK_NAME).is_file()
+    monkeypatch.chdir(tmp_path)
+    lock.release()
+    assert not (tmp_path / "work" / "results" / LOCK_NAME).exists()
+
+
 @pytest.mark.parametrize("argv, read_only", [
     (["snakemake", "-n"], True), (["snakemake", "-np", "--cores", "2"], True), (["snakemake", "--lint"], True),
     (["/x/snakemake/__main__.py", "--dry-run", "-d", "w"], True), (["snakemake", "--cores", "all"], False),

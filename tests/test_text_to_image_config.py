@@ -129,6 +129,90 @@ def test_parquet_and_json_lines_rows_need_their_image_and_caption_columns(tmp_pa
     specs_of(stages, text_to_image={"data": {"source": "files", "files": [str(tmp_path / "rows.jsonl")]}})
 
 
+def test_an_image_too_long_for_its_width_is_refused_before_any_job_naming_it(tmp_path):
+    """A valid 1x100000 PNG (a few hundred bytes) would want ~100 GB per rank resized to 512 px."""
+    stages = {"ddp": {"experiments": [SD]}}
+    good = {"file_name": "good.png", "text": "a white square"}
+    folder = image_folder(tmp_path, [good, {"file_name": "sliver.png", "text": "a sliver"}])
+    Image.new("1", (1, 100_000)).save(folder / "sliver.png")
+    assert (folder / "sliver.png").stat().st_size < 2000
+    message = refusal(stages, text_to_image={"data": {"source": "imagefolder", "path": str(folder)}})
+    assert "text_to_image.data.path" in message and f"{folder / 'metadata.jsonl'}:2" in message
+    assert str(folder / "sliver.png") in message and "1x100000" in message and "aspect ratio" in message
+
+
+def test_a_huge_image_is_refused_from_its_header_without_decoding_its_pixels(tmp_path, monkeypatch):
+    """12000x12000 pixels (a small file): refused from the size in its header at every
+    snakemake call (`-n` too), its pixels never decoded."""
+    from PIL import ImageFile
+
+    stages = {"ddp": {"experiments": [SD]}}
+    folder = image_folder(tmp_path, [{"file_name": "good.png", "text": "a white square"},
+                                     {"file_name": "huge.png", "text": "a lot of white"}])
+    Image.new("1", (12_000, 12_000), 1).save(folder / "huge.png")
+
+    def decoded(self):
+        raise AssertionError(f"the config check decoded {self.size} pixels")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", decoded)
+    message = refusal(stages, text_to_image={"data": {"source": "imagefolder", "path": str(folder)}})
+    assert f"{folder / 'metadata.jsonl'}:2" in message and "12000x12000" in message and "MAX_IMAGE_PIXELS" in message
+    (folder / "metadata.jsonl").write_text(json.dumps({"file_name": "good.png", "text": "a white square"}) + "\n")
+    specs_of(stages, text_to_image={"data": {"source": "imagefolder", "path": str(folder)}})  # never decoded either
+
+
+def test_a_row_cannot_name_an_image_outside_its_data_folder(tmp_path):
+    """Data prep embeds every row's image into results/prep: a row naming '../' or an absolute
+    path, or a symlink out of the folder, would copy any file the user can read there."""
+    stages = {"ddp": {"experiments": [SD]}}
+    secret = tmp_path / "secret.png"
+    Image.new("RGB", (16, 16), "black").save(secret)
+    data = tmp_path / "data"
+    data.mkdir()
+    for value in ("../secret.png", str(secret)):
+        (data / "rows.jsonl").write_text(json.dumps({"image": value, "text": "a black square"}) + "\n")
+        message = refusal(stages, text_to_image={"data": {"source": "files", "files": [str(data / "rows.jsonl")]}})
+        assert "text_to_image.data.files[0]" in message and f"{data / 'rows.jsonl'}:1" in message
+        assert "outside" in message and str(data) in message
+    (data / "link.png").symlink_to(secret)
+    (data / "rows.jsonl").write_text(json.dumps({"image": "link.png", "text": "a black square"}) + "\n")
+    assert "outside" in refusal(stages, text_to_image={"data": {"source": "files", "files": [str(data / "rows.jsonl")]}})
+    folder = image_folder(tmp_path, [{"file_name": "../secret.png", "text": "a black square"}])
+    message = refusal(stages, text_to_image={"data": {"source": "imagefolder", "path": str(folder)}})
+    assert f"{folder / 'metadata.jsonl'}:1" in message and "outside" in message
+
+
+def test_rows_past_the_checked_ones_are_held_to_the_folder_and_cropped_before_resizing(tmp_path, monkeypatch):
+    """Config checks the first rows of a file; data prep holds every row to its folder, and
+    training cuts an over-long image to MAX_ASPECT before it resizes anything."""
+    import numpy as np
+    import torch
+
+    from distlab.tasks.text_to_image.checks import MAX_ASPECT, OutsideDataFolder
+    from distlab.tasks.text_to_image.data import sample_generator, transform
+    from distlab.tasks.text_to_image.prepare import check_every_file_name
+
+    folder = image_folder(tmp_path, [{"file_name": "good.png", "text": "ok"}] * 3
+                          + [{"file_name": "../../etc/passwd", "text": "not an image"}])
+    with pytest.raises(OutsideDataFolder, match=rf"{folder / 'metadata.jsonl'}:4.*outside"):
+        check_every_file_name(folder)
+
+    requested = []
+    real_resize = Image.Image.resize
+
+    def resize(self, size, *args, **kwargs):
+        requested.append(size)
+        assert size[0] * size[1] <= MAX_ASPECT * 16 * 16, f"resize to {size}"
+        return real_resize(self, size, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "resize", resize)
+    sliver = Image.fromarray(np.arange(100_000, dtype=np.uint32).reshape(100_000, 1).astype(np.uint8))
+    settings = {"resolution": 16, "interpolation": "nearest", "center_crop": True, "random_flip": False}
+    pixels = transform(sliver, settings, sample_generator(0, 0, 0), train=True)
+    assert pixels.shape == (3, 16, 16) and requested == [(16, 64)]
+    assert torch.isfinite(pixels).all()
+
+
 def test_a_resolution_the_vae_and_unet_cannot_halve_is_refused():
     message = refusal({"ddp": {"experiments": [SD]}}, text_to_image={"resolution": 30})
     assert "text_to_image.resolution" in message and "multiple of 4" in message

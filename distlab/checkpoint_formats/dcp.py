@@ -39,19 +39,31 @@ def _trainable_state(strategy):
 def dcp_save(strategy, path: str) -> None:
     """Each rank writes its own shards of the trainable parameters and the optimizer
     (torch.distributed.checkpoint); written to a temporary folder and renamed by rank 0, so a
-    killed save leaves no checkpoint."""
+    killed save leaves no checkpoint. Collective: whatever failed on a rank, every rank reaches
+    the same collectives and raises the same SaveFailed (on_every_rank; DCP's own save gathers
+    each rank's write error and raises it on every rank)."""
     import torch.distributed.checkpoint as dcp
 
+    from distlab.checkpoints.checkpoint import on_every_rank
     from distlab.checkpoints.checkpoint_files import atomic_dir
 
     model_state, optim_state, _ = _trainable_state(strategy)
-    tmp, commit = atomic_dir(path) if dist.get_rank() == 0 else (Path(str(path) + ".tmp"), None)
-    dist.barrier()  # the temporary folder exists before anyone writes into it
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-    if commit is not None:
+    tmp, commit = Path(str(path) + ".tmp"), None
+
+    def make_folder():
+        nonlocal tmp, commit
+        tmp, commit = atomic_dir(path)
+
+    # The temporary folder exists before anyone writes into it.
+    on_every_rank(make_folder if dist.get_rank() == 0 else None, "the temporary folder (rank 0)")
+    on_every_rank(lambda: dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp)),
+                  "torch.distributed.checkpoint's write")
+
+    def name_and_commit():
         write_format(tmp, {"format": DCP_FORMAT, "strategy": strategy.name, "world_size": dist.get_world_size()})
         commit()
-    dist.barrier()
+
+    on_every_rank(name_and_commit if dist.get_rank() == 0 else None, "the format file and rename (rank 0)")
 
 
 def dcp_load(strategy, path: str) -> None:

@@ -13,16 +13,17 @@ PLAIN_FORMAT = "plain"
 def save_plain(strategy, path: str) -> None:
     """Rank 0 writes the trainable parameters (safetensors, one tensor at a time: a CPU one
     straight from the live tensor, a CUDA one through its host copy) and the optimizer state;
-    others wait."""
+    others wait. Collective: a failed write is SaveFailed on every rank (on_every_rank)."""
     import torch
     import torch.distributed as dist
 
+    from distlab.checkpoints.checkpoint import on_every_rank
     from distlab.checkpoints.checkpoint_files import atomic_dir
     from distlab.checkpoints.export_files import SafetensorsFile
     from distlab.strategies.base import trainable_names
     from distlab.runtime.streamed import host
 
-    if dist.get_rank() == 0:
+    def write():
         tmp, commit = atomic_dir(path)
         module = strategy.unwrapped()
         trained = trainable_names(module)
@@ -35,7 +36,8 @@ def save_plain(strategy, path: str) -> None:
         torch.save(strategy.optimizer.state_dict(), tmp / "optimizer.pt")
         write_format(tmp, {"format": PLAIN_FORMAT, "strategy": strategy.name, "frozen_parameters_saved": False})
         commit()
-    dist.barrier()
+
+    on_every_rank(write if dist.get_rank() == 0 else None, "the plain format's write (rank 0)")
 
 
 def load_plain(strategy, path: str) -> None:

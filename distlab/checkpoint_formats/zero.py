@@ -3,6 +3,9 @@ optimizer (engine.save_checkpoint, tag `final`, plus `latest`), frozen parameter
 (LoRA's base: the checkpoint names it by identity, distlab.checkpoints.checkpoint)."""
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+
 import torch.distributed as dist
 
 from distlab.checkpoint_formats import read_format, write_format
@@ -12,15 +15,63 @@ TAG = "final"
 
 
 def zero_save(strategy, path: str) -> None:
-    """Every rank writes its partitions through the engine; rank 0 then names the format."""
+    """Every rank writes its partitions through the engine; rank 0 then names the format.
+    Collective: DeepSpeed's save has barriers of its own after the writes, so a write that
+    raised would leave this rank out of them; the engine's writes are made to keep their
+    error (deferred_write_errors) and every rank reaches every barrier, then they agree."""
+    from distlab.checkpoints.checkpoint import on_every_rank
+
     engine = strategy.model
-    engine.save_checkpoint(path, tag=TAG, exclude_frozen_parameters=True)
-    dist.barrier()
-    if dist.get_rank() == 0:
+    with deferred_write_errors(engine) as write_errors:
+        # `latest` is written below with the format file: DeepSpeed writes it with a bare open().
+        engine.save_checkpoint(path, tag=TAG, exclude_frozen_parameters=True, save_latest=False)
+
+    def raise_write_error():
+        if write_errors:
+            raise write_errors[0]
+
+    on_every_rank(raise_write_error, "DeepSpeed's checkpoint write")
+
+    def name_format():
         write_format(path, {"format": ZERO_FORMAT, "strategy": strategy.name, "tag": TAG,
                             "zero_stage": int(engine.zero_optimization_stage()), "world_size": dist.get_world_size(),
                             "frozen_parameters_saved": False})
-    dist.barrier()
+        (Path(path) / "latest").write_text(TAG)  # what DeepSpeed's save_latest writes
+
+    on_every_rank(name_format if dist.get_rank() == 0 else None, "the format file (rank 0)")
+
+
+@contextlib.contextmanager
+def deferred_write_errors(engine):
+    """While DeepSpeed saves, its checkpoint engine's file writes (save, makedirs) keep their
+    exception in the yielded list instead of raising it mid-save, where it would skip the
+    barriers the save makes after them (the other ranks would wait there for the job's timeout)."""
+    writer = engine.checkpoint_engine
+    errors: list[BaseException] = []
+    names = [name for name in ("save", "makedirs") if hasattr(writer, name)]
+    own = {name: vars(writer)[name] for name in names if name in vars(writer)}  # set on the object itself
+
+    def deferring(original):
+        def call(*args, **kwargs):
+            if errors:  # the save is already failed: write nothing more
+                return None
+            try:
+                return original(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - raised after the save, on every rank (zero_save)
+                errors.append(exc)
+                return None
+        return call
+
+    for name in names:
+        setattr(writer, name, deferring(getattr(writer, name)))
+    try:
+        yield errors
+    finally:
+        for name in names:
+            if name in own:
+                setattr(writer, name, own[name])
+            else:
+                delattr(writer, name)
 
 
 def zero_load(strategy, path: str) -> None:

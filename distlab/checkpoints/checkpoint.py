@@ -79,16 +79,28 @@ def agree(error: str | None, what: str) -> None:
 
 def rank_error(work) -> str | None:
     """Run this rank's part of a save; its error as text (an allocation failure is re-raised:
-    distlab.runtime.memory records it as the run's oom)."""
+    distlab.runtime.memory records it as the run's oom; so is a SaveFailed, which every rank
+    raised alike inside `work`)."""
     from distlab.runtime.memory import is_out_of_memory
 
     try:
         work()
+    except SaveFailed:
+        raise
     except Exception as exc:  # noqa: BLE001 - agreed on by every rank (agree)
         if is_out_of_memory(exc):
             raise
         return f"{type(exc).__name__}: {exc}"[:1000]
     return None
+
+
+def on_every_rank(work, what: str) -> None:
+    """Collective: run this rank's part of a save (`work`, None for a rank with nothing to do),
+    then agree on it. It stands where a save would call dist.barrier(): the barrier outside the
+    error-catching closure, so a rank whose write failed reaches the same collective as the
+    others, and every rank raises the same SaveFailed (a bare barrier after a failed write would
+    leave the others waiting in it while the failed rank waits in agree's all_gather)."""
+    agree(rank_error(work) if work is not None else None, what)
 
 
 # -- files --------------------------------------------------------------------------------

@@ -80,6 +80,13 @@ def replace_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old)
 
 
+def step_folders(root: str | os.PathLike) -> list[Path]:
+    """The step-<N> checkpoint folders under `root`, oldest first by step number (names are
+    zero-padded to 6 digits only: by name, step-1000000 would sort before step-999999)."""
+    found = [p for p in Path(root).glob("step-*") if p.name.split("-", 1)[1].isdigit() and p.is_dir()]
+    return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]))
+
+
 def atomic_dir(final: str | os.PathLike):
     """A temporary sibling folder to write into; commit() fsyncs and renames it (one process)."""
     final = Path(final)

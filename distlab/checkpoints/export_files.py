@@ -158,6 +158,35 @@ def save_hf_metadata(model, folder: str | os.PathLike, dtype) -> None:
         model.generation_config.save_pretrained(str(folder))
 
 
+class WeightIndexError(ValueError):
+    """A safetensors index that is not one to load weights by (unreadable, or pointing outside
+    its folder); the message names the index file."""
+
+
+def read_weight_map(index: str | os.PathLike) -> dict[str, str]:
+    """{tensor name: file} of a safetensors index (model.safetensors.index.json and the like),
+    every file named relative to the index's own folder: an absolute path or a '..' would make
+    the loader read (and the export copy) a file from anywhere on the machine."""
+    from pathlib import PurePosixPath
+
+    index = Path(index)
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise WeightIndexError(f"{index}: unreadable weight index ({exc})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
+                                                   for k, v in weight_map.items()):
+        raise WeightIndexError(f"{index}: field 'weight_map' is not an object of tensor names to file names")
+    outside = sorted({file for file in weight_map.values()
+                      if PurePosixPath(file).is_absolute() or Path(file).is_absolute() or "\\" in file
+                      or ".." in PurePosixPath(file).parts})
+    if outside:
+        raise WeightIndexError(f"{index} names weight files outside its folder {index.parent}: {outside[:5]}; "
+                               "a weight index names files of its own folder only")
+    return weight_map
+
+
 def weight_index(folder: str | os.PathLike) -> dict[str, str]:
     """{tensor name: file} of a Hugging Face weights folder (index, or the single file)."""
     from safetensors import safe_open
@@ -165,7 +194,7 @@ def weight_index(folder: str | os.PathLike) -> dict[str, str]:
     folder = Path(folder)
     index = folder / SAFE_WEIGHTS_INDEX_NAME
     if index.is_file():
-        return json.loads(index.read_text())["weight_map"]
+        return read_weight_map(index)
     single = folder / SAFE_WEIGHTS_NAME
     if not single.is_file():
         raise FileNotFoundError(f"{folder}: no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}")

@@ -57,7 +57,12 @@ def stored_weights(folder: Path, field: str) -> dict:
     files = sorted(folder.glob("*.safetensors"))
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        listed = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        from distlab.checkpoints.export_files import WeightIndexError, read_weight_map
+
+        try:
+            listed = sorted(set(read_weight_map(index).values()))
+        except WeightIndexError as exc:
+            raise ConfigError(f"config field '{field}': {exc}") from None
         missing = [name for name in listed if not (folder / name).is_file()]
         if missing:
             raise ConfigError(f"config field '{field}': {index} lists weight files that are not there: {missing[:5]}")

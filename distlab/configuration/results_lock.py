@@ -104,7 +104,8 @@ def _stale_without_locks(info: dict) -> bool:
 
 def acquire(results_dir: str | os.PathLike) -> ResultsLock:
     """Take the results folder's lock or raise ResultsFolderBusy naming its holder."""
-    folder = Path(results_dir)
+    # Absolute now: Snakemake's -d changes the working directory before the exit hook releases it.
+    folder = Path(results_dir).absolute()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
     if str(path) in _held:  # the Snakefile parsed twice in one process
@@ -133,25 +134,46 @@ def acquire(results_dir: str | os.PathLike) -> ResultsLock:
     return lock
 
 
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open as `fd`."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    then = os.fstat(fd)
+    return (then.st_dev, then.st_ino) == (now.st_dev, now.st_ino)
+
+
 def _replace_if_stale(path: Path, tmp: Path, has_locks: bool | None) -> None:
-    """Put our lock file in place of a stale one, or raise naming the live holder."""
-    try:
-        old = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:  # released meanwhile
-        os.link(tmp, path)
-        return
-    try:
-        holder = _read(path)
-        free = _flock(old) if has_locks else None
-        stale = free if free is not None else _stale_without_locks(holder)
-        if not stale:
-            holder = _read(path) or holder  # a racer may have just replaced a stale one
-            raise ResultsFolderBusy(busy_message(path, holder, checked=free is not None))
-        os.replace(tmp, path)  # atomic: a racer holding the same stale file's flock waits on ours
-        print(f"distlab: cleared a stale results lock ({holder_text(holder)}: that process is gone)",
-              file=sys.stderr)
-    finally:
-        os.close(old)
+    """Put our lock file in place of a stale one, or raise naming the live holder.
+
+    Two workflows may find the same stale file: each opens it and takes its flock in turn. The
+    one that gets it first puts its own file in place while it still holds the stale one's
+    flock; the other gets that flock only after, finds the name now names another file, and
+    judges that one (held: busy), so that only one of them ever takes the folder."""
+    while True:
+        try:
+            old = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:  # released meanwhile
+            try:
+                os.link(tmp, path)
+                return
+            except FileExistsError:  # and taken again by a racer: judge its file
+                continue
+        try:
+            free = _flock(old) if has_locks else None
+            if free and not _same_file(old, path):  # replaced while we reached it: judge the new one
+                continue
+            holder = _read(path)
+            stale = free if free is not None else _stale_without_locks(holder)
+            if not stale:
+                raise ResultsFolderBusy(busy_message(path, holder, checked=free is not None))
+            os.replace(tmp, path)  # while the stale file's flock is ours: a racer judges our file next
+            print(f"distlab: cleared a stale results lock ({holder_text(holder)}: that process is gone)",
+                  file=sys.stderr)
+            return
+        finally:
+            os.close(old)
 
 
 def busy_message(path: Path, holder: dict, checked: bool) -> str:

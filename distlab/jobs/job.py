@@ -10,6 +10,7 @@ job (a further timing launch, a validation phase, a link's agents) makes it with
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -46,6 +47,9 @@ class Job:
     # the names the two-host run gives its hosts' addresses in the Ray record.
     driver_inside: FrozenList = field(default_factory=FrozenList)
     host_names: FrozenDict | None = None
+    # The Snakemake job's `runtime` resource (minutes): no collective of its ranks waits longer
+    # (collective_timeout). None (a launch outside a rule): estimated_runtime_minutes.
+    runtime_minutes: float | None = None
 
     def __post_init__(self):
         # The door: whatever was handed in is frozen from here on (lists stay lists: a FrozenList
@@ -82,6 +86,23 @@ class ValidationJob(Job):
     out: str | None = None
 
     _frozen_fields = Job._frozen_fields + ("expected_losses", "expected_lrs", "plan")
+
+
+def estimated_runtime_minutes(spec, steps: int | None = None) -> int:
+    """The runtime a train job is given when the config sets none: process start and data
+    loading plus a generous second per step per repeat, per launch (`steps`: the spec's, or
+    the epochs' resolved count)."""
+    steps = steps if steps is not None else spec.get("steps")
+    steps = 3600 if steps is None else steps  # epochs not yet resolved: an hour of steps
+    return (10 + (steps * spec.get("repeats", 1)) // 60) * spec.get("launches", 1)
+
+
+def collective_timeout(job: Job | None, spec) -> timedelta:
+    """How long a rank's collective may wait: the job's runtime, so that a rank left in a
+    collective (its peer failed elsewhere) fails within its job's time rather than after
+    gloo's and NCCL's default 30 minutes (10 for NCCL), whatever the job was allowed."""
+    minutes = job.runtime_minutes if job is not None and job.runtime_minutes else estimated_runtime_minutes(spec)
+    return timedelta(minutes=minutes)
 
 
 JOB_TYPES = {"train": Job, "validation": ValidationJob}

@@ -23,6 +23,11 @@ def job_file(run_dir: str) -> str:
     return str((Path(run_dir) / "job.json").resolve())
 
 
+def _minutes(runtime) -> float | None:
+    """Snakemake's runtime resource (minutes); None where the rule has none it can give."""
+    return float(runtime) if isinstance(runtime, (int, float)) and runtime > 0 else None
+
+
 def rule_job(snakemake, run_dir: str) -> Job:
     """The job of a training rule (train, two_hosts) from its Snakemake object."""
     return Job(
@@ -37,6 +42,8 @@ def rule_job(snakemake, run_dir: str) -> Job:
         base_eval_json=os.path.abspath(snakemake.input.base_eval),
         # Trackers' store beside the machine's runs (absolute, as above): results/<machine>/tracking.
         tracking_dir=os.path.abspath(os.path.join(os.path.dirname(run_dir), "tracking")),
+        # The bound on every collective wait of its ranks (distlab.jobs.job.collective_timeout).
+        runtime_minutes=_minutes(getattr(snakemake.resources, "runtime", None)),
     )
 
 

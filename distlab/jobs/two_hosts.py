@@ -60,7 +60,9 @@ def two_hosts_spec(config: dict) -> dict:
 
 def newest_checkpoint_world(run_dir: Path) -> int | None:
     """World size of the newest checkpoint the running job has written (resume/step-*)."""
-    for folder in sorted((Path(run_dir) / "resume").glob("step-*[0-9]"), reverse=True):
+    from distlab.checkpoints.checkpoint_files import step_folders
+
+    for folder in reversed(step_folders(Path(run_dir) / "resume")):
         try:
             return json.loads((folder / "distlab_checkpoint.json").read_text())["world_size"]
         except (OSError, ValueError):

@@ -65,7 +65,7 @@ def verdict(result: dict, spec: dict) -> dict:
 
 # -- the driver -----------------------------------------------------------------------------------
 def validate_run(run_dir, model_source: str, data_dir: str, out_path, log_path=None, timeout: float = 600) -> dict:
-    from distlab.checkpoints.checkpoint_files import verify_manifest
+    from distlab.checkpoints.checkpoint_files import step_folders, verify_manifest
 
     from distlab.records.run_outputs import read_run_record
 
@@ -89,7 +89,7 @@ def validate_run(run_dir, model_source: str, data_dir: str, out_path, log_path=N
         result["checks"] = {n: {"status": UNSUPPORTED, "reason": f"no checkpoint: {why}"} for n in required_checks(spec)}
         return _write(out_path, verdict(result, spec))
     final = root / "final"
-    parity = sorted(p for p in root.glob("step-*") if p.is_dir())
+    parity = step_folders(root)
     problems = [p for folder in [final, *parity] for p in verify_manifest(folder)]
     result["checks"]["manifest"] = {
         "status": FAILED if problems else PASSED, "problems": problems,

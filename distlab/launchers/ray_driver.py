@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from distlab.jobs.job import Job, read_job, replace
+from distlab.jobs.job import Job, collective_timeout, read_job, replace
 from distlab.launchers.environment import BASE_ENV, rank_environment
 from distlab.launchers.process import run_ranks
 from distlab.launchers.ray_nodes import token_auth_environment
@@ -147,7 +147,7 @@ def fit(job: Job) -> dict:
     """Run the experiment on the current Ray cluster; returns what the driver writes."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     spec = job.spec
@@ -172,7 +172,9 @@ def fit(job: Job) -> dict:
     from distlab.launchers.ray_worker import train_worker
 
     trainer = TorchTrainer(train_worker, train_loop_config={"job": job, "log": run_log},
-                           scaling_config=scaling_config, run_config=run_config)
+                           scaling_config=scaling_config, run_config=run_config,
+                           # The process group Ray makes waits no longer than the job may run.
+                           torch_config=TorchConfig(timeout_s=int(collective_timeout(job, spec).total_seconds())))
     started = time.perf_counter()
     error = None
     try:

@@ -10,17 +10,29 @@ import os
 
 from distlab.report.cards import Card
 from distlab.report.collect import load_checked_runs, read_json
+from distlab.records.run_outputs import ResultsError
 from distlab.report.render import render_html, render_markdown
 
 
-def checked_runs(metrics_paths, named_folder: bool = True, declared: frozenset[str] | None = None) -> list[dict]:
+class PageLeavesOutItsRuns(ResultsError):
+    """A page whose own runs (its rule's inputs) do not all read: it is not written."""
+
+
+def checked_runs(metrics_paths, named_folder: bool = True, declared: frozenset[str] | None = None,
+                 all_or_none: bool = True) -> list[dict]:
     """The runs that read and hold every figure they promise (collect.load_checked_runs), with
-    only the `declared` files beside them read; a rejected one is named on stderr, never half-read."""
+    only the `declared` files beside them read. Every run a page is given is one of its own
+    stage, which its target has just trained: one that does not read stops the page, naming
+    it (a page that says "0 runs" of a stage whose runs are all there would be a false page).
+    all_or_none False: one left out is named on stderr (a card that fails its goal without it)."""
     import sys
 
     runs, rejected = load_checked_runs(list(metrics_paths), named_folder, declared)
     for item in rejected:
         print(f"WARNING: left out of the card: {item['reason']}", file=sys.stderr)
+    if rejected and all_or_none:
+        raise PageLeavesOutItsRuns(f"{len(rejected)} of the {len(rejected) + len(runs)} run(s) of this page do not "
+                                   "read, so no page is written: " + "; ".join(item["reason"] for item in rejected))
     for run in runs:
         run["_dir"] = os.path.abspath(run["_dir"])
     return runs
@@ -78,6 +90,7 @@ def two_hosts_page(metrics_path: str, hosts_path: str, html_path: str, md_path: 
     id) and the hosts record (which host ran which rank)."""
     from distlab.report.cards import two_hosts
 
-    runs = checked_runs([metrics_path], named_folder=False, declared=declared)
+    # Its card fails its goal, naming why, when the run left no readable metrics.
+    runs = checked_runs([metrics_path], named_folder=False, declared=declared, all_or_none=False)
     record = read_json(hosts_path, "hosts record", None)
     write_page(two_hosts.build(runs[0] if runs else None, record), runs, html_path, md_path)

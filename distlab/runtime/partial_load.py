@@ -18,7 +18,6 @@ partitions) and `strategies.fsdp_load.DCPShards` (FSDP2's DTensor shards, read b
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 
@@ -75,7 +74,9 @@ class WeightFiles:
         self.folder = model_folder(model.distlab_source)
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
-            where = json.loads(index.read_text())["weight_map"]
+            from distlab.checkpoints.export_files import read_weight_map
+
+            where = read_weight_map(index)
         else:
             single = self.folder / "model.safetensors"
             if not single.is_file():

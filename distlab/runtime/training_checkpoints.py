@@ -12,6 +12,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from distlab.checkpoints import checkpoint as ckpt
+from distlab.checkpoints.checkpoint_files import step_folders
 from distlab.jobs.job import Job
 from distlab.runtime.loop import IndexStream
 from distlab.records.sharing import portable
@@ -62,7 +63,7 @@ class TrainingCheckpoints:
         if dist.get_rank() == 0:
             for earlier in refused_earlier(self.resume_root.parent):
                 print(f"checkpoint: {portable(earlier)}", flush=True)
-        found = sorted(p for p in self.resume_root.glob("step-*") if p.name.split("-")[1].isdigit())
+        found = step_folders(self.resume_root)
         for path in reversed(found):
             try:
                 ckpt.check_loadable(path, self.spec, self.signature, base=self.base,
@@ -213,7 +214,7 @@ def refused_earlier(run_dir: Path) -> list[str]:
 def prune_periodic(resume_root: Path, keep: int, parity_step: int | None) -> list[str]:
     """Keep the newest `keep` complete periodic checkpoints (and the parity one validation
     resumes from); remove the rest. Returns the names removed."""
-    found = sorted(p for p in resume_root.glob("step-*") if p.name.split("-")[1].isdigit())
+    found = step_folders(resume_root)
     parity = f"step-{parity_step:06d}" if parity_step else None
     periodic = [p for p in found if p.name != parity]
     removed = periodic[:-keep] if keep > 0 else periodic

@@ -51,7 +51,7 @@ class AccelerateStrategy(Strategy):
     # -- process group ------------------------------------------------------------------
     def init_distributed(self) -> None:
         from accelerate import Accelerator
-        from accelerate.utils import GradientAccumulationPlugin
+        from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
 
         if self.ctx.device.type == "cuda":
             torch.cuda.set_device(self.ctx.device)
@@ -62,7 +62,9 @@ class AccelerateStrategy(Strategy):
         # cpu=True is what makes Accelerate join the launcher's CPU ranks (see module doc).
         self.accelerator = Accelerator(cpu=self.ctx.device.type == "cpu",
                                        mixed_precision=ACCELERATE_MIXED_PRECISION[self.spec["precision"]],
-                                       gradient_accumulation_plugin=accumulation, **kwargs)
+                                       gradient_accumulation_plugin=accumulation,
+                                       kwargs_handlers=[InitProcessGroupKwargs(timeout=self.collective_timeout)],
+                                       **kwargs)
         launched = int(os.environ.get("WORLD_SIZE", 1))
         if self.accelerator.num_processes != launched:
             raise FidelityError(f"the launcher started {launched} ranks but Accelerate sees "
@@ -72,7 +74,8 @@ class AccelerateStrategy(Strategy):
             # A bare single process (DistributedType.NO) has no process group; the loop
             # gathers its records through one, so this rank forms a group of one.
             backend = "nccl" if self.ctx.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=self.collective_timeout)
 
     def _fsdp_plugin(self):
         from accelerate.utils import FullyShardedDataParallelPlugin
@@ -270,14 +273,20 @@ class AccelerateStrategy(Strategy):
         metadata); distlab.checkpoints.checkpoint makes the save atomic around it."""
         import json
 
-        self.accelerator.save_state(str(path))
-        dist.barrier()
-        if dist.get_rank() == 0:
+        from distlab.checkpoints.checkpoint import on_every_rank
+
+        # Collective: a write that failed on one rank is SaveFailed on every rank, each having
+        # reached the same collectives (on CPU save_state makes none after its writes; the
+        # FSDP path's writes are DCP's, which gathers their errors itself).
+        on_every_rank(lambda: self.accelerator.save_state(str(path)), "accelerator.save_state")
+
+        def name_format():
             (Path(path) / "format.json").write_text(json.dumps({
                 "format": "accelerate-save_state", "strategy": self.name,
                 "distributed_type": self.accelerator.distributed_type.value,
                 "world_size": dist.get_world_size(), "method": self.spec["method"]}))
-        dist.barrier()
+
+        on_every_rank(name_format if dist.get_rank() == 0 else None, "the format file (rank 0)")
 
     def _drop_frozen(self, models, weights, _output_dir) -> None:
         """save_state pre-hook: each model's state dict loses its frozen parameters."""

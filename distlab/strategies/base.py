@@ -62,7 +62,15 @@ class Strategy:
         backend = "nccl" if self.ctx.device.type == "cuda" else "gloo"
         if self.ctx.device.type == "cuda":
             torch.cuda.set_device(self.ctx.device)
-        dist.init_process_group(backend=backend, device_id=self.ctx.device if backend == "nccl" else None)
+        dist.init_process_group(backend=backend, device_id=self.ctx.device if backend == "nccl" else None,
+                                timeout=self.collective_timeout)
+
+    @property
+    def collective_timeout(self):
+        """The longest any collective of this rank waits: the job's runtime (collective_timeout)."""
+        from distlab.jobs.job import collective_timeout
+
+        return collective_timeout(self.ctx.job, self.spec)
 
     @property
     def data_parallel_rank(self) -> int:

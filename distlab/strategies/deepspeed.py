@@ -72,7 +72,8 @@ class DeepSpeedStrategy(Strategy):
             torch.cuda.set_device(self.ctx.device)
         else:
             skip_inference_shm_op()
-        deepspeed.init_distributed(dist_backend="nccl" if self.ctx.device.type == "cuda" else "gloo")
+        deepspeed.init_distributed(dist_backend="nccl" if self.ctx.device.type == "cuda" else "gloo",
+                                   timeout=self.collective_timeout)
 
     def load_model(self, model_source: str):
         """The weights in the dtype DeepSpeed keeps its module in (bf16/fp16 with fp32 masters

@@ -17,11 +17,21 @@ def validation_of(run: dict) -> dict | None:
     return run.get("_validation")
 
 
-def _cell(check: dict | None, passed_text) -> str:
-    """'not run', the check's status, or (when it passed) the measured value."""
+UNREADABLE = "unreadable"  # a passed check without the figures distlab writes (a foreign file)
+
+
+def _cell(check: dict | None, passed_text, unreadable: list) -> str:
+    """'not run', the check's status, or (when it passed) the measured value; 'unreadable', with
+    what is missing appended to `unreadable`, when a passed check lacks its figures."""
     if not check:
         return "not run"
-    return passed_text(check) if check["status"] == PASSED else check["status"]
+    if check["status"] != PASSED:
+        return check["status"]
+    try:
+        return passed_text(check)
+    except (KeyError, TypeError, ValueError) as exc:
+        unreadable.append(f"{type(exc).__name__}: {exc}")
+        return UNREADABLE
 
 
 def export_cell(check: dict) -> str:
@@ -33,18 +43,22 @@ def export_cell(check: dict) -> str:
     return kind + gap + (" + merged" if "merged_max_abs_logit_diff" in check else "")
 
 
-def row(run: dict, validation: dict) -> dict:
+def row(run: dict, validation: dict, unreadable: list | None = None) -> dict:
+    """The run's table row; what a passed check lacks (a validation.json of another shape) goes
+    to `unreadable`, its cell reading 'unreadable'."""
+    unreadable = [] if unreadable is None else unreadable
     checks = validation.get("checks", {})
     sizes = checks.get("size_and_time") or {}
     return {
         "machine": run["machine"], "experiment": run["experiment"], "strategy": run["spec"]["strategy"],
         "validated": validation.get("status"),
-        "reload max |dlogit|": _cell(checks.get("reload"), lambda c: f"{c['max_abs_logit_diff']:.1e}"),
+        "reload max |dlogit|": _cell(checks.get("reload"), lambda c: f"{c['max_abs_logit_diff']:.1e}", unreadable),
         "reshard": _cell(checks.get("reshard"), lambda c: f"{c['from_world_size']}->{c['to_world_size']} ranks "
-                                                          f"({c['max_abs_logit_diff']:.1e})"),
+                                                          f"({c['max_abs_logit_diff']:.1e})", unreadable),
         "resume max |dloss|": _cell(checks.get("resume_parity"),
-                                    lambda c: f"{c['max_abs_loss_diff']:.1e} ({c['steps_resumed']} steps)"),
-        "export": _cell(checks.get("export"), export_cell),
+                                    lambda c: f"{c['max_abs_loss_diff']:.1e} ({c['steps_resumed']} steps)",
+                                    unreadable),
+        "export": _cell(checks.get("export"), export_cell, unreadable),
         "size (MB)": round(sizes["checkpoint_bytes"] / 1e6, 2) if sizes.get("checkpoint_bytes") else None,
         "save (s)": round(sizes["save_seconds"], 3) if sizes.get("save_seconds") is not None else None,
         "load (s)": round(sizes["load_seconds"], 3) if sizes.get("load_seconds") is not None else None,
@@ -94,12 +108,21 @@ def checkpoint_card(runs: list[dict]) -> Card | None:
                                [os.path.join(r["_dir"], "metrics.json") for r in failed_saves]))
     if not pairs:
         return card
-    failed = [r["experiment"] for r, v in pairs if not v.get("passed")]
+    rows, foreign = [], {}
+    for run, validation in pairs:
+        unreadable: list = []
+        rows.append(row(run, validation, unreadable))
+        if unreadable:  # a foreign file: its "passed" is not taken on trust
+            foreign[run["experiment"]] = (f"{os.path.join(run['_dir'], 'validation.json')} is not a validation.json "
+                                          f"distlab wrote, a passed check lacks its figures ({'; '.join(unreadable)})")
+    if foreign:
+        card.notes.append(f"Shown '{UNREADABLE}': " + "; ".join(foreign.values()) + ".")
+    failed = [r["experiment"] for r, v in pairs if not v.get("passed") or r["experiment"] in foreign]
     links = [os.path.join(r["_dir"], "validation.json") for r, _ in pairs]
     title, caveats = goal_title(pairs)
     if failed:
-        reasons = "; ".join(f"{r['experiment']}: {v.get('reason', v.get('status'))}" for r, v in pairs
-                            if not v.get("passed"))
+        reasons = "; ".join(f"{r['experiment']}: {foreign.get(r['experiment']) or v.get('reason', v.get('status'))}"
+                            for r, v in pairs if r["experiment"] in failed)
         card.goals.append(Goal("minimal", f"Every validated checkpoint passed {', '.join(CHECK_NAMES.values())}", FAILED,
                                f"{len(pairs) - len(failed)} of {len(pairs)} validated; {reasons}" + caveats, links))
     else:
@@ -125,5 +148,5 @@ def checkpoint_card(runs: list[dict]) -> Card | None:
            "load = strategy.save_checkpoint / load_checkpoint wall seconds. Max abs tolerances: "
            + ", ".join(f"{k} {v:g}" for k, v in tolerances.items()) + " (each validation.json states the one it "
            "used). 'unsupported' = the format cannot do it, with the reason in validation.json.")
-    card.tables.append(Table("Checkpoint validation", pd.DataFrame([row(r, v) for r, v in pairs]), how))
+    card.tables.append(Table("Checkpoint validation", pd.DataFrame(rows), how))
     return card

@@ -63,7 +63,7 @@ class TextToImage(Task):
         if block["model"]["path"]:
             checks.check_model_folder(block["model"]["path"])
         checks.check_shapes(block)
-        checks.check_data(block["data"])
+        checks.check_data(block["data"], block["resolution"])
 
     def check_experiment(self, spec, config, fail):
         # What its UNet lacks (`lacks`: no transformers tp plan, skip connections across pipeline

@@ -13,6 +13,9 @@ from pathlib import Path
 from distlab.configuration.input_checks import ConfigError
 
 SAMPLE_ROWS = 200  # rows per metadata/data file whose image and caption are checked
+# The longest side an image may have per pixel of its shorter side: config refuses beyond it,
+# and training crops the rows it did not check to it before resizing (data.transform).
+MAX_ASPECT = 4.0
 PIPELINE_CLASS = "StableDiffusionPipeline"
 # component folder -> what must be in it (any one of each tuple)
 COMPONENTS = {
@@ -71,19 +74,60 @@ def _caption_ok(value) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
 
 
-def _open_image(source, where: str, at: str) -> None:
-    """source: a path or bytes. Decodes the whole image (a truncated file fails here)."""
+def shape_problem(size: tuple[int, int], resolution: int) -> str | None:
+    """Why an image of `size` (width, height) cannot be trained on at `resolution`, or None:
+    too long for its width (the transform would crop away all but a sliver, and the resize of
+    the shorter side to `resolution` would make the longer one resolution x aspect pixels: a
+    1x100000 image at 512 px wants ~100 GB), or too many pixels to decode (PIL's own
+    decompression-bomb bound, Image.MAX_IMAGE_PIXELS)."""
+    from PIL import Image
+
+    width, height = size
+    if width < 1 or height < 1:
+        return f"{width}x{height} pixels: an empty image"
+    aspect = max(width, height) / min(width, height)
+    if aspect > MAX_ASPECT:
+        return (f"{width}x{height} pixels: aspect ratio {aspect:,.0f}:1, beyond the {MAX_ASPECT:g}:1 the task trains "
+                f"on (resized to {resolution} px on its shorter side it would be "
+                f"{int(resolution * aspect):,} px long); crop it, or leave it out")
+    if Image.MAX_IMAGE_PIXELS and width * height > Image.MAX_IMAGE_PIXELS:
+        return (f"{width}x{height} pixels: {width * height / 1e6:,.0f} megapixels to decode, beyond PIL's bound of "
+                f"{Image.MAX_IMAGE_PIXELS / 1e6:,.0f} (Image.MAX_IMAGE_PIXELS); scale it down to about "
+                f"{resolution} px first")
+    return None
+
+
+def _open_image(source, resolution: int, where: str, at: str) -> None:
+    """source: a path or bytes. Its header (size, mode) and structure (PIL's verify: a PNG's
+    chunks and checksums, a truncated file fails) are read; no pixel is decoded (the Snakefile,
+    `-n` too, runs this at every call)."""
+    import warnings
+
     from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
-            image.load()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # shape_problem says it
+            with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
+                size = image.size
+                image.verify()
+    except Image.DecompressionBombError as exc:
+        _fail(where, f"{at}: {exc}")
     except Exception as exc:  # PIL raises many kinds: each means "not an image we can train on"
         _fail(where, f"{at}: unreadable image ({type(exc).__name__}: {exc})")
+    problem = shape_problem(size, resolution)
+    if problem:
+        _fail(where, f"{at}: image {source if isinstance(source, Path) else '(bytes)'} of {problem}")
 
 
-def image_source(value, base: Path):
-    """What a row's image field points at: bytes, or a path (relative to the data file's folder).
+class OutsideDataFolder(ValueError):
+    """A row's image path that leads out of the folder the config names."""
+
+
+def image_source(value, base: Path, root: Path | None = None):
+    """What a row's image field points at: bytes, or a path (relative to the data file's folder
+    `base`), which must lie inside `root` (default `base`) once every symlink is resolved: a
+    row must not make data prep copy any file the user can read into results/prep.
     None when the value is neither (the caller names the row)."""
     if isinstance(value, dict):
         if value.get("bytes"):
@@ -92,12 +136,17 @@ def image_source(value, base: Path):
     if isinstance(value, (bytes, bytearray)):
         return bytes(value)
     if isinstance(value, str) and value:
-        path = Path(value)
-        return path if path.is_absolute() else base / path
+        folder = Path(root or base).resolve()
+        path = (Path(base) / value).resolve()
+        if not path.is_relative_to(folder):
+            raise OutsideDataFolder(f"image path {value!r} leads to {path}, outside {folder}: a row names an image "
+                                    "in the folder of its data file (or below it)")
+        return path
     return None
 
 
-def _check_row(row, image_key: str, caption: str, base: Path, where: str, at: str) -> None:
+def _check_row(row, image_key: str, caption: str, base: Path, where: str, at: str, resolution: int,
+               root: Path | None = None) -> None:
     if not isinstance(row, dict):
         _fail(where, f"{at}: a row must be an object, found {type(row).__name__}")
     if image_key not in row:
@@ -105,12 +154,15 @@ def _check_row(row, image_key: str, caption: str, base: Path, where: str, at: st
     if caption not in row or not _caption_ok(row[caption]):
         _fail(where, f"{at}: no caption: field '{caption}' must be non-empty text or a list of texts "
                      "(text_to_image.data.caption_column names it)")
-    source = image_source(row[image_key], base)
+    try:
+        source = image_source(row[image_key], base, root)
+    except OutsideDataFolder as exc:
+        _fail(where, f"{at}: {exc}")
     if source is None:
         _fail(where, f"{at}: field '{image_key}' is neither a path nor image bytes")
     if isinstance(source, Path) and not source.is_file():
         _fail(where, f"{at}: image file '{source}' does not exist")
-    _open_image(source, where, at)
+    _open_image(source, resolution, where, at)
 
 
 def _json_rows(path: Path, where: str):
@@ -124,7 +176,7 @@ def _json_rows(path: Path, where: str):
                 _fail(where, f"{path}:{line_no}: not a JSON line ({exc})")
 
 
-def check_imagefolder(folder, caption: str, where: str) -> None:
+def check_imagefolder(folder, caption: str, where: str, resolution: int) -> None:
     """datasets' imagefolder layout: images with a metadata.jsonl beside them (in the folder or
     in split subfolders) whose rows hold file_name and the caption column."""
     folder = Path(folder)
@@ -137,7 +189,7 @@ def check_imagefolder(folder, caption: str, where: str) -> None:
     for path in metadata:
         seen = 0
         for line_no, row in _json_rows(path, where):
-            _check_row(row, "file_name", caption, path.parent, where, f"{path}:{line_no}")
+            _check_row(row, "file_name", caption, path.parent, where, f"{path}:{line_no}", resolution, folder)
             seen += 1
             if seen >= SAMPLE_ROWS:
                 break
@@ -145,7 +197,7 @@ def check_imagefolder(folder, caption: str, where: str) -> None:
             _fail(where, f"{path}: no rows")
 
 
-def check_image_file(name: str, image_column: str, caption: str, where: str) -> None:
+def check_image_file(name: str, image_column: str, caption: str, where: str, resolution: int) -> None:
     """A Parquet or JSON lines file of rows with an image column (bytes or a path relative to
     the file) and a caption column."""
     path = Path(name)
@@ -162,13 +214,13 @@ def check_image_file(name: str, image_column: str, caption: str, where: str) -> 
         if not rows:
             _fail(where, f"{path}: Parquet file holds no rows")
         for index, row in enumerate(rows):
-            _check_row(row, image_column, caption, path.parent, where, f"{path}: row {index}")
+            _check_row(row, image_column, caption, path.parent, where, f"{path}: row {index}", resolution)
         return
     if suffix not in (".jsonl", ".json"):
         _fail(where, f"{path}: image-caption rows are read from .parquet or .jsonl files")
     seen = 0
     for line_no, row in _json_rows(path, where):
-        _check_row(row, image_column, caption, path.parent, where, f"{path}:{line_no}")
+        _check_row(row, image_column, caption, path.parent, where, f"{path}:{line_no}", resolution)
         seen += 1
         if seen >= SAMPLE_ROWS:
             break
@@ -176,16 +228,19 @@ def check_image_file(name: str, image_column: str, caption: str, where: str) -> 
         _fail(where, f"{path}: no rows")
 
 
-def check_data(data: dict, where: str = "text_to_image.data") -> None:
+def check_data(data: dict, resolution: int, where: str = "text_to_image.data") -> None:
+    """The configured image-caption rows (the first SAMPLE_ROWS of each file): captions, and
+    images that read, lie in the configured folder and can be trained on at `resolution`."""
     if data["source"] == "imagefolder":
         if not data["path"]:
             _fail(f"{where}.path", "source 'imagefolder' needs the folder")
-        check_imagefolder(data["path"], data["caption_column"], f"{where}.path")
+        check_imagefolder(data["path"], data["caption_column"], f"{where}.path", resolution)
     elif data["source"] == "files":
         if not data["files"]:
             _fail(f"{where}.files", "source 'files' needs at least one .parquet or .jsonl file")
         for index, name in enumerate(data["files"]):
-            check_image_file(name, data["image_column"], data["caption_column"], f"{where}.files[{index}]")
+            check_image_file(name, data["image_column"], data["caption_column"], f"{where}.files[{index}]",
+                             resolution)
 
 
 def check_shapes(block: dict) -> None:

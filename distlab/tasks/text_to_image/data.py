@@ -9,7 +9,9 @@
 The transforms are written with PIL (torchvision, which the example uses, is not a dependency);
 they follow torchvision's arithmetic (shorter side to `resolution`, int() of the long side;
 center crop offset round((size - resolution) / 2); random offsets torch.randint(0, size -
-resolution + 1)). Every random draw of a sample comes from its own generator, seeded by (seed,
+resolution + 1)), after one step of their own: an image longer than MAX_ASPECT (4) x its
+shorter side is first cut to its centre of that length (crop_to_aspect), as config refuses it
+in the rows it checks. Every random draw of a sample comes from its own generator, seeded by (seed,
 step, sample index), in the example's order: crop, flip, caption pick, latent sample, noise,
 timestep.
 
@@ -38,12 +40,30 @@ def sample_generator(seed: int, step: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed((((seed * 1_000_003) ^ (step + 7)) * 1_000_033 + index) % (2 ** 63))
 
 
+def crop_to_aspect(image):
+    """The centre of an image longer than MAX_ASPECT x its shorter side, cut to that length
+    before anything resizes it: config checks only the first rows of each file, and the resize
+    of the shorter side to the resolution would make a 1x100000 image 100 GB at 512 px. An
+    image within the bound is returned as it is (the example's transform unchanged)."""
+    from distlab.tasks.text_to_image.checks import MAX_ASPECT
+
+    width, height = image.size
+    keep = max(1, int(min(width, height) * MAX_ASPECT))
+    if width > keep:
+        left = (width - keep) // 2
+        return image.crop((left, 0, left + keep, height))
+    if height > keep:
+        top = (height - keep) // 2
+        return image.crop((0, top, width, top + keep))
+    return image
+
+
 def transform(image, settings: dict, generator: torch.Generator, train: bool) -> torch.Tensor:
     """The example's train_transforms on one PIL image (eval: center crop, no flip)."""
     from PIL import Image
 
     interpolation = getattr(Image.Resampling, settings["interpolation"].upper())
-    image = image.convert("RGB")
+    image = crop_to_aspect(image).convert("RGB")
     size = settings["resolution"]
     width, height = image.size
     short, long = (width, height) if width <= height else (height, width)

@@ -69,7 +69,9 @@ def weight_files(folder: Path) -> dict[str, Path]:
 
     index = folder / f"{WEIGHTS}.index.json"
     if index.is_file():
-        return {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        from distlab.checkpoints.export_files import read_weight_map
+
+        return {name: folder / file for name, file in read_weight_map(index).items()}
     single = folder / WEIGHTS
     if not single.is_file():
         raise FileNotFoundError(f"{folder} has no {WEIGHTS} (or its index) to load the UNet from")

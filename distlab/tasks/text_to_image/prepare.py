@@ -107,12 +107,12 @@ def load_rows(data: dict, scratch: Path):
         if data["source"] == "digits":
             folder = scratch / "digits"
             write_digits_imagefolder(folder, data["max_images"])
+        else:
+            check_every_file_name(Path(folder))
         loaded = datasets.load_dataset("imagefolder", data_dir=str(folder), cache_dir=str(scratch / "cache"))
         rows = datasets.concatenate_datasets([loaded[split] for split in sorted(loaded)])
         image_column = "image"
     else:
-        from distlab.tasks.text_to_image.checks import image_source
-
         parts = []
         for name in data["files"]:
             builder = "parquet" if name.lower().endswith(".parquet") else "json"
@@ -121,8 +121,8 @@ def load_rows(data: dict, scratch: Path):
             base = Path(name).parent
             column = data["image_column"]
             # Paths in the file are relative to it; bytes stay bytes (datasets' Image feature reads both).
-            part = part.map(lambda row: {column: _image_value(image_source(row[column], base))},
-                            cache_file_name=str(scratch / f"resolved-{len(parts)}.arrow"))
+            part = part.map(lambda row, index: {column: _image_value(within(name, index, row[column], base))},
+                            with_indices=True, cache_file_name=str(scratch / f"resolved-{len(parts)}.arrow"))
             parts.append(part.cast_column(column, datasets.Image()))
         rows = datasets.concatenate_datasets(parts)
         image_column = data["image_column"]
@@ -134,6 +134,33 @@ def load_rows(data: dict, scratch: Path):
     if data["source"] != "digits" and data["max_images"] is not None:
         rows = rows.select(range(min(data["max_images"], len(rows))))
     return rows
+
+
+def within(data_file, index: int, value, base: Path):
+    """A row's image (image_source): config checked the first rows; this holds every row to
+    the same rule, naming the file and row (a path out of the data file's folder is refused)."""
+    from distlab.tasks.text_to_image.checks import OutsideDataFolder, image_source
+
+    try:
+        return image_source(value, base)
+    except OutsideDataFolder as exc:
+        raise OutsideDataFolder(f"config field 'text_to_image.data.files': {data_file}: row {index}: {exc}") from None
+
+
+def check_every_file_name(folder: Path) -> None:
+    """Every metadata.jsonl row of an imagefolder names a file inside it (config checked the
+    first rows; datasets would read wherever file_name leads)."""
+    from distlab.tasks.text_to_image.checks import OutsideDataFolder, image_source
+
+    for metadata in sorted(folder.rglob("metadata.jsonl")):
+        with open(metadata, encoding="utf-8") as fh:
+            for line_no, line in enumerate(fh, 1):
+                row = json.loads(line) if line.strip() else {}
+                try:
+                    image_source(row.get("file_name") if isinstance(row, dict) else None, metadata.parent, folder)
+                except OutsideDataFolder as exc:
+                    raise OutsideDataFolder(f"config field 'text_to_image.data.path': {metadata}:{line_no}: {exc}") \
+                        from None
 
 
 def _image_value(source) -> dict:
