@@ -1,0 +1,76 @@
+"""Config-time checks of three training tools an experiment may ask for (light: no torch):
+QLoRA (`method: qlora`), regional compilation (`compile: true`) and profiler traces
+(`profile: {steps: [a, b]}`). Each refusal names the field and says why the combination
+cannot run; what runs is distlab.runtime.qlora, distlab.runtime.compiled and distlab.runtime.profiling.
+"""
+from __future__ import annotations
+
+from distlab.strategies import strategy_key
+
+# Where QLoRA's 4-bit base cannot go, and why (strategy_key: FSDP through Accelerate is "accelerate").
+QLORA_REFUSED = {
+    "deepspeed": "DeepSpeed's engine flattens and partitions the module's parameters into its own fp buffers "
+                 "(ZeRO-3 at load, every stage for its optimizer and casts) and would take bitsandbytes' packed "
+                 "4-bit Params4bit for ordinary tensors, losing their quantisation state; distlab runs QLoRA "
+                 "under ddp or accelerate",
+    "fsdp": "FSDP2's fully_shard turns every parameter into a DTensor shard; bitsandbytes' Params4bit keeps its "
+            "quantisation state (absmax, code, shape) on the Parameter object, which a DTensor shard does not "
+            "carry (bnb_4bit_quant_storage makes the packed bytes shardable for FSDP1's flat parameters, not "
+            "FSDP2's per-parameter DTensors); use ddp or accelerate",
+    "tp": "tensor parallelism splits each Linear's weight into row or column DTensor shards; a packed 4-bit "
+          "weight with its per-block absmax cannot be split along the layer's dimensions",
+    "pp": "distlab's pipeline stages build each stage's layers from a meta-device model and load plain "
+          "weights into them; bitsandbytes quantises at from_pretrained, which the stage loader does not use",
+}
+
+# Where regional compilation (layer.compile() per decoder layer) is not run, and why.
+COMPILE_REFUSED = {
+    "deepspeed": "DeepSpeed's ZeRO gathers and releases parameters in module hooks around every layer; it "
+                 "supports compilation through its own engine.compile(), not a compile of the layers under its "
+                 "hooks, and distlab does not wire engine.compile",
+    "tp": "not checked here: distlab has not verified that compiled decoder layers over tensor-parallel DTensor "
+          "weights reproduce the eager losses, so it refuses rather than run unchecked",
+    "pp": "not checked here: distlab has not verified compiled decoder layers inside pipeline stages "
+          "(PipelineStage's send/recv around them) against the eager losses, so it refuses rather than run "
+          "unchecked",
+}
+
+
+def adapts(spec: dict) -> bool:
+    """Whether the run trains adapters on a frozen base (LoRA, QLoRA): its checkpoint holds the
+    adapters only and its export is the PEFT adapter folder."""
+    return spec["method"] in ("lora", "qlora")
+
+
+def check_training_tools(spec: dict, fail) -> None:
+    """The refusals of method qlora, compile and profile (fail(field, message) raises)."""
+    key = strategy_key(spec)
+    if spec["method"] == "qlora":
+        if key in QLORA_REFUSED:
+            fail("method", f"qlora under strategy {spec['strategy']}: {QLORA_REFUSED[key]}")
+        if spec["precision"] == "fp16":
+            fail("precision", "qlora computes in bf16 (precision bf16) or fp32; fp16 is not offered")
+        if spec["export"]["merge"]:
+            fail("export.merge", "a QLoRA run's base is 4-bit: merge its adapters into the full-precision base "
+                 "yourself (PeftModel.from_pretrained on it, then merge_and_unload); the export is the adapter "
+                 "folder")
+    if spec["compile"]:
+        if spec["task"] != "causal-lm":
+            fail("compile", f"regional compilation compiles a causal LM's decoder layers; task {spec['task']} "
+                 "has none")
+        if key in COMPILE_REFUSED:
+            fail("compile", f"compile under strategy {spec['strategy']}: {COMPILE_REFUSED[key]}")
+        if spec["method"] == "qlora":
+            fail("compile", "not checked here: distlab has not verified bitsandbytes' 4-bit matmul (a custom "
+                 "autograd function over packed Params4bit) inside compiled layers against the eager losses, so it "
+                 "refuses rather than run unchecked")
+        if spec["untimed_steps"] < 1:
+            fail("untimed_steps", "compile: true compiles during the first step; at least one untimed step keeps "
+                 "compile time out of the steady-state step time")
+    profile = spec.get("profile")
+    if profile:
+        first, last = profile["steps"]
+        if first > last:
+            fail("profile.steps", f"[{first}, {last}]: the first step profiled comes after the last")
+        if spec["steps"] is not None and last >= spec["steps"]:
+            fail("profile.steps", f"step {last} is past the run's last step ({spec['steps'] - 1}; steps count from 0)")
