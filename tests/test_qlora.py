@@ -4,7 +4,7 @@ full-precision base, and where the 4-bit base cannot go the config says why."""
 import pytest
 import torch
 
-from conftest import resolve, run_experiment
+from conftest import assert_advisor_estimate_holds, resolve, run_experiment
 
 QLORA = {"method": "qlora", "strategy": "ddp"}
 
@@ -29,15 +29,28 @@ def test_a_qlora_run_is_not_merged_into_its_4bit_base():
         resolve({**QLORA, "export": {"merge": True}})
 
 
+def test_a_qlora_label_on_a_model_without_4bit_layers_fails_the_run(prepared):
+    from distlab.runtime.model import load_model
+    from distlab.runtime.qlora import check_quantized, quantization_facts
+
+    facts = quantization_facts(load_model(prepared / "model"))  # the full-precision base, as LoRA loads it
+    assert facts["linear4bit_layers"] == 0
+    assert "holds no bitsandbytes Linear4bit layer" in check_quantized(facts, resolve(QLORA))
+
+
 @pytest.mark.slow
 def test_qlora_trains_adapters_on_a_4bit_base_and_exports_them_for_the_full_precision_base(prepared, tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file
 
     from distlab.checkpoints.export import eval_batch
+    from distlab.jobs.validate import validate_run
+    from distlab.report.cards import COMPARED
+    from distlab.report.cards.finetune_tools import GOAL_QLORA
+    from distlab.report.cards.stage7_finetune import build
     from distlab.runtime.model import load_model
 
-    spec = resolve({**QLORA, "world_size": 2, "micro_batch": 2})
+    spec = resolve({**QLORA, "world_size": 2, "micro_batch": 2, "checkpoint_every": 2})
     assert spec["id"] == "ddp-qlora-w2-mb2-ga1"
     run = run_experiment(prepared, tmp_path / "run", spec)
     built = run["as_built"]["quantization"]
@@ -47,6 +60,10 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_exports_them_for_the_full_prec
     assert built["bytes_per_quantised_parameter"] == 0.5
     assert run["as_built"]["outer_wrapper"] == "DistributedDataParallel"
     assert run["parameters"]["trainable"] < run["parameters"]["total"]
+    assert_advisor_estimate_holds(prepared, run, "ddp-qlora-w2")  # weights at 0.5 byte per 4-bit parameter
+    card = build([dict(run, machine="testbox", _dir=str(tmp_path / "run"))])
+    assert {g.text: g.status for g in card.goals}[GOAL_QLORA] == COMPARED  # measured, no LoRA twin here
+    assert card.tables[-1].frame["4-bit layers"].tolist() == [14]
     losses = run["loss"]["per_step"]
     assert losses[-1] < losses[0], losses
     final = tmp_path / "run" / "checkpoint" / "final"
@@ -60,3 +77,9 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_exports_them_for_the_full_prec
     assert (logits - recorded["logits"]).abs().max().item() <= 1e-5
     # The training model (4-bit base) is not the full-precision one: the quantisation shows.
     assert (recorded["training_logits"] - recorded["logits"]).abs().max().item() > 1e-4
+    # The checkpoint validation path: reload, resume from step 4 (on the 4-bit base), reshard to
+    # one rank, and the export checked as a user opens it.
+    result = validate_run(tmp_path / "run", str(prepared / "model"), str(prepared / "data32"),
+                          tmp_path / "run" / "validation.json", log_path=str(tmp_path / "run" / "validate.log"))
+    assert result["passed"] is True, result
+    assert "4-bit NF4" in result["checks"]["export"]["training_model_note"]

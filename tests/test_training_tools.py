@@ -5,8 +5,16 @@ import json
 import pytest
 
 from conftest import resolve, run_experiment
+from distlab.report.cards import FAILED, PASSED
+from distlab.report.cards.finetune_tools import GOAL_COMPILE, GOAL_PROFILE
 
 SHORT = {"steps": 3, "untimed_steps": 1}
+
+
+def card_goal(runs, text):
+    from distlab.report.cards.stage7_finetune import build
+
+    return {g.text: g for g in build(runs).goals}[text]
 
 
 def test_compile_is_refused_where_it_is_not_run_naming_why():
@@ -37,6 +45,13 @@ def test_compiled_layers_train_the_same_losses_with_compile_time_recorded_apart(
     assert timing["first_step_s"] > timing["steady_step_s_median"] and timing["compile_s"] > 0
     for a, b in zip(eager["loss"]["per_step"], compiled["loss"]["per_step"], strict=True):
         assert abs(a - b) <= 1e-4, (eager["loss"]["per_step"], compiled["loss"]["per_step"])
+    # The fine-tuning card pairs the two: speed-up and compile time shown, a moved loss fails it.
+    listed = [dict(eager, machine="testbox", _dir=str(tmp_path / "eager")),
+              dict(compiled, machine="testbox", _dir=str(tmp_path / "compiled"))]
+    goal = card_goal(listed, GOAL_COMPILE)
+    assert goal.status == PASSED and "1 beside an eager twin" in goal.evidence
+    listed[1]["loss"]["per_step"][2] += 1e-3
+    assert card_goal(listed, GOAL_COMPILE).status == FAILED
 
 
 @pytest.mark.slow
@@ -52,3 +67,5 @@ def test_a_profile_writes_a_chrome_trace_of_the_chosen_steps_per_rank(prepared, 
         assert steps == {"step 1", "step 2"}
     assert profile["memory_snapshots"] == [None, None] and "no memory snapshot" in profile["memory_snapshot_note"]
     assert "no memory snapshot" in (tmp_path / "run" / "train.log").read_text()
+    goal = card_goal([dict(run, machine="testbox", _dir=str(tmp_path / "run"))], GOAL_PROFILE)
+    assert goal.status == PASSED and goal.links == [str(tmp_path / "run" / t) for t in profile["traces"]]
