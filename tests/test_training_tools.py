@@ -20,8 +20,10 @@ def card_goal(runs, text):
 def test_compile_is_refused_where_it_is_not_run_naming_why():
     from distlab.configuration.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"experiments\[0\]\.compile': compile under strategy deepspeed: .*hooks"):
-        resolve({"strategy": "deepspeed", "compile": True})
+    with pytest.raises(ConfigError, match=r"experiments\[0\]\.compile': compile under strategy deepspeed with "
+                                          r"zero_stage 3: .*graph breaks"):
+        resolve({"strategy": "deepspeed", "world_size": 2, "deepspeed": {"zero_stage": 3}, "compile": True})
+    assert resolve({"strategy": "deepspeed", "deepspeed": {"zero_stage": 2}, "compile": True})["compile"]
     with pytest.raises(ConfigError, match=r"experiments\[0\]\.untimed_steps': compile: true compiles"):
         resolve({"compile": True, "untimed_steps": 0})
 
