@@ -22,6 +22,17 @@ def test_qlora_is_refused_where_the_4bit_base_cannot_go_naming_why(strategy, ext
         resolve({"method": "qlora", "strategy": strategy, "world_size": 2, **extra})
 
 
+def test_qlora_without_bitsandbytes_installed_is_refused_before_any_job(monkeypatch):
+    import importlib.util
+
+    from distlab.configuration.config import ConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"experiments\[0\]\.method': qlora .*pip install 'bitsandbytes"):
+        resolve(QLORA)
+
+
 def test_a_qlora_run_is_not_merged_into_its_4bit_base():
     from distlab.configuration.config import ConfigError
 

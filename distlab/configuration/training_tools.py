@@ -5,6 +5,8 @@ cannot run; what runs is distlab.runtime.qlora, distlab.runtime.compiled and dis
 """
 from __future__ import annotations
 
+import importlib.util
+
 from distlab.strategies import strategy_key
 
 # Where QLoRA's 4-bit base cannot go, and why (strategy_key: FSDP through Accelerate is "accelerate").
@@ -45,6 +47,9 @@ def check_training_tools(spec: dict, fail) -> None:
     if spec["method"] == "qlora":
         if key in QLORA_REFUSED:
             fail("method", f"qlora under strategy {spec['strategy']}: {QLORA_REFUSED[key]}")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            fail("method", "qlora holds the base in 4 bits through bitsandbytes, which this Python does not have: "
+                 "pip install 'bitsandbytes>=0.50,<0.52' (0.50 brings the CPU backend)")
         if spec["precision"] == "fp16":
             fail("precision", "qlora computes in bf16 (precision bf16) or fp32; fp16 is not offered")
         if spec["export"]["merge"]:
