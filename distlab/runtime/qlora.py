@@ -69,12 +69,14 @@ def quantization_facts(model) -> dict:
     return {"linear4bit_layers": len(four_bit), "plain_linear_layers": len(plain),
             "quant_types": sorted({s.quant_type for s in states}),
             "double_quantisation": bool(states) and all(s.nested for s in states),
-            "compute_dtypes": sorted({str(s.dtype).removeprefix("torch.") for s in states}),
+            "compute_dtypes": sorted({str(m.compute_dtype).removeprefix("torch.") for m in four_bit}),
+            "stored_dtypes": sorted({str(s.dtype).removeprefix("torch.") for s in states}),
             "quantised_parameters": elements, "packed_weight_bytes": packed,
             "bytes_per_quantised_parameter": packed / elements if elements else None,
             "bitsandbytes": bnb.__version__,
-            "how": "bitsandbytes.nn.Linear4bit modules of the model as wrapped, their Params4bit quant_state "
-                   "(quant_type, nested = double quantisation); packed bytes exclude the absmax statistics"}
+            "how": "bitsandbytes.nn.Linear4bit modules of the model as wrapped (their compute_dtype), their "
+                   "Params4bit quant_state (quant_type, nested = double quantisation, the dtype the weight was "
+                   "stored in); packed bytes exclude the absmax statistics"}
 
 
 def check_quantized(facts: dict, spec: dict) -> str | None:
