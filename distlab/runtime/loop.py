@@ -105,8 +105,8 @@ def train(ctx: RunContext, strategy: Strategy, train_data, start_step: int = 0,
     micro_context(step, micro): a context around one micro-batch's forward and backward (None:
     none), e.g. the activation-memory probe of an untimed step (distlab.runtime.activations).
     records: the records of steps before start_step when resuming; new ones are appended to it.
-    profiler: a distlab.runtime.profiling.StepProfiler (None: none); it starts and stops outside
-    the timer, and a profiled step's record says so.
+    profiler: a distlab.runtime.profiling.StepProfiler (None: none); it starts before the timer
+    and stops after it, and a profiled step's record says so (its time includes the profiler's).
     Every step records the learning rate it used and the pre-clip global gradient norm; the
     strategy clips (max_grad_norm) and the LR schedule is stepped once per optimizer step.
     """
@@ -129,28 +129,25 @@ def train(ctx: RunContext, strategy: Strategy, train_data, start_step: int = 0,
         if profiler is not None:
             profiler.before_step(step)
         start = time.perf_counter()
-        with profiler.annotate(step) if profiler is not None else contextlib.nullcontext():
-            lr = strategy.learning_rate()  # the rate this step's update uses
-            losses, consumed = [], []
-            for micro in range(n_micro):
-                indices = stream.next()
-                consumed.extend(indices)
-                batch = train_data.batch(indices, ctx.device, step)
-                with micro_context(step, micro) if micro_context else contextlib.nullcontext():
-                    loss = strategy.forward_backward(batch, micro, n_micro)
-                if loss is not None:  # pipeline stages without the loss return None
-                    losses.append(loss)
-            if step == spec["steps"] - 1:
-                # Counted while gradients and optimizer state both exist: the peak model state.
-                state_bytes = strategy.state_bytes()
-            grad_norm = strategy.optimizer_step()  # clips to max_grad_norm; the norm is pre-clip
-            strategy.step_scheduler()
-            if cuda:
-                torch.cuda.synchronize(ctx.device)
+        lr = strategy.learning_rate()  # the rate this step's update uses
+        losses, consumed = [], []
+        for micro in range(n_micro):
+            indices = stream.next()
+            consumed.extend(indices)
+            batch = train_data.batch(indices, ctx.device, step)
+            with micro_context(step, micro) if micro_context else contextlib.nullcontext():
+                loss = strategy.forward_backward(batch, micro, n_micro)
+            if loss is not None:  # pipeline stages without the loss return None
+                losses.append(loss)
+        if step == spec["steps"] - 1:
+            # Counted while gradients and optimizer state both exist: the peak model state.
+            state_bytes = strategy.state_bytes()
+        grad_norm = strategy.optimizer_step()  # clips to max_grad_norm; the norm is pre-clip
+        strategy.step_scheduler()
+        if cuda:
+            torch.cuda.synchronize(ctx.device)
         elapsed = time.perf_counter() - start
-        profiled = profiler is not None and profiler.covered(step)
-        if profiler is not None:
-            profiler.after_step(step)
+        profiled = profiler is not None and profiler.after_step(step)
         # .item() after the timer: the loss sync must not be billed to the step.
         local_loss = float(torch.stack(losses).float().mean().item()) if losses else None
         records.append({"step": step, "loss": local_loss, "step_time_s": elapsed,

@@ -13,7 +13,6 @@ The profiled steps' times include the profiler's own overhead; the record names 
 """
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
@@ -32,7 +31,7 @@ def profile_dir(run_dir) -> Path:
 
 
 class StepProfiler:
-    """The loop calls before_step / annotate / after_step around every step; all are no-ops
+    """The loop calls before_step / after_step around every step; both are no-ops
     when the spec asks for no profile. start() begins the CUDA memory history (at rank start,
     so an out-of-memory error in the model's load is in it too)."""
 
@@ -40,6 +39,7 @@ class StepProfiler:
         self.steps = tuple(spec["profile"]["steps"]) if spec.get("profile") else None
         self.folder, self.rank, self.cuda = profile_dir(run_dir), rank, device.type == "cuda"
         self.profiler = None
+        self.step_range = None  # the open `step <N>` range of the trace
         self.recording_memory = False
         self.record: dict | None = None
         if self.steps:
@@ -57,38 +57,37 @@ class StepProfiler:
             _RECORDING = self
 
     def before_step(self, step: int) -> None:
-        # A resumed run starts inside the window: it profiles the window's steps left to run.
-        if not self.steps or self.profiler is not None or self.record["trace"] or \
-                not self.steps[0] <= step <= self.steps[1]:
+        """Start the profiler before the window's first step (a resumed run that starts inside the
+        window profiles the steps left), and open the step's named range in the trace."""
+        if not self.steps or self.record["trace"] or not self.steps[0] <= step <= self.steps[1]:
             return
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.cuda:
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
-        self.profiler.start()
-
-    def annotate(self, step: int):
-        """A named range around the step in the trace (nothing when not profiling)."""
         if self.profiler is None:
-            return contextlib.nullcontext()
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+            self.profiler.start()
+        self.step_range = torch.profiler.record_function(f"step {step}")
+        self.step_range.__enter__()
         self.record["profiled_steps"].append(step)
-        return torch.profiler.record_function(f"step {step}")
 
-    def covered(self, step: int) -> bool:
-        """Whether the profiler ran through `step` (its time includes the profiler's overhead)."""
-        return bool(self.record) and step in self.record["profiled_steps"]
-
-    def after_step(self, step: int) -> None:
-        if self.profiler is None or step < self.steps[1]:
-            return
-        self.profiler.stop()
-        trace = self.folder / f"rank{self.rank}.pt.trace.json"
-        self.profiler.export_chrome_trace(str(trace))
-        self.profiler = None
-        self.record["trace"] = str(trace)
-        if self.recording_memory:
-            self.record["memory_snapshot"] = self.dump_memory("memory")
+    def after_step(self, step: int) -> bool:
+        """Close the step's range; after the window's last step stop and write the trace (and on
+        CUDA the memory snapshot). Returns whether the step was profiled."""
+        if self.step_range is None:
+            return False
+        self.step_range.__exit__(None, None, None)
+        self.step_range = None
+        if step >= self.steps[1]:
+            self.profiler.stop()
+            trace = self.folder / f"rank{self.rank}.pt.trace.json"
+            self.profiler.export_chrome_trace(str(trace))
+            self.profiler = None
+            self.record["trace"] = str(trace)
+            if self.recording_memory:
+                self.record["memory_snapshot"] = self.dump_memory("memory")
+        return True
 
     def dump_memory(self, name: str) -> str | None:
         if not self.recording_memory:
