@@ -10,7 +10,7 @@ QLORA = {"method": "qlora", "strategy": "ddp"}
 
 
 @pytest.mark.parametrize("strategy, extra, why", [
-    ("deepspeed", {"deepspeed": {"zero_stage": 3}}, "partitions the module's parameters"),
+    ("deepspeed", {"deepspeed": {"zero_stage": 3}}, "ZeRO-3 partitions every parameter"),
     ("fsdp", {}, "DTensor shard"),
     ("tp", {}, "cannot be split"),
     ("pp", {}, "stage loader"),
@@ -49,8 +49,17 @@ def test_a_qlora_label_on_a_model_without_4bit_layers_fails_the_run(prepared):
     assert "holds no bitsandbytes Linear4bit layer" in check_quantized(facts, resolve(QLORA))
 
 
+@pytest.fixture(scope="module")
+def ddp_qlora(prepared, tmp_path_factory):
+    """QLoRA under DDP, 2 ranks x 2 sequences, checkpoints every 2 steps (for the validation)."""
+    run_dir = tmp_path_factory.mktemp("qlora") / "run"
+    spec = resolve({**QLORA, "world_size": 2, "micro_batch": 2, "checkpoint_every": 2})
+    assert spec["id"] == "ddp-qlora-w2-mb2-ga1"
+    return run_experiment(prepared, run_dir, spec), run_dir
+
+
 @pytest.mark.slow
-def test_qlora_trains_adapters_on_a_4bit_base_and_exports_them_for_the_full_precision_base(prepared, tmp_path):
+def test_qlora_trains_adapters_on_a_4bit_base_and_exports_them_for_the_full_precision_base(prepared, ddp_qlora):
     from peft import PeftModel
     from safetensors.torch import load_file
 
@@ -61,9 +70,7 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_exports_them_for_the_full_prec
     from distlab.report.cards.stage7_finetune import build
     from distlab.runtime.model import load_model
 
-    spec = resolve({**QLORA, "world_size": 2, "micro_batch": 2, "checkpoint_every": 2})
-    assert spec["id"] == "ddp-qlora-w2-mb2-ga1"
-    run = run_experiment(prepared, tmp_path / "run", spec)
+    run, run_dir = ddp_qlora
     built = run["as_built"]["quantization"]
     # The tiny model's two decoder layers hold 7 Linear layers each; lm_head stays full precision.
     assert built["linear4bit_layers"] == 14 and built["quant_types"] == ["nf4"] and built["double_quantisation"]
@@ -72,12 +79,12 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_exports_them_for_the_full_prec
     assert run["as_built"]["outer_wrapper"] == "DistributedDataParallel"
     assert run["parameters"]["trainable"] < run["parameters"]["total"]
     assert_advisor_estimate_holds(prepared, run, "ddp-qlora-w2")  # weights at 0.5 byte per 4-bit parameter
-    card = build([dict(run, machine="testbox", _dir=str(tmp_path / "run"))])
+    card = build([dict(run, machine="testbox", _dir=str(run_dir))])
     assert {g.text: g.status for g in card.goals}[GOAL_QLORA] == COMPARED  # measured, no LoRA twin here
     assert card.tables[-1].frame["4-bit layers"].tolist() == [14]
     losses = run["loss"]["per_step"]
     assert losses[-1] < losses[0], losses
-    final = tmp_path / "run" / "checkpoint" / "final"
+    final = run_dir / "checkpoint" / "final"
     state = load_file(final / "state" / "model.safetensors")
     assert state and all("lora_" in name for name in state)
     # A user's load: plain peft, the adapter folder on the full-precision base.
@@ -90,7 +97,19 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_exports_them_for_the_full_prec
     assert (recorded["training_logits"] - recorded["logits"]).abs().max().item() > 1e-4
     # The checkpoint validation path: reload, resume from step 4 (on the 4-bit base), reshard to
     # one rank, and the export checked as a user opens it.
-    result = validate_run(tmp_path / "run", str(prepared / "model"), str(prepared / "data32"),
-                          tmp_path / "run" / "validation.json", log_path=str(tmp_path / "run" / "validate.log"))
+    result = validate_run(run_dir, str(prepared / "model"), str(prepared / "data32"),
+                          run_dir / "validation.json", log_path=str(run_dir / "validate.log"))
     assert result["passed"] is True, result
     assert "4-bit NF4" in result["checks"]["export"]["training_model_note"]
+
+
+@pytest.mark.slow
+def test_qlora_under_deepspeed_zero2_trains_what_ddp_trains(prepared, ddp_qlora, tmp_path):
+    spec = resolve({**QLORA, "strategy": "deepspeed", "world_size": 2, "micro_batch": 2, "deepspeed": {"zero_stage": 2}},
+                   stage="deepspeed")
+    run = run_experiment(prepared, tmp_path / "z2", spec, checkpoint=False)
+    assert run["as_built"]["quantization"]["linear4bit_layers"] == 14
+    assert run["as_built"]["outer_wrapper"] == "DeepSpeedEngine"
+    for a, b in zip(ddp_qlora[0]["loss"]["per_step"], run["loss"]["per_step"], strict=True):
+        assert abs(a - b) <= 1e-5
+    assert_advisor_estimate_holds(prepared, run, "z2-qlora-w2")

@@ -11,10 +11,10 @@ from distlab.strategies import strategy_key
 
 # Where QLoRA's 4-bit base cannot go, and why (strategy_key: FSDP through Accelerate is "accelerate").
 QLORA_REFUSED = {
-    "deepspeed": "DeepSpeed's engine flattens and partitions the module's parameters into its own fp buffers "
-                 "(ZeRO-3 at load, every stage for its optimizer and casts) and would take bitsandbytes' packed "
-                 "4-bit Params4bit for ordinary tensors, losing their quantisation state; distlab runs QLoRA "
-                 "under ddp or accelerate",
+    "deepspeed": "ZeRO-3 partitions every parameter as the model is built (deepspeed.zero.Init) and gathers it "
+                 "in hooks; bitsandbytes quantises in from_pretrained and its packed Params4bit carries its "
+                 "quantisation state on the Parameter, which a ZeRO-3 partition does not keep. ZeRO 0-2 run QLoRA "
+                 "(only the adapters train, so only they are partitioned)",
     "fsdp": "FSDP2's fully_shard turns every parameter into a DTensor shard; bitsandbytes' Params4bit keeps its "
             "quantisation state (absmax, code, shape) on the Parameter object, which a DTensor shard does not "
             "carry (bnb_4bit_quant_storage makes the packed bytes shardable for FSDP1's flat parameters, not "
@@ -45,7 +45,7 @@ def check_training_tools(spec: dict, fail) -> None:
     """The refusals of method qlora, compile and profile (fail(field, message) raises)."""
     key = strategy_key(spec)
     if spec["method"] == "qlora":
-        if key in QLORA_REFUSED:
+        if key in QLORA_REFUSED and (key != "deepspeed" or spec["deepspeed"]["zero_stage"] == 3):
             fail("method", f"qlora under strategy {spec['strategy']}: {QLORA_REFUSED[key]}")
         if importlib.util.find_spec("bitsandbytes") is None:
             fail("method", "qlora holds the base in 4 bits through bitsandbytes, which this Python does not have: "

@@ -1,7 +1,8 @@
 """QLoRA (`method: qlora`): the frozen base loaded in 4-bit NF4 with double quantisation by
 bitsandbytes (transformers' BitsAndBytesConfig, as QLoRA's paper and every peer set it up),
 prepared with peft's prepare_model_for_kbit_training, then LoRA adapters as for `method: lora`
-(distlab.runtime.lora). bitsandbytes runs on CUDA and, from 0.49, on the CPU (its own CPU backend).
+(distlab.runtime.lora). bitsandbytes runs on CUDA and on the CPU (its own CPU backend, 0.50 here).
+Strategies: ddp, accelerate, deepspeed ZeRO 0-2 (distlab.configuration.training_tools refuses the rest).
 
 What the run trains is the 4-bit base + adapters; what it exports is the adapter folder, which a
 user loads on the full-precision base with plain peft. So every logit distlab records and checks

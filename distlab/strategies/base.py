@@ -79,7 +79,7 @@ class Strategy:
         Strategies that shard or split the model override this so that no rank ever holds
         more than its part (distlab.runtime.model_setup). QLoRA: the base in 4-bit NF4 on this
         rank's device (distlab.runtime.qlora; refused at config time for the strategies that
-        override this, distlab.configuration.training_tools)."""
+        override this, distlab.configuration.training_tools, but DeepSpeed's ZeRO 0-2)."""
         if self.spec["method"] == "qlora":
             return self.task.load_quantized(model_source, self.spec, self.ctx.device)
         return self.task.load_model(model_source, dtype=frozen_base_dtype(self.spec))
