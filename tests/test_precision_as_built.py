@@ -58,6 +58,9 @@ def test_parameters_in_another_dtype_than_the_precision_are_a_label_mismatch():
     assert "bfloat16" in parameter_dtype_mismatch("fp32", {"bfloat16": 10}, {"float32": 10})
     assert "masters" in parameter_dtype_mismatch("bf16", {"bfloat16": 10}, {"bfloat16": 10})
     assert "float16" in parameter_dtype_mismatch("bf16", {"float16": 10}, None)
+    # QLoRA's packed 4-bit weights are uint8 storage; nowhere else is uint8 a parameter dtype.
+    assert parameter_dtype_mismatch("fp32", {"float32": 4, "uint8": 6}, {"float32": 4}, "qlora") is None
+    assert "uint8" in parameter_dtype_mismatch("fp32", {"float32": 4, "uint8": 6}, {"float32": 4}, "lora")
 
 
 def test_verify_fails_a_run_whose_parameters_are_bf16_in_an_fp32_spec():

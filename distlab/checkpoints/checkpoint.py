@@ -56,7 +56,7 @@ PARITY_STEPS = 2  # steps validation re-runs from the mid-run checkpoint
 # Spec fields that leave the training trajectory unchanged: a checkpoint stays valid across them.
 NON_TRAJECTORY_FIELDS = ("id", "stage", "checkpoint_every", "checkpoint_keep", "export", "memory_budget_gib",
                          "untimed_steps", "repeats", "launches", "progress_every_s", "tracking", "eval_every",
-                         "checkpoint_select")
+                         "checkpoint_select", "profile")
 # Fault-injection hook for tests: "<experiment id>:<rank>:<steps done>" SIGKILLs that rank
 # right after that step (and after any checkpoint saved at it).
 FAULT_ENV = "DISTLAB_FAULT_KILL"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from distlab.configuration.training_tools import adapts
 from distlab.jobs.job import Job
 
 EVAL_BATCH = 2  # sequences of the eval split the recorded logits are computed on
@@ -139,7 +140,7 @@ def write_export(skeleton, groups, job: Job, spec: dict, folder: Path, batch, tr
     export = folder / "export"
     info = {"layout": [], "max_shard_size": opts["max_shard_size"], "base_weights_dtype": None}
     base_dtypes = set()
-    if spec["method"] == "lora":
+    if adapts(spec):
         sinks = [AdapterWeights(export)]
         info["layout"].append("PEFT adapter folder (PeftModel.save_pretrained)")
         if opts["merge"]:
@@ -158,7 +159,7 @@ def write_export(skeleton, groups, job: Job, spec: dict, folder: Path, batch, tr
     for sink in sinks:
         sink.close(skeleton)
     info["tokenizer"] = save_tokenizer(source, export)
-    if spec["method"] == "lora" and opts["merge"]:
+    if adapts(spec) and opts["merge"]:
         save_tokenizer(source, export / MERGED)
     info["base_weights_dtype"] = sorted(base_dtypes)[0] if len(base_dtypes) == 1 else sorted(base_dtypes)
     recorded = {"logits": logits.contiguous()}
@@ -167,7 +168,7 @@ def write_export(skeleton, groups, job: Job, spec: dict, folder: Path, batch, tr
         recorded["training_logits"] = trained
         info["training_vs_streamed_max_abs_logit_diff"] = (trained - logits).abs().max().item()
     save_file(recorded, str(folder / "eval_logits.safetensors"))
-    info["lora_adapter"] = spec["method"] == "lora"
+    info["lora_adapter"] = adapts(spec)
     return info
 
 
@@ -179,12 +180,13 @@ def export_pass(strategy, job: Job, spec: dict, folder: Path) -> tuple[dict | No
     import torch.distributed as dist
 
     from distlab.runtime.memory import is_out_of_memory
+    from distlab.runtime.qlora import trained_groups
     from distlab.runtime.streamed import Skeleton
 
     started = time.perf_counter()
     batch = eval_batch(job.data_dir)
     training_logits = strategy.forward_logits(batch)
-    groups = strategy.state_groups()
+    groups = trained_groups(strategy, spec, job.model_source)  # QLoRA: its adapters on the full-precision base
     info, error = None, None
     if dist.get_rank() == 0:
         try:

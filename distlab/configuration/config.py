@@ -23,6 +23,7 @@ from distlab.configuration.config_links import check_unequal_and_link, link_labe
 from distlab.configuration.input_checks import ConfigError
 from distlab.configuration.schema import load_schema  # also this module's name for it: validate_schema reads it here
 from distlab.configuration.spec import Spec
+from distlab.configuration.training_tools import adapts, check_training_tools
 from distlab.strategies import strategy_key
 from distlab.strategies.settings import registered, schema_mismatch, settings_for, strategy_defaults
 from distlab.tasks import task_for, task_named, task_names
@@ -69,6 +70,9 @@ EXPERIMENT_DEFAULTS: dict = {
     "export": {"merge": False, "max_shard_size": "5GB"},
     "memory_budget_gib": None,
     "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": None},
+    # Training tools (distlab.configuration.training_tools): regional compilation, profiler traces.
+    "compile": False,
+    "profile": None,
     **strategy_defaults(),  # each strategy's own block (`deepspeed`, `fsdp`, `pp`): strategies/<name>_settings.py
     "ray": {"address": None, "min_workers": None, "max_failures": 0, "storage_path": None, "resize_interval_s": 60.0},
     "link": None,
@@ -157,6 +161,8 @@ def experiment_id(spec: dict) -> str:
     sized = spec.get("rank_micro_batch")
     batch = spec["micro_batch"] if sized is None else sized if sized == "auto" else "x".join(map(str, sized))
     parts += [spec["method"], f"w{spec['world_size']}", f"mb{batch}", f"ga{spec['grad_accum']}"]
+    if spec.get("compile"):
+        parts.append("compiled")
     if spec["launcher"] == "ray":
         parts.append("ray")
     if spec.get("rank_cpu_threads"):
@@ -244,6 +250,7 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
     if spec["steps"] is not None:
         finetune_config.check_length(spec, fail)
     finetune_config.check_finetune(spec, fail)
+    check_training_tools(spec, fail)  # method qlora, compile, profile: where each cannot run, and why
     model = spec.get("model", "default")
     if model != "default" and model not in config.get("model", {}).get("extra", {}):
         fail("model", f"no model named '{model}': the default or one of model.extra "
@@ -255,7 +262,7 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
         fail("device", f"cuda with world_size {spec['world_size']} needs that many GPUs; {gpu_count} found")
     families.check(spec, config, fail, strategy)  # a model-splitting strategy x a model.path folder's family
     strategy.check(spec, config, fail, model_shape(config, spec))  # the strategy's own refusals
-    if spec["export"]["merge"] and spec["method"] != "lora":
+    if spec["export"]["merge"] and not adapts(spec):
         fail("export.merge", "merging applies to LoRA adapters; a full fine-tune's export is the whole model already")
     if spec["precision"] == "fp16" and spec["device"] == "cpu":
         fail("precision", "fp16 autocast is not supported on CPU; use fp32 or bf16")

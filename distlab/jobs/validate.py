@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from distlab.configuration.training_tools import adapts
 from distlab.jobs.job import ValidationJob, replace
 
 VALIDATION_SCHEMA_VERSION = 1
@@ -32,7 +33,7 @@ def phase_checks(phase: str, spec: dict) -> list[str]:
     """The checks a phase records (export runs once, on rank 0, before any phase)."""
     if phase == "reshard":
         return ["reshard"]
-    return ["compatibility", "reload", "resume_parity"] + (["lora_base_frozen"] if spec["method"] == "lora" else [])
+    return ["compatibility", "reload", "resume_parity"] + (["lora_base_frozen"] if adapts(spec) else [])
 
 
 def broken_checks(checks: dict, names: list[str]) -> dict:
@@ -46,7 +47,7 @@ def broken_checks(checks: dict, names: list[str]) -> dict:
 
 def required_checks(spec: dict) -> list[str]:
     names = ["manifest", "compatibility", "reload", "resume_parity", "export"]
-    return names + (["lora_base_frozen"] if spec["method"] == "lora" else [])
+    return names + (["lora_base_frozen"] if adapts(spec) else [])
 
 
 def verdict(result: dict, spec: dict) -> dict:

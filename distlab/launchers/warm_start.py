@@ -221,8 +221,10 @@ def rank_imports(spec: dict, rank: int, training: bool = True) -> list[str]:
         imports.append("deepspeed")
     if spec.get("launcher") == "accelerate":
         imports.append("accelerate")
-    if spec["method"] == "lora":
+    if spec["method"] in ("lora", "qlora"):
         imports.append("peft")
+    if spec["method"] == "qlora":
+        imports.append("bitsandbytes")
     if training and rank == 0 and "mlflow" in spec.get("tracking", []):
         imports.append("mlflow")
     return imports

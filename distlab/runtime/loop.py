@@ -96,7 +96,7 @@ class IndexStream:
 
 def train(ctx: RunContext, strategy: Strategy, train_data, start_step: int = 0,
           stream: IndexStream | None = None, on_step_end=None, records: list | None = None,
-          micro_context=None) -> dict:
+          micro_context=None, profiler=None) -> dict:
     """Run optimizer steps start_step..steps-1; returns the per-step record of this rank.
 
     train_data: the task's samples (distlab.tasks.base.TrainData): the loop draws indices,
@@ -106,6 +106,8 @@ def train(ctx: RunContext, strategy: Strategy, train_data, start_step: int = 0,
     micro_context(step, micro): a context around one micro-batch's forward and backward (None:
     none), e.g. the activation-memory probe of an untimed step (distlab.runtime.activations).
     records: the records of steps before start_step when resuming; new ones are appended to it.
+    profiler: a distlab.runtime.profiling.StepProfiler (None: none); it starts before the timer
+    and stops after it, and a profiled step's record says so (its time includes the profiler's).
     Every step records its loss (the mean over the step's label tokens on every data-parallel
     rank: distlab.runtime.accumulation), the learning rate it used and the pre-clip global gradient norm; the
     strategy clips (max_grad_norm) and the LR schedule is stepped once per optimizer step.
@@ -126,6 +128,8 @@ def train(ctx: RunContext, strategy: Strategy, train_data, start_step: int = 0,
             torch.cuda.synchronize(ctx.device)
         if step == max(start_step, spec["untimed_steps"]):
             noise.start()
+        if profiler is not None:
+            profiler.before_step(step)
         start = time.perf_counter()
         lr = strategy.learning_rate()  # the rate this step's update uses
         shares, consumed, batches = [], [], []
@@ -148,10 +152,12 @@ def train(ctx: RunContext, strategy: Strategy, train_data, start_step: int = 0,
         if cuda:
             torch.cuda.synchronize(ctx.device)
         elapsed = time.perf_counter() - start
+        profiled = profiler is not None and profiler.after_step(step)
         # After the timer: the loss's all-reduce and sync must not be billed to the step.
         records.append({"step": step, "loss": step_loss(shares, strategy), "step_time_s": elapsed,
                         "comm_inflight_s": strategy.take_comm_seconds(), "samples": consumed, "lr": lr,
-                        "grad_norm": None if grad_norm is None else float(grad_norm)})
+                        "grad_norm": None if grad_norm is None else float(grad_norm),
+                        **({"profiled": True} if profiled else {})})
         if on_step_end is not None:
             on_step_end(step)
     return {"records": records, "stream": stream, "state_bytes": state_bytes, "train_mode": train_mode,

@@ -312,5 +312,8 @@ def record_oom(run_dir: str, error: BaseException) -> None:
             memory["error"] = str(exc)
     record = {"rank": rank, "error_type": type(error).__name__,
               "error": (str(error).splitlines() or [""])[0][:500], "memory": memory}
+    from distlab.runtime.profiling import snapshot_after_oom
+
+    record["memory_snapshot"] = snapshot_after_oom()  # profile: on CUDA, the allocations up to this error
     Path(run_dir, f"oom-rank{rank}.json").write_text(json.dumps(record))
 

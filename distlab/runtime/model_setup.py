@@ -26,6 +26,7 @@ def prepare_model(strategy, model_source: str, spec: dict) -> PreparedModel:
 
     from distlab.runtime import buffers
     from distlab.checkpoints import checkpoint as ckpt
+    from distlab.configuration.training_tools import adapts
     from distlab.runtime.activations import checkpointing_facts, enable_checkpointing
     from distlab.runtime.lora import parameter_counts
     from distlab.strategies.base import FidelityError
@@ -37,7 +38,7 @@ def prepare_model(strategy, model_source: str, spec: dict) -> PreparedModel:
     plain = buffers.plain_buffers(model_source, strategy.task.name)
     restored = buffers.restore_plain_buffers(model, plain)
     lora_targets = None
-    if spec["method"] == "lora":
+    if adapts(spec):  # LoRA, or QLoRA (load_model gave the 4-bit base: distlab.runtime.qlora)
         with strategy.lora_context():
             model, lora_targets = strategy.task.apply_lora(model, spec)
     # FLOPs on the model as trained (LoRA applied), before any wrapper shards it; rank 0 counts
@@ -48,12 +49,18 @@ def prepare_model(strategy, model_source: str, spec: dict) -> PreparedModel:
     # After the FLOP count: its forward+backward counts the model's FLOPs, not the recompute's.
     enable_checkpointing(model, spec)
     signature = ckpt.model_signature(model)  # before a wrapper shards the parameters
+    compiled = None
+    if spec.get("compile"):  # before the wrapper, as torchtitan does: it stays eager around the layers
+        from distlab.runtime.compiled import compile_decoder_layers
+
+        compiled = compile_decoder_layers(model)
     strategy.wrap(model)
     strategy.attach_scheduler()
     described = strategy.describe()
     described["activation_checkpointing"] = checkpointing_facts(strategy.model, spec)
     strategy.verify(described)
     wrapped = strategy.unwrapped()
+    verify_tools(wrapped, spec, described, compiled)
     changed = buffers.buffer_mismatches(wrapped, plain)
     if changed:
         raise FidelityError(f"after {strategy.name}'s wrap, buffers differ in dtype from the plain model: {changed}")
@@ -61,3 +68,27 @@ def prepare_model(strategy, model_source: str, spec: dict) -> PreparedModel:
                             "how": buffers.HOW}
     return PreparedModel(signature=signature, parameter_counts=counts, lora_targets=lora_targets, flops=flops,
                          described=described)
+
+
+def verify_tools(model, spec: dict, described: dict, compiled: dict | None) -> None:
+    """Record what the wrapped model really holds of QLoRA and compilation, and fail the run
+    when it differs from the spec (a qlora label without a 4-bit layer, layers not compiled)."""
+    from distlab.strategies.base import FidelityError
+
+    if spec["method"] == "qlora":
+        from distlab.runtime.qlora import check_quantized, quantization_facts
+
+        facts = quantization_facts(model)
+        problem = check_quantized(facts, spec)
+        if problem:
+            raise FidelityError(problem)
+        described["quantization"] = facts
+    if compiled is not None:
+        from distlab.runtime.compiled import compiled_layer_counts
+
+        found, held = compiled_layer_counts(model)
+        if not found or found != held:
+            raise FidelityError(f"compile: {found} of the {held} decoder layers this rank holds after the wrap run "
+                                "compiled")
+        described["compiled"] = {**compiled, "compiled_layers_found": found}
+

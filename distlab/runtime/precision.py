@@ -63,13 +63,17 @@ def dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def parameter_dtype_mismatch(precision: str, parameter_dtypes: dict, master_dtypes: dict | None) -> str | None:
+def parameter_dtype_mismatch(precision: str, parameter_dtypes: dict, master_dtypes: dict | None,
+                             method: str | None = None) -> str | None:
     """Why the dtypes a rank holds contradict its precision, or None. An fp32 run holds only fp32
     parameters; a mixed-precision run holds fp32 and its 16-bit dtype (DeepSpeed's 16-bit module,
     a LoRA run's frozen bf16 base); the tensors an optimizer steps (its masters) are fp32 in both.
     The label alone is not trusted: DeepSpeed once built an fp32 run's ZeRO-3 parameters in bf16
-    (strategies.deepspeed_load.zero_init)."""
+    (strategies.deepspeed_load.zero_init). QLoRA's frozen 4-bit weights are stored packed in
+    uint8 (bitsandbytes' quant storage; runtime.qlora checks that they are Linear4bit layers)."""
     allowed = {"float32"} | ({dtype_name(low_precision_dtype(precision))} if is_mixed(precision) else set())
+    if method == "qlora":
+        allowed.add("uint8")
     stray = sorted(set(parameter_dtypes) - allowed)
     if stray:
         return (f"precision {precision} implies parameters in {sorted(allowed)}, but this rank holds "

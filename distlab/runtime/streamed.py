@@ -23,6 +23,8 @@ import re
 import torch
 from torch import nn
 
+from distlab.configuration.training_tools import adapts
+
 
 def parameter_groups(model, select=None) -> list[list[str]]:
     """Names of `model`'s parameters (tied ones once) grouped as streamed: one group per
@@ -76,7 +78,7 @@ class Skeleton:
         from distlab.runtime.model import load_model
 
         model = load_model(model_source, dtype=torch.float32, device="meta")
-        if spec["method"] == "lora":
+        if adapts(spec):  # QLoRA's too: its adapters are read with the full-precision base
             # apply_lora seeds and draws the adapters' initial values: the caller's RNG (the
             # trainer state of a run that goes on) must not move.
             with torch.random.fork_rng(devices=[]):

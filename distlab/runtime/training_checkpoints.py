@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from distlab.configuration.training_tools import adapts
 from distlab.checkpoints import checkpoint as ckpt
 from distlab.checkpoints.checkpoint_files import step_folders
 from distlab.jobs.job import Job
@@ -39,7 +40,7 @@ class TrainingCheckpoints:
     def base(self) -> dict | None:
         """A LoRA run's frozen base by identity (checkpoint.base_identity), read once, on first
         use (collective: resume and every save run on all ranks)."""
-        if self.spec["method"] == "lora" and self._base is None:
+        if adapts(self.spec) and self._base is None:
             source = self.job.model_source
             self._base = ckpt.base_identity(source, self.strategy.task.weights_folder(source))
         return self._base

@@ -105,7 +105,7 @@ def memory_capacity(model, spec: dict, free: int) -> int:
     from distlab.tools import advisor
 
     shape = advisor.model_shape(model.config.to_dict())
-    counts = advisor.parameter_counts(shape, spec["lora"] if spec["method"] == "lora" else None)
+    counts = advisor.workload_counts(shape, spec)
     workload = {key: spec[key] for key in ("method", "seq_len", "precision", "lora", "device",
                                            "activation_checkpointing", "activation_checkpointing_every")}
     per_sample = advisor.activation_bytes(shape, {**workload, "micro_batch": 1}, counts)  # DDP's, one sample

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from distlab.configuration.training_tools import adapts
 from distlab.jobs.validate import FAILED, MERGE_TOLERANCE, PASSED, RELOAD_TOLERANCE
 
 
@@ -98,7 +99,7 @@ def check_export(validator) -> dict:
     out = {"path": str(folder), "tolerance": RELOAD_TOLERANCE,
            "how": "the export's own files read one decoder layer at a time and run on the CPU in fp32 (no process "
                   "holds the whole model); logits on the fixed eval batch vs those recorded at save time"}
-    if spec["method"] == "lora":
+    if adapts(spec):
         skeleton = adapter_skeleton(folder, source)
         base_dtype = saved_export.get("base_weights_dtype")
         cast = getattr(torch, base_dtype) if isinstance(base_dtype, str) else None
@@ -123,7 +124,10 @@ def check_export(validator) -> dict:
         # The gathered weights are the model that trained: its own forward (sharded, on its
         # device, training precision) against the streamed one. Checked where both are CPU fp32.
         out["training_model_max_abs_logit_diff"] = training
-        if spec["device"] == "cpu" and spec["precision"] == "fp32":
+        if spec["method"] == "qlora":
+            out["training_model_note"] = ("recorded, not checked: the training model's base is 4-bit NF4; the "
+                                          "streamed forward runs the full-precision base the export is loaded on")
+        elif spec["device"] == "cpu" and spec["precision"] == "fp32":
             out["training_model_tolerance"] = RELOAD_TOLERANCE
             ok = ok and training <= RELOAD_TOLERANCE
         else:
@@ -137,9 +141,10 @@ def streamed_outputs(validator, strategy):
     run on rank 0's CPU in fp32: (None, logits of the fixed eval batch) on rank 0, (None, None)
     elsewhere (no process holds the whole model)."""
     from distlab.checkpoints.export import eval_batch
+    from distlab.runtime.qlora import trained_groups
     from distlab.runtime.streamed import Skeleton, streamed_logits
 
-    groups = strategy.state_groups()
+    groups = trained_groups(strategy, validator.spec, validator.job.model_source)
     if validator.rank != 0:
         for _ in groups:
             pass

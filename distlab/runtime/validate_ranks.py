@@ -27,6 +27,7 @@ import time
 import traceback
 from pathlib import Path
 
+from distlab.configuration.training_tools import adapts
 from distlab.jobs.job import ValidationJob, read_job
 from distlab.jobs.validate import FAILED, PARITY_TOLERANCE, PASSED, RELOAD_TOLERANCE, UNSUPPORTED
 
@@ -128,7 +129,7 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
     strategy, signature = validator.build(spec)
     meta = ckpt.read_meta(job.final)
     source = job.model_source  # LoRA: the frozen base's identity (collective), of the task's weight files
-    base = ckpt.base_identity(source, validator.task.weights_folder(source)) if spec["method"] == "lora" else None
+    base = ckpt.base_identity(source, validator.task.weights_folder(source)) if adapts(spec) else None
 
     def compatibility():
         ckpt.check_compatible(meta, spec, signature, job.final)
@@ -145,7 +146,7 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
         if validator.rank != 0:
             return {}
         diff = (logits - validator.saved_logits()).abs().max().item()
-        if spec["method"] == "lora":
+        if adapts(spec):
             validator.record("lora_base_frozen",
                              validator.task.lora_base_frozen(model, job.model_source, meta, base, diff))
         return {"status": PASSED if diff <= RELOAD_TOLERANCE else FAILED, "max_abs_logit_diff": diff,
@@ -237,7 +238,7 @@ def check_export_meanwhile_import(validator: ValidationRank, job: ValidationJob)
     if validator.rank == 0 and any(name == "same" for name, _ in job.plan):
         validator.guarded("export", lambda: validator.task.check_export(validator))
     else:
-        validator.task.import_code(job.model_source, validator.spec["method"] == "lora")
+        validator.task.import_code(job.model_source, adapts(validator.spec))
 
 
 def main(argv=None) -> None:

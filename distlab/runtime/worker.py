@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.runtime.activations import ActivationProbe
+from distlab.configuration.training_tools import adapts
 from distlab.runtime.evaluation import evaluate_run
 from distlab.jobs.job import Job, read_job
 from distlab.jobs.links import interface_counters
@@ -31,6 +32,8 @@ from distlab.runtime.memory import (OOM_EXIT_CODE, add_peaks_through_save, apply
                             record_oom, rss_now, start_save_phase)
 from distlab.runtime.model_setup import prepare_model
 from distlab.runtime.monitor import RunMonitor
+from distlab.runtime.compiled import compile_record, dynamo_counts
+from distlab.runtime.profiling import StepProfiler, profile_record
 from distlab.records.run_outputs import write_outputs
 from distlab.runtime.run_summary import gather_ranks, summarize_run
 from distlab.strategies import strategy_for
@@ -68,8 +71,10 @@ def run_rank(job: Job, checkpoints_class=None) -> tuple[dict, list] | None:
     strategy.init_distributed()
     ctx.rank, ctx.world_size = dist.get_rank(), dist.get_world_size()
     timeline.mark("process group")
+    profiler = StepProfiler(spec, job.run_dir, ctx.rank, ctx.device)  # profile: {steps: [a, b]}
+    profiler.start()  # CUDA memory history from here, so an out-of-memory load is in it too
 
-    strategy.task.import_code(job.model_source, spec["method"] == "lora")
+    strategy.task.import_code(job.model_source, adapts(spec))
     cpu_budget = enter_cpu_budget(spec, ctx.rank)  # rank_cpu_budget: a slower CPU device, load to last step
     rss_before_model = rss_now()  # interpreter + libraries + process group: what a rank costs before its model
     prepared = prepare_model(strategy, job.model_source, spec)
@@ -94,8 +99,9 @@ def run_rank(job: Job, checkpoints_class=None) -> tuple[dict, list] | None:
     timeline.mark("data, resume")
     wire_before = interface_counters() if spec.get("link") else None  # this host's link, around the steps
     result = train(ctx, strategy, train_data, start_step=start_step, stream=checkpoints.stream,
-                   on_step_end=on_step_end, records=checkpoints.records, micro_context=probe)
+                   on_step_end=on_step_end, records=checkpoints.records, micro_context=probe, profiler=profiler)
     timeline.mark("steps")
+    profiles = gather(profiler.record)
     during = monitor.finish()
     leave_cpu_budget(cpu_budget)
     if wire_before is not None:  # bytes this rank's host sent and received during its steps
@@ -122,6 +128,9 @@ def run_rank(job: Job, checkpoints_class=None) -> tuple[dict, list] | None:
         else:
             out[0]["eval"] = None
         out[0]["tracking"] = during.get("tracking")
+        out[0]["profile"] = profile_record(profiles)
+        if spec.get("compile"):
+            out[0]["timing"]["compile"] = compile_record(out[1], start_step, spec["untimed_steps"], dynamo_counts())
         # The run's figures are on disk before the final save: a save that fails (or runs out of
         # memory, distlab.jobs.launch.write_oom_metrics) cannot take them with it.
         out[0]["checkpoint"] = {"status": "saving" if checkpoints.enabled else "off",

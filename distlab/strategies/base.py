@@ -94,7 +94,11 @@ class Strategy:
         """The model this rank starts from, before LoRA and wrap(): by default every rank
         loads the task's whole trained module (host memory) in frozen_base_dtype(spec).
         Strategies that shard or split the model override this so that no rank ever holds
-        more than its part (distlab.runtime.model_setup)."""
+        more than its part (distlab.runtime.model_setup). QLoRA: the base in 4-bit NF4 on this
+        rank's device (distlab.runtime.qlora; refused at config time for the strategies that
+        override this, distlab.configuration.training_tools, but DeepSpeed's ZeRO 0-2)."""
+        if self.spec["method"] == "qlora":
+            return self.task.load_quantized(model_source, self.spec, self.ctx.device)
         return self.task.load_model(model_source, dtype=frozen_base_dtype(self.spec))
 
     def lora_context(self):
@@ -248,7 +252,7 @@ class Strategy:
             raise FidelityError(f"spec device {spec['device']} but the model is on {described['device']}")
         if "parameter_dtypes" in described:
             problem = parameter_dtype_mismatch(spec["precision"], described["parameter_dtypes"],
-                                               described.get("optimizer_master_dtypes"))
+                                               described.get("optimizer_master_dtypes"), spec.get("method"))
             if problem:
                 raise FidelityError(problem)
         if described.get("activation_checkpointing"):

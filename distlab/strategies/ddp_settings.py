@@ -8,12 +8,15 @@ from distlab.strategies.settings import StrategySettings, state
 
 def replicated_state(counts: dict, lora: bool, precision: str, buckets: bool) -> dict:
     """Every rank holds the whole model: autocast over fp32 weights (LoRA's frozen base in bf16
-    when precision is bf16, distlab.runtime.precision.frozen_base_precision), gradients plus DDP's flat
-    gradient buckets (a second copy) when `buckets`, AdamW's two fp32 moments."""
+    when precision is bf16, distlab.runtime.precision.frozen_base_precision; QLoRA's `quantized`
+    base weights at half a byte each, its other base weights fp32: distlab.runtime.qlora),
+    gradients plus DDP's flat gradient buckets (a second copy) when `buckets`, AdamW's two fp32
+    moments."""
     psi = counts["total"]
     t = counts["trainable"] if lora else psi
-    frozen_bytes = 2 if frozen_base_precision("lora" if lora else "full", precision) == "bf16" else 4
-    return state({"params": frozen_bytes * (psi - t) + 4 * t, "grads": 4 * t + (4 * t if buckets else 0.0),
+    quantized = counts.get("quantized", 0)
+    frozen_bytes = 4 if quantized else 2 if frozen_base_precision("lora" if lora else "full", precision) == "bf16" else 4
+    return state({"params": frozen_bytes * (psi - t - quantized) + 0.5 * quantized + 4 * t, "grads": 4 * t + (4 * t if buckets else 0.0),
                   "optimizer": 8 * t})
 
 

@@ -82,6 +82,8 @@ class DeepSpeedStrategy(Strategy):
         each rank reads only its partitions from the safetensors (the task's load_partitioned;
         strategies.deepspeed_load for causal LMs): no rank holds or reads the whole model."""
         dtype = torch_dtype(self.spec["precision"])
+        if self.spec["method"] == "qlora":  # ZeRO 0-2 in fp32 only (distlab.configuration.training_tools)
+            return super().load_model(model_source)
         if self.spec["deepspeed"]["zero_stage"] != 3:
             return self.task.load_model(model_source, dtype=dtype)
         if self.ctx.device.type == "cpu":

@@ -87,19 +87,22 @@ class DeepSpeedSettings(StrategySettings):
     def model_state(self, counts, n, precision, lora, settings):
         """Module in bf16/fp16 when precision asks (adapters included), else fp32 (w = 2 or 4):
         gradients w*T; Adam 8*T plus an fp32 master partition 4*T (ZeRO 1-3: 12*T/N); ZeRO-0 fp32
-        keeps no master. ZeRO-1 shards the optimizer, ZeRO-2 + gradients, ZeRO-3 + weights."""
+        keeps no master. ZeRO-1 shards the optimizer, ZeRO-2 + gradients, ZeRO-3 + weights.
+        QLoRA (ZeRO 0-2): its `quantized` base weights at half a byte each."""
         psi = counts["total"]
         t = counts["trainable"] if lora else psi
         mixed = precision_layout(precision) == "mixed"
         w = 2 if mixed else 4
         stage = settings.get("zero_stage", 0)
+        quantized = counts.get("quantized", 0)
+        weights = w * (psi - quantized) + 0.5 * quantized
         if stage == 0:
-            return state({"params": w * psi, "grads": w * t, "optimizer": (12 if mixed else 8) * t})
+            return state({"params": weights, "grads": w * t, "optimizer": (12 if mixed else 8) * t})
         if stage < 3:
             # ZeRO-1 reduce-scatters at the accumulation boundary: whole gradients live only
             # between the micro-batches of an accumulated step.
             whole = stage == 1 and settings.get("grad_accum", 1) > 1
-            return state({"params": w * psi, "grads": w * t / (1 if whole else n), "optimizer": 12 * t / n})
+            return state({"params": weights, "grads": w * t / (1 if whole else n), "optimizer": 12 * t / n})
         p_local, t_local = sharded_counts(counts, n, "zero3")
         # Parameters up to the persistence threshold stay whole on every rank beside their
         # partition; the auto profile keeps a model under its live limit gathered whole.

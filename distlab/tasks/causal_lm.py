@@ -80,6 +80,7 @@ class CausalLM(Task):
     # -- rank time ------------------------------------------------------------------------
     import_code = lazy("distlab.runtime.model:import_model_code")
     load_model = lazy("distlab.runtime.model:load_model")
+    load_quantized = lazy("distlab.runtime.qlora:load_quantized")
     evaluate_trained = lazy("distlab.runtime.evaluation:evaluate_sharded")
     export_pass = lazy("distlab.checkpoints.export:export_pass")
     trained_outputs = lazy("distlab.runtime.validate_causal_lm:streamed_outputs")
@@ -97,6 +98,10 @@ class CausalLM(Task):
         return deepspeed_load.load_partitioned(source, ds_config, dtype, nvme_params=nvme_params)
 
     def apply_lora(self, model, spec):
+        if spec["method"] == "qlora":  # the base is 4-bit: peft's k-bit preparation first
+            from distlab.runtime.qlora import apply_qlora
+
+            return apply_qlora(model, spec)
         from distlab.runtime.lora import apply_lora
 
         return apply_lora(model, spec["lora"], spec["seed"])

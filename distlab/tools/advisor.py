@@ -10,7 +10,9 @@ Memory = model state + activations, per device:
   no gradient or optimizer state) over N devices, in bytes per parameter of what distlab
   itself allocates (checked against real runs' tensors within TOLERANCE, tests/test_advisor.py):
   - DDP / Accelerate (autocast over fp32 weights; LoRA's frozen base in bf16 when precision
-    is bf16, adapters fp32): weights 4*Psi (LoRA bf16: 2*(Psi-T) + 4*T), gradients 4*T plus
+    is bf16, adapters fp32): weights 4*Psi (LoRA bf16: 2*(Psi-T) + 4*T; QLoRA: 0.5 byte for
+    each of the Q decoder-layer Linear weights bitsandbytes holds in 4 bits, 4 for the rest of
+    the base: 0.5*Q + 4*(Psi-T-Q) + 4*T), gradients 4*T plus
     DDP's flat gradient buckets 4*T (a second copy; Accelerate adds them only at 2+
     processes, where it wraps DDP), AdamW 8*T.
   - DeepSpeed (module in bf16/fp16 when precision asks, adapters included; else fp32,
@@ -46,7 +48,7 @@ from __future__ import annotations
 
 import copy
 
-from distlab.tools.parameter_counts import model_shape, parameter_counts
+from distlab.tools.parameter_counts import model_shape, parameter_counts, workload_counts
 from distlab.strategies.settings import advisor_rows, registered
 
 GIB = 2**30
@@ -113,8 +115,8 @@ def activation_bytes(shape: dict, workload: dict, counts: dict, mode: str | None
 def estimate(shape: dict, workload: dict, n: int, mode: str | None = None) -> list[dict]:
     """One row per strategy: estimated bytes per device for this workload on n devices
     (mode: activation checkpointing, default the workload's)."""
-    lora = workload["method"] == "lora"
-    counts = parameter_counts(shape, workload["lora"] if lora else None)
+    lora = workload["method"] in ("lora", "qlora")
+    counts = workload_counts(shape, workload)
     rows = []
     for key in ROW_ORDER:
         state = model_state(key, counts, n, workload["precision"], lora, workload.get("grad_accum", 1))
@@ -245,17 +247,17 @@ def advise(model_config: dict, hardware: dict, config: dict, cpu_ranks: int = 1,
         from distlab.tools.advisor_box import box_advice
 
         state = (many[pick] if pick else one["ddp"])["model_state_bytes"]
-        counts = parameter_counts(shape, workload["lora"] if workload["method"] == "lora" else None)
+        counts = workload_counts(shape, workload)
         per_sample = activation_bytes(shape, {**workload, "micro_batch": 1}, counts)  # DDP's, one sample
         box = box_advice(plan, config["advisor"]["devices"], per_sample, state,
                          config["advisor"].get("headroom", 0.1), workload["micro_batch"], evidence or {})
         reasons += box["reasons"]
-    counts = parameter_counts(shape, workload["lora"] if workload["method"] == "lora" else None)
+    counts = workload_counts(shape, workload)
     from distlab.tools.save_estimate import save_estimate
 
     return {"box": box, "schema_version": 1, "model": {"shape": shape, "parameters": {
                 k: v for k, v in counts.items() if not k.startswith("_")}},
-            "save": save_estimate(counts, shape["vocab_size"], workload["method"] == "lora", workload.get("export")),
+            "save": save_estimate(counts, shape["vocab_size"], workload["method"] in ("lora", "qlora"), workload.get("export")),
             "workload": workload, "devices": plan, "usable_bytes_per_device": budget,
             "recommendation": pick, "recommendation_label": ROW_LABEL.get(pick, "none fits"),
             "activation_checkpointing": checkpointing,

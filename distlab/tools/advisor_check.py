@@ -4,7 +4,7 @@ and saved activations (check_against_runs, used by the report and the tests)."""
 from __future__ import annotations
 
 from distlab.tools.advisor import TOLERANCE, activation_bytes, strategy_state
-from distlab.tools.parameter_counts import parameter_counts
+from distlab.tools.parameter_counts import workload_counts
 from distlab.strategies.settings import data_parallel, registered
 
 
@@ -24,8 +24,8 @@ def spec_settings(spec: dict) -> dict:
 def estimate_spec(shape: dict, spec: dict) -> dict | None:
     """The estimate for one run's own spec (its strategy, settings, world size, method,
     precision): per-rank model state in bytes; None for strategies without a formula."""
-    lora = spec["method"] == "lora"
-    counts = parameter_counts(shape, spec["lora"] if lora else None)
+    lora = spec["method"] in ("lora", "qlora")
+    counts = workload_counts(shape, spec)
     state = strategy_state(spec["strategy"], counts, spec["world_size"], spec["precision"], lora,
                            spec_settings(spec))
     if state is None:
@@ -87,7 +87,7 @@ def activation_check(shape: dict, spec: dict, run: dict) -> dict:
     measured = ((run["memory"].get("per_rank") or [{}])[0].get("activations") or {}).get("bytes")
     if not data_parallel(spec) or not measured:
         return {"estimated_activations_MiB": None, "measured_activations_MiB": None}
-    counts = parameter_counts(shape, spec["lora"] if spec["method"] == "lora" else None)
+    counts = workload_counts(shape, spec)
     est = activation_bytes(shape, spec, counts, strategy=spec["strategy"], part="held_bytes")
     return {"estimated_activations_MiB": round(est / 2**20, 3), "measured_activations_MiB": round(measured / 2**20, 3),
             "activations measured/estimated": round(measured / est, 3)}

@@ -35,6 +35,16 @@ def model_shape(config_json: dict) -> dict:
             "config_json": dict(config_json)}
 
 
+def workload_counts(shape: dict, workload: dict) -> dict:
+    """parameter_counts for a spec or advisor workload: LoRA's and QLoRA's adapters trainable;
+    QLoRA also counts `quantized`, the base weights bitsandbytes holds in 4 bits (the Linear
+    layers of the decoder layers; distlab.runtime.qlora), 0 otherwise."""
+    adapters = workload["method"] in ("lora", "qlora")
+    counts = parameter_counts(shape, workload["lora"] if adapters else None)
+    counts["quantized"] = counts["decoder_linear_weights"] if workload["method"] == "qlora" else 0
+    return counts
+
+
 def parameter_counts(shape: dict, lora: dict | None = None) -> dict:
     """Total, embedding, per-layer and LoRA-trainable counts, exact for every family: the
     model is instantiated on the meta device (no memory) and its parameters summed.
@@ -60,6 +70,9 @@ def _parameter_counts(config_json: str, lora_json: str) -> dict:
     tied = output is None or output.weight is model.get_input_embeddings().weight
     head = 0 if tied else output.weight.numel()
     per_layer = sum(p.numel() for p in decoder_layers(model)[0].parameters())
+    # What a 4-bit load quantises: the weight of every nn.Linear inside the decoder layers.
+    linear_weights = sum(m.weight.numel() for layer in decoder_layers(model) for m in layer.modules()
+                         if isinstance(m, torch.nn.Linear))
     tp_split = _tp_split(model)
     trainable = total
     if lora is not None:
@@ -70,7 +83,7 @@ def _parameter_counts(config_json: str, lora_json: str) -> dict:
         total = sum(p.numel() for p in model.parameters())
     return {"total": total, "embedding": embedding, "per_layer": per_layer,
             "largest_unit": max(per_layer, embedding, head), "trainable": trainable,
-            "layers": len(decoder_layers(model)), "hidden_size": getattr(config, "hidden_size", None),
+            "layers": len(decoder_layers(model)), "decoder_linear_weights": linear_weights, "hidden_size": getattr(config, "hidden_size", None),
             "_shapes": [(tuple(p.shape), p.requires_grad) for p in model.parameters()], "_tp_split": tp_split}
 
 

@@ -5,6 +5,7 @@ during training."""
 from __future__ import annotations
 
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Goal, Table, metrics_link
+from distlab.report.cards import finetune_tools
 from distlab.report.plots import label_axes, to_png_b64
 
 MIB = 2**20
@@ -198,4 +199,7 @@ def build(runs: list[dict]) -> Card:
     schedule_goal(card, runs)
     eval_goal(card, runs)
     packing_goal(card, runs)
+    finetune_tools.qlora_goal(card, runs)
+    finetune_tools.compile_goal(card, runs)
+    finetune_tools.profile_goal(card, runs)
     return card
