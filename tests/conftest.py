@@ -29,8 +29,27 @@ SHARED_GROUPS = {"pipeline": {"test_pipeline", "test_report", "test_bad_input", 
 # (pyproject.toml's addopts) xdist hands groups to idle workers in collection order; by default
 # it would sort them by their number of tests, which put these few-test groups last (two_hosts
 # 53rd of 61), one running alone at the end while the other worker idled (21 min 48 s).
-LONGEST_FIRST = ["test_memory_sharded", "test_ray", "test_two_hosts", "pipeline", "test_text_to_image",
+LONGEST_FIRST = ["test_memory_sharded", "pipeline", "test_ray", "test_two_hosts", "test_text_to_image",
                  "test_gpu_rehearsal", "test_deepspeed", "test_checkpoint_faults"]
+# Modules whose processes alone take a large part of a 24 GiB machine: the 309M model's full
+# fine-tuning (two DDP ranks of ~6 GiB each) and the Ray clusters (a head, nodes, workers). Run
+# side by side on the two workers they ran a rank out of memory (the kernel's OOM killer, seen
+# 2026-12-07), so each takes one lock shared by the workers; the pipeline group goes second
+# above so that the other worker starts on it meanwhile.
+MEMORY_HEAVY = {"test_memory_sharded", "test_ray", "test_two_hosts"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_memory_heavy_module_at_a_time(request, tmp_path_factory):
+    if request.module.__name__.rsplit(".", 1)[-1] not in MEMORY_HEAVY:
+        yield
+        return
+    import fcntl
+
+    # The run's temporary root (pytest-<N>/ under xdist, whose workers each have a folder in it).
+    with open(tmp_path_factory.getbasetemp().parent / "distlab-memory-heavy.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if the module fails
+        yield
 
 
 # tryfirst: xdist's own collection hook turns the xdist_group marker into the scheduling key,
