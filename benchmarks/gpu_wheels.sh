@@ -50,8 +50,11 @@ refuse_foreign() {  # <folder> <stamp> <variable>
 refuse_foreign "$CACHE" .inputs DISTLAB_WHEEL_CACHE
 refuse_foreign "$DEST" "$DEST_STAMP" DISTLAB_WHEEL_DEST
 
-# The kit's package set beyond torch (versions: those distlab is tested with).
-REQUIREMENTS=("snakemake==9.27.1" "datasets==5.2.0" "jsonschema==4.26.0" "platformdirs==4.14.9")
+# The kit's package set beyond torch (versions: those distlab is tested with). threadpoolctl
+# (a warm-started CPU rank sets OpenBLAS's threads with it) is on the box already: it joins the
+# set so that the CPU rehearsal's box venv has it too, and is not carried.
+REQUIREMENTS=("snakemake==9.27.1" "datasets==5.2.0" "jsonschema==4.26.0" "platformdirs==4.14.9"
+              "threadpoolctl==3.8.0")
 DEEPSPEED="deepspeed==0.19.8"
 DEEPSPEED_DEPS=("hjson==3.1.0" "pydantic==2.13.4" "py-cpuinfo" "msgpack" "ninja" "einops" "nvidia-ml-py")
 

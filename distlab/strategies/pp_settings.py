@@ -35,7 +35,7 @@ class PPSettings(ModelParallelSettings):
         from distlab.data_prep.packing import packing_mode
 
         data = datasets_of(config["data"]).get(spec.get("dataset", "default"))
-        if data and spec.get("task", "causal-lm") == "causal-lm" and packing_mode(data) == "documents":
+        if data and packing_mode(data) == "documents":
             fail("dataset", f"dataset {spec.get('dataset', 'default')!r} packs rows as documents (packing: documents, "
                  "the default for chat/instruction rows), whose position ids keep each row's attention to itself; "
                  "pipeline stages pass only hidden states on, so the later stages would attend across rows. "
