@@ -54,6 +54,16 @@ def resolve(overrides: dict, stage: str = "ddp", **defaults) -> dict:
     return spec
 
 
+def workflow_data_dirs(cfg: dict, prep: Path) -> set[Path]:
+    """Where the workflow reads the prepared data of `cfg`'s experiments (and rule prepare_data
+    writes it) under its `prep` folder: each experiment's task's data_dir, which rules/common.smk asks."""
+    from distlab.configuration.config import load
+    from distlab.tasks import task_for
+
+    _, specs = load(copy.deepcopy(cfg), gpu_count=0)
+    return {Path(task_for(spec).data_dir(spec, str(prep))) for spec in specs.values()}
+
+
 def build_instruction_data(prepared: Path, out_dir: Path, seq_len: int = 32, **options) -> Path:
     """config.yaml's pydoc-instructions dataset (instruction rows, prompt labels -100) prepared
     with the tiny workspace's tokenizer; options: further data keys (packing, eval_blocks)."""

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import seed_hardware, snakemake, tiny_config
+from distlab.testing import workflow_data_dirs
 
 MACHINE = "testbox"  # the machine tag of the `prepared` hardware.json
 # The 1-rank run's length is in epochs (0.01 of the 6438 train blocks: 804 micro-batches of 8
@@ -28,10 +29,14 @@ def pipeline_config() -> dict:
     return cfg
 
 
-def seed_prepared(prepared: Path, work: Path) -> None:
+def seed_prepared(prepared: Path, work: Path, cfg: dict | None = None) -> None:
+    """The session's tokenizer, model, hardware.json and seq-32 data where the workflow run on
+    `cfg` (the pipeline's by default) reads them, so that it schedules none of their jobs."""
     prep = work / "results" / "prep"
     shutil.copytree(prepared / "tokenizer", prep / "tokenizer")
-    shutil.copytree(prepared / "data32", prep / "data" / "seq32")
+    for data_dir in workflow_data_dirs(cfg or pipeline_config(), prep):
+        assert data_dir.name.endswith("-seq32"), f"{data_dir}: only seq 32 is prepared"
+        shutil.copytree(prepared / "data32", data_dir)
     shutil.copytree(prepared / "model", prep / "model")
     seed_hardware(prepared, work, MACHINE)
 

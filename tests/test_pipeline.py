@@ -9,7 +9,7 @@ import yaml
 from conftest import snakemake, tiny_config
 from distlab.records.run_outputs import read_run_record
 
-from report_fixtures import MACHINE, STAGES
+from report_fixtures import MACHINE, STAGES, pipeline_config, seed_prepared
 
 pytest_plugins = ["report_fixtures"]
 
@@ -184,6 +184,16 @@ def test_workflow_passes_snakemakes_linter(tmp_path):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(tiny_config(STAGES)))
     proc = snakemake(tmp_path, "--lint", "--configfile", str(tmp_path / "c.yaml"), check=False)
     assert "Congratulations" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_the_seeded_workspace_leaves_the_workflow_no_data_to_prepare(prepared, tmp_path):
+    """The shared pipeline fixture seeds the session's tokenizer, data and model where the
+    workflow reads them (report_fixtures.seed_prepared): its run pays for no prep job."""
+    seed_prepared(prepared, tmp_path)
+    proc = snakemake(tmp_path, "-n", config=pipeline_config())
+    jobs = scheduled_jobs(proc.stdout)
+    assert jobs.get("train") == 2, proc.stdout  # the plan is the pipeline's
+    assert not {"prepare_data", "train_tokenizer", "build_base_model", "hardware"} & set(jobs), proc.stdout
 
 
 def test_a_config_file_on_the_command_line_replaces_the_embedded_default(tmp_path, monkeypatch):
