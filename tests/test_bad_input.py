@@ -13,6 +13,8 @@ import pytest
 from conftest import snakemake
 
 pytest_plugins = ["report_fixtures"]
+# Every test reruns the session's finished workflow (report_fixtures).
+pytestmark = pytest.mark.slow
 
 
 def nan_lr(cfg, work):

@@ -66,6 +66,7 @@ def test_prepared_instruction_blocks_carry_masked_labels(instruction_data):
     assert counts["trained_tokens"] == int((labels[:, 1:] != IGNORE).sum()) and counts["masked_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_training_loss_counts_only_response_tokens(prepared, instruction_data, tmp_path):
     """Step 0's loss is the plain model's loss with the masked labels on the same samples."""
     import torch

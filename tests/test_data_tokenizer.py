@@ -54,6 +54,7 @@ def _jsonl(path, texts):
     return path
 
 
+@pytest.mark.slow
 def test_model_folder_data_is_encoded_with_the_models_own_tokenizer(tmp_path, gpt2_folder):
     from transformers import AutoTokenizer
 

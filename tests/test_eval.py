@@ -23,6 +23,7 @@ def test_base_eval_is_the_models_mean_loss_on_the_first_eval_blocks(prepared, tm
     assert json.loads((tmp_path / "base.json").read_text())["loss"] == result["loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     # 16 eval blocks in batches of 6: 3 batches over 2 ranks, so one FSDP rank joins a forward it does not count
     {"strategy": "fsdp", "world_size": 2, "micro_batch": 6},

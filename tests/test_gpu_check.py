@@ -13,6 +13,7 @@ from distlab.configuration.config import ConfigError, load
 GPU_CONFIG = REPO / "config" / "gpu_check.yaml"
 
 
+@pytest.mark.slow
 def test_kit_says_in_one_line_that_there_is_no_gpu_and_fails(tmp_path):
     # No carried wheels (a checkout may hold a .whl/ built for the GPU box's Python): the answer
     # must come from the GPU check, not from pip refusing another Python's wheels.

@@ -53,6 +53,7 @@ def kit_wheels(tmp_path_factory):
     return dest
 
 
+@pytest.mark.slow
 def test_kit_wheel_set_installs_with_no_index_into_a_clean_venv_and_imports(kit_wheels, tmp_path):
     assert all(p.suffix == ".whl" for p in kit_wheels.iterdir() if p.name != ".distlab-wheels")
     assert not list(kit_wheels.glob("torch-*.whl")), "the set must not carry a torch"
@@ -76,6 +77,7 @@ def test_kit_wheel_set_installs_with_no_index_into_a_clean_venv_and_imports(kit_
     assert proc.stdout.split("\n")[0].startswith("deepspeed needs torch") and proc.stdout.strip().count("\n") == 0
 
 
+@pytest.mark.slow
 def test_box_set_keeps_what_the_box_lacks_and_drops_what_it_has(kit_wheels, tmp_path):
     proc = build_wheels(tmp_path / "box", keep_box=False)  # reuses the cache: no registry
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -41,6 +41,7 @@ def test_the_environment_variable_overrides_the_model(tmp_path, monkeypatch):
     assert host_allocator.choose(weights_folder(tmp_path, (8, 8)))["mmap_threshold_bytes"] == 1 << 20
 
 
+@pytest.mark.slow
 def test_every_cpu_rank_records_the_threshold_it_ran_under(prepared, tmp_path, monkeypatch):
     """The tests' model is tiny: every layer weight is under 2 MiB, so its ranks run under
     glibc's dynamic threshold, and say so beside their RSS figures."""

@@ -80,6 +80,7 @@ def sigkill_leaves_nothing(smk: subprocess.Popen, workdir) -> None:
     assert not survivors(str(workdir))
 
 
+@pytest.mark.slow
 def test_a_timeout_kills_every_rank_of_the_launch(tmp_path, reaper, monkeypatch):
     from distlab.launchers.ranks import start_ranks
 
@@ -131,6 +132,7 @@ def test_training_validation_and_the_collective_benchmark_start_ranks_through_on
         assert marker in cmd
 
 
+@pytest.mark.slow
 def test_sigkill_of_snakemake_leaves_no_launcher_or_rank_running(prepared, tmp_path, reaper):
     spec = resolve({"world_size": 2}, steps=100000, untimed_steps=2)  # would train for an hour
     run_dir = tmp_path / "run"
@@ -158,6 +160,7 @@ def test_sigkill_of_snakemake_leaves_no_launcher_or_rank_running(prepared, tmp_p
     sigkill_leaves_nothing(smk, tmp_path)
 
 
+@pytest.mark.slow
 def test_sigkill_of_snakemake_leaves_no_collective_benchmark_rank_running(tmp_path, reaper):
     """Rule collectives' script starts its ranks as training does (distlab.launchers.ranks): a
     SIGKILLed snakemake takes the script, torchrun and the benchmark's ranks down with it."""
@@ -176,6 +179,7 @@ def test_sigkill_of_snakemake_leaves_no_collective_benchmark_rank_running(tmp_pa
     assert not (tmp_path / "out" / "collectives.json").exists()
 
 
+@pytest.mark.slow
 def test_a_second_launch_refuses_while_processes_of_the_first_still_run(tmp_path, reaper):
     from distlab.jobs.launch import job_file, launch
     from distlab.launchers.process import LAUNCH_ENV, new_launch_identity
@@ -195,6 +199,7 @@ def test_a_second_launch_refuses_while_processes_of_the_first_still_run(tmp_path
         orphan.wait()
 
 
+@pytest.mark.slow
 def test_a_process_that_only_names_the_job_file_neither_blocks_a_launch_nor_dies_with_it(tmp_path, reaper):
     """`tail -f .../job.json` is not a rank: processes are matched by the identity every process
     of a launch inherits, not by a substring of their command line."""

@@ -94,6 +94,7 @@ def test_missing_required_fields_are_reported_not_ignored():
     assert kuberay.check(cluster, specs)["required_fields"]["status"] == "failed"
 
 
+@pytest.mark.slow
 def test_kuberay_rule_writes_the_manifests_and_their_checks(tmp_path):
     config = tiny_config({"ray": {"experiments": RAY_EXPERIMENTS}})
     snakemake(tmp_path, "--cores", "1", "results/kuberay/checks.json", config=config)

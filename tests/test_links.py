@@ -39,6 +39,7 @@ def comm(run) -> float:
     return run["timing"]["comm_inflight_s_per_step"]["median"]
 
 
+@pytest.mark.slow
 def test_a_capped_link_slows_ddp_communication_in_the_order_of_its_bandwidth(capped_runs):
     slow, fast = (capped_runs[cap][0] for cap in CAPS)
     assert [r["experiment"] for r in (slow, fast)] == ["ddp-full-w2-mb4-ga1-link20m", "ddp-full-w2-mb4-ga1-link200m"]
@@ -48,6 +49,7 @@ def test_a_capped_link_slows_ddp_communication_in_the_order_of_its_bandwidth(cap
     assert max(abs(a - b) for a, b in zip(slow["loss"]["per_step"], fast["loss"]["per_step"])) < 1e-6
 
 
+@pytest.mark.slow
 def test_the_gradients_crossed_the_capped_link_no_faster_than_its_cap(capped_runs):
     run, link = capped_runs[20]
     assert link["bandwidth_mbit"] == 20 and link["addresses"] == ["10.77.0.1", "10.77.0.2"]
@@ -60,6 +62,7 @@ def test_the_gradients_crossed_the_capped_link_no_faster_than_its_cap(capped_run
     assert comm(run) >= 0.8 * grad_bytes * 8 / 20e6, (comm(run), grad_bytes)
 
 
+@pytest.mark.slow
 def test_no_namespace_or_process_of_a_finished_run_is_left(capped_runs):
     mine = links._owner_tag(os.getpid())
     assert [pid for pid, owner in links.tagged_processes() if owner == mine] == []

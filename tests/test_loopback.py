@@ -64,6 +64,7 @@ def probe_env():
     return dict(os.environ, PYTHONPATH=f"{REPO / 'tests'}{os.pathsep}{REPO}", OMP_NUM_THREADS="1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["module", "script"])
 def test_a_torchrun_launch_listens_on_loopback_only(tmp_path, probe_env, target):
     """Training's ranks (a module) and the benchmarks' and tests' own rank scripts alike."""
@@ -77,6 +78,7 @@ def test_a_torchrun_launch_listens_on_loopback_only(tmp_path, probe_env, target)
     assert ports[0] == ports[1] and int(ports[0]) > 0  # port 0 became the port the OS picked
 
 
+@pytest.mark.slow
 def test_an_accelerate_launch_listens_on_loopback_only(tmp_path, probe_env):
     from distlab.launchers.accelerate import accelerate_command, launch_environment, write_accelerate_config
 

@@ -1,5 +1,6 @@
 """The per-rank memory budget is real on CPU: a run past it ends as `oom`, one under it
 finishes, and every run records its load-phase and training-phase peaks."""
+import pytest
 
 from conftest import resolve, run_experiment
 from distlab.jobs.job import Job
@@ -8,6 +9,7 @@ from distlab.records.run_outputs import read_run_record
 MIB = 2**20
 
 
+@pytest.mark.slow
 def test_a_cpu_run_past_its_budget_ends_as_oom_and_one_within_it_finishes(prepared, tmp_path):
     from distlab.jobs.launch import launch
 

@@ -20,6 +20,8 @@ import pytest
 from conftest import REPO, snakemake
 
 pytest_plugins = ["report_fixtures"]
+# Every test reads or reruns the session's finished workflow (report_fixtures).
+pytestmark = pytest.mark.slow
 MACHINE = "testbox"
 
 
@@ -47,7 +49,6 @@ def workcopy(finished_pipeline, tmp_path):
     return copy, json.loads(json.dumps(cfg))
 
 
-@pytest.mark.slow
 def test_copied_machine_folder_merges_into_one_report_side_by_side(workcopy):
     work, cfg = workcopy
     results = work / "results"
@@ -67,7 +68,6 @@ def test_copied_machine_folder_merges_into_one_report_side_by_side(workcopy):
     assert {k: after[k] for k in before} == before, "a merge must not rewrite any machine's files"
 
 
-@pytest.mark.slow
 def test_extra_results_folder_is_merged_without_copying_it_in(workcopy, tmp_path):
     work, cfg = workcopy
     elsewhere = tmp_path / "from-the-gpu-box" / "results"

@@ -27,6 +27,7 @@ def scheduled_jobs(proc_stdout: str) -> dict:
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m.group(1) != "total"}
 
 
+@pytest.mark.slow
 def test_pipeline_produces_measured_stage1_report(finished):
     work, _ = finished
     results = work / "results"
@@ -42,6 +43,7 @@ def test_pipeline_produces_measured_stage1_report(finished):
     assert "**passed** (minimal)" in readme and "**passed** (bonus)" in readme
 
 
+@pytest.mark.slow
 def test_an_epochs_run_gets_its_steps_from_the_prepared_data_and_a_rerun_has_nothing_to_do(finished):
     work, _ = finished
     metrics = read_run_record(work / "results" / MACHINE / "ddp-full-w1-mb8-ga1" / "metrics.json").to_dict()
@@ -50,6 +52,7 @@ def test_an_epochs_run_gets_its_steps_from_the_prepared_data_and_a_rerun_has_not
     assert len(metrics["loss"]["per_step"]) == 9  # (the no-op rerun: test_nothing_to_do_on_a_rerun)
 
 
+@pytest.mark.slow
 def test_every_runs_curves_are_in_tensorboard_and_the_machines_mlflow_store(finished):
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -79,6 +82,7 @@ def local_paths(work) -> list[str]:
     return [str(work.resolve()), str(REPO), os.path.expanduser("~")]
 
 
+@pytest.mark.slow
 def test_the_trackers_stores_name_no_local_path_user_or_host(finished):
     import getpass
     import socket
@@ -106,6 +110,7 @@ def test_the_trackers_stores_name_no_local_path_user_or_host(finished):
         assert not re.search(rf"\b{re.escape(host)}\b", path.name + text)
 
 
+@pytest.mark.slow
 def test_what_distlab_writes_into_the_logs_names_no_local_absolute_path(finished):
     work, _ = finished
     paths = local_paths(work)
@@ -121,6 +126,7 @@ def test_what_distlab_writes_into_the_logs_names_no_local_absolute_path(finished
     assert leaks == []
 
 
+@pytest.mark.slow
 def test_a_runs_cpu_ranks_start_warm_and_its_servers_end_with_it(finished):
     """snakemake's onstart server (distlab.launchers.warm_start): every CPU rank of the run was
     forked from it, and neither it nor its flavour servers outlive the run."""
@@ -144,18 +150,21 @@ def test_a_runs_cpu_ranks_start_warm_and_its_servers_end_with_it(finished):
     assert not [pid for pid in pids if a_server(pid)]
 
 
+@pytest.mark.slow
 def test_benchmark_and_log_recorded_for_training_jobs(finished):
     run = finished[0] / "results" / MACHINE / "ddp-full-w1-mb8-ga1"
     assert (run / "benchmark.tsv").read_text().startswith("s\t")
     assert (run / "train.log").is_file()
 
 
+@pytest.mark.slow
 def test_nothing_to_do_on_a_rerun(finished):
     work, cfg = finished
     proc = snakemake(work, "--cores", "2", "-n", config=cfg)
     assert "Nothing to be done" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_changing_one_experiment_reruns_only_it(finished):
     work, cfg = finished
     changed = copy.deepcopy(cfg)
@@ -168,6 +177,7 @@ def test_changing_one_experiment_reruns_only_it(finished):
     assert not {"prepare_data", "train_tokenizer", "build_base_model", "hardware"} & set(jobs)
 
 
+@pytest.mark.slow
 def test_bad_config_stops_before_any_job_and_leaves_results_untouched(finished):
     work, cfg = finished
     before = {p: p.stat().st_mtime_ns for p in (work / "results").rglob("*") if p.is_file()}
@@ -211,6 +221,7 @@ def test_a_config_file_on_the_command_line_replaces_the_embedded_default(tmp_pat
     assert scheduled_jobs(default.stdout)["train"] >= 20  # --config edits the default, which still applies
 
 
+@pytest.mark.slow
 def test_delete_all_output_leaves_nothing_of_a_run_but_its_logs(finished, tmp_path):
     import shutil
 
@@ -241,6 +252,7 @@ def test_delete_all_output_leaves_nothing_of_a_run_but_its_logs(finished, tmp_pa
     assert not (results / "summary-rejected.json").exists()
 
 
+@pytest.mark.slow
 def test_a_failed_checkpoint_validation_fails_the_workflow_after_the_report_is_built(finished, tmp_path):
     import shutil
 

@@ -21,6 +21,9 @@ from distlab.launchers.ray_nodes import RayNodes
 from distlab.records.run_outputs import read_run_record
 from distlab.jobs.two_hosts import newest_checkpoint_world
 
+# Every test runs on the module's Ray cluster.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def cluster():
@@ -108,7 +111,6 @@ def two_node_run(prepared, cluster, tmp_path_factory):
     return run_dir, read_run_record(run_dir / "metrics.json").to_dict()
 
 
-@pytest.mark.slow
 def test_two_node_ray_run_puts_one_rank_on_each_node_and_records_where(two_node_run, cluster):
     run_dir, metrics = two_node_run
     ray = metrics["ray"]
@@ -129,7 +131,6 @@ def test_two_node_ray_run_puts_one_rank_on_each_node_and_records_where(two_node_
 IPV4 = re.compile(rb"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?![\d.])")
 
 
-@pytest.mark.slow
 def test_a_ray_runs_shared_results_carry_host_labels_not_node_addresses(two_node_run):
     from distlab.report.cards.stage5_ray import build
 
@@ -144,7 +145,6 @@ def test_a_ray_runs_shared_results_carry_host_labels_not_node_addresses(two_node
     assert placement.count("on host-1") == 2, placement  # the card still says where each rank ran
 
 
-@pytest.mark.slow
 def test_ray_launcher_trains_exactly_like_torchrun(prepared, tmp_path, two_node_run):
     run_dir, metrics = two_node_run
     reference = run_experiment(prepared, tmp_path / "torchrun", resolve({"world_size": 2, **SHORT}))
@@ -152,7 +152,6 @@ def test_ray_launcher_trains_exactly_like_torchrun(prepared, tmp_path, two_node_
     assert_same_training(run_dir, metrics, tmp_path / "torchrun", reference)
 
 
-@pytest.mark.slow
 def test_killed_ray_worker_is_replaced_and_training_resumes_from_the_last_checkpoint(
         prepared, tmp_path, cluster, two_node_run, monkeypatch):
     spec = on_cluster(cluster, {"ray": {"max_failures": 1}})
@@ -172,7 +171,6 @@ def test_killed_ray_worker_is_replaced_and_training_resumes_from_the_last_checkp
     assert_same_training(tmp_path / "fault", faulty, run_dir, uninterrupted)
 
 
-@pytest.mark.slow
 def test_embedded_default_starts_a_private_local_ray_instance_in_a_fresh_home(prepared, tmp_path, monkeypatch,
                                                                              two_node_run):
     home = tmp_path / "home"
@@ -193,7 +191,6 @@ def test_embedded_default_starts_a_private_local_ray_instance_in_a_fresh_home(pr
     assert_same_training(tmp_path / "local", metrics, run_dir, on_cluster_run)
 
 
-@pytest.mark.slow
 def test_elastic_ray_run_grows_when_a_node_joins_and_shrinks_when_it_leaves(prepared, tmp_path, cluster,
                                                                            monkeypatch):
     # After a node leaves, Ray's view of free resources can lag and its first restart asks for

@@ -49,6 +49,7 @@ def test_repeats_need_two_timed_steps_per_window():
         resolve({"repeats": 3}, steps=6, untimed_steps=2)
 
 
+@pytest.mark.slow
 def test_report_shows_every_stage_card_and_the_cross_stage_sections(finished_pipeline):
     work, _ = finished_pipeline
     readme = (work / "results" / "report" / "README.md").read_text()
@@ -62,6 +63,7 @@ def test_report_shows_every_stage_card_and_the_cross_stage_sections(finished_pip
     assert html.count("data:image/png;base64,") >= 4 and "<script" not in html
 
 
+@pytest.mark.slow
 def test_every_evidence_link_points_at_a_file_that_exists(finished_pipeline):
     work, _ = finished_pipeline
     report_dir = work / "results" / "report"
@@ -71,6 +73,7 @@ def test_every_evidence_link_points_at_a_file_that_exists(finished_pipeline):
         assert (report_dir / link).is_file(), link
 
 
+@pytest.mark.slow
 def test_summary_carries_throughput_spread_and_repeats(finished_pipeline):
     work, _ = finished_pipeline
     rows = list(csv.DictReader(open(work / "results" / "summary.csv")))
@@ -79,6 +82,7 @@ def test_summary_carries_throughput_spread_and_repeats(finished_pipeline):
     assert float(two["tokens_per_s_low"]) <= float(two["tokens_per_s"]) <= float(two["tokens_per_s_high"])
 
 
+@pytest.mark.slow
 def test_bandwidth_section_derives_the_break_even_batch_from_measurements(finished_pipeline):
     work, _ = finished_pipeline
     bench = json.loads((work / "results" / MACHINE / "collectives.json").read_text())
@@ -92,6 +96,7 @@ def test_bandwidth_section_derives_the_break_even_batch_from_measurements(finish
     assert "Measured at global batch 8" in readme
 
 
+@pytest.mark.slow
 def test_advisor_estimate_is_checked_against_the_runs(finished_pipeline):
     work, _ = finished_pipeline
     advice = json.loads((work / "results" / MACHINE / "advice.json").read_text())
@@ -102,6 +107,7 @@ def test_advisor_estimate_is_checked_against_the_runs(finished_pipeline):
     assert "The estimate was wrong for 0 of 2 run(s)." in readme
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage, message", [
     (lambda p: p.write_text("{not json"), "unreadable metrics file"),
     (lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "schema_version": 99})),
@@ -116,6 +122,7 @@ def test_corrupt_or_foreign_results_are_refused_naming_the_file(finished_pipelin
         load_run(metrics)
 
 
+@pytest.mark.slow
 def test_validation_json_travels_with_its_run(finished_pipeline, tmp_path):
     import shutil
 
@@ -161,6 +168,7 @@ def _as_machine(folder: Path, machine: str) -> None:
             path.write_text(json.dumps(dict(data, machine=machine)))
 
 
+@pytest.mark.slow
 def test_the_report_reads_only_what_its_rule_declares(finished_pipeline, tmp_path, monkeypatch):
     """Rule report's inputs (as Snakemake resolves them) cover every file the report opens, for
     this machine's runs and a copied-in machine's; and every file beside a run is read, so no

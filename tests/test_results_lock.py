@@ -106,6 +106,7 @@ def test_only_calls_that_run_no_job_go_without_the_lock(argv, read_only):
     assert is_read_only_call(argv) is read_only
 
 
+@pytest.mark.slow
 def test_a_second_snakemake_on_the_same_results_folder_is_refused_and_the_first_finishes(prepared, tmp_path):
     """Two real Snakemake processes, two working directories (two clones), one absolute
     results_dir; the second even with --nolock. Today's code let the second delete the first

@@ -54,6 +54,7 @@ GRADIENT_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sized_micro_batches_give_the_one_rank_gradient_of_the_same_samples(prepared, tmp_path):
     from distlab.launchers.process import run_ranks
     from distlab.launchers.torchrun import torchrun_command
@@ -97,6 +98,7 @@ def uniform_and_sized(prepared, tmp_path_factory):
     return uniform, sized
 
 
+@pytest.mark.slow
 def test_sized_batches_give_the_slower_rank_fewer_samples_and_read_each_sample_once(uniform_and_sized):
     # Which of the two is faster is a measurement, not a promise a test can keep on a busy
     # machine: the unequal page shows it (tokens/s and each rank's wait in the all-reduce).

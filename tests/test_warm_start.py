@@ -24,6 +24,7 @@ from warm_fixtures import copies_of, server, server_log, server_pid  # noqa: F40
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_a_warm_rank_trains_exactly_what_a_fresh_rank_trains(server, prepared, tmp_path, monkeypatch):
     from tests.conftest import resolve, run_experiment
 
@@ -153,6 +154,7 @@ def test_a_start_the_server_cannot_make_identical_to_a_fresh_one_is_refused(chan
                                            "OPENBLAS_NUM_THREADS": "2"})) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, wanted", [
     ({"strategy": "deepspeed", "deepspeed": {"zero_stage": 1}}, ["deepspeed", "mlflow"]),
     ({"strategy": "accelerate", "launcher": "accelerate", "method": "lora"}, ["accelerate", "peft", "mlflow"]),
@@ -176,6 +178,7 @@ def test_a_flavour_server_imports_only_what_a_fresh_rank_of_that_spec_imports(ov
     assert set(wanted) <= imported, set(wanted) - imported
 
 
+@pytest.mark.slow
 def test_a_refused_start_runs_fresh_and_says_why(server, prepared, tmp_path, monkeypatch):
     from tests.conftest import resolve, run_experiment
 

@@ -1,0 +1,90 @@
+"""How the suite runs: the fast tier (`pytest -m "not slow"`) stays fast by what its tests do,
+never by their timings (tests/fast_tier.py)."""
+
+from fast_tier import Checker
+
+
+def test_no_test_outside_slow_starts_ranks_ray_or_a_real_workflow():
+    assert Checker().offenders() == {}
+
+
+FAKE_CONFTEST = '''
+import pytest
+
+def snakemake(workdir, *args):
+    return args
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory):
+    return tmp_path_factory.mktemp("prepared")
+'''
+FAKE_TESTS = '''
+import subprocess
+
+import pytest
+import ray
+from conftest import REPO, snakemake
+from distlab.testing import run_experiment
+from test_helpers import train_twice
+
+@pytest.fixture(scope="module")
+def trained(prepared, tmp_path_factory):
+    return run_experiment(prepared, tmp_path_factory.mktemp("run"), {})
+
+def plan(work):
+    return snakemake(work, "-n", "--cores", "2")
+
+def run(work):
+    return snakemake(work, "--cores", "2")
+
+def test_direct(prepared, tmp_path):
+    run_experiment(prepared, tmp_path, {})
+
+def test_through_a_fixture(trained):
+    pass
+
+def test_through_a_helper(tmp_path):
+    run(tmp_path)
+
+def test_through_another_modules_helper(tmp_path):
+    train_twice(tmp_path)
+
+def test_the_session_workflow(finished_pipeline):
+    pass
+
+def test_ray():
+    ray.init(num_cpus=1)
+
+def test_the_gpu_kit(tmp_path):
+    subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(tmp_path)])
+
+def test_reading_the_gpu_kit():
+    assert "SNAKEMAKE_CAP_S" in (REPO / "benchmarks" / "gpu_check.sh").read_text()
+
+def test_a_dry_run(tmp_path):
+    plan(tmp_path)
+    snakemake(tmp_path, "--lint")
+
+def test_a_unit(prepared):
+    assert prepared
+
+@pytest.mark.slow
+def test_marked(trained):
+    run(trained)
+'''
+
+
+def test_the_fast_tier_check_follows_fixtures_helpers_and_imports(tmp_path):
+    (tmp_path / "conftest.py").write_text(FAKE_CONFTEST)
+    (tmp_path / "test_helpers.py").write_text("from distlab.jobs.launch import launch\n\n"
+                                              "def train_twice(job):\n    launch(job)\n    launch(job)\n")
+    (tmp_path / "test_fake.py").write_text(FAKE_TESTS)
+    (tmp_path / "test_all_slow.py").write_text("import pytest\n\npytestmark = [pytest.mark.slow]\n\n"
+                                               "def test_x(finished_pipeline):\n    pass\n")
+    offenders = Checker(tmp_path).offenders()
+    assert sorted(offenders) == [f"test_fake.py::test_{name}" for name in
+                                 ("direct", "ray", "the_gpu_kit", "the_session_workflow", "through_a_fixture",
+                                  "through_a_helper", "through_another_modules_helper")]
+    assert offenders["test_fake.py::test_through_a_fixture"] == ["fixture trained -> calls run_experiment"]
+    assert offenders["test_fake.py::test_through_another_modules_helper"] == ["train_twice -> calls launch"] * 2
+    assert "without" in offenders["test_fake.py::test_through_a_helper"][0]
