@@ -9,7 +9,6 @@ sys.path.insert(0, workflow.basedir)  # distlab/ works from a checkout without `
 
 from distlab.configuration.input_checks import check_config_syntax
 
-
 # The embedded default. A config file given with --configfile (a preset, the GPU kit) is a
 # whole config and replaces it rather than merging: merged, their stages would add up.
 # --config key=value still edits the default.

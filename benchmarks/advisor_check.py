@@ -30,23 +30,39 @@ CASES = {
  "acc-lora-w1": ({"strategy": "accelerate", "method": "lora", "world_size": 1, "micro_batch": 2}, "accelerate"),
  "acc-lora-w2": ({"strategy": "accelerate", "method": "lora", "world_size": 2, "micro_batch": 2}, "accelerate"),
  "acc-w2": ({"strategy": "accelerate", "world_size": 2, "micro_batch": 1, "grad_accum": 2}, "accelerate"),
- "z0-w1": ({"strategy": "deepspeed", "world_size": 1, "micro_batch": 2, "grad_accum": 2, "deepspeed": {"zero_stage": 0}}, "deepspeed"),
- "z1-w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 2, "grad_accum": 2, "deepspeed": {"zero_stage": 1}}, "deepspeed"),
- "z2-w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 2, "grad_accum": 2, "deepspeed": {"zero_stage": 2}}, "deepspeed"),
- "z3-w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 2, "grad_accum": 2, "deepspeed": {"zero_stage": 3}}, "deepspeed"),
- "z3off-w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 2, "grad_accum": 2, "deepspeed": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}}, "deepspeed"),
- "fsdp-w2": ({"strategy": "fsdp", "world_size": 2, "micro_batch": 2, "grad_accum": 2, "fsdp": {"reshard_after_forward": True}}, "fsdp"),
- "fsdp-norsh-w2": ({"strategy": "fsdp", "world_size": 2, "micro_batch": 2, "grad_accum": 2, "fsdp": {"reshard_after_forward": False}}, "fsdp"),
- "fsdp-off-w2": ({"strategy": "fsdp", "world_size": 2, "micro_batch": 2, "grad_accum": 2, "fsdp": {"cpu_offload": True}}, "fsdp"),
- "z3-lora-w2": ({"strategy": "deepspeed", "method": "lora", "world_size": 2, "micro_batch": 2, "deepspeed": {"zero_stage": 3}}, "deepspeed"),
+ "z0-w1": ({"strategy": "deepspeed", "world_size": 1, "micro_batch": 2, "grad_accum": 2,
+            "deepspeed": {"zero_stage": 0}}, "deepspeed"),
+ "z1-w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 2, "grad_accum": 2,
+            "deepspeed": {"zero_stage": 1}}, "deepspeed"),
+ "z2-w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 2, "grad_accum": 2,
+            "deepspeed": {"zero_stage": 2}}, "deepspeed"),
+ "z3-w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 2, "grad_accum": 2,
+            "deepspeed": {"zero_stage": 3}}, "deepspeed"),
+ "z3off-w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 2, "grad_accum": 2,
+               "deepspeed": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}}, "deepspeed"),
+ "fsdp-w2": ({"strategy": "fsdp", "world_size": 2, "micro_batch": 2, "grad_accum": 2,
+              "fsdp": {"reshard_after_forward": True}}, "fsdp"),
+ "fsdp-norsh-w2": ({"strategy": "fsdp", "world_size": 2, "micro_batch": 2, "grad_accum": 2,
+                    "fsdp": {"reshard_after_forward": False}}, "fsdp"),
+ "fsdp-off-w2": ({"strategy": "fsdp", "world_size": 2, "micro_batch": 2, "grad_accum": 2,
+                  "fsdp": {"cpu_offload": True}}, "fsdp"),
+ "z3-lora-w2": ({"strategy": "deepspeed", "method": "lora", "world_size": 2, "micro_batch": 2,
+                 "deepspeed": {"zero_stage": 3}}, "deepspeed"),
  "fsdp-lora-w2": ({"strategy": "fsdp", "method": "lora", "world_size": 2, "micro_batch": 2}, "fsdp"),
- "ddp-lora-bf16-w1": ({"strategy": "ddp", "method": "lora", "precision": "bf16", "world_size": 1, "micro_batch": 2}, "ddp"),
- "z2-bf16-w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 2, "precision": "bf16", "deepspeed": {"zero_stage": 2}}, "deepspeed"),
- "z0-bf16-w1": ({"strategy": "deepspeed", "world_size": 1, "micro_batch": 2, "precision": "bf16", "deepspeed": {"zero_stage": 0}}, "deepspeed"),
- "z1-bf16-w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 2, "precision": "bf16", "deepspeed": {"zero_stage": 1}}, "deepspeed"),
- "z3off-lora-bf16-w1": ({"strategy": "deepspeed", "method": "lora", "world_size": 1, "micro_batch": 1, "precision": "bf16", "deepspeed": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}}, "deepspeed"),
+ "ddp-lora-bf16-w1": ({"strategy": "ddp", "method": "lora", "precision": "bf16", "world_size": 1, "micro_batch": 2},
+                      "ddp"),
+ "z2-bf16-w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 2, "precision": "bf16",
+                 "deepspeed": {"zero_stage": 2}}, "deepspeed"),
+ "z0-bf16-w1": ({"strategy": "deepspeed", "world_size": 1, "micro_batch": 2, "precision": "bf16",
+                 "deepspeed": {"zero_stage": 0}}, "deepspeed"),
+ "z1-bf16-w2": ({"strategy": "deepspeed", "world_size": 2, "micro_batch": 2, "precision": "bf16",
+                 "deepspeed": {"zero_stage": 1}}, "deepspeed"),
+ "z3off-lora-bf16-w1": ({"strategy": "deepspeed", "method": "lora", "world_size": 1, "micro_batch": 1,
+                         "precision": "bf16", "deepspeed": {"zero_stage": 3, "offload_optimizer": "cpu",
+                                                            "offload_param": "cpu"}}, "deepspeed"),
  "tp-w2": ({"strategy": "tp", "world_size": 2, "micro_batch": 2}, "parallel"),
- "pp-w2": ({"strategy": "pp", "world_size": 2, "micro_batch": 4, "pp": {"schedule": "gpipe", "microbatches": 2}}, "parallel"),
+ "pp-w2": ({"strategy": "pp", "world_size": 2, "micro_batch": 4, "pp": {"schedule": "gpipe", "microbatches": 2}},
+           "parallel"),
  "ddp-lora-w2": ({"strategy": "ddp", "method": "lora", "world_size": 2, "micro_batch": 2}, "ddp"),
 }
 want = sys.argv[1:] or list(CASES)
@@ -63,12 +79,14 @@ for name in want:
         try:
             run_experiment(root, out / name, spec, checkpoint=False)
         except Exception as e:
-            print(name, "FAILED", e); continue
+            print(name, "FAILED", e)
+            continue
         print(name, "ran in", round(time.time() - t, 1), "s", flush=True)
     m = read_run_record(f).to_dict()
     rows = advisor_check.check_against_runs(adv, [m])
     held = m["memory"]["model_state_bytes_per_rank"]
     for r in rows:
-        print(f"{name:18s} est {r['estimated_state_MiB']:8.2f} meas {r['measured_state_MiB']:8.2f} ratio {r['measured/estimated']} {r['verdict']} {r['where']}")
+        print(f"{name:18s} est {r['estimated_state_MiB']:8.2f} meas {r['measured_state_MiB']:8.2f} ratio "
+              f"{r['measured/estimated']} {r['verdict']} {r['where']}")
     for h in held:
         print("    ", {k: (round(v/2**20, 3) if isinstance(v, int) else None) for k, v in h.items() if k != 'how'})

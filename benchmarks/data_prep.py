@@ -173,7 +173,8 @@ def main(argv=None) -> None:
     (out / "results.json").write_text(json.dumps({"runs": results, "median": summary, "new_over_old": ratio,
                                                   "same_blocks": identical, "num_proc": args.num_proc}, indent=1))
     names = {"old": f"old ({OLD_COMMIT}, Python lists)", "new": f"datasets (num_proc {args.num_proc})"}
-    print("\n| path | corpus (MB) | wall (s) | CPU user+sys (s) | peak RSS, process tree (GB) | load avg | blocks of 128 |")
+    print("\n| path | corpus (MB) | wall (s) | CPU user+sys (s) | peak RSS, process tree (GB) | load avg | "
+          "blocks of 128 |")
     print("|---|---|---|---|---|---|---|")
     for row in results:
         print(f"| {names[row['path']]} | {row['corpus_mb']:.0f} | {row['wall_s']:.1f} | {row['cpu_s']:.1f} | "

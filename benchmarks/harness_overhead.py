@@ -176,8 +176,10 @@ def comparison(rows: list[dict]) -> tuple[str, dict]:
     data: dict = {}
     for r in rows:
         for name, value in measures(r).items():
-            data.setdefault(r["experiment"], {}).setdefault(name, {"before": [], "after": []})[r["variant"]].append(value)
-    lines = ["| experiment | figure (s) | before (median) | after (median) | after / before | before runs | after runs |",
+            data.setdefault(r["experiment"], {}).setdefault(name, {"before": [], "after": []})[r["variant"]] \
+                .append(value)
+    lines = ["| experiment | figure (s) | before (median) | after (median) | after / before | "
+             "before runs | after runs |",
              "|---|---|---|---|---|---|---|"]
     for exp, figures in data.items():
         for name, v in figures.items():
@@ -185,7 +187,8 @@ def comparison(rows: list[dict]) -> tuple[str, dict]:
                 continue
             b, a = statistics.median(v["before"]), statistics.median(v["after"])
             v.update(before_median=b, after_median=a, ratio=a / b if b else None)
-            lines.append(f"| {exp} | {name} | {b:.2f} | {a:.2f} | {a / b:.2f}x | " if b else f"| {exp} | {name} | {b:.2f} | {a:.2f} | - | ")
+            lines.append(f"| {exp} | {name} | {b:.2f} | {a:.2f} | {a / b:.2f}x | " if b
+                         else f"| {exp} | {name} | {b:.2f} | {a:.2f} | - | ")
             lines[-1] += f"{', '.join(f'{x:.2f}' for x in v['before'])} | {', '.join(f'{x:.2f}' for x in v['after'])} |"
     return "\n".join(lines), data
 

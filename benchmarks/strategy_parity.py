@@ -111,7 +111,8 @@ def summarize(launches: dict, rounds: int) -> list[dict]:
 
 def markdown(model: str, params: int, rows: list[dict]) -> str:
     lines = [f"**{model}** ({params / 1e6:.1f}M parameters)", "",
-             "| strategy | tokens/s median (min-max) | vs DDP | vs FSDP full shard | max loss gap vs DDP | busy launches |",
+             "| strategy | tokens/s median (min-max) | vs DDP | vs FSDP full shard | max loss gap vs DDP | "
+             "busy launches |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['strategy']} | {r['tokens_per_s_median']:.0f} ({r['tokens_per_s_min']:.0f}-"

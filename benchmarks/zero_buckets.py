@@ -58,7 +58,8 @@ def main() -> None:
     print(f"one decoder layer: {layer} parameters")
     for label, values in medians.items():
         print(f"{label:14} median of round medians {statistics.median(values):.4f} s "
-              f"(range {min(values):.4f}-{max(values):.4f}), {statistics.median(values) / base:.2f}x DeepSpeed's default")
+              f"(range {min(values):.4f}-{max(values):.4f}), {statistics.median(values) / base:.2f}x DeepSpeed's "
+              "default")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"layer_params": layer, "median_step_s": medians}, indent=1))
 

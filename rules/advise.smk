@@ -15,6 +15,14 @@ rule advise:
             category="Advisor",
             labels={"page": "strategy advice", "machine": MACHINE},
         ),
+    log:
+        f"{RESULTS}/{MACHINE}/logs/advise.log",
+    conda:
+        "../envs/report.yaml"
+    resources:
+        # Arithmetic on the model's config.json and hardware.json; no model is loaded.
+        mem_mb=1000,
+        runtime=5,
     params:
         advisor=config["advisor"],
         defaults=config["defaults"],
@@ -22,13 +30,5 @@ rule advise:
         # The measured cards (`snakemake links`, `unequal`) as evidence, when they exist: their
         # content, not their files, so the default run never asks for those targets.
         evidence=measured_evidence(f"{RESULTS}/{MACHINE}"),
-    log:
-        f"{RESULTS}/{MACHINE}/logs/advise.log",
-    resources:
-        # Arithmetic on the model's config.json and hardware.json; no model is loaded.
-        mem_mb=1000,
-        runtime=5,
-    conda:
-        "../envs/report.yaml"
     script:
         "../scripts/advise.py"

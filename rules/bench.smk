@@ -10,19 +10,19 @@ rule collectives:
             category="Hardware",
             labels={"measurement": "collective bandwidth", "machine": MACHINE},
         ),
-    params:
-        plan=collectives_plan(),
-        machine=MACHINE,
     log:
         f"{RESULTS}/{MACHINE}/logs/collectives.log",
     benchmark:
         f"{RESULTS}/{MACHINE}/logs/collectives.benchmark.tsv"
+    conda:
+        "../envs/train.yaml"
     threads: collectives_plan()["world_size"]
     resources:
         gpu=collectives_plan()["gpus"],
         mem_mb=collectives_mem_mb(),
         runtime=15,  # a few iterations per message size and op: minutes
-    conda:
-        "../envs/train.yaml"
+    params:
+        plan=collectives_plan(),
+        machine=MACHINE,
     script:
         "../scripts/collectives.py"

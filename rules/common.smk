@@ -198,9 +198,13 @@ def experiment_threads(wildcards):
 def eval_threads(wildcards):
     """The base-model eval of one dataset, seq_len and model: as many cores as one rank of the
     experiments it serves gets (rank_cores), at least 1."""
-    served = [spec for spec in SPECS.values() if spec.get("dataset", "default") == wildcards.dataset
-              and str(spec["seq_len"]) == wildcards.seq_len
-              and model_suffix(spec.get("model", "default")) == wildcards.model_suffix]
+    served = [
+        spec
+        for spec in SPECS.values()
+        if spec.get("dataset", "default") == wildcards.dataset
+        and str(spec["seq_len"]) == wildcards.seq_len
+        and model_suffix(spec.get("model", "default")) == wildcards.model_suffix
+    ]
     return max([rank_cores(spec) for spec in served], default=1)
 
 
@@ -241,8 +245,9 @@ def this_machine_metrics():
 # metrics.json of every machine folder already under results/ (or extra_results): copying another
 # machine's folder in makes the summary and report include it. A folder whose name Snakemake would
 # read as a wildcard is ignored, named here and in the summary's and report's files left out.
-SHARED_METRICS, IGNORED_RESULTS = shared_metrics_paths([RESULTS] + list(config["extra_results"]),
-                                                       os.path.join(RESULTS, MACHINE))
+SHARED_METRICS, IGNORED_RESULTS = shared_metrics_paths(
+    [RESULTS] + list(config["extra_results"]), os.path.join(RESULTS, MACHINE)
+)
 for _ignored in IGNORED_RESULTS:
     print(f"WARNING: {_ignored['reason']}", file=sys.stderr)
 
@@ -395,8 +400,11 @@ def refuse_where_this_machine_cannot(specs, target):
     for network namespaces or CPU budgets), naming the experiment, the field and why."""
     from distlab.configuration.config_links import machine_refusal
 
-    problems = [f"experiment {exp_id}, field '{refused[0]}': {refused[1]}"
-                for exp_id, spec in specs.items() if (refused := machine_refusal(spec))]
+    problems = [
+        f"experiment {exp_id}, field '{refused[0]}': {refused[1]}"
+        for exp_id, spec in specs.items()
+        if (refused := machine_refusal(spec))
+    ]
     if problems:
         raise WorkflowError(f"`snakemake {target}` cannot run on this machine:\n  " + "\n  ".join(problems))
 
@@ -408,8 +416,9 @@ def stage_metrics(stage):
     def metrics(wildcards):
         specs = stage_specs(stage)
         if not specs:
-            raise WorkflowError(f"config field 'stages.{stage}': no enabled experiment; `snakemake {stage}` "
-                                "has nothing to run")
+            raise WorkflowError(
+                f"config field 'stages.{stage}': no enabled experiment; `snakemake {stage}` has nothing to run"
+            )
         refuse_where_this_machine_cannot(specs, stage)
         return expand(f"{RUN}/metrics.json", experiment=list(specs))
 
@@ -425,8 +434,11 @@ def link_caps():
     """{id label: Mbit/s} of the links stage's caps (link_label: 100m, 1g, free)."""
     from distlab.configuration.config_links import link_label
 
-    return {link_label(spec["link"]["bandwidth_mbit"]): spec["link"]["bandwidth_mbit"]
-            for spec in stage_specs("links").values() if spec["link"]}
+    return {
+        link_label(spec["link"]["bandwidth_mbit"]): spec["link"]["bandwidth_mbit"]
+        for spec in stage_specs("links").values()
+        if spec["link"]
+    }
 
 
 LINK_CAPS = link_caps()
@@ -456,12 +468,16 @@ def two_hosts_input(kind):
             from distlab.jobs.links import refusal
 
             if refusal():
-                raise WorkflowError(f"`snakemake two_hosts` cannot run on this machine: network namespaces cannot "
-                                    f"be made here: {refusal()}")
+                raise WorkflowError(
+                    f"`snakemake two_hosts` cannot run on this machine: network namespaces cannot "
+                    f"be made here: {refusal()}"
+                )
             return f"{PREP}/data/{spec.get('dataset', 'default')}-seq{spec['seq_len']}"
         if kind == "model":
             return [model_config_path(spec.get("model", "default"))]
-        return (f"{PREP}/eval/base-{spec.get('dataset', 'default')}-seq{spec['seq_len']}"
-                f"{model_suffix(spec.get('model', 'default'))}.json")
+        return (
+            f"{PREP}/eval/base-{spec.get('dataset', 'default')}-seq{spec['seq_len']}"
+            f"{model_suffix(spec.get('model', 'default'))}.json"
+        )
 
     return path

@@ -6,16 +6,16 @@
 rule train_tokenizer:
     output:
         f"{PREP}/tokenizer/tokenizer.json",
-    params:
-        data=dataset_config("default"),
     log:
         f"{PREP}/logs/tokenizer.log",
+    conda:
+        "../envs/train.yaml"
     resources:
         # The corpus and BPE merges in one process: small next to any training job.
         mem_mb=4000,
         runtime=30,
-    conda:
-        "../envs/train.yaml"
+    params:
+        data=dataset_config("default"),
     script:
         "../scripts/train_tokenizer.py"
 
@@ -26,18 +26,18 @@ rule prepare_data:
         model_config=user_model_config(),
     output:
         directory(f"{PREP}/data/{{dataset}}-seq{{seq_len}}"),
-    params:
-        data=lambda wildcards: dataset_config(wildcards.dataset),
-        tokenizer=lambda wildcards, input: input.tokenizer[0] if input.tokenizer else tokenizer_path(),
-        model_config=lambda wildcards, input: input.model_config[0] if input.model_config else None,
     log:
         f"{PREP}/logs/data-{{dataset}}-seq{{seq_len}}.log",
+    conda:
+        "../envs/train.yaml"
     threads: 2
     resources:
         # Tokenised blocks of one dataset in one process (written in shards as they fill).
         mem_mb=4000,
         runtime=30,
-    conda:
-        "../envs/train.yaml"
+    params:
+        data=lambda wildcards: dataset_config(wildcards.dataset),
+        tokenizer=lambda wildcards, input: input.tokenizer[0] if input.tokenizer else tokenizer_path(),
+        model_config=lambda wildcards, input: input.model_config[0] if input.model_config else None,
     script:
         "../scripts/prepare_data.py"

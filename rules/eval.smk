@@ -8,17 +8,17 @@ rule evaluate_base_model:
         model=model_inputs,
     output:
         f"{PREP}/eval/base-{{dataset}}-seq{{seq_len}}{{model_suffix}}.json",
-    params:
-        model_source=model_source,
     log:
         f"{PREP}/logs/eval-base-{{dataset}}-seq{{seq_len}}{{model_suffix}}.log",
+    conda:
+        "../envs/train.yaml"
     # The cores a rank of the runs it serves gets: on a GPU box it is on the critical path
     # before the first training job, and a single thread made it ~30 s there.
     threads: eval_threads
     resources:
         mem_mb=one_process_model_mem_mb(),
         runtime=15,  # one forward pass over the held-out blocks
-    conda:
-        "../envs/train.yaml"
+    params:
+        model_source=model_source,
     script:
         "../scripts/evaluate_base.py"

@@ -4,16 +4,16 @@
 rule hardware:
     output:
         f"{RESULTS}/{MACHINE}/hardware.json",
-    params:
-        machine=config["machine"],
     log:
         f"{RESULTS}/{MACHINE}/logs/hardware.log",
+    conda:
+        "../envs/train.yaml"
     threads: workflow.cores
     resources:
         # A probe: device queries and a short CPU matmul peak measurement.
         mem_mb=2000,
         runtime=10,
-    conda:
-        "../envs/train.yaml"
+    params:
+        machine=config["machine"],
     script:
         "../scripts/hardware.py"

@@ -6,16 +6,16 @@ rule kuberay:
         cluster=f"{RESULTS}/kuberay/raycluster.yaml",
         job=f"{RESULTS}/kuberay/rayjob.yaml",
         checks=f"{RESULTS}/kuberay/checks.json",
-    params:
-        kubernetes=config["kubernetes"],
-        ray_specs=ray_experiment_specs(),
     log:
         f"{RESULTS}/logs/kuberay.log",
+    conda:
+        "../envs/train.yaml"
     resources:
         # Writes two manifests and checks them; no cluster is contacted from here.
         mem_mb=500,
         runtime=5,
-    conda:
-        "../envs/train.yaml"
+    params:
+        kubernetes=config["kubernetes"],
+        ray_specs=ray_experiment_specs(),
     script:
         "../scripts/kuberay.py"

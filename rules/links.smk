@@ -8,21 +8,21 @@
 rule link_collectives:
     output:
         f"{RESULTS}/{MACHINE}/links/collectives-{{cap}}.json",
+    log:
+        f"{RESULTS}/{MACHINE}/logs/link-collectives-{{cap}}.log",
+    benchmark:
+        f"{RESULTS}/{MACHINE}/logs/link-collectives-{{cap}}.benchmark.tsv"
+    conda:
+        "../envs/train.yaml"
+    threads: 2
+    resources:
+        mem_mb=collectives_mem_mb(),
+        runtime=20,  # the slowest cap carries every message size's calls: minutes
     params:
         plan=link_collectives_plan(),
         bandwidth_mbit=lambda wildcards: LINK_CAPS[wildcards.cap],
         machine=MACHINE,
         timeout_s=900,
-    log:
-        f"{RESULTS}/{MACHINE}/logs/link-collectives-{{cap}}.log",
-    benchmark:
-        f"{RESULTS}/{MACHINE}/logs/link-collectives-{{cap}}.benchmark.tsv"
-    threads: 2
-    resources:
-        mem_mb=collectives_mem_mb(),
-        runtime=20,  # the slowest cap carries every message size's calls: minutes
-    conda:
-        "../envs/train.yaml"
     script:
         "../scripts/link_collectives.py"
 
@@ -38,11 +38,11 @@ rule links:
         json=f"{RESULTS}/{MACHINE}/links/card.json",
     log:
         f"{RESULTS}/{MACHINE}/logs/links-card.log",
+    conda:
+        "../envs/report.yaml"
     resources:
         mem_mb=2000,
         runtime=10,
-    conda:
-        "../envs/report.yaml"
     script:
         "../scripts/stage_card.py"
 
@@ -57,11 +57,11 @@ rule unequal:
         json=f"{RESULTS}/{MACHINE}/unequal/card.json",
     log:
         f"{RESULTS}/{MACHINE}/logs/unequal-card.log",
+    conda:
+        "../envs/report.yaml"
     resources:
         mem_mb=2000,
         runtime=10,
-    conda:
-        "../envs/report.yaml"
     script:
         "../scripts/stage_card.py"
 
@@ -79,21 +79,21 @@ rule two_hosts:
         hosts=f"{RESULTS}/{MACHINE}/two-hosts/hosts.json",
         html=f"{RESULTS}/{MACHINE}/two-hosts/index.html",
         readme=f"{RESULTS}/{MACHINE}/two-hosts/README.md",
+    log:
+        f"{RESULTS}/{MACHINE}/two-hosts/train.log",
+    benchmark:
+        f"{RESULTS}/{MACHINE}/two-hosts/benchmark.tsv"
+    conda:
+        "../envs/train.yaml"
+    threads: 2
+    resources:
+        mem_mb=JOB_MEM_MB_OVERHEAD + 2 * RANK_MEM_MB_DEFAULT,
+        runtime=30,
     params:
         spec=TWO_HOSTS_SPEC,
         bandwidth_mbit=config["two_hosts"]["bandwidth_mbit"],
         model_source=lambda wildcards, input: os.path.dirname(input.model[0]),
         env_allowlist=config["env_allowlist"],
         timeout_s=1800,
-    log:
-        f"{RESULTS}/{MACHINE}/two-hosts/train.log",
-    benchmark:
-        f"{RESULTS}/{MACHINE}/two-hosts/benchmark.tsv"
-    threads: 2
-    resources:
-        mem_mb=JOB_MEM_MB_OVERHEAD + 2 * RANK_MEM_MB_DEFAULT,
-        runtime=30,
-    conda:
-        "../envs/train.yaml"
     script:
         "../scripts/two_hosts.py"

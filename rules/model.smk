@@ -7,14 +7,14 @@ rule build_base_model:
         tokenizer=tokenizer_path(),
     output:
         f"{PREP}/model{{model_suffix}}/config.json",
-    params:
-        build=lambda wildcards: model_build(wildcards.model_suffix[1:] or "default"),
     log:
         f"{PREP}/logs/model{{model_suffix}}.log",
+    conda:
+        "../envs/train.yaml"
     resources:
         mem_mb=one_process_model_mem_mb(),
         runtime=15,  # builds and saves a model: minutes even for the largest preset
-    conda:
-        "../envs/train.yaml"
+    params:
+        build=lambda wildcards: model_build(wildcards.model_suffix[1:] or "default"),
     script:
         "../scripts/build_model.py"

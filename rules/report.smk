@@ -17,15 +17,15 @@ rule summary:
             labels={"table": "all runs"},
         ),
         rejected=f"{RESULTS}/summary-rejected.json",
-    params:
-        ignored=IGNORED_RESULTS,  # folders that cannot be inputs, named beside the files left out
     log:
         f"{RESULTS}/logs/summary.log",
+    conda:
+        "../envs/report.yaml"
     resources:
         mem_mb=2000,
         runtime=10,
-    conda:
-        "../envs/report.yaml"
+    params:
+        ignored=IGNORED_RESULTS,  # folders that cannot be inputs, named beside the files left out
     script:
         "../scripts/summary.py"
 
@@ -55,15 +55,15 @@ rule report:
             category="Report",
             labels={"page": "milestones (markdown)"},
         ),
-    params:
-        ignored=IGNORED_RESULTS,
     log:
         f"{RESULTS}/logs/report.log",
+    conda:
+        "../envs/report.yaml"
     resources:
         mem_mb=2000,
         runtime=10,
-    conda:
-        "../envs/report.yaml"
+    params:
+        ignored=IGNORED_RESULTS,
     script:
         "../scripts/report.py"
 
@@ -77,10 +77,10 @@ rule check_validations:
         f"{RESULTS}/logs/validations-passed.txt",
     log:
         f"{RESULTS}/logs/check_validations.log",
+    conda:
+        "../envs/report.yaml"
     resources:
         mem_mb=500,
         runtime=5,
-    conda:
-        "../envs/report.yaml"
     script:
         "../scripts/check_validations.py"

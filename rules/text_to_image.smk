@@ -6,15 +6,15 @@
 rule build_sd_model:
     output:
         f"{PREP}/sd-model/model_index.json",
-    params:
-        build=config["text_to_image"]["model"]["build"],
     log:
         f"{PREP}/logs/sd-model.log",
+    conda:
+        "../envs/train.yaml"
     resources:
         mem_mb=one_process_model_mem_mb(),
         runtime=15,  # builds and saves a tiny pipeline: seconds
-    conda:
-        "../envs/train.yaml"
+    params:
+        build=config["text_to_image"]["model"]["build"],
     script:
         "../scripts/build_sd_model.py"
 
@@ -22,16 +22,16 @@ rule build_sd_model:
 rule prepare_images:
     output:
         directory(f"{PREP}/sd-data"),
-    params:
-        data=config["text_to_image"]["data"],
     log:
         f"{PREP}/logs/sd-data.log",
+    conda:
+        "../envs/train.yaml"
     resources:
         # The rows (and their image bytes) of one dataset in one process.
         mem_mb=4000,
         runtime=30,
-    conda:
-        "../envs/train.yaml"
+    params:
+        data=config["text_to_image"]["data"],
     script:
         "../scripts/prepare_images.py"
 
@@ -42,16 +42,16 @@ rule evaluate_base_sd:
         model=sd_model_inputs(),
     output:
         f"{PREP}/eval/sd-base.json",
-    params:
-        # The held-out images pass through the runs' resize (center crop, no flip).
-        settings={key: config["text_to_image"][key] for key in ("resolution", "center_crop", "interpolation")},
     log:
         f"{PREP}/logs/eval-sd-base.log",
+    conda:
+        "../envs/train.yaml"
     resources:
         mem_mb=one_process_model_mem_mb(),
         runtime=15,  # one forward of the UNet over the held-out images
-    conda:
-        "../envs/train.yaml"
+    params:
+        # The held-out images pass through the runs' resize (center crop, no flip).
+        settings={key: config["text_to_image"][key] for key in ("resolution", "center_crop", "interpolation")},
     script:
         "../scripts/evaluate_base_sd.py"
 
@@ -64,17 +64,17 @@ rule advise_sd:
         model=sd_model_inputs(),
     output:
         f"{RESULTS}/{MACHINE}/advice-sd.json",
-    params:
-        advisor=config["advisor"],
-        resolution=config["text_to_image"]["resolution"],
-        cpu_ranks=max(spec["world_size"] for spec in SPECS.values()),
     log:
         f"{RESULTS}/{MACHINE}/logs/advise-sd.log",
+    conda:
+        "../envs/train.yaml"
     resources:
         # Meta-device models (no weights): the libraries' import and the Python objects only.
         mem_mb=2000,
         runtime=10,
-    conda:
-        "../envs/train.yaml"
+    params:
+        advisor=config["advisor"],
+        resolution=config["text_to_image"]["resolution"],
+        cpu_ranks=max(spec["world_size"] for spec in SPECS.values()),
     script:
         "../scripts/advise_sd.py"

@@ -16,20 +16,20 @@ rule train:
         # Generated accelerate/deepspeed configs and per-rank records (pipeline-rank<r>.json)
         # the report reads: one declared folder (distlab/records/run_layout.py).
         run_files=directory(f"{RUN}/{RUN_FILES}"),
-    params:
-        spec=experiment_spec,
-        model_source=model_source,
-        env_allowlist=config["env_allowlist"],
     log:
         f"{RUN}/train.log",
     benchmark:
         f"{RUN}/benchmark.tsv"
+    conda:
+        "../envs/train.yaml"
     threads: experiment_threads
     resources:
         gpu=experiment_gpus,
         mem_mb=experiment_mem_mb,
         runtime=experiment_runtime,
-    conda:
-        "../envs/train.yaml"
+    params:
+        spec=experiment_spec,
+        model_source=model_source,
+        env_allowlist=config["env_allowlist"],
     script:
         "../scripts/train.py"

@@ -12,19 +12,19 @@ rule validate_checkpoint:
     output:
         f"{RUN}/validation.json",
         work=directory(f"{RUN}/validation-work"),  # each launch's job file and raw checks
-    params:
-        spec=experiment_spec,
-        model_source=model_source,
     log:
         f"{RUN}/validate.log",
     benchmark:
         f"{RUN}/validate-benchmark.tsv"
+    conda:
+        "../envs/train.yaml"
     threads: validation_threads
     resources:
         gpu=validation_gpus,
         mem_mb=validation_mem_mb,
         runtime=validation_runtime,
-    conda:
-        "../envs/train.yaml"
+    params:
+        spec=experiment_spec,
+        model_source=model_source,
     script:
         "../scripts/validate.py"

@@ -24,7 +24,8 @@ def fake_run(run_dir, overrides: dict, stage: str = "ddp", *, as_built: dict | N
     tokens_per_step = spec["micro_batch"] * spec["grad_accum"] * world * spec["seq_len"]
     run_dir.mkdir(parents=True, exist_ok=True)
     write_metrics(run_dir, {
-        "schema_version": METRICS_SCHEMA_VERSION, "experiment": spec["id"], "stage": stage, "machine": "testbox", "status": status, "spec": spec,
+        "schema_version": METRICS_SCHEMA_VERSION, "experiment": spec["id"], "stage": stage, "machine": "testbox",
+                            "status": status, "spec": spec,
         "as_built": {"strategy": spec["strategy"], "outer_wrapper": "DistributedDataParallel",
                    "wrappers_found": ["DistributedDataParallel"], "world_size": world, "backend": "gloo",
                    "data_parallel_size": world, "device": "cpu", **(as_built or {})},

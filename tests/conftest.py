@@ -108,7 +108,8 @@ def assert_advisor_estimate_holds(prepared: Path, run: dict, name: str) -> None:
     from distlab.tools import advisor, advisor_check
 
     shape = advisor.model_shape(json.loads((prepared / "model" / "config.json").read_text()))
-    (row,) = advisor_check.check_against_runs({"model": {"shape": shape}}, [dict(run, machine="testbox", experiment=name)])
+    runs = [dict(run, machine="testbox", experiment=name)]
+    (row,) = advisor_check.check_against_runs({"model": {"shape": shape}}, runs)
     assert abs(row["measured/estimated"] - 1) <= advisor.TOLERANCE, row
     assert row["verdict"] == "right" and not row["where"], row
 

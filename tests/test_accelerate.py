@@ -50,7 +50,8 @@ def by_hand(run_dir: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(run_dir / "run_files" / "accelerate_config.yaml"), "-m", "distlab.runtime.worker", "--job", str(run_dir / "job.json")]
+           str(run_dir / "run_files" / "accelerate_config.yaml"), "-m", "distlab.runtime.worker", "--job",
+           str(run_dir / "job.json")]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -153,7 +154,8 @@ def test_accelerate_launch_reads_the_config_file_saved_beside_the_results(runs):
     assert launched["sha256"] == hashlib.sha256(raw).hexdigest()  # the file on disk, unchanged since
     assert launched["rank_env_mixed_precision"] == "no"  # exported to the ranks by accelerate launch
     first = (Path(run["_dir"]) / "train.log").read_text().splitlines()[0]
-    assert "accelerate.commands.launch --config_file" in first and str(Path(run["_dir"]) / "run_files" / "accelerate_config.yaml") in first
+    config_file = Path(run["_dir"]) / "run_files" / "accelerate_config.yaml"
+    assert "accelerate.commands.launch --config_file" in first and str(config_file) in first
     assert run["as_built"]["world_size"] == 2 and run["as_built"]["accelerate"]["distributed_type"] == "MULTI_CPU"
     assert run["as_built"]["wrapped_by"] == "DistributedDataParallel"
 
@@ -223,7 +225,8 @@ def test_card2_goals_are_computed_from_the_runs(runs, tmp_path):
     goals = {g.text: g for g in card.goals}
     assert [g.kind for g in card.goals] == ["minimal", "minimal", "bonus"]
     assert all(g.status == PASSED for g in card.goals), [(g.text, g.status, g.evidence) for g in card.goals]
-    assert "real world sizes 1 and 2" in goals["Switch single/multi device by the Accelerate config file alone"].evidence
+    switch = goals["Switch single/multi device by the Accelerate config file alone"]
+    assert "real world sizes 1 and 2" in switch.evidence
     sweep = next(t for t in card.tables if t.title == "Gradient accumulation sweep").frame
     assert list(sweep["grad accum"]) == [1, 2] and list(sweep["micro-batches per step (measured)"]) == [1.0, 2.0]
     assert list(sweep["optimizer steps taken"]) == [6, 6]

@@ -22,7 +22,8 @@ from distlab.jobs.validate import PARITY_TOLERANCE, validate_run
 BF16_RUNS = {
     "ddp-autocast": ({"strategy": "ddp"}, "ddp"),
     "zero3-offload": ({"strategy": "deepspeed",
-                       "deepspeed": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}}, "deepspeed"),
+                       "deepspeed": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}},
+                      "deepspeed"),
     "fsdp2-mixed-precision": ({"strategy": "fsdp"}, "fsdp"),
 }
 

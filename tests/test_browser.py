@@ -43,20 +43,23 @@ window.addEventListener('load', () => {
   // A card wider than its box overflows the page: wide tables must scroll inside their frame.
   const overflowing = [];
   for (const card of document.querySelectorAll('section.card')) {
-    if (card.scrollWidth > card.clientWidth + 1) overflowing.push(card.id + ' ' + card.scrollWidth + '>' + card.clientWidth);
+    if (card.scrollWidth > card.clientWidth + 1)
+      overflowing.push(card.id + ' ' + card.scrollWidth + '>' + card.clientWidth);
   }
   // A table wider than the card scrolls inside its frame and keeps its first (key) column in view.
   const unframed = [];
   for (const table of document.querySelectorAll('section.card table')) {
     const box = table.closest('.frame') || table;
     const first = table.querySelector('th, td');
-    if (box.scrollWidth > box.clientWidth + 1 && !(box !== table && first && getComputedStyle(first).position === 'sticky')) {
+    if (box.scrollWidth > box.clientWidth + 1
+        && !(box !== table && first && getComputedStyle(first).position === 'sticky')) {
       unframed.push((table.closest('section') || {}).id + ': ' + (first ? first.textContent : ''));
     }
   }
   const out = document.createElement('pre');
   out.id = 'distlab-probe';
-  out.textContent = JSON.stringify({errors: window.__errors, images: images, overflowing: overflowing, unframed: unframed,
+  out.textContent = JSON.stringify({errors: window.__errors, images: images, overflowing: overflowing,
+                                    unframed: unframed,
                                     page: [document.documentElement.scrollWidth, window.innerWidth]});
   document.body.appendChild(out);
 });

@@ -79,10 +79,12 @@ def test_a_big_json_array_is_checked_in_bounded_memory(tmp_path):
 
     path = tmp_path / "rows.json"
     path.write_text(_json.dumps([{"text": "the quick brown fox " * 4}] * 420_000))
-    script = ("import resource, sys\nimport distlab.configuration.config\nfrom distlab.configuration.data_checks import check_data_file\n"
+    script = ("import resource, sys\nimport distlab.configuration.config\nfrom distlab.configuration.data_checks "
+              "import check_data_file\n"
               "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
               "check_data_file(sys.argv[1], {'format': 'text', 'text_field': 'text', "
-              "'messages_field': 'messages', 'prompt_field': 'prompt', 'response_field': 'response'}, 'data.files[0]')\n"
+              "'messages_field': 'messages', 'prompt_field': 'prompt', 'response_field': 'response'}, "
+              "'data.files[0]')\n"
               "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)\n")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, check=True,

@@ -51,7 +51,8 @@ def instruction_data(prepared, tmp_path_factory):
     cfg = {"source": "python-docs-instructions", "format": "instruction", "prompt_field": "prompt",
            "response_field": "response"}
     tok = data.load_tokenizer(prepared / "tokenizer")
-    data.build_dataset(data.load_rows(cfg), tok, 32, 0.1, 0, root / "data32", cfg=cfg, tokenizer_source=prepared / "tokenizer")
+    data.build_dataset(data.load_rows(cfg), tok, 32, 0.1, 0, root / "data32", cfg=cfg,
+                       tokenizer_source=prepared / "tokenizer")
     return root / "data32"
 
 

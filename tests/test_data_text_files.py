@@ -63,7 +63,8 @@ def test_a_big_text_file_loads_in_flat_memory(tmp_path, one_line):
         "import datasets\n"
         "datasets.disable_progress_bars()\n"
         "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-        "rows = data.load_rows({'source': 'files', 'files': [sys.argv[1]], 'text_field': 'text'}, cache_dir=sys.argv[2])\n"
+        "rows = data.load_rows({'source': 'files', 'files': [sys.argv[1]], 'text_field': 'text'}, "
+        "cache_dir=sys.argv[2])\n"
         "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "print(json.dumps({'grew_mb': (peak - base) / 1024, 'rows': len(rows)}))\n"
     )

@@ -123,7 +123,8 @@ def test_verify_fails_a_run_whose_engine_stage_differs_from_the_spec(runs, tmp_p
 
     def verify_against(**ds):
         spec = deepspeed_spec(**ds)
-        strategy = DeepSpeedStrategy(RunContext(spec=spec, run_dir=str(tmp_path), device=__import__("torch").device("cpu")))
+        strategy = DeepSpeedStrategy(RunContext(spec=spec, run_dir=str(tmp_path),
+                                                device=__import__("torch").device("cpu")))
         strategy.verify(described)
 
     verify_against(zero_stage=2)  # the truth passes

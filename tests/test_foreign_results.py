@@ -50,7 +50,8 @@ def write_machine(root, machine: str) -> list[str]:
                      "time_s_median": 1e-4 * 2 ** i, "algbw_bytes_per_s": 1e7, "busbw_bytes_per_s": 1e7}
                     for i in range(3)]}))
     (folder / "advice.json").write_text(json.dumps({
-        "schema_version": 1, "recommendation": "ddp", "recommendation_label": "DDP", "reasons": ["it fits"], "how": "test",
+        "schema_version": 1, "recommendation": "ddp", "recommendation_label": "DDP", "reasons": ["it fits"],
+                                                    "how": "test",
         "usable_bytes_per_device": 2 ** 30, "devices": {"devices": 2},
         "model": {"shape": {**TINY_LLAMA, "config_json": TINY_LLAMA}},
         "estimates": [{"strategy": "ddp", "params": 1, "grads": 1, "optimizer": 1, "gathered": 0,
@@ -167,7 +168,8 @@ def test_hostile_text_is_kept_but_inert_in_markdown_and_csv(outcome):
     assert "onerror" in rendered and "[x](javascript:alert(1))" in rendered  # shown, as text...
     assert "<img" not in rendered and 'href="javascript' not in rendered  # ...never as HTML or a link
     assert "<h1>heading" not in rendered
-    forged = [item for item in rendered.split("<li>") if item.startswith("<strong>passed</strong>") and "forged" in item]
+    forged = [item for item in rendered.split("<li>") if item.startswith("<strong>passed</strong>")
+              and "forged" in item]
     assert not forged
     html = (root / "report" / "index.html").read_text()
     assert "<img src=x" not in html
@@ -204,7 +206,8 @@ def test_a_folder_named_like_a_wildcard_under_results_stops_no_snakemake_call(tm
     for machine in (WILDCARD_BOX, "otherbox"):
         (tmp_path / "results" / machine / "{x}").mkdir(parents=True)
         (tmp_path / "results" / machine / "{x}" / "metrics.json").write_text("{}")
-    dry = snakemake(tmp_path, "-n", config=tiny_config({"ddp": {"experiments": [{"world_size": 1}]}}, machine="testbox"))
+    dry = snakemake(tmp_path, "-n", config=tiny_config({"ddp": {"experiments": [{"world_size": 1}]}},
+                                                       machine="testbox"))
     for machine in (WILDCARD_BOX, "otherbox"):
         assert f"WARNING: results/{machine}/{{x}}/metrics.json: ignored" in dry.stderr, dry.stderr[-3000:]
     assert "rule summary" in dry.stdout

@@ -160,7 +160,8 @@ def _rank_main(job_path: str) -> None:
         if dist.get_rank() == 0:
             result.update({"weights_restored": same(saved, loaded), "differed_before_load": not same(saved, before),
                            "next_step_identical": same(after_trained, after_restored),
-                           "hf_names": sorted(saved) == sorted(dict(load_model(prepared / "model").named_parameters()))})
+                           "hf_names": sorted(saved) == sorted(dict(
+                               load_model(prepared / "model").named_parameters()))})
 
         # Fidelity: describe/verify on a model the strategy did not really transform.
         plain = load_model(prepared / "model")
@@ -243,7 +244,8 @@ def test_fsdp_dcp_checkpoint_round_trip_restores_weights_and_optimizer_state(pre
 def test_fsdp_verify_fails_on_a_model_that_is_not_sharded(prepared):
     found = sharded_checks(prepared)["fsdp"]
     assert found["unsharded_model"]["caught"], found
-    assert found["unsharded_parameters"]["caught"] and re.search("not sharded|should hold its parameters as dtensor", found["unsharded_parameters"]["error"])
+    assert found["unsharded_parameters"]["caught"] and re.search("not sharded|should hold its parameters as dtensor",
+                                                                 found["unsharded_parameters"]["error"])
     assert found["wrong_world_size"]["caught"]
 
 

@@ -68,7 +68,8 @@ def test_each_missing_module_is_named_with_its_distribution(machine):
 
 
 def test_a_missing_transitive_requirement_is_named_with_who_needs_it(machine, monkeypatch):
-    monkeypatch.setattr(pf, "missing_requirements", lambda dists, conflicts=None: ["snakemake needs platformdirs (not installed)"])
+    monkeypatch.setattr(pf, "missing_requirements", lambda dists,
+                        conflicts=None: ["snakemake needs platformdirs (not installed)"])
     report = pf.preflight()
     assert report.status == 3
     assert report.lines() == ["gpu_check preflight: MISSING: snakemake needs platformdirs (not installed)"]

@@ -60,7 +60,8 @@ def test_kit_wheel_set_installs_with_no_index_into_a_clean_venv_and_imports(kit_
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = str(venv / "bin" / "python")
-    pip = [sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-compile", "--no-index", "--only-binary=:all:",
+    pip = [sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-compile", "--no-index",
+           "--only-binary=:all:",
            "--find-links", str(kit_wheels)]
     install = subprocess.run(pip + KIT, capture_output=True, text=True, timeout=600)
     assert install.returncode == 0, install.stderr[-3000:]

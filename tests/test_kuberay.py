@@ -110,7 +110,8 @@ def test_kuberay_rule_writes_the_manifests_and_their_checks(tmp_path):
 def test_both_manifests_pass_kuberay_s_own_crd_schemas_and_strictly():
     from distlab.tools.kuberay_crd import CRD_DIR
 
-    assert (CRD_DIR / "LICENSE").is_file() and "59d663aeec13760646da3db9c1cf8cfe883e30b7" in (CRD_DIR / "SOURCE.md").read_text()
+    assert (CRD_DIR / "LICENSE").is_file()
+    assert "59d663aeec13760646da3db9c1cf8cfe883e30b7" in (CRD_DIR / "SOURCE.md").read_text()
     kube, specs = expanded()
     for manifest in (kuberay.raycluster(kube, "2.60.0"), kuberay.rayjob(kube, specs, "2.60.0", "results")):
         manifest = round_trip(manifest)

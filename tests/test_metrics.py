@@ -155,10 +155,12 @@ def test_metrics_json_reads_back_through_its_one_reader_as_written_and_read_only
 # writer left them (a record without the fields the reader requires), a copied results folder
 # retagged in place as another machine would have written it, and records damaged on purpose
 # to show the report refuses them.
-HAND_READS_KEPT = {("tests/test_metrics.py", "test_a_metrics_write_that_fails_halfway_leaves_the_previous_record_whole"),
+HAND_READS_KEPT = {("tests/test_metrics.py",
+                    "test_a_metrics_write_that_fails_halfway_leaves_the_previous_record_whole"),
                    ("tests/test_merge.py", "fake_second_machine"),
                    ("tests/test_merge.py", "test_untrustworthy_results_from_other_machines_are_named_and_left_out"),
-                   ("tests/test_opt_in_pages.py", "test_a_page_given_a_run_of_its_stage_that_does_not_read_fails_naming_it")}
+                   ("tests/test_opt_in_pages.py",
+                    "test_a_page_given_a_run_of_its_stage_that_does_not_read_fails_naming_it")}
 SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
 
@@ -201,7 +203,8 @@ def metrics_json_hand_reads(source: str) -> list[tuple[int, str]]:
                     for n in ast.walk(target) if isinstance(n, ast.Name)}
             grew, bound = not more <= bound, bound | more
         for node in nodes:
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("load", "loads")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("load", "loads")
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "json"
                     and any(spells_it(arg, bound) for arg in node.args)):
                 found.append((node.lineno, name))
@@ -219,10 +222,12 @@ def test_no_module_reads_metrics_json_by_hand_tests_and_benchmarks_included():
     from conftest import REPO
 
     hand = [f"{path.relative_to(REPO)}:{line} ({function})"
-            for folder in ("distlab", "scripts", "tests", "benchmarks") for path in sorted((REPO / folder).rglob("*.py"))
+            for folder in ("distlab", "scripts", "tests", "benchmarks")
+            for path in sorted((REPO / folder).rglob("*.py"))
             for line, function in metrics_json_hand_reads(path.read_text())
             if (str(path.relative_to(REPO)), function) not in HAND_READS_KEPT]
-    assert hand == [], "metrics.json read by hand (use distlab.records.run_outputs.read_run_record):\n" + "\n".join(hand)
+    assert hand == [], ("metrics.json read by hand (use distlab.records.run_outputs.read_run_record):\n"
+                        + "\n".join(hand))
 
 
 def test_the_hand_read_finder_sees_a_read_through_a_name_a_loop_and_a_closure():

@@ -96,7 +96,8 @@ def test_the_trackers_stores_name_no_local_path_user_or_host(finished):
     assert not [p for p in paths if p.encode() in store.read_bytes()]
     with sqlite3.connect(store) as db:  # every text the store holds, table by table
         tables = [row[0] for row in db.execute("select name from sqlite_master where type = 'table'")]
-        cells = [(t, v) for t in tables for row in db.execute(f"select * from '{t}'") for v in row if isinstance(v, str)]
+        cells = [(t, v) for t in tables for row in db.execute(f"select * from '{t}'") for v in row if isinstance(v,
+                                                                                                                 str)]
         tags = dict(db.execute("select key, value from tags"))
     assert {t: v for t, v in cells if v == user or re.search(rf"\b{re.escape(host)}\b", v)} == {}
     assert tags["mlflow.user"] == tags["mlflow.source.name"] == "distlab"

@@ -28,7 +28,8 @@ def test_qlora_without_bitsandbytes_installed_is_refused_before_any_job(monkeypa
     from distlab.configuration.config import ConfigError
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name,
+                                                                                                               *a))
     with pytest.raises(ConfigError, match=r"experiments\[0\]\.method': qlora .*pip install 'bitsandbytes"):
         resolve(QLORA)
 
@@ -105,7 +106,8 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_exports_them_for_the_full_prec
 
 @pytest.mark.slow
 def test_qlora_under_deepspeed_zero2_trains_what_ddp_trains(prepared, ddp_qlora, tmp_path):
-    spec = resolve({**QLORA, "strategy": "deepspeed", "world_size": 2, "micro_batch": 2, "deepspeed": {"zero_stage": 2}},
+    spec = resolve({**QLORA, "strategy": "deepspeed", "world_size": 2, "micro_batch": 2,
+                    "deepspeed": {"zero_stage": 2}},
                    stage="deepspeed")
     run = run_experiment(prepared, tmp_path / "z2", spec, checkpoint=False)
     assert run["as_built"]["quantization"]["linear4bit_layers"] == 14

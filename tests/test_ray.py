@@ -117,7 +117,8 @@ def test_two_node_ray_run_puts_one_rank_on_each_node_and_records_where(two_node_
     assert metrics["spec"]["ray"]["address"] == "env"  # from profiles/ray-head, resolved from RAY_ADDRESS
     assert metrics["status"] == "ok" and ray["launcher"] == "ray" and ray["cluster"]["address_from"] == "RAY_ADDRESS"
     assert ray["world_size"] == 2 and metrics["as_built"]["world_size"] == 2
-    assert metrics["as_built"]["outer_wrapper"] == "DistributedDataParallel" and metrics["as_built"]["backend"] == "gloo"
+    assert metrics["as_built"]["outer_wrapper"] == "DistributedDataParallel"
+    assert metrics["as_built"]["backend"] == "gloo"
     alive = {n["node_id"] for n in ray["nodes_in_cluster"] if n["alive"]}
     assert len(alive) == 2
     assert {r["node_id"] for r in ray["ranks"]} == alive, ray["ranks"]  # one rank per node, both recorded

@@ -66,7 +66,8 @@ def test_ray_card_sets_ray_beside_its_torchrun_twin_and_counts_only_recorded_eve
 def test_ray_records_name_each_ranks_host_by_a_label_the_driver_gives_never_by_its_address():
     from distlab.launchers.ray_record import attempts_from_events, host_labels, labelled
 
-    nodes = [{"node_id": "b", "node_ip": "192.168.1.7", "head": False}, {"node_id": "a", "node_ip": "10.1.2.3", "head": True}]
+    nodes = [{"node_id": "b", "node_ip": "192.168.1.7", "head": False}, {"node_id": "a", "node_ip": "10.1.2.3",
+                                                                         "head": True}]
     events = [{"event": "rank_started", "time": t, "rank": r, "world_size": 2, "start_step": 0, "resumed": False,
                "node_id": n, "node_ip": ip, "pid": 100 + r}
               for t, r, n, ip in [(2, 1, "c", "172.16.0.9"), (1, 0, "a", "10.1.2.3")]]

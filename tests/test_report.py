@@ -54,7 +54,8 @@ def test_report_shows_every_stage_card_and_the_cross_stage_sections(finished_pip
     work, _ = finished_pipeline
     readme = (work / "results" / "report" / "README.md").read_text()
     html = (work / "results" / "report" / "index.html").read_text()
-    for section in ("What to run here, and where you stand", "Advisor: what to run", "Stage 1 - PyTorch DDP", "Strategy ranking",
+    for section in ("What to run here, and where you stand", "Advisor: what to run", "Stage 1 - PyTorch DDP",
+                    "Strategy ranking",
                     "Communication: collective bandwidth", "Loss curves per stage"):
         assert section in readme and section in html
     # Goals are computed: stage 1 ran, stages without runs say so instead of passing.

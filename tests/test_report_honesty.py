@@ -93,7 +93,8 @@ def test_fsdp_and_tensor_parallel_losses_are_set_beside_ddp_only_when_the_recipe
     assert abs(float(rows[0]["max |loss diff|"]) - 4e-7) < 1e-8
     assert "FSDP sharding left fp32 training unchanged" in gap_sentence(rows, "FSDP run", "FSDP sharding", "FSDP")
     assert ddp_twin(tp, [bigger]) is None and ddp_twin(tp, [bigger, ddp]) is ddp
-    constant = fake_run(tmp_path / "c", {"strategy": "fsdp", "world_size": 2, "micro_batch": 2, "grad_accum": 2}, "fsdp")
+    constant = fake_run(tmp_path / "c", {"strategy": "fsdp", "world_size": 2, "micro_batch": 2, "grad_accum": 2},
+                        "fsdp")
     assert parity_rows([constant], [ddp], "FSDP run") == []
 
 
@@ -337,7 +338,8 @@ from distlab.report.cards import links, two_hosts, unequal
 from distlab.report.render import render_html, render_markdown
 
 sections = report_sections(ReportInputs(runs, [{"machine": r["machine"]} for r in runs]))
-pages = [unequal.build(runs)[0], links.build(runs, {})[0], two_hosts.build(None, {"hosts": [{"name": "head", "address": "a"}, {"name": "node", "address": "b"}]})]
+hosts = {"hosts": [{"name": "head", "address": "a"}, {"name": "node", "address": "b"}]}
+pages = [unequal.build(runs)[0], links.build(runs, {})[0], two_hosts.build(None, hosts)]
 html = render_html(sections + pages, runs, str(root), "")
 markdown = render_markdown(sections + pages, runs, str(root), "")
 print(json.dumps({"opened": opened, "torch": sorted(m for m in sys.modules if m.split(".")[0] == "torch"),

@@ -74,7 +74,8 @@ class MineSettings(StrategySettings):
 
     def check(self, spec, config, fail, shape):
         if spec["micro_batch"] % spec["mine"]["chunks"]:
-            fail("mine.chunks", f"micro_batch {spec['micro_batch']} does not split into {spec['mine']['chunks']} chunks")
+            fail("mine.chunks",
+                 f"micro_batch {spec['micro_batch']} does not split into {spec['mine']['chunks']} chunks")
 
     def shards_checkpoint(self, spec):
         return True
@@ -244,4 +245,5 @@ def test_precision_names_and_the_accumulation_loss_scale_are_decided_in_one_plac
         if path.name != "precision.py":
             assert not dtype_map.search(text), f"{path}: a precision -> dtype map besides distlab/runtime/precision.py"
         if path.name != "accumulation.py":
-            assert not micro_scale.search(text), f"{path}: loss scaled for accumulation besides distlab/runtime/accumulation.py"
+            assert not micro_scale.search(text), \
+                f"{path}: loss scaled for accumulation besides distlab/runtime/accumulation.py"

@@ -1,7 +1,9 @@
 """How the suite runs: the fast tier (`pytest -m "not slow"`) stays fast by what its tests do,
-never by their timings (tests/fast_tier.py)."""
+never by their timings (tests/fast_tier.py); CI lints before it tests (.ci/run)."""
 
 from fast_tier import Checker
+
+from conftest import REPO
 
 
 def test_no_test_outside_slow_starts_ranks_ray_or_a_real_workflow():
@@ -88,3 +90,14 @@ def test_the_fast_tier_check_follows_fixtures_helpers_and_imports(tmp_path):
     assert offenders["test_fake.py::test_through_a_fixture"] == ["fixture trained -> calls run_experiment"]
     assert offenders["test_fake.py::test_through_another_modules_helper"] == ["train_twice -> calls launch"] * 2
     assert "without" in offenders["test_fake.py::test_through_a_helper"][0]
+
+
+def test_ci_lints_the_python_and_the_workflow_before_it_tests():
+    lines = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
+             if line.strip() and not line.lstrip().startswith("#")]
+    steps = {name: next(i for i, line in enumerate(lines) if needle in line)
+             for name, needle in [("ruff", "ruff check"), ("snakefmt", "snakefmt --check"), ("pytest", "-m pytest")]}
+    assert steps["ruff"] < steps["pytest"] and steps["snakefmt"] < steps["pytest"], lines
+    assert "set -euo pipefail" in lines  # a linter's failure fails CI
+    snakefmt = lines[steps["snakefmt"]]
+    assert "Snakefile" in snakefmt and "rules" in snakefmt, snakefmt

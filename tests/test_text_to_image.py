@@ -120,7 +120,8 @@ def test_strategies_wrap_only_the_unet_and_zero3_keeps_the_frozen_parts_out_of_z
     assert zero3["deepspeed"]["partitioned_at_load"] and set(zero3["parameter_layout"]) == {"deepspeed_partition"}
     assert "zero.Init" in zero3["deepspeed"]["load"]["how"]
     fsdp = runs["fsdp-fullshard-lora-w2-mb2-ga1-sd"]["as_built"]
-    # fully_shard units: the UNet's first _no_split_modules class found (ResnetBlock2D: 8 in the tiny UNet), then the root.
+    # fully_shard units: the UNet's first _no_split_modules class found (ResnetBlock2D: 8 in the tiny UNet),
+    # then the root.
     assert fsdp["fsdp_layers"] == 8 and fsdp["dtensor_parameters"] == fsdp["parameters"]
     # DDP's find_unused_parameters is recorded, and off: every LoRA weight gets a gradient each step.
     for name in ("ddp-lora-w2-mb2-ga1-sd", "accelerate-lora-w2-mb2-ga1-sd"):
@@ -172,7 +173,8 @@ def test_saved_lora_loads_in_plain_diffusers_and_reproduces_the_runs_output(work
         assert (output - saved).abs().max().item() <= 1e-5
         base = StableDiffusionPipeline.from_pretrained(str(results / "prep" / "sd-model"), safety_checker=None).unet
         with torch.no_grad():
-            untouched = base.eval()(inputs["noisy_latents"], inputs["timesteps"], inputs["encoder_hidden_states"]).sample
+            untouched = base.eval()(inputs["noisy_latents"], inputs["timesteps"],
+                                    inputs["encoder_hidden_states"]).sample
         assert (untouched - saved).abs().max().item() > 1e-4  # the LoRA changed the output: the check can fail
 
 
@@ -247,7 +249,8 @@ def test_a_v_prediction_scheduler_trains_against_the_velocity(workflow, tmp_path
     pixels, captions = torch.rand(2, 3, 32, 32) * 2 - 1, ["a handwritten digit one", "a handwritten digit two"]
     batches = {}
     for name, source in (("epsilon", results / "prep" / "sd-model"), ("v", folder)):
-        batches[name] = FrozenEncoders(str(source)).encode(pixels, captions, [sample_generator(0, 0, i) for i in (0, 1)])
+        batches[name] = FrozenEncoders(str(source)).encode(pixels, captions, [sample_generator(0, 0, i) for i in (0,
+                                                                                                                  1)])
     eps, v = batches["epsilon"], batches["v"]
     assert torch.equal(eps["noisy_latents"], v["noisy_latents"])  # the same draws: only the target differs
     abar = FrozenEncoders(str(folder)).scheduler.alphas_cumprod[v["timesteps"]].view(-1, 1, 1, 1)

@@ -176,7 +176,8 @@ def test_a_row_cannot_name_an_image_outside_its_data_folder(tmp_path):
         assert "outside" in message and str(data) in message
     (data / "link.png").symlink_to(secret)
     (data / "rows.jsonl").write_text(json.dumps({"image": "link.png", "text": "a black square"}) + "\n")
-    assert "outside" in refusal(stages, text_to_image={"data": {"source": "files", "files": [str(data / "rows.jsonl")]}})
+    assert "outside" in refusal(stages, text_to_image={"data": {"source": "files",
+                                                                "files": [str(data / "rows.jsonl")]}})
     folder = image_folder(tmp_path, [{"file_name": "../secret.png", "text": "a black square"}])
     message = refusal(stages, text_to_image={"data": {"source": "imagefolder", "path": str(folder)}})
     assert f"{folder / 'metadata.jsonl'}:1" in message and "outside" in message
@@ -228,7 +229,10 @@ def test_images_are_resized_by_the_shorter_side_cropped_and_flipped_as_the_examp
 
     ramp = Image.fromarray(np.tile(np.arange(40, dtype=np.uint8) * 6, (20, 1))).convert("RGB")  # column = shade
     settings = {"resolution": 16, "interpolation": "nearest", "center_crop": True, "random_flip": False}
-    as_pixels = lambda img: torch.from_numpy(np.asarray(img, dtype=np.float32) / 127.5 - 1).permute(2, 0, 1)
+
+    def as_pixels(img):
+        return torch.from_numpy(np.asarray(img, dtype=np.float32) / 127.5 - 1).permute(2, 0, 1)
+
     resized = ramp.resize((32, 16), Image.Resampling.NEAREST)
     centre = transform(ramp, settings, sample_generator(0, 0, 0), train=True)
     assert centre.shape == (3, 16, 16) and torch.allclose(centre, as_pixels(resized.crop((8, 0, 24, 16))), atol=1e-6)

@@ -72,7 +72,8 @@ def test_sharded_checkpoint_round_trip_restores_weights_and_optimizer_state(prep
 @pytest.mark.slow
 def test_tensor_parallel_verify_fails_when_the_layers_are_not_split(prepared):
     found = sharded_checks(prepared)["tp"]
-    assert found["unsplit_model"]["caught"] and re.search("0 linear layers are split|should hold its parameters as dtensor", found["unsplit_model"]["error"])
+    assert found["unsplit_model"]["caught"] and re.search("0 linear layers are split|should hold its parameters as "
+                                                          "dtensor", found["unsplit_model"]["error"])
 
 
 @pytest.mark.slow

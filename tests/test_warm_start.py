@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -252,7 +253,6 @@ def waiting_for_reply(pid: int) -> bool:
 def raw_request(path: str, message) -> "socket.socket":
     """A request as a stand-in sends it (with /dev/null as its stdio)."""
     import json
-    import socket
     import struct
 
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -16,7 +16,6 @@ os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1"
 
 def main() -> None:
     fp16_supported, precision, model_dir, sd_dir = sys.argv[1] == "1", sys.argv[2], sys.argv[3], sys.argv[4]
-    import torch
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 

@@ -10,8 +10,12 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from distlab.errors import CheckpointMismatch
+
+if TYPE_CHECKING:  # the annotations' only use; a rank imports torch where it runs
+    import torch
 
 
 def save_trainer_state(root: Path, rank: int, device: torch.device, steps_done: int, stream, records,

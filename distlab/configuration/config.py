@@ -49,7 +49,8 @@ EXPERIMENT_DEFAULTS: dict = {
     "seed": 1234,
     "lr": 3.0e-4,
     "weight_decay": 0.0,
-    # Fine-tuning controls (distlab.runtime.schedule, distlab.runtime.clipping, distlab.runtime.activations, distlab.runtime.monitor).
+    # Fine-tuning controls (distlab.runtime.schedule, distlab.runtime.clipping, distlab.runtime.activations,
+    # distlab.runtime.monitor).
     "lr_schedule": "constant",
     "lr_warmup_steps": 0,
     "lr_warmup_ratio": None,
@@ -275,7 +276,8 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
     if ray["min_workers"] is not None and ray["min_workers"] > spec["world_size"]:
         fail("ray.min_workers", f"elastic lower bound {ray['min_workers']} exceeds world_size {spec['world_size']} "
              "(the upper bound)")
-    if spec["launcher"] == "ray" and (ray["max_failures"] or (ray["min_workers"] or spec["world_size"]) < spec["world_size"]) \
+    if spec["launcher"] == "ray" \
+            and (ray["max_failures"] or (ray["min_workers"] or spec["world_size"]) < spec["world_size"]) \
             and not spec["checkpoint_every"]:
         fail("checkpoint_every", "a Ray run that recovers from failures or resizes resumes from its last "
              "checkpoint; set checkpoint_every > 0")
@@ -328,7 +330,8 @@ def check_config(config: dict) -> None:
         if not path.is_dir():
             raise ConfigError(f"config field 'model.path': model folder '{path}' does not exist")
         if not (path / "config.json").is_file():
-            raise ConfigError(f"config field 'model.path': '{path}' has no config.json (not a Hugging Face model folder)")
+            raise ConfigError(f"config field 'model.path': '{path}' has no config.json (not a Hugging Face model "
+                              "folder)")
         input_checks.model_config(path)
     if model.get("extra") and model.get("hub_id") and not config["data"]["tokenizer"]:
         raise ConfigError("config field 'model.extra': a built model takes the data's tokenizer file; with "
@@ -353,7 +356,8 @@ def check_config(config: dict) -> None:
         raise ConfigError("config field 'data.hf_name': source 'hf' needs a dataset name")
     if data["tokenizer"] and not os.path.exists(data["tokenizer"]):
         raise ConfigError(f"config field 'data.tokenizer': '{data['tokenizer']}' does not exist")
-    from distlab.configuration.data_checks import check_data, check_experiment_datasets  # files readable with their fields
+    # files readable with their fields
+    from distlab.configuration.data_checks import check_data, check_experiment_datasets
     from distlab.configuration.tokenizer_checks import check_tokenizer  # the tokenizer fits the model
 
     check_data(config)

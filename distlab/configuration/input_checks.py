@@ -11,7 +11,8 @@ here, and each error names the config field and the file:
 - model folders: config.json parses (file and line named), no custom code (auto_map), every
   parameter of the architecture stored with its shape (distlab.configuration.model_files);
 - Ray addresses: $RAY_ADDRESS set and non-empty where asked for, every head reachable
-  within a timeout and driven with token auth (RAY_AUTH_MODE=token and a token). These, and results_dir being writable, look at the machine: only
+  within a timeout and driven with token auth (RAY_AUTH_MODE=token and a token). These, and results_dir
+  being writable, look at the machine: only
   `distlab.configuration.config.load(..., probe=True)` runs them (the workflow does; unit tests do not).
 Data-file content is checked by distlab.configuration.data_checks.
 """

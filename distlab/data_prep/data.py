@@ -425,7 +425,8 @@ def run_data_facts(data_dir, records_by_rank: list[list[dict]], ranks_per_replic
     read = [i for recs in records_by_rank for rec in recs for i in rec["samples"]]
     trained = int(per_block[read].sum()) // ranks_per_replica
     total = len(read) * (seq_len - 1) // ranks_per_replica
-    return {"format": info.get("format", "text"), "packing": info.get("packing", "blocks"), "tokenizer": info.get("tokenizer"),
+    return {"format": info.get("format", "text"), "packing": info.get("packing", "blocks"),
+            "tokenizer": info.get("tokenizer"),
             "prepared": info.get("splits"),
             "run_tokens": {"trained": trained, "masked": total - trained,
                            "how": "label positions after the causal shift (seq_len - 1 per block) over every "

@@ -1,7 +1,8 @@
 """The scripts Snakemake runs send their output to the rule's log: `with logged(snakemake):`.
 
 What distlab itself writes there (its messages, launch lines, Python logging records and
-warnings of the rule's process, the traceback of a failure) names paths of the checkout, the working folder and the home folder
+warnings of the rule's process, the traceback of a failure) names paths of the checkout, the working
+folder and the home folder
 relative to them, as the shared results do (distlab.records.sharing); what child processes and
 libraries print straight to the file stays as they print it."""
 from __future__ import annotations

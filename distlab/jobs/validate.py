@@ -87,7 +87,8 @@ def validate_run(run_dir, model_source: str, data_dir: str, out_path, log_path=N
         return _write(out_path, result)
     if (root / "UNSUPPORTED.json").is_file():
         why = json.loads((root / "UNSUPPORTED.json").read_text())["reason"]
-        result["checks"] = {n: {"status": UNSUPPORTED, "reason": f"no checkpoint: {why}"} for n in required_checks(spec)}
+        result["checks"] = {n: {"status": UNSUPPORTED, "reason": f"no checkpoint: {why}"}
+                            for n in required_checks(spec)}
         return _write(out_path, verdict(result, spec))
     final = root / "final"
     parity = step_folders(root)
@@ -116,7 +117,8 @@ def validate_run(run_dir, model_source: str, data_dir: str, out_path, log_path=N
             # one): a phase that broke in the reused process gets a fresh launch of its own.
             broken = broken_checks(result["checks"], phase_checks(name, spec))
             if broken:
-                retry = _run_phase(replace(job, plan=[[name, world]]), work / f"launch{index}-{name}", log_path, timeout)
+                retry = _run_phase(replace(job, plan=[[name, world]]), work / f"launch{index}-{name}", log_path,
+                                   timeout)
                 for n in phase_checks(name, spec):
                     if n in retry:
                         result["checks"][n] = dict(retry[n], first_attempt_in_reused_process=broken.get(n))

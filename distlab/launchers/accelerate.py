@@ -94,7 +94,8 @@ def write_accelerate_config(spec: dict, folder: str | os.PathLike, job_path: str
         id=spec["id"], env=env, cfg=portable(str(path)), job=portable(str(job_path)))
     if env:
         header += ("# {env}: Accelerate's multi-process launcher does not hand use_cpu below to the ranks;\n"
-                   "# without it each rank of another script (accelerate test) would be alone.\n").format(env=env.strip())
+                   "# without it each rank of another script (accelerate test) would be alone.\n"
+                   ).format(env=env.strip())
     if config_distributed_type(spec) == "MULTI_GPU" and spec["device"] == "cpu":
         header += ("# distributed_type MULTI_GPU selects Accelerate's torchrun-based launcher; with use_cpu\n"
                    "# the ranks run on CPU (gloo) and Accelerate reports MULTI_CPU. A MULTI_CPU file would\n"

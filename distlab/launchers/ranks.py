@@ -59,7 +59,8 @@ def run(job: Job, job_path: str, log_path: str | None, timeout: float | None) ->
 
         sweep()
     try:
-        start_ranks(spec, "distlab.runtime.worker", ["--job", job_path], job_path, log_path, timeout, run_dir=job.run_dir)
+        start_ranks(spec, "distlab.runtime.worker", ["--job", job_path], job_path, log_path, timeout,
+                    run_dir=job.run_dir)
     finally:
         if spec.get("rank_cpu_budget"):
             sweep()

@@ -10,7 +10,8 @@ How (the pattern of multiprocessing's forkserver and Android's zygote):
 - `snakemake` starts one server per run (`start_server`, from the Snakefile's onstart;
   distlab.launchers.warm_server). It imports PRELOAD and waits; for a rank that also imports
   MLflow, DeepSpeed, Accelerate or PEFT (`rank_imports`) it forks a flavour server that imports
-  them too, on the first such request, and keeps it for the run. Servers start no thread and never touch a GPU, so forking them is safe.
+  them too, on the first such request, and keeps it for the run. Servers start no thread and never
+  touch a GPU, so forking them is safe.
 - The launcher starts its agent and ranks exactly as before (`python -m <entry module> ...`, the
   lines in the log rerun by hand). Each entry module's first statement is
   distlab.launchers.process.enter: with SOCKET_ENV in its environment (CPU launches only:

@@ -205,7 +205,8 @@ def library_versions() -> dict:
     from importlib import metadata
 
     out = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "deepspeed", "ray", "datasets", "tokenizers"):
+    for name in ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "deepspeed", "ray", "datasets",
+                 "tokenizers"):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

@@ -47,7 +47,8 @@ def overview_card(cards: list[Card], runs: list[dict], advice: dict) -> Card:
     card = Card(0, "What to run here, and where you stand")
     # First: a stage whose runs did not train what DDP trains, or whose checkpoints failed
     # validation, has not taught its lesson, whatever its other goals say.
-    unsound = [f"{c.title}: {g.evidence}" for c in cards for g in c.goals if g.text == GOAL_LESSON and g.status == FAILED]
+    unsound = [f"{c.title}: {g.evidence}" for c in cards for g in c.goals if g.text == GOAL_LESSON
+               and g.status == FAILED]
     if unsound:
         card.notes.append("NOT SOUND: " + " | ".join(unsound))
     card.notes.extend(headline(runs, advice))
@@ -88,7 +89,8 @@ def headline(runs: list[dict], advice: dict) -> list[str]:
                          for r in same[:6]) + (f" and {len(same) - 6} more" if len(same) > 6 else "") + ".")
             picked = [r for r in same if a and advisor_check.estimate_key(r["spec"]) == a["recommendation"]]
             if picked and same[0] is not picked[0]:
-                text += (f" The fastest here, {same[0]['experiment']}, ran {same[0]['_throughput']['median'] / picked[0]['_throughput']['median']:.2f}x "
+                text += (f" The fastest here, {same[0]['experiment']}, ran "
+                         f"{same[0]['_throughput']['median'] / picked[0]['_throughput']['median']:.2f}x "
                          f"the best run of the recommended kind ({picked[0]['experiment']}): the "
                          "advice picks by memory fit and the roadmap's rules, not by this machine's speed"
                          + ("; the spreads overlap, so this machine does not tell them apart."

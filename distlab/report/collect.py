@@ -24,7 +24,8 @@ from pathlib import Path
 
 from distlab.report.inputs import job_wall_seconds, readable
 from distlab.records.run_layout import KUBERAY_CHECKS, run_files_dir
-from distlab.records.run_outputs import MAX_RESULTS_FILE_BYTES, ResultsError, parse_json, read_json_object, read_run_record
+from distlab.records.run_outputs import (MAX_RESULTS_FILE_BYTES, ResultsError, parse_json, read_json_object,
+                                         read_run_record)
 
 VALIDATION_SCHEMA_VERSION = 1
 COLLECTIVES_SCHEMA_VERSION = 1
@@ -338,7 +339,8 @@ def summary_row(run: dict) -> dict:
         "machine": run["machine"], "stage": run["stage"], "task": spec.get("task", "causal-lm"),
         "experiment": run["experiment"],
         "status": run.get("status"), "strategy": spec["strategy"], "launcher": spec["launcher"],
-        "method": spec["method"], "model": spec.get("model", "default"), "memory_budget_gib": spec.get("memory_budget_gib"),
+        "method": spec["method"], "model": spec.get("model", "default"),
+            "memory_budget_gib": spec.get("memory_budget_gib"),
         "device": spec["device"], "world_size": spec["world_size"],
         "micro_batch": spec["micro_batch"], "grad_accum": spec["grad_accum"], "seq_len": spec["seq_len"],
         "sampler": spec["sampler"], "precision": spec["precision"], "steps": spec["steps"],

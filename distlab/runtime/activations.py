@@ -15,7 +15,8 @@ import contextlib
 from distlab.strategies.settings import settings_for
 
 HOW = ("bytes autograd holds for backward at the end of one micro-batch's forward (saved_tensors_hooks; each "
-       "storage once, parameters excluded), on rank {rank}'s first micro-batch of step {step} (untimed); pipeline stages: every pipeline micro-batch of it")
+       "storage once, parameters excluded), on rank {rank}'s first micro-batch of step {step} (untimed); pipeline "
+       "stages: every pipeline micro-batch of it")
 
 
 def checkpointed_layers(mode: str, every: int, n_layers: int) -> list[int]:

@@ -88,7 +88,8 @@ def apply(model_source: str | None) -> dict:
             applied = bool(libc.mallopt(-3, threshold))  # -3: M_MMAP_THRESHOLD
         except (OSError, AttributeError):
             applied = False
-    _CHOICE = dict(choice, applied=applied, how="glibc mallopt(M_MMAP_THRESHOLD) at rank start (distlab.runtime.host_allocator)")
+    _CHOICE = dict(choice, applied=applied,
+                   how="glibc mallopt(M_MMAP_THRESHOLD) at rank start (distlab.runtime.host_allocator)")
     return _CHOICE
 
 

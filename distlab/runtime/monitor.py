@@ -146,7 +146,8 @@ class RunMonitor:
         loss = "n/a" if glob["loss"] is None else f"{glob['loss']:.4f}"
         norm = "" if rec.get("grad_norm") is None else f" grad_norm {rec['grad_norm']:.3g}"
         print(f"progress: step {step + 1}/{self.spec['steps']} ({(step + 1) / self.spec['steps']:.0%}) loss {loss} "
-              f"lr {rec['lr']:.3g}{norm} {self.unit}s/s {rate:,.0f} elapsed {clock(now - self.started)} ETA {clock(eta)}",
+              f"lr {rec['lr']:.3g}{norm} {self.unit}s/s {rate:,.0f} elapsed {clock(now - self.started)} ETA "
+              f"{clock(eta)}",
               flush=True)
         if self.trackers is not None:
             self.trackers.log(self.pending)

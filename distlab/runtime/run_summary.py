@@ -97,7 +97,8 @@ def summarize_run(job: Job, ctx, strategy, prepared, ranks: dict, n_samples: int
     for i in range(len(all_records[0])):
         # Weighted by each rank's samples: ranks of unequal micro-batches (distlab.runtime.unequal) hold
         # unequal shares of the step's batch; equal shares give the plain mean.
-        values = [(recs[i]["loss"], len(recs[i]["samples"]) or 1) for recs in all_records if recs[i]["loss"] is not None]
+        values = [(recs[i]["loss"], len(recs[i]["samples"]) or 1) for recs in all_records
+                  if recs[i]["loss"] is not None]
         losses.append(sum(v * w for v, w in values) / sum(w for _, w in values) if values else None)
     timed = M.summarize(step_times[warm:])
     dp = strategy.data_parallel_size
@@ -144,7 +145,8 @@ def summarize_run(job: Job, ctx, strategy, prepared, ranks: dict, n_samples: int
         # Cores the run occupies: its ranks x the threads each computes with (torch's own setting).
         "noise": summarize_noise(ranks["noise"], ctx.world_size * torch.get_num_threads()),
         "data": coverage(all_records, ranks["plans"], n_samples),
-        "data_prep": task.data_facts(job, all_records, ctx.world_size // dp),  # causal LM: tokenizer identity, tokens trained/masked
+        "data_prep": task.data_facts(job, all_records,
+                                     ctx.world_size // dp),  # causal LM: tokenizer identity, tokens trained/masked
         "versions": M.library_versions(),
         "environment": M.allowed_environment(job.env_allowlist),
         "wall_seconds_rank0": time.time() - started,

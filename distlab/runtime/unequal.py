@@ -132,6 +132,7 @@ def rank_batches(model, spec: dict, device) -> tuple[list[int] | None, dict | No
                         [p["capacity_samples"] for p in probes])
     return sizes, {"how": ("auto: the global batch micro_batch x world_size split in proportion to each rank's "
                            "measured speed (1 / seconds per sample of forward+backward on random tokens, averaged "
-                           f"over at least {PROBE_PASSES} passes and {PROBE_SECONDS} s), capped by the samples its free memory holds"),
+                           f"over at least {PROBE_PASSES} passes and {PROBE_SECONDS} s), capped by the samples its "
+                           "free memory holds"),
                    "sizes": sizes, "probes": probes}
 

@@ -58,7 +58,8 @@ def adapter_skeleton(folder: Path, source: str):
     missing = sorted(k for k in wanted.values() if k not in stored)
     unexpected = sorted(set(stored) - set(wanted.values()))
     if missing or unexpected:
-        raise ValueError(f"{folder}: adapter file and model disagree: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise ValueError(f"{folder}: adapter file and model disagree: missing {missing[:3]}, unexpected "
+                         f"{unexpected[:3]}")
     skeleton.place({name: stored[key].float() for name, key in wanted.items()})
     skeleton.fixed |= set(wanted)
     skeleton.resident -= set(wanted)  # never released by the streamed forward
@@ -161,7 +162,8 @@ def lora_base_frozen(model, source: str, meta: dict, now: dict, reload_diff: flo
     source = now["source"]
     same = bool(saved) and saved.get("weights_sha256") == now["weights_sha256"]
     ok = same and reload_diff <= RELOAD_TOLERANCE
-    return {"status": PASSED if ok else FAILED, "base_identity_matches": same, "base_files": sorted(now["weights_sha256"]),
+    return {"status": PASSED if ok else FAILED, "base_identity_matches": same,
+            "base_files": sorted(now["weights_sha256"]),
             "reload_max_abs_logit_diff": reload_diff, "tolerance": RELOAD_TOLERANCE,
             "how": "the checkpoint holds adapters only; the base it names by the sha256 of its weight files equals "
                    f"{source}'s, and that base + the reloaded adapters reproduce the trained model's logits "

@@ -281,7 +281,8 @@ class Strategy:
         """The precision context of an evaluation forward: training's autocast by default."""
         return autocast(self.spec, self.ctx.device)
 
-    def forward_logits(self, input_ids: torch.Tensor, every_rank: bool = False, extra: dict | None = None) -> torch.Tensor | None:
+    def forward_logits(self, input_ids: torch.Tensor, every_rank: bool = False,
+                       extra: dict | None = None) -> torch.Tensor | None:
         """Collective: logits of the model as it trains (still sharded, on this rank's device,
         training precision, eval mode, no grad) on rank 0; None elsewhere. Strategies whose
         ranks each hold the whole model run it on rank 0 alone. every_rank: each data-parallel

@@ -49,7 +49,8 @@ class DeepSpeedSettings(StrategySettings):
         if ds["offload_optimizer"] != "none" and ds["zero_stage"] == 0:
             fail("deepspeed.offload_optimizer", "optimizer offload needs zero_stage 1, 2 or 3")
         if ds["zero3_profile"] != "auto" and ds["zero_stage"] != 3:
-            fail("deepspeed.zero3_profile", f"{ds['zero3_profile']} sets ZeRO-3's gathered parameters: needs zero_stage 3")
+            fail("deepspeed.zero3_profile",
+                 f"{ds['zero3_profile']} sets ZeRO-3's gathered parameters: needs zero_stage 3")
         if "nvme" in (ds["offload_optimizer"], ds["offload_param"]) and not ds["nvme_path"]:
             fail("deepspeed.nvme_path", "NVMe offload needs a nvme_path folder")
 

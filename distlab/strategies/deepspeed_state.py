@@ -97,7 +97,8 @@ def engine_state_bytes(engine, offload: dict) -> dict:
     out.update(offloaded)
     out["how"] = ("distinct tensor storages held by this rank: module params and ZeRO-3 partitions, grads and "
                   "ZeRO grad buffers, Adam state and fp32 master partitions ('other': remaining ZeRO buffers, the "
-                  "gradient reduce buckets included); offloaded_*: state DeepSpeed keeps off the accelerator (on a CPU run: what the config offloads)")
+                  "gradient reduce buckets included); offloaded_*: state DeepSpeed keeps off the accelerator (on a CPU "
+                  "run: what the config offloads)")
     return out
 
 

@@ -2,7 +2,8 @@
 instruction data), a Hugging Face causal LM, full fine-tuning or LoRA through peft.
 
 Each method hands over to the module that always did the work (distlab.runtime.model, distlab.runtime.lora,
-distlab.data_prep.data, distlab.runtime.evaluation, distlab.checkpoints.checkpoint, distlab.runtime.validate_causal_lm): this file is
+distlab.data_prep.data, distlab.runtime.evaluation, distlab.checkpoints.checkpoint,
+distlab.runtime.validate_causal_lm): this file is
 where the rest of distlab meets them.
 """
 from __future__ import annotations

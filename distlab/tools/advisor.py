@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import copy
 
-from distlab.tools.parameter_counts import model_shape, parameter_counts, workload_counts
+from distlab.tools.parameter_counts import model_shape, parameter_counts, workload_counts  # noqa: F401 (advisor's API)
 from distlab.strategies.settings import advisor_rows, registered
 
 GIB = 2**30
@@ -257,7 +257,8 @@ def advise(model_config: dict, hardware: dict, config: dict, cpu_ranks: int = 1,
 
     return {"box": box, "schema_version": 1, "model": {"shape": shape, "parameters": {
                 k: v for k, v in counts.items() if not k.startswith("_")}},
-            "save": save_estimate(counts, shape["vocab_size"], workload["method"] in ("lora", "qlora"), workload.get("export")),
+            "save": save_estimate(counts, shape["vocab_size"], workload["method"] in ("lora", "qlora"),
+                                  workload.get("export")),
             "workload": workload, "devices": plan, "usable_bytes_per_device": budget,
             "recommendation": pick, "recommendation_label": ROW_LABEL.get(pick, "none fits"),
             "activation_checkpointing": checkpointing,
@@ -277,8 +278,10 @@ def render_markdown(advice: dict) -> str:
               f"workload: {wl['method']}, micro-batch {wl['micro_batch']} x {wl['seq_len']} tokens, {wl['precision']}.",
               f"Devices: {plan['devices']} ({plan['source']}), usable per device "
               f"{human(advice['usable_bytes_per_device'])}, NVLink: {plan['nvlink']}, nodes: {plan['nodes']}.",
-              "", f"| strategy | params {unit} | grads {unit} | optimizer {unit} | gathered {unit} | activations {unit} | "
-              f"data {unit} | total {unit}/device | CPU RAM {unit}/device | fits |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "",
+              f"| strategy | params {unit} | grads {unit} | optimizer {unit} | gathered {unit} | activations {unit} | "
+              f"data {unit} | total {unit}/device | CPU RAM {unit}/device | fits |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in advice["estimates"]:
         fits = "yes" if row["total_bytes"] <= advice["usable_bytes_per_device"] else "no"
         cells = [row[k] / scale for k in ("params", "grads", "optimizer", "gathered", "activation_bytes",
@@ -290,7 +293,8 @@ def render_markdown(advice: dict) -> str:
         lines += save_markdown(advice["save"], human)
     box = advice.get("box")
     if box:
-        lines += ["", "| device | memory GiB | tflops | max micro-batch | uniform DDP | sized |", "|---|---|---|---|---|---|"]
+        lines += ["", "| device | memory GiB | tflops | max micro-batch | uniform DDP | sized |",
+                  "|---|---|---|---|---|---|"]
         lines += [f"| {r['device']} | {r['memory GiB']:g} | {r['tflops'] or '-'} | {r['max micro-batch']} | "
                   f"{r['uniform']} | {r['sized'] if r['sized'] is not None else '-'} |" for r in box["devices"]]
         lines += ["", "Evidence measured on this machine:"] + [f"- {e}" for e in box["evidence"] or

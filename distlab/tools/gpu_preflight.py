@@ -202,7 +202,8 @@ def preflight(min_free_gib: float = 8.0, modules: dict[str, str] = KIT_MODULES, 
         if not report.problems and cuda:
             check_cuda(report, torch, min_free_gib)
     if not cuda:
-        report.notes.append(f"CPU rehearsal: CUDA and GPU memory not checked (torch {getattr(torch, '__version__', '?')})")
+        report.notes.append("CPU rehearsal: CUDA and GPU memory not checked (torch "
+                            f"{getattr(torch, '__version__', '?')})")
     return report
 
 

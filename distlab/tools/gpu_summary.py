@@ -80,7 +80,8 @@ def nccl_lines(collectives: dict | None, path: Path) -> list[str]:
         mine = [r for r in rows if r["op"] == op]
         if mine:
             best = max(mine, key=lambda r: r["busbw_bytes_per_s"])
-            out.append(f"NCCL {op} over {collectives['world_size']} GPUs: busbw {best['busbw_bytes_per_s'] / 1e9:.1f} GB/s "
+            out.append(f"NCCL {op} over {collectives['world_size']} GPUs: "
+                       f"busbw {best['busbw_bytes_per_s'] / 1e9:.1f} GB/s "
                        f"at {best['size_bytes'] / 2**20:.0f} MiB (algbw {best['algbw_bytes_per_s'] / 1e9:.1f} GB/s)")
     return out
 

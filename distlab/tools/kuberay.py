@@ -218,7 +218,8 @@ def check(manifest: dict, specs: dict[str, dict]) -> dict[str, dict]:
                   group["template"]["spec"]["containers"][0]]
     bad = [f"{c['name']}.{k}={v}" for c in containers for k, v in c["resources"]["limits"].items()
            if not QUANTITY.match(v)]
-    record("quantities", not bad, f"not Kubernetes quantities: {bad}" if bad else "cpu, memory and GPU quantities parse")
+    record("quantities", not bad, f"not Kubernetes quantities: {bad}" if bad
+           else "cpu, memory and GPU quantities parse")
     worker = containers[1]
     gpus = int(worker["resources"]["limits"].get("nvidia.com/gpu", 0))
     record("gpu_request_matches_ray", str(gpus or "") == group["rayStartParams"].get("num-gpus", ""),
@@ -229,7 +230,8 @@ def check(manifest: dict, specs: dict[str, dict]) -> dict[str, dict]:
         if spec["device"] == "cuda":
             slots, unit = high * gpus, "GPUs"
         else:
-            slots, unit = high * int(cpus // spec["cpu_threads_per_rank"]), f"CPU slots of {spec['cpu_threads_per_rank']} cores"
+            slots = high * int(cpus // spec["cpu_threads_per_rank"])
+            unit = f"CPU slots of {spec['cpu_threads_per_rank']} cores"
         needed = spec["ray"]["min_workers"] or spec["world_size"]
         ok = spec["world_size"] <= slots and (spec["device"] != "cuda" or gpus > 0)
         record(f"fits:{spec['id']}", ok,

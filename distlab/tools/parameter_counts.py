@@ -83,7 +83,8 @@ def _parameter_counts(config_json: str, lora_json: str) -> dict:
         total = sum(p.numel() for p in model.parameters())
     return {"total": total, "embedding": embedding, "per_layer": per_layer,
             "largest_unit": max(per_layer, embedding, head), "trainable": trainable,
-            "layers": len(decoder_layers(model)), "decoder_linear_weights": linear_weights, "hidden_size": getattr(config, "hidden_size", None),
+            "layers": len(decoder_layers(model)), "decoder_linear_weights": linear_weights,
+            "hidden_size": getattr(config, "hidden_size", None),
             "_shapes": [(tuple(p.shape), p.requires_grad) for p in model.parameters()], "_tp_split": tp_split}
 
 

@@ -3,7 +3,8 @@
 A module may set TASK (default causal-lm): it then sees only that task's runs.
 Goals are computed from measured runs only: passed, failed (ran but missed the goal), not
 run, compared, not enforced (a limit the runs were only compared with after the fact, so
-they cannot pass it), or doubtful (a figure the setup cannot produce, with its likely cause). Modules are discovered, so adding a stage touches no registry.
+they cannot pass it), or doubtful (a figure the setup cannot produce, with its likely cause). Modules
+are discovered, so adding a stage touches no registry.
 """
 from __future__ import annotations
 

@@ -52,7 +52,8 @@ def ranking_card(runs: list[dict]) -> Card:
                                                  "the min-max of its windows where spec 'repeats' asks")
         how = (f"{timing}; tokens = every rank's tokens per optimizer step; device "
                f"{mine[0]['spec']['device']}; torch {mine[0]['versions'].get('torch')}. Runs of different "
-               f"global batch or method are not like-for-like: read the ranking with the stage cards. The {spread_caveat(mine)}.")
+               "global batch or method are not like-for-like: read the ranking with the stage cards. The "
+               f"{spread_caveat(mine)}.")
         card.tables.append(Table(f"{machine}: fastest first", pd.DataFrame(rows), how))
         card.figures.append(Figure(f"{machine}: tokens/s by run", ranking(
             [{"label": r["experiment"], **r["_throughput"]} for r in mine], f"{machine}: tokens/s"), how))
@@ -151,7 +152,8 @@ def break_even_notes(machine: str, result: dict, runs: list[dict]) -> list[str]:
         speed = peers[0]["throughput"]["tokens_per_s"] / one["throughput"]["tokens_per_s"]
         batch = one["throughput"]["samples_per_step"]
         text += (f" Measured at global batch {batch}: {n} ranks ran {speed:.2f}x the 1-rank tokens/s "
-                 f"({peers[0]['experiment']}); the estimate predicted {'a speedup' if batch > b_star else 'no speedup'}.")
+                 f"({peers[0]['experiment']}); the estimate predicted "
+                 f"{'a speedup' if batch > b_star else 'no speedup'}.")
     return [text]
 
 

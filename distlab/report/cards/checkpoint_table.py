@@ -123,7 +123,8 @@ def checkpoint_card(runs: list[dict]) -> Card | None:
     if failed:
         reasons = "; ".join(f"{r['experiment']}: {foreign.get(r['experiment']) or v.get('reason', v.get('status'))}"
                             for r, v in pairs if r["experiment"] in failed)
-        card.goals.append(Goal("minimal", f"Every validated checkpoint passed {', '.join(CHECK_NAMES.values())}", FAILED,
+        card.goals.append(Goal("minimal", f"Every validated checkpoint passed {', '.join(CHECK_NAMES.values())}",
+                               FAILED,
                                f"{len(pairs) - len(failed)} of {len(pairs)} validated; {reasons}" + caveats, links))
     else:
         card.goals.append(Goal("minimal", title, PASSED,
@@ -139,7 +140,8 @@ def checkpoint_card(runs: list[dict]) -> Card | None:
                   **{f"resume loss ({p})": t for p, t in PARITY_TOLERANCE.items()}}
     how = ("Each experiment's checkpoint validated in its own Snakemake job by processes that did not train: "
            "reload = max |logit diff| of the reloaded state (gathered one layer at a time, run on the CPU in fp32) "
-           "on a fixed eval batch vs the logits recorded at save time; reshard = the final checkpoint loaded at another world size; resume = max |loss diff| of "
+           "on a fixed eval batch vs the logits recorded at save time; reshard = the final checkpoint loaded at "
+           "another world size; resume = max |loss diff| of "
            "training resumed from the mid-run checkpoint vs the uninterrupted run's own steps; export = "
            "the export's own files (LoRA: the PEFT adapter folder on the base) run the same way, its files laid out "
            "as save_pretrained writes them (text-to-image: the UNet's output on fixed held-out inputs stands for the "

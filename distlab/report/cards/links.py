@@ -148,13 +148,15 @@ def build(runs: list[dict], collectives: dict) -> tuple[Card, dict]:
     card.figures.append(Figure("Speedup over 1 rank by link", to_png_b64(fig), how))
     card.tables.append(Table("Each strategy at each link", pd.DataFrame(rows), how))
     card.tables.append(Table("Where each strategy stops paying", pd.DataFrame(stops), (
-        "measured: at which links 2 ranks beat 1; break-even: bw* = bits each host sends per step / (1-rank step - T0), "
-        "T0 = the strategy's step without transfer time (median over its capped runs of step - bits / cap); no "
-        "compute/communication overlap assumed (DDP overlaps, so its real break-even is lower). A device whose step is k times shorter needs k times the bandwidth for the same "
+        "measured: at which links 2 ranks beat 1; break-even: bw* = bits each host sends per step / (1-rank step - "
+        "T0), T0 = the strategy's step without transfer time (median over its capped runs of step - bits / cap); no "
+        "compute/communication overlap assumed (DDP overlaps, so its real break-even is lower). A device whose step is "
+        "k times shorter needs k times the bandwidth for the same "
         "balance; 'fits' lists the roadmap's interconnects (Gbit/s each way: " + ", ".join(
             f"{k} {v:,}" for k, v in INTERCONNECTS.items()) + ") that carry it at x1000.")))
     card.goals.append(Goal("minimal", "Strategies measured over capped links against 1 rank", PASSED,
-                           f"{len(linked)} runs: {', '.join(sorted(by_strategy))} at {', '.join(link_label(c) for c in caps)}",
+                           f"{len(linked)} runs: {', '.join(sorted(by_strategy))} at "
+                           f"{', '.join(link_label(c) for c in caps)}",
                            [metrics_link(r) for r in linked[:1]] + [metrics_link(one)]))
     ddp = by_strategy.get("DDP", {})
     capped = sorted((c for c in ddp if c is not None))
@@ -171,8 +173,8 @@ def build(runs: list[dict], collectives: dict) -> tuple[Card, dict]:
             ax.plot(sizes, busbw, marker=".", label=label)
         ax.set_xscale("log")
         ax.set_yscale("log")
-        how = ("distlab.tools.collectives with each rank on its own host of the link (gloo, float32, median of timed calls, "
-               "the slowest rank's time); nccl-tests' busbw; the largest message of each op")
+        how = ("distlab.tools.collectives with each rank on its own host of the link (gloo, float32, median of timed "
+               "calls, the slowest rank's time); nccl-tests' busbw; the largest message of each op")
         label_axes(ax, "message bytes", "all-reduce busbw (Gbit/s)", "Collective bandwidth by link")
         card.figures.append(Figure("All-reduce bus bandwidth by link", to_png_b64(fig), how))
         card.tables.append(Table("Collectives over each link", pd.DataFrame(rows), how))

@@ -89,7 +89,7 @@ def lesson_goal(stage: str, runs: list[dict], compare_with_ddp: bool) -> Goal:
     if off or invalid:
         return Goal("minimal", GOAL_LESSON, FAILED, "; ".join(
             ([f"loss differs from DDP by more than {PARITY_TOLERANCE:g}: " + ", ".join(off)] if off else []) +
-            ([f"checkpoint validation failed: " + ", ".join(invalid)] if invalid else [])))
+            (["checkpoint validation failed: " + ", ".join(invalid)] if invalid else [])))
     if not rows and not validated:
         return Goal("minimal", GOAL_LESSON, NOT_RUN, "no run of this stage had a DDP twin or a validated checkpoint")
     return Goal("minimal", GOAL_LESSON, PASSED,

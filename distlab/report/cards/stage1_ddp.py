@@ -18,7 +18,8 @@ def scaling_groups(runs):
     for run in runs:
         s = run["spec"]
         # Activation checkpointing trades time for memory: its runs are the fine-tuning card's.
-        if s["sampler"] != "distributed" or s["strategy"] != "ddp" or s.get("activation_checkpointing", "none") != "none":
+        if s["sampler"] != "distributed" or s["strategy"] != "ddp" \
+                or s.get("activation_checkpointing", "none") != "none":
             continue
         key = (run["machine"], s["method"], s["seq_len"], s["micro_batch"] * s["grad_accum"] * s["world_size"],
                s["precision"], s["device"])
@@ -54,7 +55,8 @@ def speedup_goal(groups: dict) -> Goal:
 def build(runs: list[dict]) -> Card:
     card = Card(1, "Stage 1 - PyTorch DDP with torchrun")
     ddp = [r for r in ok_runs(runs, "ddp") if r["spec"]["strategy"] == "ddp"]
-    multi = [r for r in ddp if r["as_built"]["world_size"] >= 2 and r["as_built"]["outer_wrapper"] == "DistributedDataParallel"]
+    multi = [r for r in ddp if r["as_built"]["world_size"] >= 2
+             and r["as_built"]["outer_wrapper"] == "DistributedDataParallel"]
     if multi:
         best = max(multi, key=lambda r: r["as_built"]["world_size"])
         med = best["timing"]["step_time_s"]["median"]
@@ -110,7 +112,8 @@ def build(runs: list[dict]) -> Card:
             card.notes.append(
                 f"Without DistributedSampler ({run['experiment']}): {cov['duplicate_reads']} of {cov['reads']} "
                 f"sample reads were duplicates ({cov['duplicate_fraction']:.0%}); every rank read the same "
-                f"{cov['samples_read_by_every_rank']} samples, so {run['as_built']['world_size']} ranks did the work of one.")
+                f"{cov['samples_read_by_every_rank']} samples, so {run['as_built']['world_size']} ranks did the work "
+                "of one.")
         elif run["as_built"]["world_size"] > 1:
             cov = run["data"]
             card.notes.append(

@@ -118,7 +118,8 @@ def grid_goal(card: Card, ok: list[dict]) -> None:
             f"{run['machine']}/{run['experiment']}: base (top) vs tuned (bottom)",
             base64.b64encode(run["_samples_png"]).decode(),
             f"prompts {samples['prompts']}, seeds {samples['seeds']}, {samples['steps']} steps of "
-            f"{samples['scheduler']}, guidance {samples['guidance_scale']}, {samples['resolution']} px. {samples['how']}"))
+            f"{samples['scheduler']}, guidance {samples['guidance_scale']}, {samples['resolution']} px. "
+            f"{samples['how']}"))
     card.goals.append(Goal("minimal", text, PASSED,
                            f"{len(shown)} run(s) sampled {len(shown[0][1]['prompts'])} prompt(s) x "
                            f"{len(shown[0][1]['seeds'])} seed(s) with the base and the tuned UNet"
@@ -136,7 +137,8 @@ def export_goal(card: Card, ok: list[dict]) -> None:
     bad = [r["experiment"] for r, c in checked if c["status"] != PASSED]
     card.goals.append(Goal("bonus", text, FAILED if bad else PASSED,
                            "; ".join(f"{r['experiment']}: {c['status']}, max |output diff| "
-                                     f"{c.get('max_abs_output_diff', float('nan')):.1e} (tolerance {c.get('tolerance')})"
+                                     f"{c.get('max_abs_output_diff', float('nan')):.1e} (tolerance "
+                                     f"{c.get('tolerance')})"
                                      for r, c in checked) + f". {checked[0][1].get('how', '')}",
                            [str(Path(r["_dir"]) / "validation.json") for r, _ in checked]))
 
@@ -160,7 +162,8 @@ def advisor_tables(card: Card, runs: list[dict]) -> None:
                  "frozen (text encoders, VAE)": count(sum(m["frozen_params"].values())),
                  "LoRA r4": count(m["lora_params"]), "resolution": m["resolution"],
                  "activations (mb 1)": human(m["activation_bytes"]) if m["activation_bytes"] else m["activations_how"],
-                 "DDP / device": human(m["ddp_bytes"]), f"sharded over {m['devices']} / device": human(m["sharded_bytes"]),
+                 "DDP / device": human(m["ddp_bytes"]),
+                 f"sharded over {m['devices']} / device": human(m["sharded_bytes"]),
                  "advice": m["recommendation"], "roadmap": m["roadmap"]} for m in advice["models"]]
         card.tables.append(Table(f"Advisor for text-to-image LoRA on {machine} ({plan['devices']} device(s), "
                                  f"{human(advice['usable_bytes_per_device'])} usable each: {plan['source']})",

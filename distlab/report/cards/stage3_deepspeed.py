@@ -48,8 +48,10 @@ def budget_goal(runs: list[dict]) -> Goal:
                 worst = max(v["measured_bytes"] for v in verdicts)
                 if verdicts[0]["enforced"]:
                     why = (f"{run['as_built']['world_size']} ranks finished under the enforced budget of "
-                           f"{verdicts[0]['bytes'] / MIB:.1f} MiB per rank ({verdicts[0].get('how', 'how not recorded').split(' (')[0]}); "
-                           f"largest rank {worst / MIB:.1f} MiB ({verdicts[0].get('measured_what', 'measure not recorded')})")
+                           f"{verdicts[0]['bytes'] / MIB:.1f} MiB per rank "
+                           f"({verdicts[0].get('how', 'how not recorded').split(' (')[0]}); "
+                           f"largest rank {worst / MIB:.1f} MiB "
+                           f"({verdicts[0].get('measured_what', 'measure not recorded')})")
                 else:
                     why = (f"{run['as_built']['world_size']} ranks, largest rank {worst / MIB:.1f} MiB <= budget "
                            f"{verdicts[0]['bytes'] / MIB:.1f} MiB, compared, not enforced")
@@ -57,7 +59,8 @@ def budget_goal(runs: list[dict]) -> Goal:
     if not budgeted:
         return Goal("bonus", GOAL_BUDGET, NOT_RUN, "no DeepSpeed run with memory_budget_gib")
     pairs = [(s, z) for s in single for z in sharded
-             if s[0]["machine"] == z[0]["machine"] and s[0]["spec"]["memory_budget_gib"] == z[0]["spec"]["memory_budget_gib"]
+             if s[0]["machine"] == z[0]["machine"]
+             and s[0]["spec"]["memory_budget_gib"] == z[0]["spec"]["memory_budget_gib"]
              and s[0]["spec"].get("model", "default") == z[0]["spec"].get("model", "default")]
     if not pairs:
         return Goal("bonus", GOAL_BUDGET, FAILED,
@@ -210,7 +213,8 @@ def build(runs: list[dict]) -> Card:
         if budgets:
             enforced = sorted({b["how"] for b in budgets if b["enforced"]})
             compared = sum(1 for b in budgets if not b["enforced"])
-            card.notes.append("Memory budgets: " + ("; ".join(f"enforced by {how}" for how in enforced) or "none enforced")
+            card.notes.append("Memory budgets: " + ("; ".join(f"enforced by {how}" for how in enforced)
+                                                    or "none enforced")
                               + (f"; {compared} rank(s) only compared after the run (not enforced)" if compared
                                  else "") + ". A run past an enforced budget ends with status oom.")
         card.tables.append(phase_peak_table(ds_runs, "Per-rank peak memory: load, training and save phases", lambda r: {

@@ -159,7 +159,8 @@ def build(runs: list[dict]) -> Card:
         card.notes.append(f"Per-step overhead of Ray over torchrun: worst {worst['_step_ratio'] - 1:+.1%} "
                           f"({worst['ray run']}); the {DOCS_CLAIM:.1%} figure is {'met' if within else 'not met'} "
                           f"on {worst['machine']}, and the step-time spreads "
-                          f"{'overlap (no clear difference at this noise)' if worst['verdict'] == 'no clear difference' else 'do not overlap'}.")
+                          + ("overlap (no clear difference at this noise)." if worst["verdict"] == "no clear difference"
+                             else "do not overlap."))
     for run in ray:
         # Hosts by label (host-1: the Ray head's); records of older versions had none.
         placement = ", ".join(f"rank {r['rank']} -> node {r['node_id'][:8]} on {r.get('host', 'an unrecorded host')}"

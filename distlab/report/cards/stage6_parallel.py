@@ -46,11 +46,13 @@ def parity_goal(tp: list[dict], pp: list[dict], runs: list[dict], rows: list[dic
             continue
         gap, _ = loss_gap(run, twin)
         compared.append((run, twin, gap))
-        rows.append({"experiment": run["experiment"], "DDP run": twin["experiment"], "steps": len(run["loss"]["per_step"]),
+        rows.append({"experiment": run["experiment"], "DDP run": twin["experiment"],
+                     "steps": len(run["loss"]["per_step"]),
                      "max |loss - DDP loss|": f"{gap:.2e}", "last loss": round(run["loss"]["last"], 4),
                      "DDP last loss": round(twin["loss"]["last"], 4)})
     if not compared:
-        return Goal("bonus", text, NOT_RUN, "no DDP run that read the same samples and trained them the same way (parity.training_recipe)")
+        return Goal("bonus", text, NOT_RUN,
+                    "no DDP run that read the same samples and trained them the same way (parity.training_recipe)")
     worst = max(compared, key=lambda c: c[2])
     status = PASSED if worst[2] < LOSS_TOLERANCE else FAILED
     return Goal("bonus", text, status,
@@ -80,7 +82,8 @@ def build(runs: list[dict]) -> Card:
     if pp:
         card.goals.append(Goal("minimal", "Pipeline-parallel training ran, stages split by layers", PASSED,
                                f"{len(pp)} run(s), schedules {', '.join(schedules)}; e.g. {pp[0]['experiment']}: "
-                               + "; ".join(f"stage {i} layers {s['layers']}" for i, s in enumerate(pp[0]['as_built']['stages'])),
+                               + "; ".join(f"stage {i} layers {s['layers']}" for i,
+                                           s in enumerate(pp[0]['as_built']['stages'])),
                                [metrics_link(r) for r in pp]))
     else:
         card.goals.append(Goal("minimal", "Pipeline-parallel training ran, stages split by layers",
@@ -98,7 +101,8 @@ def build(runs: list[dict]) -> Card:
         for rec in bubble_records(run):
             idle = rec["idle_fraction"]
             bubble_rows.append({"experiment": run["experiment"], "schedule": run["as_built"]["schedule"],
-                                "stage (rank)": rec["stage"], "p stages": rec["stages"], "m micro-batches": rec["microbatches"],
+                                "stage (rank)": rec["stage"], "p stages": rec["stages"],
+                                "m micro-batches": rec["microbatches"],
                                 "measured idle fraction (median)": round(idle["median"], 3),
                                 "idle p25-p75": f"{idle['p25']:.3f}-{idle['p75']:.3f}", "timed steps": idle["n"],
                                 "stage compute / step (ms, median)": round(stage_compute_ms(rec), 1),

@@ -91,8 +91,8 @@ def activation_goal(card: Card, runs: list[dict]) -> None:
                            f"saved activations {'below' if saved_ok else 'NOT below'} the none run's in every "
                            "checkpointed run", links))
     how = ("peak memory: each rank's training-phase peak (CUDA allocator reserved, else VmHWM); saved activations: "
-           "bytes autograd held at the end of one micro-batch's forward (distlab.runtime.activations.ActivationProbe; the "
-           "advisor's estimate of the same figure is in the advisor card's check table); step time: median over "
+           "bytes autograd held at the end of one micro-batch's forward (distlab.runtime.activations.ActivationProbe; "
+           "the advisor's estimate of the same figure is in the advisor card's check table); step time: median over "
            f"the timed steps (max over ranks); {SPREAD_CAVEAT}")
     card.tables.append(Table("Activation checkpointing: memory and time per mode", pd.DataFrame(rows), how))
 
@@ -181,7 +181,8 @@ def packing_goal(card: Card, runs: list[dict]) -> None:
                          if (run.get("throughput") or {}).get("tokens_per_s") else "n/a",
                          "median step (ms)": round(run["timing"]["step_time_s"]["median"] * 1000, 1),
                          "last loss": round(run["loss"]["last"], 4),
-                         "held-out loss": round(trained["loss"], 4) if isinstance(trained.get("loss"), float) else "n/a"})
+                         "held-out loss": round(trained["loss"], 4) if isinstance(trained.get("loss"), float)
+                         else "n/a"})
     card.goals.append(Goal("bonus", GOAL_PACKING, PASSED,
                            f"{len(pairs)} pair(s); documents trains on " + ", ".join(f"{g:.2f}x" for g in gains)
                            + " the label tokens per second of one row per sequence",

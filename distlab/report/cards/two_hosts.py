@@ -14,7 +14,8 @@ def build(run: dict | None, record: dict) -> Card:
     hosts = record["hosts"]
     names = ", ".join(f"{h['name']} ({h['address']})" for h in hosts)
     if run is None:
-        card.goals.append(Goal("minimal", "A Ray Train run across two hosts", FAILED, "the run left no readable metrics"))
+        card.goals.append(Goal("minimal", "A Ray Train run across two hosts", FAILED,
+                               "the run left no readable metrics"))
         return card
     ray = run["ray"]
     attempts = ray["attempts"]
@@ -47,7 +48,8 @@ def build(run: dict | None, record: dict) -> Card:
     link = {h["host"]: h for h in record["link"]["per_host"]}
     card.tables.append(Table("Each host's part (both machines, one run)", pd.DataFrame([
         {"host": h["name"], "address": h["address"], **part[h["name"]],
-         "MB sent": round(link[h["name"]]["tx_bytes"] / 1e6, 1), "MB received": round(link[h["name"]]["rx_bytes"] / 1e6, 1)}
+         "MB sent": round(link[h["name"]]["tx_bytes"] / 1e6, 1),
+         "MB received": round(link[h["name"]]["rx_bytes"] / 1e6, 1)}
         for h in hosts]), record["link"]["how"] + f"; link capped at {record['link']['bandwidth_mbit']} Mbit/s each way"
         if record["link"]["bandwidth_mbit"] else record["link"]["how"] + "; link uncapped"))
     start = record["events"][0]["time"]
@@ -62,7 +64,7 @@ def build(run: dict | None, record: dict) -> Card:
     card.notes.append(f"Last group's median step {st['median'] * 1000:.1f} ms over {st['n']} timed steps; "
                       f"TorchTrainer.fit() took {ray['fit_seconds']:.1f} s. Final loss {run['loss']['last']:.3f} "
                       f"(first {run['loss']['first']:.3f}). Each host is a network namespace of this machine joined by "
-                      "a veth pair through a bridge (distlab/jobs/links.py): the addresses, sockets and the link are real, "
-                      "the CPU and disk are shared, so this shows the mechanics of two machines, not a real WAN.")
+                      "a veth pair through a bridge (distlab/jobs/links.py): the addresses, sockets and the link are "
+                      "real, the CPU and disk are shared, so this shows the mechanics of two machines, not a real WAN.")
     return card
 

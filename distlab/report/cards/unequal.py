@@ -67,7 +67,8 @@ def build(runs: list[dict]) -> tuple[Card, dict]:
         for run in sorted(group, key=lambda r: r["spec"]["rank_micro_batch"] is not None):
             tps = run["throughput"]["tokens_per_s"]
             one = singles.get(run["throughput"]["samples_per_step"])
-            parity = "-" if one is None else f"{max(abs(a - b) for a, b in zip(run['loss']['per_step'], one['loss']['per_step'])):.1e}"
+            parity = "-" if one is None else \
+                f"{max(abs(a - b) for a, b in zip(run['loss']['per_step'], one['loss']['per_step'])):.1e}"
             rows.append({"experiment": run["experiment"], "devices": devices(run),
                          "micro-batch per rank": " / ".join(map(str, sizes(run))),
                          "tokens/s": round(tps, 1), "vs uniform": f"{tps / base:.2f}x",
@@ -94,7 +95,8 @@ def build(runs: list[dict]) -> tuple[Card, dict]:
         won = [v for v in verdicts if v[2]]
         card.goals.append(Goal("minimal", "Sized batches beat uniform batches on unequal ranks",
                                PASSED if len(won) == len(verdicts) else FAILED,
-                               "; ".join(f"{r['experiment']}: {r['throughput']['tokens_per_s'] / u['throughput']['tokens_per_s']:.2f}x "
+                               "; ".join(f"{r['experiment']}: "
+                                         f"{r['throughput']['tokens_per_s'] / u['throughput']['tokens_per_s']:.2f}x "
                                          f"uniform ({'clear' if w else 'not clear: spreads overlap or slower'})"
                                          for r, u, w in verdicts),
                                [metrics_link(r) for r, _, _ in verdicts]))

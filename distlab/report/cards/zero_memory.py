@@ -84,7 +84,8 @@ def memory_rows(ds_runs: list[dict]) -> list[dict]:
         gap = total / formula - 1
         rows.append({
             "machine": run["machine"], "experiment": run["experiment"], "ZeRO stage": stage, "ranks": world,
-            "offload (opt/param)": f"{as_built['deepspeed']['offload_optimizer']}/{as_built['deepspeed']['offload_param']}",
+            "offload (opt/param)":
+                f"{as_built['deepspeed']['offload_optimizer']}/{as_built['deepspeed']['offload_param']}",
             "precision": spec["precision"], "params (Psi)": psi,
             "measured state (MiB/rank)": round(total / MIB, 3),
             "of it offloaded (MiB)": round(off / MIB, 3),
