@@ -16,6 +16,7 @@ sys.path.insert(0, str(REPO))
 
 # The harness lives in the package (benchmarks share it); re-exported for the test modules.
 from distlab.testing import TINY_MODEL, build_prepared, resolve, run_experiment, tiny_config  # noqa: E402,F401
+from xdist_schedule import Recorder, group_of, order_groups, read_durations  # noqa: E402
 
 # The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, .ci/run): a serial
 # run keeps about 1.3 of 2 cores busy (process start, Ray waiting on nodes). Each module is one
@@ -24,18 +25,11 @@ from distlab.testing import TINY_MODEL, build_prepared, resolve, run_experiment,
 SHARED_GROUPS = {"pipeline": {"test_pipeline", "test_report", "test_bad_input", "test_browser", "test_merge"}}
 
 
-# The longest groups go first (wall seconds of each on a quiet 2-core run, 2026-12-03, before
-# this session's cuts: 422, 240, 230, 170, 150, 125, 110, 100). With --no-loadscope-reorder
-# (pyproject.toml's addopts) xdist hands groups to idle workers in collection order; by default
-# it would sort them by their number of tests, which put these few-test groups last (two_hosts
-# 53rd of 61), one running alone at the end while the other worker idled (21 min 48 s).
-LONGEST_FIRST = ["test_memory_sharded", "pipeline", "test_ray", "test_two_hosts", "test_text_to_image",
-                 "test_gpu_rehearsal", "test_deepspeed", "test_checkpoint_faults"]
 # Modules whose processes alone take a large part of a 24 GiB machine: the 309M model's full
 # fine-tuning (two DDP ranks of ~6 GiB each) and the Ray clusters (a head, nodes, workers). Run
 # side by side on the two workers they ran a rank out of memory (the kernel's OOM killer, seen
-# 2026-12-07), so each takes one lock shared by the workers; the pipeline group goes second
-# above so that the other worker starts on it meanwhile.
+# 2026-12-07), so each takes one lock shared by the workers; the schedule puts a light group
+# after each of them (xdist_schedule.order_groups) so that the other worker runs it meanwhile.
 MEMORY_HEAVY = {"test_memory_sharded", "test_ray", "test_two_hosts"}
 
 
@@ -52,19 +46,30 @@ def one_memory_heavy_module_at_a_time(request, tmp_path_factory):
         yield
 
 
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", action="store_true",
+                     help="write each xdist group's seconds into tests/durations.json (tests/xdist_schedule.py)")
+
+
+def pytest_configure(config):
+    if config.getoption("--record-durations") and not hasattr(config, "workerinput"):  # xdist's controller
+        config.pluginmanager.register(Recorder(SHARED_GROUPS), "distlab-record-durations")
+
+
 # tryfirst: xdist's own collection hook turns the xdist_group marker into the scheduling key,
 # so the markers must be on the items before it runs.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    groups = {}
+    groups, slow_tests = {}, {}
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        group = next((name for name, modules in SHARED_GROUPS.items() if module in modules), module)
+        group = group_of(item.module.__name__.rsplit(".", 1)[-1], SHARED_GROUPS)
         item.add_marker(pytest.mark.xdist_group(group))
         groups[item.nodeid] = group
+        slow_tests[group] = slow_tests.get(group, 0) + bool(item.get_closest_marker("slow"))
+    order = order_groups(list(slow_tests), read_durations(), MEMORY_HEAVY, slow_tests)
+    rank = {group: position for position, group in enumerate(order)}
     # Stable: the tests of one module keep their order.
-    items.sort(key=lambda item: LONGEST_FIRST.index(groups[item.nodeid]) if groups[item.nodeid] in LONGEST_FIRST
-               else len(LONGEST_FIRST))
+    items.sort(key=lambda item: rank[groups[item.nodeid]])
 
 
 @pytest.fixture(scope="session")

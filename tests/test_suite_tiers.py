@@ -1,7 +1,9 @@
 """How the suite runs: the fast tier (`pytest -m "not slow"`) stays fast by what its tests do,
-never by their timings (tests/fast_tier.py); CI lints before it tests (.ci/run)."""
+never by their timings (tests/fast_tier.py); the xdist schedule comes from recorded durations
+(tests/xdist_schedule.py); CI lints before it tests (.ci/run)."""
 
 from fast_tier import Checker
+from xdist_schedule import SLOW_TEST_SECONDS, Recorder, order_groups
 
 from conftest import REPO
 
@@ -90,6 +92,48 @@ def test_the_fast_tier_check_follows_fixtures_helpers_and_imports(tmp_path):
     assert offenders["test_fake.py::test_through_a_fixture"] == ["fixture trained -> calls run_experiment"]
     assert offenders["test_fake.py::test_through_another_modules_helper"] == ["train_twice -> calls launch"] * 2
     assert "without" in offenders["test_fake.py::test_through_a_helper"][0]
+
+
+def test_groups_go_longest_first_with_unrecorded_ones_counted_by_their_slow_tests():
+    seconds = {"short": 5, "long": 400, "middle": SLOW_TEST_SECONDS * 2 + 1}
+    slow = {"new_slow": 3, "new_fast": 0, "long": 7}
+    groups = ["new_fast", "short", "middle", "new_slow", "long", "other_new_fast"]
+    # new_slow counts 3 x SLOW_TEST_SECONDS; groups with no record and no slow test go last, in order.
+    assert order_groups(groups, seconds, set(), slow) == ["long", "new_slow", "middle", "short", "new_fast",
+                                                          "other_new_fast"]
+
+
+def test_a_light_group_goes_between_two_memory_heavy_ones_while_one_is_left():
+    seconds = {"heavy_a": 400, "heavy_b": 300, "light": 200, "heavy_c": 100, "tiny": 1}
+    heavy = {"heavy_a", "heavy_b", "heavy_c"}
+    assert order_groups(list(seconds), seconds, heavy, {}) == ["heavy_a", "light", "heavy_b", "tiny", "heavy_c"]
+    # With no light group left, heavy ones follow each other (the lock serialises them).
+    assert order_groups(["heavy_a", "heavy_b"], seconds, heavy, {}) == ["heavy_a", "heavy_b"]
+
+
+class FakeReport:
+    def __init__(self, nodeid, duration):
+        self.nodeid, self.duration = nodeid, duration
+
+
+class FakeSession:
+    def __init__(self, markexpr="", keyword=""):
+        self.config = type("Config", (), {"option": type("Option", (), {"markexpr": markexpr, "keyword": keyword})})
+
+
+def test_recorded_durations_sum_each_group_and_keep_the_groups_not_run(tmp_path):
+    path = tmp_path / "durations.json"
+    path.write_text('{"test_old": 12.0, "test_a": 99.0}\n')
+    recorder = Recorder({"shared": {"test_b", "test_c"}}, path)
+    for nodeid, duration in [("tests/test_a.py::test_1", 1.25), ("tests/test_a.py::test_2", 2.0),
+                             ("tests/test_b.py::test_1", 3.0), ("tests/test_c.py::test_1[x]", 4.0)]:
+        recorder.pytest_runtest_logreport(FakeReport(nodeid, duration))
+    recorder.pytest_sessionfinish(FakeSession(markexpr="not slow"))
+    assert path.read_text() == '{"test_old": 12.0, "test_a": 99.0}\n'  # part of a group says nothing
+    recorder.pytest_sessionfinish(FakeSession())
+    import json
+
+    assert json.loads(path.read_text()) == {"shared": 7.0, "test_a": 3.2, "test_old": 12.0}
 
 
 def test_ci_lints_the_python_and_the_workflow_before_it_tests():
