@@ -219,8 +219,8 @@ class LinkedHosts:
 
         owner = os.getpid()
         proc = subprocess.Popen(["unshare", "--net", "--", sys.executable, "-c", HOLDER, f"{MARKER}:{role}"],
-                                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env={**os.environ,
-                                                                                       LINK_ENV: self.tag},
+                                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                env={**os.environ, LINK_ENV: self.tag},
                                 preexec_fn=lambda: die_with_parent(owner), start_new_session=True)
         self.holders[role] = proc
         if proc.stdout.readline().strip() != b"ready":

@@ -145,8 +145,8 @@ def summarize_run(job: Job, ctx, strategy, prepared, ranks: dict, n_samples: int
         # Cores the run occupies: its ranks x the threads each computes with (torch's own setting).
         "noise": summarize_noise(ranks["noise"], ctx.world_size * torch.get_num_threads()),
         "data": coverage(all_records, ranks["plans"], n_samples),
-        "data_prep": task.data_facts(job, all_records,
-                                     ctx.world_size // dp),  # causal LM: tokenizer identity, tokens trained/masked
+        # causal LM: tokenizer identity, tokens trained/masked
+        "data_prep": task.data_facts(job, all_records, ctx.world_size // dp),
         "versions": M.library_versions(),
         "environment": M.allowed_environment(job.env_allowlist),
         "wall_seconds_rank0": time.time() - started,

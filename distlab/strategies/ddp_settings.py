@@ -15,10 +15,10 @@ def replicated_state(counts: dict, lora: bool, precision: str, buckets: bool) ->
     psi = counts["total"]
     t = counts["trainable"] if lora else psi
     quantized = counts.get("quantized", 0)
-    frozen_bytes = 4 if quantized else 2 if frozen_base_precision("lora" if lora else "full",
-                                                                  precision) == "bf16" else 4
-    return state({"params": frozen_bytes * (psi - t - quantized) + 0.5 * quantized + 4 * t, "grads": 4 * t
-                  + (4 * t if buckets else 0.0),
+    frozen_bytes = 4 if quantized else \
+        2 if frozen_base_precision("lora" if lora else "full", precision) == "bf16" else 4
+    return state({"params": frozen_bytes * (psi - t - quantized) + 0.5 * quantized + 4 * t,
+                  "grads": 4 * t + (4 * t if buckets else 0.0),
                   "optimizer": 8 * t})
 
 

@@ -213,8 +213,8 @@ def build(runs: list[dict]) -> Card:
         if budgets:
             enforced = sorted({b["how"] for b in budgets if b["enforced"]})
             compared = sum(1 for b in budgets if not b["enforced"])
-            card.notes.append("Memory budgets: " + ("; ".join(f"enforced by {how}" for how in enforced)
-                                                    or "none enforced")
+            card.notes.append("Memory budgets: "
+                              + ("; ".join(f"enforced by {how}" for how in enforced) or "none enforced")
                               + (f"; {compared} rank(s) only compared after the run (not enforced)" if compared
                                  else "") + ". A run past an enforced budget ends with status oom.")
         card.tables.append(phase_peak_table(ds_runs, "Per-rank peak memory: load, training and save phases", lambda r: {

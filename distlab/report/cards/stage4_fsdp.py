@@ -235,8 +235,8 @@ def build(runs: list[dict]) -> Card:
             r = row(run, "FSDP")
             a, fs = run["as_built"], run["spec"]["fsdp"]
             r["run"] = ("full shard" if fs["reshard_after_forward"] else "no reshard (grad-op)") + \
-                (" + CPU offload" if fs["cpu_offload"] else "") + (" via Accelerate" if fs["via"] == "accelerate"
-                                                                   else "")
+                (" + CPU offload" if fs["cpu_offload"] else "") + \
+                (" via Accelerate" if fs["via"] == "accelerate" else "")
             r["mixed precision"] = a.get("mixed_precision")
             rows.append(r)
             if a.get("cpu_offload_note"):

@@ -82,8 +82,8 @@ def build(runs: list[dict]) -> Card:
     if pp:
         card.goals.append(Goal("minimal", "Pipeline-parallel training ran, stages split by layers", PASSED,
                                f"{len(pp)} run(s), schedules {', '.join(schedules)}; e.g. {pp[0]['experiment']}: "
-                               + "; ".join(f"stage {i} layers {s['layers']}" for i,
-                                           s in enumerate(pp[0]['as_built']['stages'])),
+                               + "; ".join(f"stage {i} layers {s['layers']}"
+                                           for i, s in enumerate(pp[0]['as_built']['stages'])),
                                [metrics_link(r) for r in pp]))
     else:
         card.goals.append(Goal("minimal", "Pipeline-parallel training ran, stages split by layers",
