@@ -35,35 +35,21 @@ HARDWARE_SCHEMA_VERSION = 1
 MACHINE_FILE_KINDS = {"hardware.json": "hardware", "collectives.json": "collectives", "advice.json": "advice"}
 
 
-def registry_enums() -> dict[str, list]:
-    """What results_schema.yaml's `enum_from` names: the names the code itself knows."""
-    from distlab.configuration.config import STAGE_ORDER
-    from distlab.launchers import REGISTRY as LAUNCHERS
-    from distlab.strategies import strategy_names
-    from distlab.tasks import task_named, task_names
-
-    return {"stages": list(STAGE_ORDER), "strategies": strategy_names(), "launchers": sorted(LAUNCHERS),
-            "tasks": task_names(), "units": sorted({task_named(name).unit for name in task_names()})}
-
-
-def _fill_enums(node, enums: dict) -> None:
-    if isinstance(node, dict):
-        if "enum_from" in node:
-            node["enum"] = list(enums[node.pop("enum_from")])
-        for value in node.values():
-            _fill_enums(value, enums)
-    elif isinstance(node, list):
-        for value in node:
-            _fill_enums(value, enums)
-
-
-@functools.lru_cache(maxsize=1)
 def _schemas() -> dict:
+    """results_schema.yaml with its enums filled from the axes' declarations (a strategy or task
+    registered since the last call is in them)."""
+    from distlab.configuration import axes
+
+    return _filled_schemas(axes.frozen_names())
+
+
+@functools.lru_cache(maxsize=4)
+def _filled_schemas(names: tuple) -> dict:
     import yaml
 
-    schemas = yaml.safe_load((Path(__file__).with_name("results_schema.yaml")).read_text())
-    _fill_enums(schemas, registry_enums())
-    return schemas
+    from distlab.configuration.axes import fill_enums
+
+    return fill_enums(yaml.safe_load((Path(__file__).with_name("results_schema.yaml")).read_text()), dict(names))
 
 
 def check_schema(data, kind: str, path) -> None:
