@@ -45,12 +45,24 @@ def frozen_names() -> tuple:
 
 
 def fill_enums(node, axes: dict | None = None):
-    """`node` (a parsed schema) with every `enum_from: <axis>` replaced by the axis's names, in
-    place; returned for chaining. An unknown axis is a KeyError naming it."""
+    """`node` (a parsed schema) with every `enum_from: <axis>` replaced by the axis's names, and
+    every `fields_per_unit` by one set of fields per unit, in place; returned for chaining. An
+    unknown axis is a KeyError naming it.
+
+    `fields_per_unit: {properties: {_per_s: S, ...}, required: [_per_s, ...]}` on an object
+    schema gives it the property `<unit>s_per_s` (schema S) for every unit, and an `anyOf`: the
+    required fields of one unit (a run counts in its task's unit: tokens_per_s, images_per_s)."""
     axes = names() if axes is None else axes
     if isinstance(node, dict):
         if "enum_from" in node:
             node["enum"] = list(node.pop("enum_extra", [])) + list(axes[node.pop("enum_from")])
+        if "fields_per_unit" in node:
+            fields = node.pop("fields_per_unit")
+            for unit in axes["units"]:
+                for suffix, schema in fields["properties"].items():
+                    node.setdefault("properties", {})[f"{unit}s{suffix}"] = schema
+            node["anyOf"] = [{"required": [f"{unit}s{suffix}" for suffix in fields["required"]]}
+                             for unit in axes["units"]]
         for value in node.values():
             fill_enums(value, axes)
     elif isinstance(node, list):
