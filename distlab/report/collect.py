@@ -345,7 +345,10 @@ def summary_row(run: dict) -> dict:
     return {
         "machine": run["machine"], "stage": run["stage"], "task": spec.get("task", "causal-lm"),
         "experiment": run["experiment"],
-        "status": run.get("status"), "strategy": spec["strategy"], "launcher": spec["launcher"],
+        "status": run.get("status"), "strategy": spec["strategy"],
+        # Its own settings block (`deepspeed: {zero_stage, ...}`), whatever the strategy: read by name.
+        "strategy_settings": json.dumps(spec[spec["strategy"]], sort_keys=True) if spec.get(spec["strategy"]) else None,
+        "launcher": spec["launcher"],
         "method": spec["method"], "model": spec.get("model", "default"), "memory_budget_gib": spec.get("memory_budget_gib"),
         "device": spec["device"], "world_size": spec["world_size"],
         "micro_batch": spec["micro_batch"], "grad_accum": spec["grad_accum"], "seq_len": spec["seq_len"],
