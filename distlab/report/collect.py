@@ -390,7 +390,7 @@ def summary_row(run: dict) -> dict:
 def summary_frame(runs: list[dict]):
     import pandas as pd
 
-    from distlab.configuration.config import STAGE_ORDER
+    from distlab.configuration.axes import STAGE_ORDER
 
     frame = pd.DataFrame([summary_row(r) for r in runs])
     if frame.empty:
