@@ -27,13 +27,13 @@ from distlab.configuration.spec import Spec
 from distlab.configuration.training_tools import adapts, check_training_tools
 from distlab.strategies import strategy_key
 from distlab.strategies.settings import registered, schema_mismatch, settings_for, strategy_defaults
-from distlab.tasks import task_for, task_named, task_names
+from distlab.tasks import DEFAULT_TASK, task_for, task_named, task_names
 
 # The one place every experiment inherits from. config.yaml's `defaults:` overrides these,
 # and each experiment overrides that.
 EXPERIMENT_DEFAULTS: dict = {
     "tag": None,
-    "task": "causal-lm",
+    "task": DEFAULT_TASK,
     "strategy": "ddp",
     "launcher": "auto",
     "method": "full",

@@ -56,9 +56,15 @@ def write_metrics(run_dir, metrics: dict) -> None:
     os.replace(partial, path)
 
 
-# What a record's throughput counts when it names no unit: runs written before tasks existed,
-# all causal LMs.
+# The task of a spec that names none (the config's default; every run written before tasks
+# existed) and what a record's throughput counts when it names no unit (those runs': tokens).
+DEFAULT_TASK = "causal-lm"
 UNIT_BEFORE_TASKS = "token"
+
+
+def task_of(spec: Mapping) -> str:
+    """The task a spec trains (distlab/tasks)."""
+    return spec.get("task", DEFAULT_TASK)
 
 
 def throughput_unit(record: Mapping) -> str:

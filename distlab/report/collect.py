@@ -25,7 +25,7 @@ from pathlib import Path
 from distlab.report.inputs import job_wall_seconds, readable
 from distlab.records.run_layout import KUBERAY_CHECKS, run_files_dir
 from distlab.records.run_outputs import (MAX_RESULTS_FILE_BYTES, ResultsError, parse_json, read_json_object,
-                                         read_run_record, throughput_unit)
+                                         read_run_record, task_of, throughput_unit)
 
 VALIDATION_SCHEMA_VERSION = 1
 COLLECTIVES_SCHEMA_VERSION = 1
@@ -343,7 +343,7 @@ def summary_row(run: dict) -> dict:
     cuda_peak = [v for v in cuda_peak if v is not None]
     spread = run.get("_throughput") or {}
     return {
-        "machine": run["machine"], "stage": run["stage"], "task": spec.get("task", "causal-lm"),
+        "machine": run["machine"], "stage": run["stage"], "task": task_of(spec),
         "experiment": run["experiment"],
         "status": run.get("status"), "strategy": spec["strategy"],
         # Its own settings block (`deepspeed: {zero_stage, ...}`), whatever the strategy: read by name.

@@ -14,9 +14,9 @@ import functools
 import importlib
 import pkgutil
 
+from distlab.records.run_outputs import DEFAULT_TASK, task_of  # noqa: F401  (DEFAULT_TASK re-exported)
 from distlab.registry import load
 
-DEFAULT_TASK = "causal-lm"
 NOT_TASKS = ("base",)  # the interface, not a task
 
 
@@ -49,4 +49,4 @@ def task_named(name: str):
 
 def task_for(spec: dict):
     """The task of a spec (specs written before tasks existed are causal LMs)."""
-    return task_named(spec.get("task", DEFAULT_TASK))
+    return task_named(task_of(spec))
