@@ -77,3 +77,12 @@ def test_both_schemas_name_exactly_each_axis_of_the_code_once_loaded():
         if settings.defaults is not None:
             assert experiment[name] == settings.schema, name
             assert set(settings.defaults) <= set(settings.schema["properties"]), name
+
+
+def test_a_strategy_settings_choices_are_read_from_its_settings_in_the_results_schema():
+    from distlab.report.collect import _schemas
+    from distlab.strategies.settings import registered
+
+    spec = _schemas()["$defs"]["spec"]["properties"]
+    for name, key in (("deepspeed", "offload_optimizer"), ("deepspeed", "offload_param"), ("fsdp", "via")):
+        assert spec[name]["properties"][key]["enum"] == registered()[name].schema["properties"][key]["enum"]

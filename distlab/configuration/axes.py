@@ -4,7 +4,8 @@ from those declarations.
 The declarations: the strategies are the files distlab/strategies/<name>_settings.py, the tasks
 the modules of distlab/tasks/ holding a `TASK` (units: each task's `unit`), the launchers
 distlab.launchers.REGISTRY, the precisions distlab.runtime.precision.PRECISIONS, and the stages,
-methods, devices and samplers the tuples below. config/schema.yaml and
+methods, devices and samplers the tuples below; a strategy's own choices
+(`deepspeed.offload_param`) its settings' `schema`. config/schema.yaml and
 distlab/report/results_schema.yaml hold no list of them: `enum_from: <axis>` (and
 `enum_extra: [...]`, the config's own words such as `auto`) is replaced by
 `enum: [...extra, ...names]` when a schema is loaded (`fill_enums`), so a strategy or task
@@ -30,12 +31,16 @@ def names() -> dict[str, list]:
     from distlab.launchers import REGISTRY as LAUNCHERS
     from distlab.runtime.precision import PRECISIONS
     from distlab.strategies import strategy_names
+    from distlab.strategies.settings import registered
     from distlab.tasks import task_named, task_names
 
+    # A strategy's own choices (`deepspeed.offload_param`), as its settings' schema declares them.
+    settings = {f"{name}.{key}": list(field["enum"]) for name, s in registered().items() if s.schema
+                for key, field in s.schema["properties"].items() if "enum" in field}
     return {"stages": list(STAGE_ORDER), "strategies": strategy_names(), "launchers": sorted(LAUNCHERS),
             "tasks": task_names(), "units": sorted({task_named(name).unit for name in task_names()}),
             "precisions": list(PRECISIONS), "methods": list(METHODS), "devices": list(DEVICES),
-            "samplers": list(SAMPLERS)}
+            "samplers": list(SAMPLERS), **settings}
 
 
 def frozen_names() -> tuple:
