@@ -468,28 +468,22 @@ def two_hosts_input(kind):
 
 
 # The step-time prediction (distlab.tools.step_time): every causal-LM run on a model whose
-# config.json is on disk is predicted before it trains, from its model's compute probe and the
-# collectives benchmark of the links its ranks use.
+# config.json is on disk is predicted before it trains, from the compute probe of its kernels'
+# shapes and the collectives benchmark of the links its ranks use.
 def predicted(spec):
     return spec["task"] == "causal-lm" and model_config_path(spec.get("model", "default")) is not None
 
 
-def compute_probe_path(model):
-    return f"{RESULTS}/{MACHINE}/compute_probe/{model}.json"
-
-
-def probed_specs(model):
-    """The specs whose kernels a model's probe times (rule compute_probe's params)."""
-    return [spec for spec in SPECS.values() if predicted(spec) and spec.get("model", "default") == model]
-
-
 def prediction_inputs(wildcards):
-    """The probe and the collectives file a run's prediction reads. ancient(): re-probing a model
-    for another experiment, or re-measuring the links, reruns no experiment."""
+    """The probe and the collectives file a run's prediction reads. The probe's name holds all it
+    depends on, so it never reruns for another experiment. ancient(collectives): re-measuring the
+    links reruns no experiment."""
+    from distlab.tools.step_time import probe_key
+
     spec = SPECS[wildcards.experiment]
     if not predicted(spec):
         return {}
-    found = {"probe": ancient(compute_probe_path(spec.get("model", "default")))}
+    found = {"probe": f"{RESULTS}/{MACHINE}/compute_probe/{spec.get('model', 'default')}/{probe_key(spec)}.json"}
     if spec["world_size"] > 1:
         from distlab.configuration.config_links import link_label
 

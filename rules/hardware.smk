@@ -19,24 +19,25 @@ rule hardware:
         "../scripts/hardware.py"
 
 
-# The compute probe: the kernels of every predicted experiment on one model, timed at the
-# model's shapes and the ranks' thread counts (distlab.tools.compute_probe). All cores: it
-# times kernels, so it runs alone, as the hardware rule's peak does.
+# The compute probe: the kernels of one probe key (device, dtype, threads, micro-batch rows x
+# sequence, tensor-parallel degree, 4-bit weights: distlab.tools.step_time.probe_key) at one
+# model's shapes, timed for the step-time prediction. All cores: it times kernels, so it runs
+# alone, as the hardware rule's peak does. Experiments of one key share it.
 rule compute_probe:
     input:
         model=lambda wildcards: model_config_path(wildcards.model),
     output:
-        f"{RESULTS}/{MACHINE}/compute_probe/{{model}}.json",
-    params:
-        specs=lambda wildcards: probed_specs(wildcards.model),
+        f"{RESULTS}/{MACHINE}/compute_probe/{{model}}/{{key}}.json",
     log:
-        f"{RESULTS}/{MACHINE}/logs/compute_probe-{{model}}.log",
+        f"{RESULTS}/{MACHINE}/logs/compute_probe-{{model}}-{{key}}.log",
     benchmark:
-        f"{RESULTS}/{MACHINE}/logs/compute_probe-{{model}}.benchmark.tsv"
+        f"{RESULTS}/{MACHINE}/logs/compute_probe-{{model}}-{{key}}.benchmark.tsv"
+    wildcard_constraints:
+        key=r"(cpu|cuda)-\w+-t\d+-r\d+x\d+-tp\d+(-nf4)?",
     threads: workflow.cores
     resources:
-        # CUDA experiments' kernels are timed on one GPU.
-        gpu=lambda wildcards: int(any(spec["device"] == "cuda" for spec in probed_specs(wildcards.model))),
+        # CUDA keys' kernels are timed on one GPU.
+        gpu=lambda wildcards: int(wildcards.key.startswith("cuda")),
         mem_mb=one_process_model_mem_mb(),
         runtime=10,
     conda:

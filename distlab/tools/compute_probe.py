@@ -88,6 +88,13 @@ def _kernel(kind: str, dims: list[int], dtype, device):
         def both():  # transformers upcasts the logits to fp32 for the loss
             F.cross_entropy(logits.float(), labels).backward()
         return None, both
+    if kind == "dequant_nf4":  # QLoRA's frozen weight back to the compute dtype (bitsandbytes, NF4, nested)
+        import bitsandbytes.functional as bnb
+
+        out_features, in_features = dims
+        packed, state = bnb.quantize_4bit(rand(out_features, in_features), quant_type="nf4", compress_statistics=True,
+                                          quant_storage=torch.uint8)
+        return None, lambda: bnb.dequantize_4bit(packed, state).to(dtype)
     if kind == "adamw":
         (n,) = dims
         param = torch.nn.Parameter(torch.randn(n, device=device))

@@ -38,19 +38,42 @@ def compute_dtype(spec: dict) -> str:
     return {"bf16": "bfloat16", "fp16": "float16"}.get(spec["precision"], "float32")
 
 
+# The optimizer's and the copies' rates are measured at one size each and scaled by the
+# parameter count: both stream memory (AdamW reads and writes 7 fp32 values a parameter).
+RATE_PARAMS = 2**22
+RATE_BYTES = 2**24
+
+
+def probe_key(spec: dict) -> str:
+    """What a rank's kernels depend on, as the compute probe's file name: its device, dtype and
+    threads, its micro-batch rows x sequence, the tensor-parallel degree that splits its linears,
+    and QLoRA's 4-bit weights. Experiments of one key share one probe; another learning rate or
+    strategy of the same shapes needs no new probe."""
+    world, strategy = spec["world_size"], spec["strategy"]
+    rows = spec["micro_batch"] // spec["pp"]["microbatches"] if strategy == "pp" else spec["micro_batch"]
+    threads = spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else 0
+    return (f"{spec['device']}-{compute_dtype(spec)}-t{threads}-r{rows}x{spec['seq_len']}"
+            f"-tp{world if strategy == 'tp' else 1}" + ("-nf4" if spec["method"] == "qlora" else ""))
+
+
+def parse_probe_key(key: str) -> dict:
+    import re
+
+    found = re.fullmatch(r"(cpu|cuda)-(\w+)-t(\d+)-r(\d+)x(\d+)-tp(\d+)(-nf4)?", key)
+    if not found:
+        raise ValueError(f"not a compute probe key: {key!r}")
+    device, dtype, threads, rows, seq, tp, nf4 = found.groups()
+    return {"device": device, "dtype": dtype, "threads": int(threads), "rows": int(rows), "seq": int(seq),
+            "tp": int(tp), "nf4": bool(nf4)}
+
+
 def _key(kind: str, *dims) -> str:
     return kind + ":" + "x".join(str(int(d)) for d in dims)
 
 
-def _layout(spec: dict, shape: dict, counts: dict) -> dict:
-    """What one rank computes per micro-step: tokens, layers it holds, its linear shapes."""
-    world, strategy = spec["world_size"], spec["strategy"]
-    seq, micro = spec["seq_len"], spec["micro_batch"]
-    layers = counts["layers"]
-    tp = world if strategy == "tp" else 1
-    stages = world if strategy == "pp" else 1
-    pp_micro = spec["pp"]["microbatches"] if strategy == "pp" else 1
-    rows = micro // pp_micro if strategy == "pp" else micro
+def _layout(key: dict, shape: dict, counts: dict) -> dict:
+    """What one rank computes per micro-step at a probe key: tokens and its linears' shapes."""
+    tp = key["tp"]
     linears = []
     for name, fan_in, fan_out, split in counts["_linears"]:
         if name == "lm_head":
@@ -61,12 +84,10 @@ def _layout(spec: dict, shape: dict, counts: dict) -> dict:
             fan_in = math.ceil(fan_in / tp)
         linears.append((fan_in, fan_out))
     head = next((i, o) for name, i, o, _ in counts["_linears"] if name == "lm_head")
-    return {"tokens": rows * seq, "rows": rows, "seq": seq, "layers": math.ceil(layers / stages),
-            "stages": stages, "pp_micro": pp_micro, "tp": tp, "linears": linears, "head": head,
+    return {**key, "tokens": key["rows"] * key["seq"], "linears": linears, "head": head,
             "heads": math.ceil(shape["num_attention_heads"] / tp), "head_dim": shape["head_dim"],
             "hidden": shape["hidden_size"], "intermediate": math.ceil(shape["intermediate_size"] / tp),
-            "vocab": shape["vocab_size"], "threads": spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else 0,
-            "dtype": compute_dtype(spec)}
+            "vocab": shape["vocab_size"]}
 
 
 def trainable_per_rank(spec: dict, counts: dict) -> float:
@@ -91,9 +112,9 @@ def model_parts(spec: dict, config_json: dict) -> tuple[dict, dict, int]:
     return shape, counts, ac_layers
 
 
-def kernels_needed(spec: dict, shape: dict, counts: dict) -> list[dict]:
-    """The kernels the probe must time for this spec: {key, kind, dims, dtype, threads}."""
-    lay = _layout(spec, shape, counts)
+def kernels_needed(key: str, shape: dict, counts: dict) -> list[dict]:
+    """The kernels the probe times for a probe key: {key, kind, dims, dtype, threads}."""
+    lay = _layout(parse_probe_key(key), shape, counts)
     t, dtype, threads = lay["tokens"], lay["dtype"], lay["threads"]
     out = []
 
@@ -104,11 +125,14 @@ def kernels_needed(spec: dict, shape: dict, counts: dict) -> list[dict]:
         add("mm", t, fan_in, fan_out)     # forward: [T, in] @ [in, out]
         add("mm", t, fan_out, fan_in)     # input gradient: [T, out] @ [out, in]
         add("mm", fan_out, t, fan_in)     # weight gradient: [out, T] @ [T, in]
+    if lay["nf4"]:  # each 4-bit weight is dequantised for its forward and again for backward
+        for fan_in, fan_out in lay["linears"]:
+            add("dequant_nf4", fan_out, fan_in)
     add("sdpa", lay["rows"], lay["heads"], lay["seq"], lay["head_dim"])
     add("elementwise", t, lay["hidden"], lay["intermediate"])
     add("cross_entropy", t, lay["vocab"])
-    add("adamw", max(1, round(trainable_per_rank(spec, counts))), dt="float32")
-    add("copy", max(1, round(trainable_per_rank(spec, counts))) * GRAD_BYTES, dt="uint8")
+    add("adamw", RATE_PARAMS, dt="float32")
+    add("copy", RATE_BYTES, dt="uint8")
     return out
 
 
@@ -122,15 +146,22 @@ def _time(probe: dict, kind: str, *dims, dtype: str, threads: int, part: str = "
 def compute_term(spec: dict, shape: dict, counts: dict, probe: dict, ac_layers: int = 0) -> dict:
     """Seconds of one rank's kernels per step (all micro-batches; a pipeline rank's own
     micro-batch slots, without the bubble)."""
-    lay = _layout(spec, shape, counts)
+    lay = _layout(parse_probe_key(probe_key(spec)), shape, counts)
     t, dt, th = lay["tokens"], lay["dtype"], lay["threads"]
     frozen_base = spec["method"] in ("lora", "qlora")
+    stages = spec["world_size"] if spec["strategy"] == "pp" else 1
+    pp_micro = spec["pp"]["microbatches"] if spec["strategy"] == "pp" else 1
+    layers = math.ceil(counts["layers"] / stages)
     layer_fwd = layer_bwd = 0.0
     for fan_in, fan_out in lay["linears"]:
         layer_fwd += _time(probe, "mm", t, fan_in, fan_out, dtype=dt, threads=th)
         layer_bwd += _time(probe, "mm", t, fan_out, fan_in, dtype=dt, threads=th)
         if not frozen_base:  # a frozen weight gets no weight-gradient matmul
             layer_bwd += _time(probe, "mm", fan_out, t, fan_in, dtype=dt, threads=th)
+        if lay["nf4"]:
+            dequant = _time(probe, "dequant_nf4", fan_out, fan_in, dtype=dt, threads=th)
+            layer_fwd += dequant
+            layer_bwd += dequant
     attn = probe["kernels"][f"{_key('sdpa', lay['rows'], lay['heads'], lay['seq'], lay['head_dim'])}|{dt}|{th}"]
     elem = probe["kernels"][f"{_key('elementwise', t, lay['hidden'], lay['intermediate'])}|{dt}|{th}"]
     layer_fwd += attn["forward_s"] + elem["forward_s"]
@@ -140,13 +171,14 @@ def compute_term(spec: dict, shape: dict, counts: dict, probe: dict, ac_layers: 
             + (0.0 if frozen_base else _time(probe, "mm", ho, t, hi, dtype=dt, threads=th))
             + _time(probe, "cross_entropy", t, lay["vocab"], dtype=dt, threads=th))
     # A pipeline's last stage alone runs the head; the step waits for it.
-    per_micro = lay["layers"] * (layer_fwd + layer_bwd) + ac_layers * layer_fwd + head
-    micro_steps = spec["grad_accum"] * lay["pp_micro"]
+    per_micro = layers * (layer_fwd + layer_bwd) + ac_layers * layer_fwd + head
+    micro_steps = spec["grad_accum"] * pp_micro
     return {"seconds": per_micro * micro_steps,
-            "parts": {"layers": lay["layers"] * (layer_fwd + layer_bwd) * micro_steps,
+            "parts": {"layers": layers * (layer_fwd + layer_bwd) * micro_steps,
                       "recompute": ac_layers * layer_fwd * micro_steps, "head_and_loss": head * micro_steps},
-            "how": (f"{micro_steps} micro-step(s) x ({lay['layers']} layer(s) x (matmuls forward, input-gradient"
-                    f"{'' if frozen_base else ', weight-gradient'} + attention + elementwise) + LM head and loss"
+            "how": (f"{micro_steps} micro-step(s) x ({layers} layer(s) x (matmuls forward, input-gradient"
+                    f"{'' if frozen_base else ', weight-gradient'}{', 4-bit dequantisation' if spec['method'] == 'qlora' else ''} + attention + "
+                    f"elementwise) + LM head and loss"
                     f"{f' + {ac_layers} recomputed layer forward(s)' if ac_layers else ''}) at {t} tokens, {dt}, "
                     f"{th or 'GPU'} thread(s): each kernel timed by the compute probe")}
 
@@ -159,7 +191,6 @@ def collectives_per_step(spec: dict, shape: dict, counts: dict) -> list[dict]:
     ga = spec["grad_accum"]
     grads = counts["trainable"] * GRAD_BYTES
     params = counts["trainable"] * GRAD_BYTES  # the sharded (trained) parameters are gathered in fp32
-    n_modules = counts["layers"] * len([x for x in counts["_linears"] if x[0] != "lm_head"]) + 3
     if strategy in ("ddp", "accelerate"):
         buckets = _buckets(grads)
         return [{"op": "all_reduce", "bytes": b, "calls": 1, "phase": "backward (gradient buckets)"} for b in buckets]
@@ -167,40 +198,89 @@ def collectives_per_step(spec: dict, shape: dict, counts: dict) -> list[dict]:
         stage = spec["deepspeed"]["zero_stage"]
         if stage == 0:
             return [{"op": "all_reduce", "bytes": grads, "calls": 1, "phase": "gradients"}]
+        buckets = math.ceil(counts["trainable"] / _zero_bucket(counts))
         if stage in (1, 2):
-            rs_calls = ga if stage == 2 else 1  # ZeRO-2 keeps only its gradient partition: reduces each micro-batch
-            return [{"op": "reduce_scatter", "bytes": grads, "calls": rs_calls, "phase": "gradients"},
+            # As counted in profiled steps over gloo: stage 1 all-reduces the gradients once at the
+            # step's boundary, stage 2 (which keeps only its partition) every micro-batch; both then
+            # gather the updated partitions.
+            return [{"op": "all_reduce", "bytes": grads / buckets, "calls": buckets * (ga if stage == 2 else 1),
+                     "phase": "gradients"},
                     {"op": "all_gather", "bytes": params, "calls": 1, "phase": "updated parameters"}]
-        # ZeRO-3: each module's parameters gathered in forward and again in backward, gradients
-        # reduce-scattered, every micro-batch.
-        per_module = params / n_modules
-        return [{"op": "all_gather", "bytes": per_module, "calls": 2 * n_modules * ga, "phase": "parameters (fwd+bwd)"},
-                {"op": "reduce_scatter", "bytes": grads, "calls": ga, "phase": "gradients"}]
+        forward, backward = _zero3_gathers(spec, counts)
+        gathered = forward + backward
+        return [{"op": "all_gather", "bytes": sum(gathered) * GRAD_BYTES / max(1, len(gathered)),
+                 "calls": len(gathered) * ga,
+                 "phase": f"parameters, one collective each: {len(forward)} in forward, {len(backward)} again in backward"},
+                {"op": "reduce_scatter", "bytes": grads / buckets, "calls": buckets * ga, "phase": "gradients"}]
     if strategy == "fsdp":
         units = counts["layers"] + 1  # fully_shard per decoder layer, then the root
         per_unit = params / units
         gathers = (2 if spec["fsdp"]["reshard_after_forward"] else 1) * units * ga
+        # Accumulating micro-batches skip the gradient sync (set_requires_gradient_sync): one
+        # reduce-scatter per unit and step.
         return [{"op": "all_gather", "bytes": per_unit, "calls": gathers, "phase": "parameters"},
-                {"op": "reduce_scatter", "bytes": per_unit, "calls": units * ga, "phase": "gradients"}]
+                {"op": "reduce_scatter", "bytes": per_unit, "calls": units, "phase": "gradients"}]
     if strategy == "tp":
         activation = spec["micro_batch"] * spec["seq_len"] * shape["hidden_size"] * 4
-        # Row-parallel outputs (attention, MLP) all-reduced in forward; column-parallel inputs' grads in backward.
-        return [{"op": "all_reduce", "bytes": activation, "calls": 4 * counts["layers"] * ga, "phase": "activations"}]
+        # Each row-parallel linear's output all-reduced in forward, each column-parallel linear's
+        # input gradient in backward (DTensor reduces them one by one: counted in a profiled step).
+        split = [x[3] for x in counts["_linears"] if x[0] != "lm_head"]
+        per_layer = sum(1 for d in split if d is not None)
+        return [{"op": "all_reduce", "bytes": activation, "calls": per_layer * counts["layers"] * ga,
+                 "phase": "activations"}]
     if strategy == "pp":
         m = spec["pp"]["microbatches"]
         activation = spec["micro_batch"] // m * spec["seq_len"] * shape["hidden_size"] * 4
-        # One send forward and one backward per pipeline micro-batch and stage boundary; a
-        # point-to-point message of b bytes moves as an all-gather of 2b over two ranks does.
-        return [{"op": "all_gather", "bytes": 2 * activation, "calls": 2 * m * ga * (world - 1), "phase": "activations"}]
+        # Per stage boundary and pipeline micro-batch, one send forward and one backward.
+        return [{"op": "p2p", "bytes": activation, "calls": 2 * m * ga * (world - 1), "phase": "activations"}]
     raise ValueError(f"no communication model for strategy {strategy!r}")
+
+
+def _zero_bucket(counts: dict) -> int:
+    """ZeRO's gradient bucket in elements, as the DeepSpeed config distlab writes sets it."""
+    from distlab.strategies.deepspeed_config import gradient_bucket_size
+
+    largest = max((math.prod(shape) for shape, grad in counts["_shapes"] if grad), default=1)
+    return gradient_bucket_size(counts["per_layer"], largest, counts["trainable"])
+
+
+def _zero3_gathers(spec: dict, counts: dict) -> tuple[list[int], list[int]]:
+    """(elements of each parameter ZeRO-3 all-gathers in one micro-batch's forward, and again in
+    its backward), from the zero3_profile's settings (distlab.strategies.deepspeed_config) and the
+    experiment's own zero_config. A parameter at or under the persistence threshold stays whole on
+    every rank; each gathered parameter is one collective (as counted in a profiled step). Backward
+    walks the forward in reverse: the parameters used last in forward are still live while they fit
+    max_live_parameters and max_reuse_distance, the rest are gathered again; all are released
+    after each micro-batch."""
+    from distlab.strategies.deepspeed_config import zero3_limits
+
+    ds = spec["deepspeed"]
+    limits = {**zero3_limits(ds.get("zero3_profile", "auto"), counts["per_layer"], counts.get("hidden_size")),
+              **(ds.get("zero_config") or {})}
+    threshold = limits.get("stage3_param_persistence_threshold", 100_000)  # DeepSpeed's default
+    forward = [math.prod(shape) for shape, _ in counts["_shapes"] if math.prod(shape) > threshold]
+    live = min(limits.get("stage3_max_live_parameters", 1_000_000_000),
+               limits.get("stage3_max_reuse_distance", 1_000_000_000))
+    kept, still_live = 0, 0
+    for numel in reversed(forward):  # parameters() lists them in forward order: embedding ... head
+        if still_live + numel > live:
+            break
+        still_live += numel
+        kept += 1
+    return forward, forward[:len(forward) - kept]
 
 
 def wire_bytes_per_rank(calls: list[dict], world: int) -> float:
     """Bytes each rank sends for these calls with ring algorithms: nccl-tests' bus-bandwidth
     factor of the op times its size (an all-reduce of B bytes sends 2(n-1)/n B per rank; an
     all-gather or reduce-scatter (n-1)/n B)."""
-    return sum(c["bytes"] * c["calls"] * (2 * (world - 1) / world if c["op"] == "all_reduce" else (world - 1) / world)
-               for c in calls)
+    return sum(c["bytes"] * c["calls"] * _wire_factor(c["op"], world) for c in calls)
+
+
+def _wire_factor(op: str, world: int) -> float:
+    if op == "p2p":  # each message is sent by one of the two ranks of its boundary
+        return 0.5
+    return 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
 
 
 def _buckets(grads: int) -> list[int]:
@@ -218,8 +298,10 @@ def collective_seconds(collectives: dict, op: str, size: float, world: int) -> f
     """Seconds of one `op` of `size` bytes from a collectives.json: log-interpolated between
     the measured sizes, beyond them at the largest size's bus bandwidth, scaled to `world`
     through nccl-tests' bus-bandwidth factor."""
-    rows = sorted((r["size_bytes"], r) for r in collectives["results"]
-                  if r["op"] == op and r.get("status") == "ok")
+    if op == "p2p":  # b bytes one way take what an all-gather of 2b takes over two ranks (b each way)
+        return collective_seconds(collectives, "all_gather", 2 * size, 2)
+    rows = sorted(((r["size_bytes"], r) for r in collectives["results"] if r["op"] == op and r.get("status") == "ok"),
+                  key=lambda row: row[0])
     if not rows:
         raise KeyError(f"collectives.json has no measured {op}")
     measured_world = collectives["world_size"]
@@ -271,8 +353,8 @@ def communication_term(spec: dict, shape: dict, counts: dict, collectives: dict 
 def optimizer_term(spec: dict, counts: dict, probe: dict) -> dict:
     n = max(1, round(trainable_per_rank(spec, counts)))
     threads = spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else 0
-    adamw = _time(probe, "adamw", n, dtype="float32", threads=threads)
-    copy = _time(probe, "copy", n * GRAD_BYTES, dtype="uint8", threads=threads)
+    adamw = _time(probe, "adamw", RATE_PARAMS, dtype="float32", threads=threads) * n / RATE_PARAMS
+    copy = _time(probe, "copy", RATE_BYTES, dtype="uint8", threads=threads) * n * GRAD_BYTES / RATE_BYTES
     clip = copy if spec["max_grad_norm"] else 0.0
     ds = spec.get("deepspeed") or {}
     offload = 0.0
@@ -285,7 +367,8 @@ def optimizer_term(spec: dict, counts: dict, probe: dict) -> dict:
         copies += 2 + 2 * spec["grad_accum"]
     offload = copies * copy
     return {"seconds": adamw + clip + offload, "parts": {"adamw": adamw, "clip": clip, "offload_copies": offload},
-            "how": f"AdamW over {n} parameters (probe){' + gradient-norm read' if clip else ''}"
+            "how": f"AdamW over {n} parameters and copies of their {GRAD_BYTES * n} gradient bytes, at the rates "
+                   f"the probe measured ({RATE_PARAMS} parameters, {RATE_BYTES} bytes){' + gradient-norm read' if clip else ''}"
                    f"{f' + {copies} host copies of the partition' if copies else ''}"}
 
 
