@@ -465,3 +465,38 @@ def two_hosts_input(kind):
                 f"{model_suffix(spec.get('model', 'default'))}.json")
 
     return path
+
+
+# The step-time prediction (distlab.tools.step_time): every causal-LM run on a model whose
+# config.json is on disk is predicted before it trains, from its model's compute probe and the
+# collectives benchmark of the links its ranks use.
+def predicted(spec):
+    return spec["task"] == "causal-lm" and model_config_path(spec.get("model", "default")) is not None
+
+
+def compute_probe_path(model):
+    return f"{RESULTS}/{MACHINE}/compute_probe/{model}.json"
+
+
+def probed_specs(model):
+    """The specs whose kernels a model's probe times (rule compute_probe's params)."""
+    return [spec for spec in SPECS.values() if predicted(spec) and spec.get("model", "default") == model]
+
+
+def prediction_inputs(wildcards):
+    """The probe and the collectives file a run's prediction reads. ancient(): re-probing a model
+    for another experiment, or re-measuring the links, reruns no experiment."""
+    spec = SPECS[wildcards.experiment]
+    if not predicted(spec):
+        return {}
+    found = {"probe": ancient(compute_probe_path(spec.get("model", "default")))}
+    if spec["world_size"] > 1:
+        from distlab.configuration.config_links import link_label
+
+        if spec["link"]:
+            found["collectives"] = ancient(
+                f"{RESULTS}/{MACHINE}/links/collectives-{link_label(spec['link']['bandwidth_mbit'])}.json"
+            )
+        elif collectives_outputs():
+            found["collectives"] = ancient(collectives_outputs()[0])
+    return found
