@@ -96,17 +96,25 @@ def test_every_constant_link_board_and_reference_names_its_source():
         assert gpu_peak(name, "bf16")[0], name
 
 
-def test_the_h100_box_advice_shows_its_ranking_and_the_published_references(monkeypatch):
-    monkeypatch.chdir(REPO)
+@pytest.fixture(scope="module")
+def h100_advice():
     import distlab.configuration.tokenizer_checks
     from distlab.configuration.config import load
     from distlab.tools import advisor
 
-    monkeypatch.setattr(distlab.configuration.tokenizer_checks, "check_tokenizer", lambda config: None)
-    raw = yaml.safe_load((REPO / "config" / "presets" / "box-8xh100-llama3-8b-full.yaml").read_text())
-    config, _ = load(raw, gpu_count=8)
-    model = json.loads((REPO / config["model"]["path"] / "config.json").read_text())
-    advice = advisor.advise(model, {"machine": "box", "gpus": []}, config)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(REPO)  # presets name their model folders relative to the repository
+        mp.setattr(distlab.configuration.tokenizer_checks, "check_tokenizer", lambda config: None)
+        raw = yaml.safe_load((REPO / "config" / "presets" / "box-8xh100-llama3-8b-full.yaml").read_text())
+        config, _ = load(raw, gpu_count=8)
+        model = json.loads((REPO / config["model"]["path"] / "config.json").read_text())
+        return json.loads(json.dumps(advisor.advise(model, {"machine": "box", "gpus": []}, config)))  # as advice.json
+
+
+def test_the_h100_box_advice_shows_its_ranking_and_the_published_references(h100_advice):
+    from distlab.tools import advisor
+
+    advice = h100_advice
     ranking = advice["time"]["ranking"]
     assert ranking and [r["step_time_s"] for r in ranking] == sorted(r["step_time_s"] for r in ranking)
     assert "ddp" not in {r["key"] for r in ranking}  # 8B full fine-tuning does not fit one H100
@@ -117,3 +125,16 @@ def test_the_h100_box_advice_shows_its_ranking_and_the_published_references(monk
     ref = next(r for r in advice["time"]["references"] if r.get("row") == "fsdp")
     assert ref["ratio"] == pytest.approx(ref["predicted"] / 5762)
     assert any(r.startswith("fastest of those that fit on this box") for r in advice["reasons"])
+
+
+def test_the_report_advisor_card_shows_the_ranking_and_the_references_of_a_checked_advice_json(h100_advice):
+    from distlab.report.build import advisor_card
+    from distlab.report.collect import check_schema
+
+    check_schema(h100_advice, "advice", "advice.json")
+    card = advisor_card({"box": h100_advice}, [])
+    titles = [t.title for t in card.tables]
+    ranking = next(t for t in card.tables if t.title.startswith("Time ranking of the box advised on box"))
+    assert list(ranking.frame["predicted step s"]) == sorted(ranking.frame["predicted step s"])
+    refs = next(t for t in card.tables if t.title.startswith("Published references"))
+    assert "measured by others" in refs.how and refs.frame["source"].str.contains("torchtitan").any(), titles

@@ -160,12 +160,12 @@ def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
 
         ranking, refs = card_rows(a["time"])
         link = a["time"]["link"]
-        card.tables.append(Table(f"Predicted step time on {machine}'s box ({link['label']}), fastest first",
-                                 pd.DataFrame(ranking), " ".join(a["time"]["how"].split())))
+        card.tables.append(Table(f"Time ranking of the box advised on {machine} ({link['label']}): predicted "
+                                 "step, fastest first", pd.DataFrame(ranking), " ".join(a["time"]["how"].split())))
         if refs:
-            card.tables.append(Table(f"Published references beside the prediction ({link['label']})", pd.DataFrame(refs),
-                                     "measured by others on the named hardware, not on this machine; "
-                                     "predicted/published = this box's prediction over their figure"))
+            card.tables.append(Table(f"Published references beside the prediction ({link['label']})",
+                                     pd.DataFrame(refs), "measured by others on the named hardware, not on this "
+                                     "machine; predicted/published = this box's prediction over their figure"))
     checked = advisor_check.check_against_runs(a, runs)
     if checked:
         wrong = [c for c in checked if c["verdict"] != "right"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 from distlab.records.metrics import flops_per_token
 from distlab.tools.collectives import BUSBW_FACTOR
 from distlab.tools.hardware import gpu_peak
-from distlab.tools.step_time import DDP_BUCKET_BYTES, collectives_per_step
+from distlab.tools.step_time import collectives_per_step
 
 GB = 1e9
 TORCHTITAN_BENCH = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md "
