@@ -138,3 +138,9 @@ def test_the_report_advisor_card_shows_the_ranking_and_the_references_of_a_check
     assert list(ranking.frame["predicted step s"]) == sorted(ranking.frame["predicted step s"])
     refs = next(t for t in card.tables if t.title.startswith("Published references"))
     assert "measured by others" in refs.how and refs.frame["source"].str.contains("torchtitan").any(), titles
+
+
+def test_a_reference_on_another_model_is_listed_but_not_compared():
+    time = _ranked("nvswitch-h100")
+    titan = next(r for r in time["references"] if r.get("row") == "fsdp")
+    assert "predicted" not in titan and titan["note"] == "another model than this box's: not compared"
