@@ -65,6 +65,8 @@ def test_over_one_gigabit_communication_decides_and_the_least_communicating_stra
     assert set(order[:2]) == {"ddp", "zero1"} and order.index("zero1") < order.index("zero2") < order.index("zero3")
     zero3 = next(r for r in time["ranking"] if r["key"] == "zero3")
     assert zero3["decides"] == "communication" and "over 1 Gbit/s Ethernet" in zero3["sentence"]
+    assert time["decides"].startswith("communication decides the ranking") and "over 1 Gbit/s" in time["decides"]
+    assert zero3["behind"].startswith("+") and "communication against" in zero3["behind"]
 
 
 def test_on_nvswitch_the_same_strategies_are_compute_bound_and_offload_ranks_last():
@@ -119,7 +121,8 @@ def test_the_h100_box_advice_shows_its_ranking_and_the_published_references(h100
     assert ranking and [r["step_time_s"] for r in ranking] == sorted(r["step_time_s"] for r in ranking)
     assert "ddp" not in {r["key"] for r in ranking}  # 8B full fine-tuning does not fit one H100
     md = advisor.render_markdown(advice)
-    assert "## Time ranking on" in md and "NVLink 4 / NVSwitch" in md and "decided by" in md
+    assert "## Time ranking on" in md and "NVLink 4 / NVSwitch" in md and "behind the fastest by" in md
+    assert "decides the ranking" in md
     assert "Published references beside the prediction (measured by others" in md
     assert "| Llama 3.1 8B | 8x H100 SXM" in md and "5762" in md
     ref = next(r for r in advice["time"]["references"] if r.get("row") == "fsdp")

@@ -160,6 +160,8 @@ def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
 
         ranking, refs = card_rows(a["time"])
         link = a["time"]["link"]
+        if a["time"].get("decides"):
+            card.notes.append(f"{machine}'s box ({link['label']}): {a['time']['decides']}.")
         card.tables.append(Table(f"Time ranking of the box advised on {machine} ({link['label']}): predicted "
                                  "step, fastest first", pd.DataFrame(ranking), " ".join(a["time"]["how"].split())))
         if refs:

@@ -266,7 +266,8 @@ def advise(model_config: dict, hardware: dict, config: dict, cpu_ranks: int = 1,
         if time and time["ranking"]:
             first = time["ranking"][0]
             reasons.append(f"fastest of those that fit on this box: {first['key']} at a predicted "
-                           f"{first['step_time_s']:.2f} s per step ({first['sentence']})")
+                           f"{first['step_time_s']:.2f} s per step ({first['sentence']})"
+                           + (f"; {time['decides']}" if time.get("decides") else ""))
     from distlab.tools.save_estimate import save_estimate
 
     return {"box": box, "time": time, "schema_version": 1, "model": {"shape": shape, "parameters": {

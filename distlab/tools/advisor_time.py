@@ -303,6 +303,21 @@ def deciding_sentence(row: dict, link: dict) -> tuple[str, str]:
     return top, f"{top}: {share:.0%} of the step{where}"
 
 
+def ranking_sentence(ranking: list[dict], link: dict) -> str | None:
+    """The term that decides the ranking: the one whose seconds differ most between the strategies."""
+    if len(ranking) < 2:
+        return None
+    spread = {k: max(r["terms"][k]["seconds"] for r in ranking) - min(r["terms"][k]["seconds"] for r in ranking)
+              for k in ranking[0]["terms"]}
+    term = max(spread, key=spread.get)
+    if spread[term] <= 0:
+        return "no term differs between the strategies"
+    last = max(ranking, key=lambda r: r["terms"][term]["seconds"])
+    where = f" over {link['label']}" if term == "communication" else ""
+    return (f"{term} decides the ranking: it differs by {spread[term]:.3f} s between the strategies{where} "
+            f"({last['key']}: {last['terms'][term]['seconds'] / last['step_time_s']:.0%} of its step)")
+
+
 def rank_box(shape: dict, counts: dict, workload: dict, devices: list[dict], link_name: str | None,
              estimates: list[dict], usable: float, checkpointing: str) -> dict | None:
     """advice.json's `time`: the strategies that fit, fastest first, or None without a named link."""
@@ -330,7 +345,12 @@ def rank_box(shape: dict, counts: dict, workload: dict, devices: list[dict], lin
         row["decides"], row["sentence"] = deciding_sentence(row, link)
         ranking.append(row)
     ranking.sort(key=lambda r: r["step_time_s"])
+    for row in ranking[1:]:  # what puts each row behind the fastest: the term that grew most
+        gaps = {k: row["terms"][k]["seconds"] - ranking[0]["terms"][k]["seconds"] for k in row["terms"]}
+        term = max(gaps, key=gaps.get)
+        row["behind"] = f"+{gaps[term]:.3f} s {term} against {ranking[0]['key']}"
     return {"interconnect": ALIASES.get(link_name, link_name), "link": link, "ranking": ranking,
+            "decides": ranking_sentence(ranking, link),
             "not_predicted": skipped, "checkpointing": checkpointing,
             "constants": CONSTANTS, "references": references_for(ranking, ALIASES.get(link_name, link_name), shape),
             "how": __doc__.split("\n\n", 1)[1].split("\n\nEvery number", 1)[0].strip()}
@@ -374,14 +394,15 @@ def markdown(time: dict, box_name: str = "this box") -> list[str]:
         lines.append("No strategy that fits could be predicted:")
     else:
         lines += ["| # | strategy | predicted step s | tokens/s per device | compute s | exposed comm s | optimizer s | "
-                  "decided by |", "|---|---|---|---|---|---|---|---|"]
+                  "largest term | behind the fastest by |", "|---|---|---|---|---|---|---|---|---|"]
         for i, r in enumerate(time["ranking"], 1):
             t = r["terms"]
             lines.append(f"| {i} | {label(r['key'])} | {r['step_time_s']:.3f} | {r['tokens_per_s_per_device']:,.0f} | "
                          f"{t['compute']['seconds']:.3f} | {t['communication']['seconds']:.3f} | "
-                         f"{t['optimizer']['seconds']:.3f} | {r['sentence']} |")
+                         f"{t['optimizer']['seconds']:.3f} | {r['sentence']} | {r.get('behind', '-')} |")
         first = time["ranking"][0]
-        lines += ["", f"Fastest: {label(first['key'])} ({first['sentence']})."]
+        lines += ["", f"Fastest: {label(first['key'])} ({first['sentence']})."
+                  + (f" {time['decides'][0].upper()}{time['decides'][1:]}." if time.get("decides") else "")]
     for r in time["not_predicted"]:
         lines.append(f"- {label(r['key'])}: not predicted ({r['why']})")
     lines += ["", "Inputs (cited, none fitted):", ""] + [
@@ -409,7 +430,8 @@ def card_rows(time: dict) -> tuple[list[dict], list[dict]]:
                 "tokens/s per device": round(r["tokens_per_s_per_device"]),
                 "compute s": round(r["terms"]["compute"]["seconds"], 3),
                 "exposed comm s": round(r["terms"]["communication"]["seconds"], 3),
-                "optimizer s": round(r["terms"]["optimizer"]["seconds"], 3), "decided by": r["sentence"]}
+                "optimizer s": round(r["terms"]["optimizer"]["seconds"], 3), "largest term": r["sentence"],
+                "behind the fastest by": r.get("behind", "-")}
                for i, r in enumerate(time["ranking"], 1)]
     refs = [{"model": f["model"], "hardware": f["hardware"], "strategy": f["strategy"], "metric": f["metric"],
              "published (others)": f["value"], "predicted": round(f["predicted"], 1) if "predicted" in f else None,
