@@ -35,6 +35,8 @@ rule compute_probe:
         f"{RESULTS}/{MACHINE}/logs/compute_probe-{{model}}.benchmark.tsv"
     threads: workflow.cores
     resources:
+        # CUDA experiments' kernels are timed on one GPU.
+        gpu=lambda wildcards: int(any(spec["device"] == "cuda" for spec in probed_specs(wildcards.model))),
         mem_mb=one_process_model_mem_mb(),
         runtime=10,
     conda:

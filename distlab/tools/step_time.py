@@ -195,6 +195,14 @@ def collectives_per_step(spec: dict, shape: dict, counts: dict) -> list[dict]:
     raise ValueError(f"no communication model for strategy {strategy!r}")
 
 
+def wire_bytes_per_rank(calls: list[dict], world: int) -> float:
+    """Bytes each rank sends for these calls with ring algorithms: nccl-tests' bus-bandwidth
+    factor of the op times its size (an all-reduce of B bytes sends 2(n-1)/n B per rank; an
+    all-gather or reduce-scatter (n-1)/n B)."""
+    return sum(c["bytes"] * c["calls"] * (2 * (world - 1) / world if c["op"] == "all_reduce" else (world - 1) / world)
+               for c in calls)
+
+
 def _buckets(grads: int) -> list[int]:
     out, left = [], grads
     first = min(DDP_FIRST_BUCKET_BYTES, left)
@@ -255,6 +263,7 @@ def communication_term(spec: dict, shape: dict, counts: dict, collectives: dict 
         overlap_how = ("not overlapped: every core computes for a rank, so the collectives' thread takes "
                        "turns with the computation")
     return {"seconds": exposed, "total_s": total, "bytes": sum(c["bytes"] * c["calls"] for c in calls),
+            "wire_bytes_per_rank": wire_bytes_per_rank(calls, world),
             "calls": rows, "how": f"each call at its message size from {collectives.get('_file', 'collectives.json')} "
                                    f"(median time, latency included); {overlap_how}"}
 
