@@ -155,6 +155,19 @@ def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
     card.tables.append(Table(f"Estimated memory per device on {machine} ({plan['devices']} device(s), "
                              f"{adv.human(a['usable_bytes_per_device'])} usable each)", frame,
                              " ".join(a["how"].split())))
+    if a.get("time"):  # a named box: the strategies that fit, ranked by predicted step time (advisor_time)
+        from distlab.tools.advisor_time import card_rows
+
+        ranking, refs = card_rows(a["time"])
+        link = a["time"]["link"]
+        if a["time"].get("decides"):
+            card.notes.append(f"{machine}'s box ({link['label']}): {a['time']['decides']}.")
+        card.tables.append(Table(f"Time ranking of the box advised on {machine} ({link['label']}): predicted "
+                                 "step, fastest first", pd.DataFrame(ranking), " ".join(a["time"]["how"].split())))
+        if refs:
+            card.tables.append(Table(f"Published references beside the prediction ({link['label']})",
+                                     pd.DataFrame(refs), "measured by others on the named hardware, not on this "
+                                     "machine; predicted/published = this box's prediction over their figure"))
     checked = advisor_check.check_against_runs(a, runs)
     if checked:
         wrong = [c for c in checked if c["verdict"] != "right"]
