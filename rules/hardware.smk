@@ -34,13 +34,13 @@ rule compute_probe:
         f"{RESULTS}/{MACHINE}/logs/compute_probe-{{model}}-{{key}}.benchmark.tsv"
     wildcard_constraints:
         key=r"(cpu|cuda)-\w+-t\d+-r\d+x\d+-tp\d+(-nf4)?",
+    conda:
+        "../envs/train.yaml"
     threads: workflow.cores
     resources:
         # CUDA keys' kernels are timed on one GPU.
         gpu=lambda wildcards: int(wildcards.key.startswith("cuda")),
         mem_mb=one_process_model_mem_mb(),
         runtime=10,
-    conda:
-        "../envs/train.yaml"
     script:
         "../scripts/compute_probe.py"

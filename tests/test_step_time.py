@@ -74,7 +74,8 @@ def test_activation_checkpointing_adds_one_forward_per_checkpointed_layer():
 def test_experiments_of_the_same_shapes_share_one_probe_and_others_get_their_own():
     assert S.probe_key(spec(lr=1e-3, strategy="fsdp", world_size=2)) == S.probe_key(spec()) == "cpu-float32-t1-r2x4-tp1"
     assert S.probe_key(spec(method="qlora")).endswith("-nf4")
-    assert S.probe_key(spec(strategy="pp", world_size=2, micro_batch=4)) == "cpu-float32-t1-r2x4-tp1"  # 2 pipeline micro-batches
+    # 2 pipeline micro-batches
+    assert S.probe_key(spec(strategy="pp", world_size=2, micro_batch=4)) == "cpu-float32-t1-r2x4-tp1"
     assert S.parse_probe_key("cuda-bfloat16-t0-r8x2048-tp2") == {"device": "cuda", "dtype": "bfloat16", "threads": 0,
                                                                 "rows": 8, "seq": 2048, "tp": 2, "nf4": False}
 
@@ -112,8 +113,8 @@ def test_each_zero_stage_and_fsdp_send_what_they_shard():
                        "zero3": {"deepspeed": {"zero_stage": 3}}}.items():
         s = spec(strategy="deepspeed", world_size=2, grad_accum=2, **over)
         by[name] = sum(c["bytes"] * c["calls"] for c in S.collectives_per_step(s, SHAPE, COUNTS))
-    fsdp = sum(c["bytes"] * c["calls"] for c in S.collectives_per_step(spec(strategy="fsdp", world_size=2, grad_accum=2),
-                                                                       SHAPE, COUNTS))
+    fsdp = sum(c["bytes"] * c["calls"]
+               for c in S.collectives_per_step(spec(strategy="fsdp", world_size=2, grad_accum=2), SHAPE, COUNTS))
     grads = GRADS
     assert by["zero1"] == 2 * grads  # one all-reduce, one all-gather per step
     assert by["zero2"] == 3 * grads  # its all-reduce every micro-batch

@@ -22,7 +22,8 @@ EXPERIMENTS = {
     + [dict(PROFILED, strategy="deepspeed", deepspeed={"zero_stage": 3, "zero3_profile": "lean"})],
     "fsdp": [dict(PROFILED, strategy="fsdp"), dict(PROFILED, strategy="fsdp", fsdp={"reshard_after_forward": False})],
     "parallel": [dict(PROFILED, strategy="tp", grad_accum=1),
-                 dict(PROFILED, strategy="pp", micro_batch=4, grad_accum=1, pp={"schedule": "gpipe", "microbatches": 2})],
+                 dict(PROFILED, strategy="pp", micro_batch=4, grad_accum=1,
+                      pp={"schedule": "gpipe", "microbatches": 2})],
 }
 ELEMENT_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4}
 # Scalars a step also reduces (the item count, the gradient norm): below this, a call is not the model's.

@@ -3,7 +3,8 @@
 The first launch is the experiment (it trains, evaluates, saves). Each further launch runs
 the same job again in fresh processes with a fresh process group, timing its steps only (no
 checkpoint, no held-out eval), in a folder of its own that is removed afterwards. What each
-launch measured (its throughput in the task's unit: tokens/s, images/s; median step, last loss, machine noise) is folded into the first
+launch measured (its throughput in the task's unit: tokens/s, images/s; median step, last loss, machine
+noise) is folded into the first
 launch's metrics.json under `launches`; the report's throughput is then their median and its
 spread their min-max (distlab.report.collect.throughput_stats). A launch that reached other
 losses did not do the same work: the run fails.

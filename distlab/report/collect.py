@@ -328,7 +328,8 @@ def throughput_columns(run: dict, spread: dict) -> dict:
         columns.update({f"{each}s_per_s": _get(run, "throughput", f"{each}s_per_s") if mine else None,
                         f"{each}s_per_s_low": spread.get("low") if mine else None,
                         f"{each}s_per_s_high": spread.get("high") if mine else None,
-                        f"{each}s_per_s_per_rank": _get(run, "throughput", f"{each}s_per_s_per_rank") if mine else None})
+                        f"{each}s_per_s_per_rank": _get(run, "throughput", f"{each}s_per_s_per_rank") if mine
+                        else None})
     return columns
 
 

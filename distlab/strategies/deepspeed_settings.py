@@ -39,7 +39,8 @@ class DeepSpeedSettings(StrategySettings):
                            "experiment id. The stage-3 budget pair in config/config.yaml bounds ZeRO-3's gathered "
                            "parameters and gradient buckets with it.",
             "type": "object",
-            "propertyNames": {"pattern": "^[a-z0-9_]+$", "not": {"enum": ["stage", "offload_optimizer", "offload_param"]}},
+            "propertyNames": {"pattern": "^[a-z0-9_]+$",
+                              "not": {"enum": ["stage", "offload_optimizer", "offload_param"]}},
             "additionalProperties": {"type": ["number", "boolean", "string"]}},
         "zero3_profile": {
             "description": "ZeRO-3's gathered-parameter settings (distlab.strategies.deepspeed_config.zero3_limits). "

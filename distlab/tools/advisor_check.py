@@ -107,7 +107,8 @@ def check_step_times(runs: list[dict], tolerance: float | None = None) -> list[d
         prediction = run["prediction"]
         median = run["timing"]["step_time_s"]["median"]
         scored = step_time.score(prediction, median, (run.get("noise") or {}).get("busy"),
-                                 tolerance or (step_time.LINK_TOLERANCE if run["spec"].get("link") else step_time.TOLERANCE))
+                                 tolerance or (step_time.LINK_TOLERANCE if run["spec"].get("link")
+                                               else step_time.TOLERANCE))
         row = {"experiment": run["experiment"], "verdict": scored["verdict"]}
         if prediction.get("status") != "predicted":
             rows.append({**row, "why": scored.get("why")})
@@ -117,7 +118,8 @@ def check_step_times(runs: list[dict], tolerance: float | None = None) -> list[d
         predicted_comm = prediction["terms"]["communication"].get("total_s", terms["communication"])
         measured_rest = median - (comm or 0.0)
         predicted_rest = prediction["step_time_s"] - (predicted_comm if comm is not None else 0.0)
-        gaps = {"compute + optimizer + bubble" if comm is not None else "the whole step": predicted_rest - measured_rest}
+        gaps = {"compute + optimizer + bubble" if comm is not None
+                else "the whole step": predicted_rest - measured_rest}
         if comm is not None:
             gaps["communication"] = predicted_comm - comm
         furthest = max(gaps, key=lambda k: abs(gaps[k]))

@@ -115,7 +115,8 @@ def _layer_linears(model) -> list[tuple[str, int, int, int | None]]:
         else:
             continue
         style = plan.get(name)
-        out.append((name, int(fan_in), int(fan_out), None if style is None else 0 if style.startswith("colwise") else 1))
+        out.append((name, int(fan_in), int(fan_out), None if style is None else 0 if style.startswith("colwise")
+                    else 1))
     hidden, vocab = model.get_input_embeddings().weight.shape[::-1]
     out.append(("lm_head", int(hidden), int(vocab), None))
     return out

@@ -109,7 +109,8 @@ def prediction_table(card: Card, linked: list[dict]) -> None:
     by_name = {r["experiment"]: r for r in linked}
     for row in rows:
         run = by_name[row["experiment"]]
-        predicted = ((run.get("prediction") or {}).get("terms") or {}).get("communication", {}).get("wire_bytes_per_rank")
+        predicted = ((run.get("prediction") or {}).get("terms") or {}) \
+            .get("communication", {}).get("wire_bytes_per_rank")
         wire = wire_bytes_per_step(run)
         row["link"] = link_label(cap_of(run))
         row["predicted MB/step sent"] = None if predicted is None else round(predicted / 1e6, 3)
