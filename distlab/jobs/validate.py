@@ -16,18 +16,8 @@ from pathlib import Path
 
 from distlab.configuration.training_tools import adapts
 from distlab.jobs.job import ValidationJob, replace
-
-VALIDATION_SCHEMA_VERSION = 1
-PASSED, FAILED, UNSUPPORTED = "passed", "failed", "unsupported"
-# Every compared forward runs streamed on the CPU in fp32 (distlab.runtime.streamed), whatever the
-# training device and precision: the same code on the same weights agrees to float rounding.
-RELOAD_TOLERANCE = 1e-5
-# Merging LoRA into the base weights changes float rounding, not the function.
-MERGE_TOLERANCE = 1e-4
-# Resume parity compares training trajectories: bit-exact is expected for fp32 on one machine;
-# autocast precisions get room for reduced-precision kernels that are not bit-reproducible.
-PARITY_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 1e-2}
-
+from distlab.records.validation import (FAILED, MERGE_TOLERANCE, PARITY_TOLERANCE, PASSED,  # noqa: F401 (theirs too)
+                                       RELOAD_TOLERANCE, UNSUPPORTED, VALIDATION_SCHEMA_VERSION)
 
 def phase_checks(phase: str, spec: dict) -> list[str]:
     """The checks a phase records (export runs once, on rank 0, before any phase)."""

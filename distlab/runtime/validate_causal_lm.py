@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from distlab.configuration.training_tools import adapts
-from distlab.jobs.validate import FAILED, MERGE_TOLERANCE, PASSED, RELOAD_TOLERANCE
+from distlab.records.validation import FAILED, MERGE_TOLERANCE, PASSED, RELOAD_TOLERANCE
 
 
 def export_logits(folder: Path, batch, skeleton=None, base_folder=None, cast=None):
