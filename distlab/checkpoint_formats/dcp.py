@@ -28,7 +28,7 @@ def _trainable_state(strategy):
     identity in the checkpoint's metadata, distlab.checkpoints.checkpoint)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from distlab.strategies.base import trainable_names
+    from distlab.checkpoint_formats import trainable_names
 
     model_state, optim_state = get_state_dict(strategy.model, strategy.optimizer, options=_dcp_options())
     trained = trainable_names(strategy.model)

@@ -167,7 +167,7 @@ class ImageCaptions:
     one split and the frozen encoders that turn them into UNet inputs."""
 
     def __init__(self, data_dir, source: str, spec: dict, device, split: str = "train"):
-        from distlab.strategies.base import FidelityError
+        from distlab.errors import FidelityError
 
         self.rows = load_split(data_dir, split)
         self.settings, self.seed = spec["text_to_image"], spec["seed"]
