@@ -24,7 +24,7 @@ def main() -> None:
     # forced: the same machine then stands for both CPU kinds this machine kind comes in.
     type(get_accelerator()).is_fp16_supported = lambda self: fp16_supported
 
-    from distlab.runtime.precision import torch_dtype
+    from distlab.configuration.precision import torch_dtype
     from distlab.strategies.deepspeed_config import deepspeed_config
     from distlab.strategies.deepspeed_load import build_partitioned, load_through_transformers
     from distlab.tasks.text_to_image.model import load_unet_partitioned

@@ -19,7 +19,7 @@ QUANT_TYPE = "nf4"
 def compute_dtype(spec: dict):
     """bnb_4bit_compute_dtype: the dtype the 4-bit weights are dequantised to for each matmul,
     the run's precision (bf16 or fp32; fp16 is refused at config time)."""
-    from distlab.runtime.precision import torch_dtype
+    from distlab.configuration.precision import torch_dtype
 
     return torch_dtype(spec["precision"])
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from distlab.errors import FidelityError  # noqa: F401 (strategies and tests import it from here)
 from distlab.runtime.accumulation import for_backward
 from distlab.jobs.job import Job
-from distlab.runtime.precision import autocast, dtype_name, frozen_base_dtype, parameter_dtype_mismatch
+from distlab.configuration.precision import autocast, dtype_name, frozen_base_dtype, parameter_dtype_mismatch
 
 
 @dataclass

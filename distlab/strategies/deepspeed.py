@@ -17,7 +17,7 @@ import torch.distributed as dist
 from distlab.runtime.accumulation import for_backward
 from distlab.checkpoint_formats.zero import zero_load, zero_save
 from distlab.runtime.model import decoder_layers
-from distlab.runtime.precision import deepspeed_precision, torch_dtype
+from distlab.configuration.precision import deepspeed_precision, torch_dtype
 from distlab.records.run_layout import run_files_dir
 from distlab.strategies.base import FidelityError, Strategy
 from distlab.strategies.deepspeed_config import (CONFIG_NAME, deepspeed_config, file_sha256, gradient_bucket_size,

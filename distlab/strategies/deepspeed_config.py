@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from distlab.runtime.precision import deepspeed_precision
+from distlab.configuration.precision import deepspeed_precision
 
 CONFIG_NAME = "deepspeed_config.json"
 # torch.optim.AdamW defaults, written out so the config file says what runs.

@@ -18,7 +18,7 @@ import importlib
 import pkgutil
 import sys
 
-from distlab.runtime.precision import is_mixed
+from distlab.configuration.precision import is_mixed
 
 SUFFIX = "_settings"
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from distlab.runtime.precision import torch_dtype
+from distlab.configuration.precision import torch_dtype
 
 INFO = "distlab_images.json"  # written by prepare.prepare_images beside the Arrow splits
 EVAL_SEED = 20251203  # the held-out images' draws: one fixed stream per image, the same for every model
