@@ -20,9 +20,10 @@ AdamW state still to come: 16 bytes per trainable parameter).
 """
 from __future__ import annotations
 
-import math
 import os
 import time
+
+from distlab.configuration.config_links import split_batch  # the advisor predicts with the same split
 
 
 # Timed forward+backward passes per rank, after one untimed: at least PROBE_PASSES and at least
@@ -111,26 +112,6 @@ def memory_capacity(model, spec: dict, free: int) -> int:
     per_sample = advisor.activation_bytes(shape, {**workload, "micro_batch": 1}, counts)  # DDP's, one sample
     to_come = 16 * sum(p.numel() for p in model.parameters() if p.requires_grad)
     return max(0, int((free - to_come) // per_sample))
-
-
-def split_batch(total: int, speeds: list[float], capacities: list[int | None]) -> list[int]:
-    """Split `total` samples over ranks in proportion to speed (largest remainders), each at
-    least 1 and at most its capacity (None: unbounded); what a full rank cannot take goes to
-    the fastest with room."""
-    n = len(speeds)
-    if total < n:
-        raise ValueError(f"a global batch of {total} cannot give each of {n} ranks a sample")
-    room = [math.inf if c is None else c for c in capacities]
-    if any(r < 1 for r in room) or sum(min(r, total) for r in room) < total:
-        raise ValueError(f"the ranks' memory holds {capacities} samples each: less than the global batch of "
-                         f"{total} (or a rank holds none)")
-    quotas = [total * s / sum(speeds) for s in speeds]
-    sizes = [min(room[i], max(1, math.floor(q))) for i, q in enumerate(quotas)]
-    while sum(sizes) < total:  # the largest shortfall against its quota first, among ranks with room
-        sizes[max((i for i in range(n) if sizes[i] < room[i]), key=lambda i: quotas[i] - sizes[i])] += 1
-    while sum(sizes) > total:  # the floor of 1 overshot: take back from the largest excess
-        sizes[max((i for i in range(n) if sizes[i] > 1), key=lambda i: sizes[i] - quotas[i])] -= 1
-    return sizes
 
 
 def rank_batches(model, spec: dict, device) -> tuple[list[int] | None, dict | None]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from distlab.runtime.unequal import split_batch  # the advisor predicts with the same split the ranks run
+from distlab.configuration.config_links import split_batch  # the advisor predicts with the same split the ranks run
 
 GIB = 2**30
 NVLINK_CLASS_BUSBW = 100e9  # bytes/s: above any PCIe 4.0/5.0 x16 link (~32 / ~64 GB/s), below NVLink
