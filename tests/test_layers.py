@@ -55,16 +55,10 @@ KNOWN_UPWARD = {
         "the CPU budget refusal (can this machine set a cgroup quota) lives with the job that sets it",
     "distlab/configuration/config_links.py -> distlab.jobs.links":
         "the links refusal (can this machine make namespaces) lives with the job that makes them",
-    "distlab/configuration/model_files.py -> distlab.checkpoints.export_files":
-        "a model folder's weight index is read by the export's reader; it belongs with the file layouts",
     "distlab/configuration/model_files.py -> distlab.runtime.partial_load":
         "checking a model folder's weights before any job builds the model on meta through the sharded loader",
-    "distlab/jobs/two_hosts.py -> distlab.checkpoints.checkpoint_files":
-        "the two-hosts job finds step folders through the checkpoint folder layout (torch-free), to move below jobs",
-    "distlab/jobs/validate.py -> distlab.checkpoints.checkpoint_files":
-        "validation's driver verifies the manifest through the checkpoint folder layout; same move",
     "distlab/jobs/validate.py -> distlab.checkpoints.checkpoint":
-        "validation's driver reads the checkpoint's identity; same move",
+        "validation's driver reads the checkpoint's identity (distlab_checkpoint.json) through checkpoint.py",
     "distlab/launchers/ray_driver.py -> distlab.checkpoints.checkpoint":
         "the Ray driver passes the checkpoint fault-injection variable (FAULT_ENV) on; a constant to move down",
     "distlab/launchers/ray_worker.py -> distlab.checkpoints.checkpoint":
@@ -106,15 +100,9 @@ KNOWN_IN_LAYER = {
     "distlab/runtime/model_setup.py -> distlab.checkpoints.checkpoint": "a driver above checkpoints; same split",
     "distlab/runtime/monitor.py -> distlab.checkpoints.checkpoint": "a driver above checkpoints; same split",
     "distlab/runtime/training_checkpoints.py -> distlab.checkpoints.checkpoint": "a driver; same split",
-    "distlab/runtime/training_checkpoints.py -> distlab.checkpoints.checkpoint_files": "a driver; same split",
     "distlab/runtime/validate_ranks.py -> distlab.checkpoints.checkpoint": "a driver; same split",
     "distlab/runtime/validate_causal_lm.py -> distlab.checkpoints.checkpoint": "a driver; same split",
     "distlab/runtime/validate_causal_lm.py -> distlab.checkpoints.export": "a driver; same split",
-    "distlab/runtime/validate_causal_lm.py -> distlab.checkpoints.export_files":
-        "the weight index reader (export_files) is a file layout, to move below the rank layer",
-    "distlab/runtime/partial_load.py -> distlab.checkpoints.export_files": "the weight index reader; same move",
-    "distlab/runtime/qlora.py -> distlab.checkpoints.export_files": "the weight index reader; same move",
-    "distlab/runtime/streamed.py -> distlab.checkpoints.export_files": "the weight index reader; same move",
 }
 
 LAYER_OF = {unit: name for name, _, units in LAYERS for unit in units}

@@ -45,7 +45,7 @@ def dcp_save(strategy, path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     from distlab.checkpoints.checkpoint import on_every_rank
-    from distlab.checkpoints.checkpoint_files import atomic_dir
+    from distlab.records.checkpoint_files import atomic_dir
 
     model_state, optim_state, _ = _trainable_state(strategy)
     tmp, commit = Path(str(path) + ".tmp"), None

@@ -18,8 +18,8 @@ def save_plain(strategy, path: str) -> None:
     import torch.distributed as dist
 
     from distlab.checkpoints.checkpoint import on_every_rank
-    from distlab.checkpoints.checkpoint_files import atomic_dir
-    from distlab.checkpoints.export_files import SafetensorsFile
+    from distlab.records.checkpoint_files import atomic_dir
+    from distlab.records.export_files import SafetensorsFile
     from distlab.checkpoint_formats import trainable_names
     from distlab.runtime.streamed import host
 

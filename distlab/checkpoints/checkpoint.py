@@ -1,5 +1,5 @@
 """Checkpoints users can trust: the strategy's native state, the trainer state and a
-Hugging Face export, written atomically with a manifest (distlab.checkpoints.checkpoint_files).
+Hugging Face export, written atomically with a manifest (distlab.records.checkpoint_files).
 
 One checkpoint folder:
     state/                          the strategy's native format (strategy.save_checkpoint; the formats
@@ -40,7 +40,7 @@ import signal
 import time
 from pathlib import Path
 
-from distlab.checkpoints.checkpoint_files import (FORMAT_VERSION, dir_bytes, fsync_tree, replace_dir, verify_manifest,
+from distlab.records.checkpoint_files import (FORMAT_VERSION, dir_bytes, fsync_tree, replace_dir, verify_manifest,
                                       write_manifest)
 from distlab.errors import BaseMismatch, CheckpointCorrupt, CheckpointError, CheckpointMismatch
 from distlab.jobs.job import Job
@@ -130,7 +130,7 @@ def base_identity(model_source: str, weights_folder: str | None = None) -> dict:
     Collective where a process group exists: rank 0 reads the files, the others receive it."""
     import torch.distributed as dist
 
-    from distlab.checkpoints.checkpoint_files import sha256_file
+    from distlab.records.checkpoint_files import sha256_file
     from distlab.runtime.partial_load import model_folder
 
     out = [None]

@@ -56,7 +56,7 @@ def verdict(result: dict, spec: dict) -> dict:
 
 # -- the driver -----------------------------------------------------------------------------------
 def validate_run(run_dir, model_source: str, data_dir: str, out_path, log_path=None, timeout: float = 600) -> dict:
-    from distlab.checkpoints.checkpoint_files import step_folders, verify_manifest
+    from distlab.records.checkpoint_files import step_folders, verify_manifest
 
     from distlab.records.run_outputs import read_run_record
 
@@ -144,7 +144,7 @@ def launch_plans(spec: dict, other: int | None) -> list[list[list]]:
 
 def _size_and_time(final: Path, reload: dict) -> dict:
     from distlab.checkpoints import checkpoint as ckpt
-    from distlab.checkpoints.checkpoint_files import dir_bytes
+    from distlab.records.checkpoint_files import dir_bytes
 
     meta = ckpt.read_meta(final)
     state = final / "state"

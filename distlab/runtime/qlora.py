@@ -106,7 +106,7 @@ def trained_groups(strategy, spec: dict, source: str):
 def _adapters_on_full_precision_base(strategy, spec: dict, source: str):
     import torch.distributed as dist
 
-    from distlab.checkpoints.export_files import weight_index
+    from distlab.records.export_files import weight_index
     from distlab.runtime.lora import base_name
     from distlab.runtime.partial_load import checkpoint_names, model_folder
     from distlab.runtime.streamed import Skeleton, open_weights, parameter_groups

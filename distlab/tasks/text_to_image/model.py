@@ -69,7 +69,7 @@ def weight_files(folder: Path) -> dict[str, Path]:
 
     index = folder / f"{WEIGHTS}.index.json"
     if index.is_file():
-        from distlab.checkpoints.export_files import read_weight_map
+        from distlab.records.export_files import read_weight_map
 
         return {name: folder / file for name, file in read_weight_map(index).items()}
     single = folder / WEIGHTS
