@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))

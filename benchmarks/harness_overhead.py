@@ -42,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from distlab.jobs.job import Job  # noqa: E402  (after the checkout joins sys.path)
+from distlab.records.job import Job  # noqa: E402  (after the checkout joins sys.path)
 
 DEFAULT = ("ddp-full-w1-mb8-ga1,ddp-full-w2-mb4-ga1,accelerate-lora-w2-mb4-ga1,deepspeed-z3-full-w2-mb2-ga2,"
            "fsdp-fullshard-full-w2-mb2-ga2")

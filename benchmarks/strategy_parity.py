@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench_common import round_order, rounds_parser  # noqa: E402
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 
 GLOBAL = {"world_size": 2, "micro_batch": 2, "grad_accum": 2}
 STRATEGIES = {

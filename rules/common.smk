@@ -16,7 +16,7 @@ from distlab.records.run_layout import KUBERAY_CHECKS, MACHINE_FILES, RUN_FILES,
 from distlab.tasks import task_for
 from distlab.tasks.causal_lm import CausalLM, model_suffix
 from distlab.jobs.two_hosts import two_hosts_spec
-from distlab.jobs.job import estimated_runtime_minutes
+from distlab.records.job import estimated_runtime_minutes
 from distlab.tools.advisor_box import measured_evidence
 from distlab.report.collect import shared_metrics_paths
 from distlab.records.sharing import private_files

@@ -13,7 +13,7 @@ from conftest import resolve, run_experiment
 from distlab.checkpoints import checkpoint as ckpt
 from distlab.records.checkpoint_files import MANIFEST, sha256_file, verify_manifest
 from distlab.checkpoint_formats.plain import load_plain
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 from distlab.runtime.loop import IndexStream
 from distlab.records.run_outputs import read_run_record
 from distlab.jobs.validate import validate_run

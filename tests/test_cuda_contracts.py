@@ -22,7 +22,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 
 CUDA = torch.device("cuda", 0)
 

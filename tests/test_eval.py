@@ -2,7 +2,7 @@
 import json
 
 import pytest
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 
 from distlab.records.run_outputs import read_run_record
 

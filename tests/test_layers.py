@@ -86,14 +86,10 @@ KNOWN_UPWARD = {
 KNOWN_IN_LAYER = {
     "distlab/launchers/environment.py -> distlab.jobs.gpu_alloc":
         "a rank's threads per GPU are decided by the GPU locks; jobs start ranks through launchers",
-    "distlab/launchers/linked.py -> distlab.jobs.job": "Job, what a launch hands its ranks, is to move to records",
     "distlab/launchers/linked.py -> distlab.jobs.links":
         "the linked launcher builds the link's hosts itself; the links job should hand them in",
-    "distlab/launchers/ranks.py -> distlab.jobs.job": "Job is to move to records",
     "distlab/launchers/ranks.py -> distlab.jobs.cpu_budget":
         "the rank service sweeps the CPU budgets the job made; the job should sweep its own",
-    "distlab/launchers/ray_driver.py -> distlab.jobs.job": "Job is to move to records",
-    "distlab/launchers/ray_worker.py -> distlab.jobs.job": "Job is to move to records",
     "distlab/runtime/loop.py -> distlab.strategies.base":
         "the loop drives a Strategy: runtime holds both the rank's kernels (below strategies) and its drivers",
     "distlab/runtime/worker.py -> distlab.strategies.base": "the worker drives a Strategy; same split",

@@ -43,7 +43,7 @@ from pathlib import Path
 from distlab.records.checkpoint_files import (FORMAT_VERSION, dir_bytes, fsync_tree, replace_dir, verify_manifest,
                                       write_manifest)
 from distlab.errors import BaseMismatch, CheckpointCorrupt, CheckpointError, CheckpointMismatch
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 from distlab.checkpoints.safe_load import weights_only_loads
 from distlab.checkpoints.trainer_state import restore_trainer_state as _restore_trainer_state
 from distlab.checkpoints.trainer_state import save_trainer_state as _save_trainer_state

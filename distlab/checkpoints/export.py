@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from distlab.configuration.training_tools import adapts
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 
 EVAL_BATCH = 2  # sequences of the eval split the recorded logits are computed on
 EVAL_TOKENS = 32  # their first tokens

@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from distlab.jobs.job import Job, replace
+from distlab.records.job import Job, replace
 
 HOST_NAMES = ("home-pc", "cloud-box")
 # What the two-host experiment is unless `two_hosts.experiment` says otherwise.

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from distlab.configuration.training_tools import adapts
-from distlab.jobs.job import ValidationJob, replace
+from distlab.records.job import ValidationJob, replace
 from distlab.records.validation import (FAILED, MERGE_TOLERANCE, PARITY_TOLERANCE, PASSED,  # noqa: F401 (theirs too)
                                        RELOAD_TOLERANCE, UNSUPPORTED, VALIDATION_SCHEMA_VERSION)
 

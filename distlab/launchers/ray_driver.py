@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from distlab.jobs.job import Job, collective_timeout, read_job, replace
+from distlab.records.job import Job, collective_timeout, read_job, replace
 from distlab.launchers.environment import BASE_ENV, rank_environment
 from distlab.launchers.process import run_ranks
 from distlab.launchers.ray_nodes import token_auth_environment

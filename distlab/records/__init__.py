@@ -1,4 +1,6 @@
-"""Runs in every phase, on either side of the files a run leaves: where a run's side files lie (the
+"""Runs in every phase, on either side of the files a run leaves: the typed contract between phases
+(`Spec`, one experiment's resolved settings; `Job` / `ValidationJob`, what a launch hands its ranks;
+`RunRecord`, metrics.json read back), where a run's side files lie (the
 Snakefile declares them, ranks write them), metrics.json's one writer and one reader with the
 metrics formulas and schema version, the per-phase memory peaks as recorded, and what makes
 results shareable between machines (umask, no host names or local paths); a checkpoint folder's

@@ -16,7 +16,7 @@ import json
 import math
 from pathlib import Path
 
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 
 EVAL_BATCH = 8
 HOW = ("mean cross-entropy over the label positions (after the causal shift, -100 excluded) of the eval "

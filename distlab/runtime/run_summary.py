@@ -10,7 +10,7 @@ import torch
 
 from distlab.records import metrics as M
 from distlab.tools.hardware import peak_flops_per_rank
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 from distlab.runtime.loop import gather
 from distlab.runtime.noise import summarize_noise
 

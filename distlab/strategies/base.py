@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from distlab.errors import FidelityError  # noqa: F401 (strategies and tests import it from here)
 from distlab.runtime.accumulation import for_backward
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 from distlab.configuration.precision import autocast, dtype_name, frozen_base_dtype, parameter_dtype_mismatch
 
 
@@ -65,7 +65,7 @@ class Strategy:
     @property
     def collective_timeout(self):
         """The longest any collective of this rank waits: the job's runtime (collective_timeout)."""
-        from distlab.jobs.job import collective_timeout
+        from distlab.records.job import collective_timeout
 
         return collective_timeout(self.ctx.job, self.spec)
 

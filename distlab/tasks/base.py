@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 
 
 def lazy(target: str):

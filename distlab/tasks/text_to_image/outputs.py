@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 from distlab.tasks.text_to_image.data import FIXED_BATCH, FrozenEncoders, heldout_inputs, unet_outputs
 from distlab.tasks.text_to_image.model import add_lora, load_unet
 
