@@ -26,7 +26,7 @@ def prepared(root: Path, seq_len: int) -> tuple[Path, Path, Path]:
     import yaml
 
     from distlab.data_prep import data
-    from distlab.tools import hardware
+    from distlab.configuration import hardware
     from distlab.runtime import model
     from distlab.configuration.config import load
 

@@ -54,7 +54,7 @@ def prepare(root: Path) -> tuple[dict, dict, Path]:
 
     from distlab.data_prep import data
     from distlab.runtime import evaluation, model
-    from distlab.tools import hardware
+    from distlab.configuration import hardware
     from distlab.configuration.config import load
 
     cfg, specs = load(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), gpu_count=0)

@@ -61,7 +61,7 @@ def prepare(root: Path, seq_len: int, models: list[str]) -> tuple[Path, Path, di
     import yaml
 
     from distlab.data_prep import data
-    from distlab.tools import hardware
+    from distlab.configuration import hardware
     from distlab.runtime import model
     from distlab.configuration.config import load
 

@@ -28,7 +28,7 @@ def build_prepared(root: Path) -> Path:
     """The tiny workspace in `root`: tokenizer + data (seq 32) + tiny model + hardware.json."""
     root.mkdir(parents=True, exist_ok=True)
     from distlab.data_prep import data
-    from distlab.tools import hardware
+    from distlab.configuration import hardware
     from distlab.runtime import model
     from distlab.configuration.config import validate_schema
 

@@ -10,7 +10,7 @@ from distlab.configuration.validation_scope import validated_experiments
 from distlab.configuration.finetune_config import resolve_epochs
 from distlab.configuration.data_checks import datasets_of
 from distlab.configuration.tokenizer_checks import tokenizer_source
-from distlab.tools.hardware import gpu_count, machine_tag
+from distlab.configuration.hardware import gpu_count, machine_tag
 from distlab.configuration.results_lock import ResultsFolderBusy, hold_for_workflow
 from distlab.records.run_layout import KUBERAY_CHECKS, MACHINE_FILES, RUN_FILES, RUN_SIDE_FILES
 from distlab.tasks import task_for

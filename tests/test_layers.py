@@ -43,14 +43,6 @@ APART = [("strategies", "tasks")]  # a strategy names no task, a task no strateg
 # there. Both lists only shrink: an entry that no longer matches such an import fails.
 # Upward (or across units kept APART):
 KNOWN_UPWARD = {
-    "distlab/configuration/config.py -> distlab.tools.hardware":
-        "parse time asks the probe's gpu_count for the machine tag; the probe's queries move below tools",
-    "distlab/jobs/gpu_alloc.py -> distlab.tools.hardware":
-        "GPU locks count the GPUs with the probe's gpu_count; same move as config.py's",
-    "distlab/runtime/memory.py -> distlab.tools.hardware":
-        "a rank's CUDA memory reads the probe's nvml_handle; same move",
-    "distlab/runtime/run_summary.py -> distlab.tools.hardware":
-        "rank 0's MFU needs the probe's peak_flops_per_rank; same move",
     "distlab/configuration/config_links.py -> distlab.jobs.cpu_budget":
         "the CPU budget refusal (can this machine set a cgroup quota) lives with the job that sets it",
     "distlab/configuration/config_links.py -> distlab.jobs.links":

@@ -196,7 +196,7 @@ def expand_experiments(config: dict, gpu_count: int | None = None) -> dict[str, 
     gpu_count resolves device 'auto' (cuda when GPUs exist); None means "detect".
     """
     if gpu_count is None:
-        from distlab.tools.hardware import gpu_count as detect
+        from distlab.configuration.hardware import gpu_count as detect
 
         gpu_count = detect()
     defaults = finetune_config.layer(config.get("defaults", {}), "defaults")

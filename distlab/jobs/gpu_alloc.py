@@ -37,7 +37,7 @@ def visible_devices(count: int | None = None) -> list[str]:
     if inherited:
         return [d.strip() for d in inherited.split(",") if d.strip()]
     if count is None:
-        from distlab.tools.hardware import gpu_count
+        from distlab.configuration.hardware import gpu_count
 
         count = gpu_count()
     return [str(i) for i in range(count)]
