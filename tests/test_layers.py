@@ -51,8 +51,6 @@ KNOWN_UPWARD = {
         "checking a model folder's weights before any job builds the model on meta through the sharded loader",
     "distlab/jobs/validate.py -> distlab.checkpoints.checkpoint":
         "validation's driver reads the checkpoint's identity (distlab_checkpoint.json) through checkpoint.py",
-    "distlab/launchers/ray_driver.py -> distlab.checkpoints.checkpoint":
-        "the Ray driver passes the checkpoint fault-injection variable (FAULT_ENV) on; a constant to move down",
     "distlab/launchers/ray_worker.py -> distlab.checkpoints.checkpoint":
         "a Ray Train worker is a rank started by the launcher module: it runs rank code",
     "distlab/launchers/ray_worker.py -> distlab.runtime.training_checkpoints":
@@ -76,8 +74,6 @@ KNOWN_UPWARD = {
 }
 # Within a layer, closing a cycle between its units:
 KNOWN_IN_LAYER = {
-    "distlab/launchers/environment.py -> distlab.jobs.gpu_alloc":
-        "a rank's threads per GPU are decided by the GPU locks; jobs start ranks through launchers",
     "distlab/launchers/linked.py -> distlab.jobs.links":
         "the linked launcher builds the link's hosts itself; the links job should hand them in",
     "distlab/launchers/ranks.py -> distlab.jobs.cpu_budget":

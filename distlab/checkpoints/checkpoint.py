@@ -45,6 +45,7 @@ from distlab.records.checkpoint_files import (FORMAT_VERSION, dir_bytes, fsync_t
 from distlab.errors import BaseMismatch, CheckpointCorrupt, CheckpointError, CheckpointMismatch
 from distlab.records.job import Job
 from distlab.checkpoints.safe_load import weights_only_loads
+from distlab.launchers.environment import FAULT_ENV
 from distlab.checkpoints.trainer_state import restore_trainer_state as _restore_trainer_state
 from distlab.checkpoints.trainer_state import save_trainer_state as _save_trainer_state
 
@@ -57,9 +58,6 @@ PARITY_STEPS = 2  # steps validation re-runs from the mid-run checkpoint
 NON_TRAJECTORY_FIELDS = ("id", "stage", "checkpoint_every", "checkpoint_keep", "export", "memory_budget_gib",
                          "untimed_steps", "repeats", "launches", "progress_every_s", "tracking", "eval_every",
                          "checkpoint_select", "profile")
-# Fault-injection hook for tests: "<experiment id>:<rank>:<steps done>" SIGKILLs that rank
-# right after that step (and after any checkpoint saved at it).
-FAULT_ENV = "DISTLAB_FAULT_KILL"
 
 
 class SaveFailed(RuntimeError):
