@@ -49,8 +49,6 @@ KNOWN_UPWARD = {
         "the links refusal (can this machine make namespaces) lives with the job that makes them",
     "distlab/configuration/model_files.py -> distlab.runtime.partial_load":
         "checking a model folder's weights before any job builds the model on meta through the sharded loader",
-    "distlab/jobs/validate.py -> distlab.checkpoints.checkpoint":
-        "validation's driver reads the checkpoint's identity (distlab_checkpoint.json) through checkpoint.py",
     "distlab/launchers/ray_worker.py -> distlab.checkpoints.checkpoint":
         "a Ray Train worker is a rank started by the launcher module: it runs rank code",
     "distlab/launchers/ray_worker.py -> distlab.runtime.training_checkpoints":

@@ -40,8 +40,8 @@ import signal
 import time
 from pathlib import Path
 
-from distlab.records.checkpoint_files import (FORMAT_VERSION, dir_bytes, fsync_tree, replace_dir, verify_manifest,
-                                      write_manifest)
+from distlab.records.checkpoint_files import (FORMAT_VERSION, META, dir_bytes, fsync_tree, read_meta,  # noqa: F401
+                                             replace_dir, verify_manifest, write_manifest)
 from distlab.errors import BaseMismatch, CheckpointCorrupt, CheckpointError, CheckpointMismatch
 from distlab.records.job import Job
 from distlab.checkpoints.safe_load import weights_only_loads
@@ -52,7 +52,6 @@ from distlab.checkpoints.trainer_state import save_trainer_state as _save_traine
 # torch is imported inside the functions that need it: the validation driver (one Snakemake
 # job per experiment) reads manifests and metadata without paying torch's import time.
 
-META = "distlab_checkpoint.json"
 PARITY_STEPS = 2  # steps validation re-runs from the mid-run checkpoint
 # Spec fields that leave the training trajectory unchanged: a checkpoint stays valid across them.
 NON_TRAJECTORY_FIELDS = ("id", "stage", "checkpoint_every", "checkpoint_keep", "export", "memory_budget_gib",
@@ -189,14 +188,6 @@ def check_compatible(meta: dict, spec: dict, signature: dict, where, allow_world
     if config:
         raise CheckpointMismatch(f"checkpoint {where} was made with a different experiment config; refusing to "
                                  "load it: " + "; ".join(config))
-
-
-def read_meta(root) -> dict:
-    path = Path(root) / META
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointCorrupt(f"{path}: missing or unreadable ({exc})") from None
 
 
 # -- the collective save and load ----------------------------------------------------------------

@@ -143,10 +143,9 @@ def launch_plans(spec: dict, other: int | None) -> list[list[list]]:
 
 
 def _size_and_time(final: Path, reload: dict) -> dict:
-    from distlab.checkpoints import checkpoint as ckpt
-    from distlab.records.checkpoint_files import dir_bytes
+    from distlab.records.checkpoint_files import dir_bytes, read_meta
 
-    meta = ckpt.read_meta(final)
+    meta = read_meta(final)
     state = final / "state"
     return {"status": PASSED if reload.get("load_seconds") is not None else UNSUPPORTED,
             "state_bytes": dir_bytes(state), "checkpoint_bytes": dir_bytes(final),
