@@ -65,10 +65,6 @@ KNOWN_UPWARD = {
         "the collectives card reads the benchmark's figures through the benchmark module",
     "distlab/report/cards/stage2_text_to_image.py -> distlab.tools.advisor":
         "the card formats bytes with the advisor's human(); a formatting helper to move to the report",
-    "distlab/tasks/causal_lm.py -> distlab.strategies.deepspeed_load":
-        "ZeRO-3's partitioned load (zero.Init) is the strategy's; it should hand its loader to the task",
-    "distlab/tasks/text_to_image/model.py -> distlab.strategies.deepspeed_load":
-        "ZeRO-3's partitioned load of the UNet; same as causal_lm's",
 }
 # Within a layer, closing a cycle between its units:
 KNOWN_IN_LAYER = {
