@@ -109,9 +109,10 @@ def modules() -> dict[str, Path]:
 DYNAMIC = re.compile(r"^(distlab(?:\.\w+)+):\w+$")
 
 
-def imports(path: Path, known: dict[str, Path]) -> list[tuple[int, str]]:
-    """(line, distlab module) for every import in the file: module level, inside functions,
-    `importlib.import_module("distlab...")` and "distlab.module:attribute" lazy targets."""
+def imports(path: Path, known: dict[str, Path], source: str | None = None) -> list[tuple[int, str]]:
+    """(line, distlab module) for every import in the file (or in `source`, read as that file):
+    module level, inside functions, `importlib.import_module("distlab...")` (an f-string by its
+    constant start) and "distlab.module:attribute" lazy targets."""
     def module_of(dotted: str) -> str | None:
         while dotted and dotted not in known:
             dotted = dotted.rpartition(".")[0]
@@ -121,7 +122,7 @@ def imports(path: Path, known: dict[str, Path]) -> list[tuple[int, str]]:
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     registry = any(fnmatch(path.relative_to(REPO).as_posix(), p) for p in DECLARATIONS)
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
         wanted = []
         if isinstance(node, ast.Import):
             wanted = [alias.name for alias in node.names]
@@ -222,6 +223,9 @@ def test_the_checks_see_a_function_level_a_dynamic_and_a_cyclic_import():
     known = modules()
     found = imports(known["distlab.tasks.causal_lm"], known)
     assert any(m == "distlab.runtime.model" for _, m in found)  # lazy("distlab.runtime.model:load_model")
+    hidden = ("def f(name):\n    import importlib\n    importlib.import_module('distlab.runtime.loop')\n"
+              "    return importlib.import_module(f'distlab.jobs.{name}')\n")
+    assert imports(known["distlab.records.metrics"], known, hidden) == [(3, "distlab.runtime.loop"), (4, "distlab.jobs")]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
     assert is_upward("records", "runtime") and is_upward("report", "tools") and is_upward("tasks", "strategies")
     assert not is_upward("runtime", "records") and not is_upward("report", "records")
