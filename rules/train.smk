@@ -3,6 +3,8 @@
 
 rule train:
     input:
+        # The step-time prediction's measured parts (probe, collectives): read before the ranks start.
+        unpack(prediction_inputs),
         data=data_dir,
         model=model_inputs,
         hardware=f"{RESULTS}/{MACHINE}/hardware.json",

@@ -157,6 +157,12 @@ EXPECTED = {
     "llama7b-lora-2x24gb": ("ddp", 2, 17.20),
     "llama70b-lora-zero3-offload-1x24gb": ("zero3-offopt-offparam", 1, 10.77),
     "llama7b-full-fsdp-2x80gb": ("zero3", 2, 57.22),
+    # Named boxes (advisor.devices + a named interconnect): the advice also ranks by predicted time.
+    "box-2x3090-nvlink-llama7b-lora": ("ddp", 2, 17.20),
+    # QLoRA: the decoder's linear weights at 0.5 byte: 7B fits the 12 GiB RTX 3060 under DDP.
+    "box-4090-3060-pcie-llama7b-qlora": ("ddp", 2, 8.64),
+    "box-8xh100-llama3-8b-full": ("zero3", 8, 29.92),
+    "box-home-cloud-1gbe-llama7b-lora": ("ddp", 2, 17.20),
 }
 
 
@@ -170,7 +176,7 @@ def test_gpu_preset_is_schema_valid_and_advised_as_documented(name, monkeypatch)
 
     monkeypatch.setattr(distlab.configuration.tokenizer_checks, "check_tokenizer", lambda config: None)
     raw = yaml.safe_load((PRESETS / f"{name}.yaml").read_text())
-    config, specs = load(raw, gpu_count=2)
+    config, specs = load(raw, gpu_count=max(2, len((raw.get("advisor") or {}).get("devices") or [])))
     assert specs and all(s["device"] == "cuda" for s in specs.values())
     model_config = json.loads((Path(config["model"]["path"]) / "config.json").read_text())
     advice = advisor.advise(model_config, NO_GPU, config)

@@ -57,6 +57,16 @@ KNOWN_UPWARD = {
         "a Ray Train worker is a rank: its rank half belongs in runtime",
     "distlab/runtime/unequal.py -> distlab.tools.advisor":
         "sizing a rank's batch by its free memory uses the advisor's activation formula; it belongs below both",
+    "distlab/jobs/launch.py -> distlab.tools.step_time":
+        "the job predicts its step time (metrics.json prediction) with the advisor's model; the rule should hand it in",
+    "distlab/report/build.py -> distlab.tools.step_time":
+        "the advisor card predicts step times at report time instead of reading the runs' recorded predictions",
+    "distlab/report/build.py -> distlab.tools.advisor_time":
+        "the advisor card ranks strategies by time at report time instead of reading advice.json",
+    "distlab/report/cards/links.py -> distlab.tools.advisor_check":
+        "the links card scores predictions with the advisor's check at report time",
+    "distlab/report/cards/links.py -> distlab.tools.step_time":
+        "the links card predicts each link run's step time at report time",
     "distlab/report/build.py -> distlab.tools.advisor":
         "the advisor card computes the advisor's estimate at report time instead of reading advice.json",
     "distlab/report/build.py -> distlab.tools.advisor_check":

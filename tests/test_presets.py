@@ -50,7 +50,7 @@ def test_twin_keeps_the_preset_architecture_ratios(name, twins):
     assert small["num_attention_heads"] >= big["num_attention_heads"] / factor
     assert small["num_hidden_layers"] == max(2, round(big["num_hidden_layers"] / factor))
     assert small["tie_word_embeddings"] == big.get("tie_word_embeddings", False)
-    assert 1e6 <= twin["parameters"] <= 5e6
+    assert 1e6 <= twin["parameters"] <= 6.5e6  # Llama 3.1's 128k vocabulary divided down: 8k, 5.8M in all
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
 """Strategies as files: the schema's enum checked against the settings files, a new strategy
 with a setting of its own added by its files alone, and the mechanisms every strategy shares
 (one precision map, one loss-scaling rule) decided in one place each."""
+import json
+
 import pytest
 
 from conftest import REPO
@@ -47,12 +49,13 @@ class MineStrategy(Strategy):
 STRATEGY = MineStrategy
 """
 MINE_SETTINGS = """
-from distlab.strategies.settings import StrategySettings, state
+from distlab.strategies.settings import StrategySettings, block_schema, state
 
 
 class MineSettings(StrategySettings):
     name = "mine"
     defaults = {"chunks": 2}
+    schema = block_schema({"chunks": {"type": "integer", "minimum": 1}})  # its block of config/schema.yaml
     ray_train = True  # Ray Train may start it
     dcp_checkpoint = True  # its checkpoint is a DCP folder: the save estimate counts its containers
     holds_layer_run = True  # a rank holds a run of the layers: selective checkpointing is checked loosely
@@ -91,56 +94,35 @@ class MineSettings(StrategySettings):
 
 SETTINGS = MineSettings()
 """
-MINE_CARD = """
-from distlab.report.cards import Card
 
 
-def build(runs):
-    return Card(9, "Mine", notes=[f"{sum(r['spec']['strategy'] == 'mine' for r in runs)} mine run(s)"])
-"""
-
-
-def test_a_new_strategy_with_a_setting_is_its_files_its_schema_entry_and_a_report_card(tmp_path, monkeypatch):
+def test_a_new_strategy_with_a_setting_is_its_two_files(tmp_path, monkeypatch):
     """ARCHITECTURE.md's walk-through: a strategy with a setting of its own (`mine: {chunks}`)
-    is its module, its settings file, its name and block in the schema, and a report card, as
-    files; nothing of distlab is edited (its folders only gain files, here through the
-    packages' search paths). Config expansion, the id, the checks, the launcher, the validation
-    scope, the advisor (its formula and its row), Ray's launcher check, the save estimate, the
-    activation-checkpointing check, the parameter-layout check, the task refusal, the model-family
-    check and a rank's lookup all pick it up."""
+    is its module and its settings file (the setting's type beside its default): nothing of
+    distlab is edited, config/schema.yaml included (the package only gains files, here through
+    its search path). Config expansion, the schema's enum and block, the id, the checks, the
+    launcher, the validation scope, the advisor (its formula and its row), Ray's launcher check,
+    the save estimate, the activation-checkpointing check, the parameter-layout check, the task
+    refusal, the model-family check and a rank's lookup all pick it up; its runs through the
+    summary and the report: test_a_new_strategy_runs_through_the_summary_and_the_report."""
     import sys
-
-    import yaml
 
     from types import SimpleNamespace
 
-    from distlab.configuration import config as config_module
     from distlab.configuration import families
-    from distlab.configuration import schema as schema_module
     from distlab import strategies
     from distlab.runtime.activations import check_checkpointing
     from distlab.tools.advisor import model_state, strategy_state
     from distlab.tools.save_estimate import save_estimate
     from distlab.strategies.base import expected_layout, offloads_parameters
     from distlab.tools.advisor_check import estimate_key
-    from distlab.report import cards
     from distlab.configuration.validation_scope import checkpoint_format, shards_checkpoint, validated_experiments
 
     (tmp_path / "strategies").mkdir()
     (tmp_path / "strategies" / "mine.py").write_text(MINE_MODULE)
     (tmp_path / "strategies" / "mine_settings.py").write_text(MINE_SETTINGS)
-    (tmp_path / "cards").mkdir()
-    (tmp_path / "cards" / "stage9_mine.py").write_text(MINE_CARD)
-    schema = config_module.load_schema()
-    experiment = schema["$defs"]["experiment"]["properties"]
-    experiment["strategy"]["enum"].append("mine")
-    experiment["mine"] = {"type": "object", "additionalProperties": False,
-                          "properties": {"chunks": {"type": "integer", "minimum": 1}}}
-    (tmp_path / "schema.yaml").write_text(yaml.safe_dump(schema))
-    monkeypatch.setattr(schema_module, "SCHEMA_PATH", tmp_path / "schema.yaml")
     monkeypatch.setattr(strategies, "__path__", [*strategies.__path__, str(tmp_path / "strategies")])
-    monkeypatch.setattr(cards, "__path__", [*cards.__path__, str(tmp_path / "cards")])
-    added = ("distlab.strategies.mine", "distlab.strategies.mine_settings", "distlab.report.cards.stage9_mine")
+    added = ("distlab.strategies.mine", "distlab.strategies.mine_settings")
     try:
         assert strategies.strategy_for({"strategy": "mine"}).__name__ == "MineStrategy"
         config, specs = load(ddp_config({"strategy": "mine", "world_size": 2}), gpu_count=0)
@@ -189,9 +171,108 @@ def test_a_new_strategy_with_a_setting_is_its_files_its_schema_entry_and_a_repor
                                          "it declares no mine_plan")]
         family.mine_plan = {"layers": "chunked"}
         families.check(spec, {"model": {"path": str(folder)}}, pytest.fail, strategies.registered()["mine"])
-        run = {"spec": spec, "stage": "mine", "status": "failed", "experiment": spec["id"], "machine": "m"}
-        (card,) = [c for c in cards.all_cards([run]) if c.number == 9]  # discovered beside the others
-        assert card.notes == ["1 mine run(s)"]
+    finally:
+        for name in added:
+            sys.modules.pop(name, None)
+
+
+TOY_MODULE = """
+from distlab.strategies.ddp import DDPStrategy
+
+
+class ToyStrategy(DDPStrategy):
+    \"\"\"DDP under a name of its own, recording the setting it was given as it records what it built.\"\"\"
+    name = "toy"
+
+    def describe(self):
+        return {**super().describe(), "toy_chunks": self.spec["toy"]["chunks"]}
+
+
+STRATEGY = ToyStrategy
+"""
+TOY_SETTINGS = """
+from distlab.strategies.settings import StrategySettings
+
+
+class ToySettings(StrategySettings):
+    name = "toy"
+    defaults = {"chunks": 2}
+    schema = {"type": "object", "additionalProperties": False,  # its block of config/schema.yaml
+              "properties": {"chunks": {"description": "Chunks the toy records.", "type": "integer", "minimum": 1}}}
+
+    def variant(self, spec):
+        return f"c{spec['toy']['chunks']}"
+
+
+SETTINGS = ToySettings()
+"""
+TOY_CARD = """
+from distlab.report.cards import Card
+
+
+def build(runs):
+    toy = [r for r in runs if r["spec"]["strategy"] == "toy" and r["status"] == "ok"]
+    return Card(9, "Toy", notes=[f"{r['experiment']}: chunks {r['spec']['toy']['chunks']} set, "
+                                 f"{r['as_built']['toy_chunks']} as built" for r in toy])
+"""
+# Every process the test starts (torchrun's agent, the ranks) finds the toy as the test does:
+# the package's search path gains its folder.
+TOY_SITECUSTOMIZE = """
+import distlab.strategies
+
+distlab.strategies.__path__.append({folder!r})
+"""
+
+
+@pytest.mark.slow
+def test_a_new_strategy_runs_through_the_summary_and_the_report(prepared, tmp_path, monkeypatch):
+    """A strategy with a setting of its own (`toy: {chunks}`), added as its module, its settings
+    file and its report card (nothing of distlab edited: no schema, stage or strategy list),
+    trains through the real launcher, and its run, read back from the files it wrote, is in
+    the summary with its setting and in the report on its card."""
+    import os
+    import sys
+
+    from conftest import resolve, run_experiment
+    from distlab import strategies
+    from distlab.report import cards
+    from distlab.report.build import report_rule
+    from distlab.report.collect import load_checked_runs, spreadsheet_safe, summary_frame
+
+    for folder, files in {"strategies": {"toy.py": TOY_MODULE, "toy_settings.py": TOY_SETTINGS},
+                          "cards": {"stage9_toy.py": TOY_CARD}}.items():
+        (tmp_path / folder).mkdir()
+        for name, text in files.items():
+            (tmp_path / folder / name).write_text(text)
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(TOY_SITECUSTOMIZE.format(folder=str(tmp_path / "strategies")))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path / "hook"), os.environ.get("PYTHONPATH"),
+                                                                   str(REPO)])))
+    monkeypatch.setattr(strategies, "__path__", [*strategies.__path__, str(tmp_path / "strategies")])
+    monkeypatch.setattr(cards, "__path__", [*cards.__path__, str(tmp_path / "cards")])
+    added = ("distlab.strategies.toy", "distlab.strategies.toy_settings", "distlab.report.cards.stage9_toy")
+    try:
+        spec = resolve({"strategy": "toy", "toy": {"chunks": 3}}, steps=3, untimed_steps=1)
+        assert spec["id"] == "toy-c3-full-w1-mb4-ga1" and spec["toy"] == {"chunks": 3}
+        machine = json.loads((prepared / "hardware.json").read_text())["machine"]
+        run_dir = tmp_path / "results" / machine / spec["id"]
+        metrics = run_experiment(prepared, run_dir, spec, checkpoint=False)
+        assert metrics["status"] == "ok" and metrics["as_built"]["toy_chunks"] == 3  # the toy's own rank ran
+
+        paths = [str(run_dir / "metrics.json")]
+        runs, rejected = load_checked_runs(paths)  # rule summary's reading
+        assert rejected == []
+        frame = summary_frame(runs)
+        (row,) = frame.to_dict("records")
+        assert (row["strategy"], row["experiment"]) == ("toy", spec["id"])
+        assert json.loads(row["strategy_settings"]) == {"chunks": 3}
+        summary = tmp_path / "results" / "summary.csv"
+        spreadsheet_safe(frame).to_csv(summary, index=False)
+        report = tmp_path / "results" / "report"
+        left_out = report_rule(paths, summary, [], None, report / "index.html", report / "README.md")
+        assert left_out == []
+        readme = (report / "README.md").read_text()
+        assert f"{spec['id']}: chunks 3 set, 3 as built" in readme  # its card, from its files on disk
     finally:
         for name in added:
             sys.modules.pop(name, None)

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from distlab.configuration import families
+from distlab.configuration.axes import OPT_IN_STAGES, STAGE_ORDER  # the stages (declared there), re-exported
 from distlab.configuration import finetune_config
 from distlab.configuration import input_checks
 from distlab.configuration import schema as schema_file
@@ -26,13 +27,13 @@ from distlab.records.spec import Spec
 from distlab.configuration.training_tools import adapts, check_training_tools
 from distlab.strategies import strategy_key
 from distlab.strategies.settings import registered, schema_mismatch, settings_for, strategy_defaults
-from distlab.tasks import task_for, task_named, task_names
+from distlab.tasks import DEFAULT_TASK, task_for, task_named, task_names
 
 # The one place every experiment inherits from. config.yaml's `defaults:` overrides these,
 # and each experiment overrides that.
 EXPERIMENT_DEFAULTS: dict = {
     "tag": None,
-    "task": "causal-lm",
+    "task": DEFAULT_TASK,
     "strategy": "ddp",
     "launcher": "auto",
     "method": "full",
@@ -87,11 +88,6 @@ def experiment_defaults() -> dict:
     this module was imported comes last)."""
     return {**EXPERIMENT_DEFAULTS, **strategy_defaults()}
 
-
-# Roadmap order; the report shows stages in this order.
-STAGE_ORDER = ["ddp", "accelerate", "deepspeed", "fsdp", "ray", "parallel", "links", "unequal"]
-# Built only by their own targets (`snakemake links`, `snakemake unequal`), never by the default run.
-OPT_IN_STAGES = ("links", "unequal")
 
 
 def _deep_merge(base: dict, override: dict) -> dict:

@@ -35,6 +35,9 @@ GPU_PEAKS = [
     (("NVIDIA GeForce RTX 4090",), 82.6 * _T, 82.6 * _T, 165.2 * _T, 165.2 * _T,
      "Ada (AD102) whitepaper, FP32 accumulate"),
     (("NVIDIA GeForce RTX 3090",), 35.6 * _T, 35.6 * _T, 71 * _T, 71 * _T, "Ampere GA102 whitepaper, FP32 accumulate"),
+    (("NVIDIA GeForce RTX 3060",), 12.7 * _T, 12.7 * _T, 25.5 * _T, 25.5 * _T,
+     "RTX 3060 specifications (3584 CUDA cores, 112 tensor cores, 1.78 GHz boost) at the Ampere GA10x "
+     "whitepaper's per-SM rates, FP32 accumulate"),
     (("Tesla V100-SXM2-16GB", "Tesla V100-SXM2-32GB"), 15.7 * _T, None, None, 125 * _T, "V100 datasheet (SXM2)"),
     (("Tesla V100-PCIE-16GB", "Tesla V100-PCIE-32GB"), 14 * _T, None, None, 112 * _T, "V100 datasheet (PCIe)"),
     (("Tesla V100S-PCIE-32GB",), 16.4 * _T, None, None, 130 * _T, "V100S datasheet"),

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 #: The 16-bit precisions a run may compute in (mixed precision, fp32 masters).
 LOW_PRECISIONS = ("bf16", "fp16")
+#: Every precision a spec may name (the schemas' precision enums: distlab.configuration.axes).
+PRECISIONS = ("fp32", *LOW_PRECISIONS)
 #: Accelerate's `mixed_precision` (config file and Accelerator argument) for each spec precision.
 ACCELERATE_MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 

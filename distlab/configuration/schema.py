@@ -1,9 +1,8 @@
-"""config/schema.yaml, parsed once per process and file version.
-
-A module of its own so that both its readers import it and neither imports the other:
-distlab.configuration.config validates every config against it and distlab.tasks reads its task enum
-(the names a config may use), while distlab.configuration.config asks distlab.tasks for each experiment's
-task. Torch-free and light: the Snakefile imports it at parse time."""
+"""config/schema.yaml, parsed once per process, file version and set of axis names, with its
+`enum_from` enums filled from the axes' declarations (distlab.configuration.axes): the file
+lists no strategy, task, launcher, stage, precision, method, device or sampler by hand, and
+each strategy's `<name>:` block is the `schema` of its settings (distlab/strategies/<name>_settings.py).
+Torch-free and light: the Snakefile imports it at parse time."""
 from __future__ import annotations
 
 import copy
@@ -11,6 +10,8 @@ import functools
 from pathlib import Path
 
 import yaml
+
+from distlab.configuration import axes
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent.parent / "config" / "schema.yaml"
 
@@ -25,15 +26,18 @@ def schema_read_only() -> dict:
     Expanding the default config asks for it ~170 times (each experiment's task names), which
     cost 8 s of YAML parsing in every `snakemake` call and test, then 0.07 s of copies."""
     path = Path(SCHEMA_PATH)
-    return _parsed_schema(str(path), path.stat().st_mtime_ns)
+    return _parsed_schema(str(path), path.stat().st_mtime_ns, axes.frozen_names())
 
 
 @functools.lru_cache(maxsize=4)
-def _parsed_schema(path: str, version: int) -> dict:
+def _parsed_schema(path: str, version: int, names: tuple) -> dict:
     with open(path) as fh:
-        return yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml where built
+        schema = yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml where built
+    axes.fill_enums(schema, dict(names))
+    from distlab.strategies.settings import registered
 
-
-def task_enum() -> list[str]:
-    """The experiment's task enum: every task name a config may use."""
-    return list(schema_read_only()["$defs"]["experiment"]["properties"]["task"]["enum"])
+    experiment = schema["$defs"]["experiment"]["properties"]
+    for name, settings in registered().items():  # each strategy's own block, typed in its settings file
+        if settings.schema is not None:
+            experiment[name] = copy.deepcopy(settings.schema)
+    return schema

@@ -3,8 +3,8 @@
 The first launch is the experiment (it trains, evaluates, saves). Each further launch runs
 the same job again in fresh processes with a fresh process group, timing its steps only (no
 checkpoint, no held-out eval), in a folder of its own that is removed afterwards. What each
-launch measured (tokens/s, median step, last loss, machine noise) is folded into the first
-launch's metrics.json under `launches`; the report's tokens/s is then their median and its
+launch measured (its throughput in the task's unit: tokens/s, images/s; median step, last loss, machine noise) is folded into the first
+launch's metrics.json under `launches`; the report's throughput is then their median and its
 spread their min-max (distlab.report.collect.throughput_stats). A launch that reached other
 losses did not do the same work: the run fails.
 """
@@ -15,14 +15,17 @@ from pathlib import Path
 
 from distlab.records.job import Job, replace
 from distlab.records.run_layout import run_files_dir
-from distlab.records.run_outputs import read_run_record, write_metrics
+from distlab.records.run_outputs import read_run_record, throughput_unit, write_metrics
 
 # Float summation order only (the same seed, data and world size): identical here to ~1e-6.
 LOSS_TOLERANCE = 1e-5
 
 
 def summary_of(metrics: dict) -> dict:
-    return {"tokens_per_s": metrics["throughput"]["tokens_per_s"],
+    """What one launch measured, its throughput in the unit the run counts (its task's: tokens/s,
+    images/s), named as the run's throughput names it."""
+    unit = throughput_unit(metrics)
+    return {"unit": unit, f"{unit}s_per_s": metrics["throughput"][f"{unit}s_per_s"],
             "median_step_s": metrics["timing"]["step_time_s"]["median"],
             "loss_last": metrics["loss"]["last"], "noise": metrics.get("noise")}
 

@@ -56,12 +56,31 @@ def write_metrics(run_dir, metrics: dict) -> None:
     os.replace(partial, path)
 
 
+# The task of a spec that names none (the config's default; every run written before tasks
+# existed) and what a record's throughput counts when it names no unit (those runs': tokens).
+DEFAULT_TASK = "causal-lm"
+UNIT_BEFORE_TASKS = "token"
+
+
+def task_of(spec: Mapping) -> str:
+    """The task a spec trains (distlab/tasks)."""
+    return spec.get("task", DEFAULT_TASK)
+
+
+def throughput_unit(record: Mapping) -> str:
+    """The unit a run's throughput counts, as the run recorded it (`throughput.unit`, its task's:
+    tokens, images): its figures are `<unit>s_per_s`, `<unit>s_per_step`. Also one launch's
+    entry of `launches` (distlab.jobs.launches), which names its unit the same way."""
+    throughput = record.get("throughput", record) or {}
+    return throughput.get("unit", UNIT_BEFORE_TASKS)
+
+
 def one_line(metrics: dict) -> str:
     """A finished run in one line, for the terminal Snakemake runs the job in."""
     if metrics.get("status") != "ok":
         return f"{metrics['experiment']}: {metrics.get('status')}"
     loss, timing = metrics["loss"], metrics["timing"]["step_time_s"]
-    unit = metrics["throughput"].get("unit", "token")  # the task's: tokens or images
+    unit = throughput_unit(metrics)
     trained = (metrics.get("eval") or {}).get("trained") or {}
     held_out = f", eval loss {trained['loss']:.3f}" if isinstance(trained.get("loss"), float) else ""
     return (f"{metrics['experiment']}: ok, {len(loss['per_step'])} steps, loss {loss['first']:.3f} -> "

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from distlab.tools import advisor as adv
 from distlab.tools import advisor_check
-from distlab.report.cards import (COMPARED, DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Table, all_cards, is_busy)
+from distlab.report.cards import (COMPARED, DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Goal, Table, all_cards, is_busy)
 from distlab.report.cards.across import (card_noting_missing, collectives_card, loss_card, machines_card,
                                          ranking_card)
 from distlab.report.cards.checkpoint_table import checkpoint_card
@@ -155,6 +155,19 @@ def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
     card.tables.append(Table(f"Estimated memory per device on {machine} ({plan['devices']} device(s), "
                              f"{adv.human(a['usable_bytes_per_device'])} usable each)", frame,
                              " ".join(a["how"].split())))
+    if a.get("time"):  # a named box: the strategies that fit, ranked by predicted step time (advisor_time)
+        from distlab.tools.advisor_time import card_rows
+
+        ranking, refs = card_rows(a["time"])
+        link = a["time"]["link"]
+        if a["time"].get("decides"):
+            card.notes.append(f"{machine}'s box ({link['label']}): {a['time']['decides']}.")
+        card.tables.append(Table(f"Time ranking of the box advised on {machine} ({link['label']}): predicted "
+                                 "step, fastest first", pd.DataFrame(ranking), " ".join(a["time"]["how"].split())))
+        if refs:
+            card.tables.append(Table(f"Published references beside the prediction ({link['label']})",
+                                     pd.DataFrame(refs), "measured by others on the named hardware, not on this "
+                                     "machine; predicted/published = this box's prediction over their figure"))
     checked = advisor_check.check_against_runs(a, runs)
     if checked:
         wrong = [c for c in checked if c["verdict"] != "right"]
@@ -172,11 +185,35 @@ def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
         card.notes.append(f"The estimate was wrong for {len(wrong)} of {len(checked)} run(s)"
                           + (": " + "; ".join(f"{c['experiment']} ({c['where'] or 'total'})" for c in wrong)
                              if wrong else "."))
+    step_time_table(card, machine, runs)
     other = sorted(r["experiment"] for r in runs if r.get("status") == "ok"
                    and r["spec"].get("model", "default") != "default")
     if other:
         card.notes.append(f"Not checked against the estimate: {', '.join(other)} (another model than the "
                           "base model the advice sizes: model.extra).")
+
+
+def step_time_table(card: Card, machine: str, runs: list[dict]) -> None:
+    """Predicted against measured step time for every run of the machine (distlab.tools.step_time)."""
+    import pandas as pd
+
+    from distlab.tools.step_time import TOLERANCE
+
+    rows = advisor_check.check_step_times(runs)
+    if not rows:
+        return
+    status, evidence = advisor_check.step_time_verdict(rows)
+    card.goals.append(Goal("minimal", f"Step time predicted before each run, within {TOLERANCE:.0%} of the measured "
+                                      f"median for at least 80% of the runs timed on a quiet machine ({machine})",
+                           {"passed": PASSED, "failed": FAILED}.get(status, NOT_RUN), evidence))
+    card.tables.append(Table(
+        f"Step time: predicted before the run vs measured on {machine}", pd.DataFrame(rows),
+        "predicted = compute (the step's kernels at the model's shapes, timed by the compute probe) + exposed "
+        "communication (each collective at its size from collectives.json) + optimizer and offload copies + "
+        "pipeline bubble, made by the job before its ranks started (metrics.json prediction, its terms and "
+        "their inputs); measured = the median step after warm-up. A run timed on a busy machine is shown, "
+        "not scored. 'furthest off' compares communication with the time the strategy's collectives were in "
+        "flight where it times them, and the rest of the step with the rest of the prediction."))
 
 
 def _versions(runs: list[dict]) -> str:

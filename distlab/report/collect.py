@@ -24,7 +24,8 @@ from pathlib import Path
 
 from distlab.report.inputs import job_wall_seconds, readable
 from distlab.records.run_layout import KUBERAY_CHECKS, run_files_dir
-from distlab.records.run_outputs import MAX_RESULTS_FILE_BYTES, ResultsError, parse_json, read_json_object, read_run_record
+from distlab.records.run_outputs import (MAX_RESULTS_FILE_BYTES, ResultsError, parse_json, read_json_object,
+                                         read_run_record, task_of, throughput_unit)
 
 VALIDATION_SCHEMA_VERSION = 1
 COLLECTIVES_SCHEMA_VERSION = 1
@@ -35,35 +36,21 @@ HARDWARE_SCHEMA_VERSION = 1
 MACHINE_FILE_KINDS = {"hardware.json": "hardware", "collectives.json": "collectives", "advice.json": "advice"}
 
 
-def registry_enums() -> dict[str, list]:
-    """What results_schema.yaml's `enum_from` names: the names the code itself knows."""
-    from distlab.configuration.config import STAGE_ORDER
-    from distlab.launchers import REGISTRY as LAUNCHERS
-    from distlab.strategies import strategy_names
-    from distlab.tasks import task_named, task_names
-
-    return {"stages": list(STAGE_ORDER), "strategies": strategy_names(), "launchers": sorted(LAUNCHERS),
-            "tasks": task_names(), "units": sorted({task_named(name).unit for name in task_names()})}
-
-
-def _fill_enums(node, enums: dict) -> None:
-    if isinstance(node, dict):
-        if "enum_from" in node:
-            node["enum"] = list(enums[node.pop("enum_from")])
-        for value in node.values():
-            _fill_enums(value, enums)
-    elif isinstance(node, list):
-        for value in node:
-            _fill_enums(value, enums)
-
-
-@functools.lru_cache(maxsize=1)
 def _schemas() -> dict:
+    """results_schema.yaml with its enums filled from the axes' declarations (a strategy or task
+    registered since the last call is in them)."""
+    from distlab.configuration import axes
+
+    return _filled_schemas(axes.frozen_names())
+
+
+@functools.lru_cache(maxsize=4)
+def _filled_schemas(names: tuple) -> dict:
     import yaml
 
-    schemas = yaml.safe_load((Path(__file__).with_name("results_schema.yaml")).read_text())
-    _fill_enums(schemas, registry_enums())
-    return schemas
+    from distlab.configuration.axes import fill_enums
+
+    return fill_enums(yaml.safe_load((Path(__file__).with_name("results_schema.yaml")).read_text()), dict(names))
 
 
 def check_schema(data, kind: str, path) -> None:
@@ -116,9 +103,9 @@ def read_steps(path: Path) -> list[dict]:
 
 
 def unit_of(run: dict) -> str:
-    """What a run's throughput counts: tokens (causal LM, and runs written before tasks existed)
-    or images (text-to-image): throughput.<unit>s_per_s, <unit>s_per_step."""
-    return (run.get("throughput") or {}).get("unit", "token")
+    """What a run's throughput counts (distlab.records.run_outputs.throughput_unit): tokens (causal
+    LM, and runs written before tasks existed) or images (text-to-image)."""
+    return throughput_unit(run)
 
 
 def throughput_stats(run: dict) -> dict | None:
@@ -134,12 +121,16 @@ def throughput_stats(run: dict) -> dict | None:
     tokens = (run.get("throughput") or {}).get(f"{unit}s_per_step")
     if not tokens:
         return None
-    launches = [x["tokens_per_s"] for x in run.get("launches") or []]
+    per_launch = run.get("launches") or []
+    if any(throughput_unit(x) != unit for x in per_launch):
+        raise ResultsError(f"{run.get('_path', 'metrics.json')}: field 'launches' counts in another unit than the "
+                           f"run's {unit}s; fix or remove the file")
+    launches = [x[f"{unit}s_per_s"] for x in per_launch]
     if len(launches) >= 2:  # spec launches: independent launches, the run-to-run spread
         return {"median": statistics.median(launches), "low": min(launches), "high": max(launches),
                 "windows": launches, "repeats": 1, "launches": len(launches),
                 "timed_steps": run["timing"]["step_time_s"]["n"],
-                "how": f"{len(launches)} independent launches; median and min-max of their tokens/s"}
+                "how": f"{len(launches)} independent launches; median and min-max of their {unit}s/s"}
     repeats = max(1, int(run["spec"].get("repeats", 1)))
     # "warmup": the row key before it was renamed "untimed" (results of older runs).
     timed = [r["step_time_s"] for r in run.get("_steps", []) if not r.get("untimed", r.get("warmup"))]
@@ -324,6 +315,23 @@ def validation_status(run: dict) -> str | None:
     return "passed" if v.get("passed") else "failed"
 
 
+def throughput_columns(run: dict, spread: dict) -> dict:
+    """The run's unit and, for every unit a task counts in (distlab.configuration.axes), its
+    <unit>s_per_s with the spread the report compares (low, high) and per rank: filled in the
+    run's own unit, empty in the others."""
+    from distlab.configuration.axes import names
+
+    unit = unit_of(run)
+    columns = {"unit": unit}
+    for each in names()["units"]:
+        mine = each == unit
+        columns.update({f"{each}s_per_s": _get(run, "throughput", f"{each}s_per_s") if mine else None,
+                        f"{each}s_per_s_low": spread.get("low") if mine else None,
+                        f"{each}s_per_s_high": spread.get("high") if mine else None,
+                        f"{each}s_per_s_per_rank": _get(run, "throughput", f"{each}s_per_s_per_rank") if mine else None})
+    return columns
+
+
 def summary_row(run: dict) -> dict:
     from distlab.records.memory_phases import phase_peaks
 
@@ -335,9 +343,12 @@ def summary_row(run: dict) -> dict:
     cuda_peak = [v for v in cuda_peak if v is not None]
     spread = run.get("_throughput") or {}
     return {
-        "machine": run["machine"], "stage": run["stage"], "task": spec.get("task", "causal-lm"),
+        "machine": run["machine"], "stage": run["stage"], "task": task_of(spec),
         "experiment": run["experiment"],
-        "status": run.get("status"), "strategy": spec["strategy"], "launcher": spec["launcher"],
+        "status": run.get("status"), "strategy": spec["strategy"],
+        # Its own settings block (`deepspeed: {zero_stage, ...}`), whatever the strategy: read by name.
+        "strategy_settings": json.dumps(spec[spec["strategy"]], sort_keys=True) if spec.get(spec["strategy"]) else None,
+        "launcher": spec["launcher"],
         "method": spec["method"], "model": spec.get("model", "default"), "memory_budget_gib": spec.get("memory_budget_gib"),
         "device": spec["device"], "world_size": spec["world_size"],
         "micro_batch": spec["micro_batch"], "grad_accum": spec["grad_accum"], "seq_len": spec["seq_len"],
@@ -348,11 +359,8 @@ def summary_row(run: dict) -> dict:
         "step_time_median_s": step.get("median"), "step_time_p25_s": step.get("p25"),
         "step_time_p75_s": step.get("p75"), "step_time_min_s": step.get("min"), "step_time_max_s": step.get("max"),
         "timed_steps": step.get("n"),
-        "tokens_per_s": _get(run, "throughput", "tokens_per_s"),
-        "tokens_per_s_low": spread.get("low"), "tokens_per_s_high": spread.get("high"),
-        "tokens_per_s_per_rank": _get(run, "throughput", "tokens_per_s_per_rank"),
+        **throughput_columns(run, spread),
         "samples_per_s": _get(run, "throughput", "samples_per_s"),
-        "images_per_s": _get(run, "throughput", "images_per_s"),
         "mfu": _get(run, "flops", "mfu"),
         "comm_inflight_median_s": _get(run, "timing", "comm_inflight_s_per_step", "median"),
         # distlab.runtime.noise: other processes' CPU while the steps were timed; busy = figures inflated.
@@ -382,7 +390,7 @@ def summary_row(run: dict) -> dict:
 def summary_frame(runs: list[dict]):
     import pandas as pd
 
-    from distlab.configuration.config import STAGE_ORDER
+    from distlab.configuration.axes import STAGE_ORDER
 
     frame = pd.DataFrame([summary_row(r) for r in runs])
     if frame.empty:

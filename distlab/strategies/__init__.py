@@ -2,8 +2,9 @@
 imported only when a run asks for it (parsing the Snakefile never imports torch or
 DeepSpeed), with its settings beside it in distlab/strategies/<name>_settings.py (torch-free:
 the config layer reads them, distlab/strategies/settings.py). The settings files are the list
-of strategies: a rank finds its class without reading config/schema.yaml, whose strategy enum
-must name the same ones (ARCHITECTURE.md, how to add a strategy)."""
+of strategies: a rank finds its class without reading config/schema.yaml, and both schemas'
+strategy enums are filled from it (distlab.configuration.axes; ARCHITECTURE.md, how to add a
+strategy)."""
 from __future__ import annotations
 
 from distlab.registry import load

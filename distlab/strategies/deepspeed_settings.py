@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
-from distlab.strategies.settings import StrategySettings, precision_layout, sharded_counts, state
+from distlab.strategies.settings import StrategySettings, block_schema, precision_layout, sharded_counts, state
+
+OFFLOAD_TARGETS = ["none", "cpu", "nvme"]
 
 
 # DeepSpeed's own defaults for the live-parameter limits (elements), written out so the file
@@ -60,6 +62,37 @@ class DeepSpeedSettings(StrategySettings):
     name = "deepspeed"
     defaults = {"zero_stage": 2, "offload_optimizer": "none", "offload_param": "none", "nvme_path": None,
                 "optimizer_impl": "torch", "zero3_profile": "auto"}
+    schema = block_schema({
+        "zero_stage": {"description": "ZeRO stage.", "type": "integer", "minimum": 0, "maximum": 3},
+        "offload_optimizer": {"description": "Optimizer state offload (stage 1-3).", "enum": OFFLOAD_TARGETS},
+        "offload_param": {"description": "Parameter offload (stage 3).", "enum": OFFLOAD_TARGETS},
+        "nvme_path": {"description": "Folder for NVMe offload.", "type": ["string", "null"]},
+        "zero_config": {
+            "description": "Further keys of the generated config's zero_optimization block, over distlab's own "
+                           "(e.g. reduce_bucket_size, stage3_max_live_parameters, stage3_prefetch_bucket_size, "
+                           "stage3_max_reuse_distance), over the zero3_profile's and the gradient bucket distlab "
+                           "sizes from the model; the other keys are DeepSpeed's defaults. Not part of the "
+                           "experiment id. The stage-3 budget pair in config/config.yaml bounds ZeRO-3's gathered "
+                           "parameters and gradient buckets with it.",
+            "type": "object",
+            "propertyNames": {"pattern": "^[a-z0-9_]+$", "not": {"enum": ["stage", "offload_optimizer", "offload_param"]}},
+            "additionalProperties": {"type": ["number", "boolean", "string"]}},
+        "zero3_profile": {
+            "description": "ZeRO-3's gathered-parameter settings (distlab.strategies.deepspeed_config.zero3_limits). "
+                           "auto: what a DeepSpeed user gets from Hugging Face's \"auto\" values, sized from the "
+                           "model's hidden size h: parameters up to 10*h elements stay whole on every rank "
+                           "(stage3_param_persistence_threshold), 0.9*h^2 elements prefetched, DeepSpeed's 1e9 live "
+                           "parameters and reuse distance (a small model stays gathered from forward to backward: "
+                           "fewer collectives, more memory). lean: nothing persistent, one decoder layer live and "
+                           "one prefetched (least memory, every parameter re-gathered for backward). zero_config "
+                           "overrides either. Stage 3 only; lean adds \"lean\" to the id.",
+            "enum": ["auto", "lean"]},
+        "optimizer_impl": {
+            "description": "torch: torch.optim.AdamW inside DeepSpeed (DeepSpeed's torch_adam; the implementation DDP "
+                           "runs, nothing to compile). deepspeed: DeepSpeed's FusedAdam, or DeepSpeedCPUAdam when "
+                           "offloading (C++/CUDA ops JIT-built on first use; minutes on a small CPU).",
+            "enum": ["torch", "deepspeed"]},
+    })
     ray_train = True
     advisor_rows = {"zero1": {"zero_stage": 1}, "zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3},
                     "zero3-offopt": {"zero_stage": 3, "offload_optimizer": "cpu"},

@@ -2,12 +2,18 @@
 and memory formula. `via: accelerate` hands the run to the Accelerate strategy."""
 from __future__ import annotations
 
-from distlab.strategies.settings import StrategySettings, precision_layout, sharded_counts, state
+from distlab.strategies.settings import StrategySettings, block_schema, precision_layout, sharded_counts, state
 
 
 class FSDPSettings(StrategySettings):
     name = "fsdp"
     defaults = {"reshard_after_forward": True, "cpu_offload": False, "via": "native"}
+    schema = block_schema({
+        "reshard_after_forward": {"description": "true: full shard (ZeRO-3-like); false: shard grad/optimizer only.",
+                                  "type": "boolean"},
+        "cpu_offload": {"description": "FSDP2 CPUOffloadPolicy.", "type": "boolean"},
+        "via": {"description": "native FSDP2, or through Accelerate (CUDA only).", "enum": ["native", "accelerate"]},
+    })
     ray_train = True
     dcp_checkpoint = True
 

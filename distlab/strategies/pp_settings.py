@@ -5,12 +5,17 @@ from __future__ import annotations
 import math
 
 from distlab.configuration.families import pp_pieces
-from distlab.strategies.settings import ModelParallelSettings, state
+from distlab.strategies.settings import ModelParallelSettings, block_schema, state
 
 
 class PPSettings(ModelParallelSettings):
     name = "pp"
     defaults = {"schedule": "gpipe", "microbatches": 4}
+    schema = block_schema({
+        "schedule": {"description": "Pipeline schedule.", "enum": ["gpipe", "1f1b"]},
+        "microbatches": {"description": "Pipeline micro-batches each loop micro-batch is cut into (must divide "
+                                        "micro_batch).", "type": "integer", "minimum": 1},
+    })
     holds_layer_run = True
     needs_of_task = {"layer_stack": "pipeline parallel cuts a sequence of decoder layers passing one hidden state"}
 

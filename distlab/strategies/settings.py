@@ -6,9 +6,9 @@ Each strategy `<name>` keeps these beside its module, in distlab/strategies/<nam
 as `SETTINGS = <StrategySettings subclass instance>`. The registry is those files, found by
 their names (a directory listing: no schema read, no torch): the Snakefile's config expansion
 (distlab.configuration.config), distlab.configuration.validation_scope, the advisor and every rank (distlab.strategies.
-strategy_for) read strategies through it. config/schema.yaml's strategy enum must name the
-same strategies and hold a block for each one's settings (`schema_mismatch`, checked when a
-config is validated).
+strategy_for) read strategies through it. config/schema.yaml's strategy enum is filled from the
+same files and each one's block from its `schema` (distlab.configuration.schema); `schema_mismatch`,
+checked when a config is validated, refuses a schema that differs from them.
 """
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ class StrategySettings:
     name: str = ""
     #: The spec's `<name>:` block as every experiment inherits it (None: the strategy has none).
     defaults: dict | None = None
+    #: The JSON Schema of that block (`block_schema`), put into config/schema.yaml's experiment
+    #: as its `<name>:` property when the schema loads (distlab.configuration.schema): a strategy's
+    #: settings are typed here, beside their defaults, not in the schema file.
+    schema: dict | None = None
     #: What `launcher: auto` starts the strategy's ranks with.
     launcher: str = "torchrun"
     #: Whether each rank reads its own samples (False: the ranks split the model and read the same ones).
@@ -157,6 +161,11 @@ class ModelParallelSettings(StrategySettings):
 
     def advisor_row(self, spec):
         return self.name
+
+
+def block_schema(properties: dict) -> dict:
+    """A strategy's `<name>:` block as JSON Schema: these keys, no others."""
+    return {"type": "object", "additionalProperties": False, "properties": properties}
 
 
 def registered() -> dict[str, StrategySettings]:

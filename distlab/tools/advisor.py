@@ -143,8 +143,12 @@ def plan_devices(hardware: dict, advisor_cfg: dict, cpu_ranks: int, collectives:
         from distlab.tools.advisor_box import measured_interconnect
 
         sizes = [d["memory_gib"] * GIB for d in advisor_cfg["devices"]]
+        from distlab.tools.advisor_time import interconnect
+
         link = advisor_cfg.get("interconnect")
+        named = interconnect(link)
         nvlink, link_how = (measured_interconnect(collectives) if link == "measured" else
+                            (named["nvlink"], f"interconnect: {link} ({named['label']})") if named else
                             (link == "nvlink", f"interconnect: {link}") if link else (advisor_cfg.get("nvlink"), ""))
         source = "config advisor.devices: " + ", ".join(f"{d.get('name', '?')} {d['memory_gib']:g} GiB"
                                                          for d in advisor_cfg["devices"])
@@ -253,9 +257,20 @@ def advise(model_config: dict, hardware: dict, config: dict, cpu_ranks: int = 1,
                          config["advisor"].get("headroom", 0.1), workload["micro_batch"], evidence or {})
         reasons += box["reasons"]
     counts = workload_counts(shape, workload)
+    time = None
+    if config.get("advisor", {}).get("devices"):  # a named box: the strategies that fit, ranked by predicted time
+        from distlab.tools.advisor_time import rank_box
+
+        time = rank_box(shape, counts, workload, config["advisor"]["devices"], config["advisor"].get("interconnect"),
+                        list(many.values()), budget, checkpointing)
+        if time and time["ranking"]:
+            first = time["ranking"][0]
+            reasons.append(f"fastest of those that fit on this box: {first['key']} at a predicted "
+                           f"{first['step_time_s']:.2f} s per step ({first['sentence']})"
+                           + (f"; {time['decides']}" if time.get("decides") else ""))
     from distlab.tools.save_estimate import save_estimate
 
-    return {"box": box, "schema_version": 1, "model": {"shape": shape, "parameters": {
+    return {"box": box, "time": time, "schema_version": 1, "model": {"shape": shape, "parameters": {
                 k: v for k, v in counts.items() if not k.startswith("_")}},
             "save": save_estimate(counts, shape["vocab_size"], workload["method"] in ("lora", "qlora"), workload.get("export")),
             "workload": workload, "devices": plan, "usable_bytes_per_device": budget,
@@ -295,5 +310,9 @@ def render_markdown(advice: dict) -> str:
                   f"{r['uniform']} | {r['sized'] if r['sized'] is not None else '-'} |" for r in box["devices"]]
         lines += ["", "Evidence measured on this machine:"] + [f"- {e}" for e in box["evidence"] or
                                                                ["none yet: `snakemake links` and `snakemake unequal`"]]
+    if advice.get("time"):
+        from distlab.tools.advisor_time import markdown
+
+        lines += markdown(advice["time"], plan["source"].removeprefix("config advisor.devices: "))
     lines += ["", "How estimated: " + " ".join(advice["how"].split()), ""]
     return "\n".join(lines)

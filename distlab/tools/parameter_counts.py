@@ -73,6 +73,7 @@ def _parameter_counts(config_json: str, lora_json: str) -> dict:
     linear_weights = sum(m.weight.numel() for layer in decoder_layers(model) for m in layer.modules()
                          if isinstance(m, torch.nn.Linear))
     tp_split = _tp_split(model)
+    linears = _layer_linears(model)
     trainable = total
     if lora is not None:
         from distlab.runtime.lora import apply_lora
@@ -83,7 +84,39 @@ def _parameter_counts(config_json: str, lora_json: str) -> dict:
     return {"total": total, "embedding": embedding, "per_layer": per_layer,
             "largest_unit": max(per_layer, embedding, head), "trainable": trainable,
             "layers": len(decoder_layers(model)), "decoder_linear_weights": linear_weights, "hidden_size": getattr(config, "hidden_size", None),
-            "_shapes": [(tuple(p.shape), p.requires_grad) for p in model.parameters()], "_tp_split": tp_split}
+            "_shapes": [(tuple(p.shape), p.requires_grad) for p in model.parameters()], "_tp_split": tp_split,
+            "_linears": linears}
+
+
+def _layer_linears(model) -> list[tuple[str, int, int, int | None]]:
+    """(name, in_features, out_features, tensor-parallel split dim or None) of each matmul weight
+    in one decoder layer (every layer is alike), then ("lm_head", hidden, vocab, None): the
+    matmul shapes the step-time model probes (distlab.tools.step_time). GPT-2's Conv1D holds
+    its weight as (in, out); nn.Linear as (out, in)."""
+    import torch
+
+    from distlab.runtime.model import decoder_layers
+
+    try:
+        from distlab.strategies.tp import layer_plan
+
+        plan = layer_plan(model)
+    except NotImplementedError:
+        plan = {}
+    out = []
+    for name, module in decoder_layers(model)[0].named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, torch.nn.Linear):
+            fan_in, fan_out = module.in_features, module.out_features
+        elif type(module).__name__ == "Conv1D" and weight is not None and weight.dim() == 2:
+            fan_in, fan_out = weight.shape
+        else:
+            continue
+        style = plan.get(name)
+        out.append((name, int(fan_in), int(fan_out), None if style is None else 0 if style.startswith("colwise") else 1))
+    hidden, vocab = model.get_input_embeddings().weight.shape[::-1]
+    out.append(("lm_head", int(hidden), int(vocab), None))
+    return out
 
 
 def _tp_split(model) -> list[tuple[tuple, int]] | None:

@@ -12,6 +12,8 @@ import os
 import pkgutil
 from dataclasses import dataclass, field
 
+from distlab.records.run_outputs import DEFAULT_TASK, task_of
+
 PASSED, FAILED, NOT_RUN, COMPARED = "passed", "failed", "not run", "compared, not enforced"
 # Measured, but the figure contradicts what the setup allows (a speedup above linear, offload
 # faster than none): shown with its likely cause, never passed.
@@ -143,7 +145,7 @@ def phase_peak_table(runs: list[dict], title: str, extra=None) -> Table:
 
 def run_task(run) -> str:
     """The task a run trained (distlab/tasks); runs written before tasks existed are causal LMs."""
-    return run["spec"].get("task", "causal-lm")
+    return task_of(run["spec"])
 
 
 def all_cards(runs: list[dict]) -> list[Card]:
@@ -153,7 +155,7 @@ def all_cards(runs: list[dict]) -> list[Card]:
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if info.name.startswith("stage"):
             module = importlib.import_module(f"{__name__}.{info.name}")
-            task = getattr(module, "TASK", "causal-lm")
+            task = getattr(module, "TASK", DEFAULT_TASK)
             mine = [r for r in runs if run_task(r) == task]
             card = module.build(mine)
             lesson = getattr(module, "LESSON", None)  # (stage, whether its runs must train what DDP trains)

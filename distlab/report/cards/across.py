@@ -4,7 +4,8 @@ modules: the report (distlab.report.build) places them after the stage cards."""
 from __future__ import annotations
 
 from distlab.tools import collectives as coll
-from distlab.report.cards import Card, Figure, Table, spread_caveat
+from distlab.records.run_outputs import DEFAULT_TASK
+from distlab.report.cards import Card, Figure, Table, run_task, spread_caveat
 from distlab.report.collect import clear_winner, unit_of
 from distlab.report.plots import bandwidth_curves, loss_panels, ranking
 
@@ -160,8 +161,8 @@ def loss_card(runs: list[dict]) -> Card:
     by_stage = {}
     for run in runs:
         if run.get("status") == "ok":  # a text-to-image run's loss (a denoising MSE) gets a panel of its own
-            task = run["spec"].get("task", "causal-lm")
-            by_stage.setdefault(run["stage"] if task == "causal-lm" else f"{run['stage']} ({task})", []).append(run)
+            task = run_task(run)
+            by_stage.setdefault(run["stage"] if task == DEFAULT_TASK else f"{run['stage']} ({task})", []).append(run)
     if by_stage:
         card.figures.append(Figure("Loss per optimizer step, one panel per stage", loss_panels(by_stage),
                                    "mean training loss over data-parallel ranks per optimizer step, warm-up included"))

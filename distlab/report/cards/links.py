@@ -95,6 +95,36 @@ def collectives_rows(collectives: dict) -> tuple[list[dict], list[dict]]:
     return rows, series
 
 
+def prediction_table(card: Card, linked: list[dict]) -> None:
+    """Each link run's step time predicted before it ran (its link's collectives file) against the
+    measured median, and the bytes the model says each host sends against the host's counters."""
+    import pandas as pd
+
+    from distlab.tools.advisor_check import check_step_times, step_time_verdict
+    from distlab.tools.step_time import LINK_TOLERANCE
+
+    rows = check_step_times(linked, LINK_TOLERANCE)
+    if not rows:
+        return
+    by_name = {r["experiment"]: r for r in linked}
+    for row in rows:
+        run = by_name[row["experiment"]]
+        predicted = ((run.get("prediction") or {}).get("terms") or {}).get("communication", {}).get("wire_bytes_per_rank")
+        wire = wire_bytes_per_step(run)
+        row["link"] = link_label(cap_of(run))
+        row["predicted MB/step sent"] = None if predicted is None else round(predicted / 1e6, 3)
+        row["measured MB/step sent"] = None if wire is None else round(wire / 1e6, 3)
+    status, evidence = step_time_verdict(rows, share=1.0)
+    card.goals.append(Goal("minimal", f"Step time predicted within {LINK_TOLERANCE:.0%} at every link",
+                           {"passed": PASSED, "failed": FAILED}.get(status, NOT_RUN), evidence))
+    card.tables.append(Table("Predicted before the run vs measured, at each link", pd.DataFrame(rows), (
+        "predicted: distlab.tools.step_time from the compute probe and the link's own collectives file "
+        "(links/collectives-<cap>.json), made by the job before its ranks started; measured: the median step. "
+        "MB/step sent: the bytes the model says each host sends per step (ring algorithms: an all-reduce of B "
+        "bytes sends B per host at 2 hosts, an all-gather or reduce-scatter B/2) against the host's eth0 "
+        "counters (every step, warm-up and the loss's reduction included).")))
+
+
 def build(runs: list[dict], collectives: dict) -> tuple[Card, dict]:
     import pandas as pd
 
@@ -153,6 +183,7 @@ def build(runs: list[dict], collectives: dict) -> tuple[Card, dict]:
         "compute/communication overlap assumed (DDP overlaps, so its real break-even is lower). A device whose step is k times shorter needs k times the bandwidth for the same "
         "balance; 'fits' lists the roadmap's interconnects (Gbit/s each way: " + ", ".join(
             f"{k} {v:,}" for k, v in INTERCONNECTS.items()) + ") that carry it at x1000.")))
+    prediction_table(card, linked)
     card.goals.append(Goal("minimal", "Strategies measured over capped links against 1 rank", PASSED,
                            f"{len(linked)} runs: {', '.join(sorted(by_strategy))} at {', '.join(link_label(c) for c in caps)}",
                            [metrics_link(r) for r in linked[:1]] + [metrics_link(one)]))

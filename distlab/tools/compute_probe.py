@@ -1,0 +1,139 @@
+"""The compute probe: times the kernels a run's step is made of, at the model's own shapes, the
+rank's thread count and dtype, so that the step-time model (distlab.tools.step_time) predicts
+from measured parts rather than a datasheet peak. One probe per machine and model; the kernel
+list comes from every experiment's spec (`step_time.kernels_needed`).
+
+Each kernel is timed after warm-up calls, as the median of repeated calls (at least
+MIN_REPEATS, until TIME_PER_KERNEL_S is spent), on fresh random inputs of its shape.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+MIN_REPEATS = 3
+MAX_REPEATS = 40
+TIME_PER_KERNEL_S = 0.1
+WARMUP = 1
+
+
+def _timed(call, sync) -> tuple[float, int]:
+    for _ in range(WARMUP):
+        call()
+    sync()
+    times, spent = [], 0.0
+    while len(times) < MIN_REPEATS or (spent < TIME_PER_KERNEL_S and len(times) < MAX_REPEATS):
+        start = time.perf_counter()
+        call()
+        sync()
+        times.append(time.perf_counter() - start)
+        spent += times[-1]
+    return statistics.median(times), len(times)
+
+
+def _kernel(kind: str, dims: list[int], dtype, device):
+    """(forward-only call or None, full call) of one kernel."""
+    import torch
+    import torch.nn.functional as F
+
+    def rand(*shape, grad=False, dt=dtype):
+        return torch.randn(*shape, device=device, dtype=dt, requires_grad=grad)
+
+    if kind == "mm":
+        m, k, n = dims
+        a, b = rand(m, k), rand(k, n)
+        return None, lambda: a @ b
+    if kind == "sdpa":
+        rows, heads, seq, head_dim = dims
+        q, k, v = (rand(rows, heads, seq, head_dim, grad=True) for _ in range(3))
+
+        def forward():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        def both():
+            forward().sum().backward()
+        return forward, both
+    if kind == "elementwise":
+        # A decoder layer's work outside its matmuls: two RMSNorms, rotary embedding of q and k,
+        # the gated MLP's activation, two residual adds (Llama-like families).
+        tokens, hidden, inter = dims
+        x, q, k = rand(tokens, hidden, grad=True), rand(tokens, hidden, grad=True), rand(tokens, hidden, grad=True)
+        gate, up = rand(tokens, inter, grad=True), rand(tokens, inter, grad=True)
+        cos, sin = rand(tokens, hidden), rand(tokens, hidden)
+        weight = torch.ones(hidden, device=device, dtype=dtype, requires_grad=True)
+
+        def norm(h):
+            h32 = h.float()
+            return (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype) * weight
+
+        def rotate(t):
+            half = t.shape[-1] // 2
+            return t * cos + torch.cat((-t[..., half:], t[..., :half]), -1) * sin
+
+        def forward():
+            a = norm(x)
+            r = rotate(q) + rotate(k)
+            m = F.silu(gate) * up
+            return a + norm(x + a) + r, m
+
+        def both():
+            a, m = forward()
+            (a.sum() + m.sum()).backward()
+        return forward, both
+    if kind == "cross_entropy":
+        tokens, vocab = dims
+        logits = rand(tokens, vocab, grad=True)
+        labels = torch.randint(0, vocab, (tokens,), device=device)
+
+        def both():  # transformers upcasts the logits to fp32 for the loss
+            F.cross_entropy(logits.float(), labels).backward()
+        return None, both
+    if kind == "dequant_nf4":  # QLoRA's frozen weight back to the compute dtype (bitsandbytes, NF4, nested)
+        import bitsandbytes.functional as bnb
+
+        out_features, in_features = dims
+        packed, state = bnb.quantize_4bit(rand(out_features, in_features), quant_type="nf4", compress_statistics=True,
+                                          quant_storage=torch.uint8)
+        return None, lambda: bnb.dequantize_4bit(packed, state).to(dtype)
+    if kind == "adamw":
+        (n,) = dims
+        param = torch.nn.Parameter(torch.randn(n, device=device))
+        param.grad = torch.randn(n, device=device)
+        optimizer = torch.optim.AdamW([param], lr=1e-4)
+        return None, optimizer.step
+    if kind == "copy":
+        (nbytes,) = dims
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        return None, lambda: dst.copy_(src)
+    raise ValueError(f"unknown probe kernel {kind!r}")
+
+
+def probe(kernels: list[dict], device: str = "cpu") -> dict:
+    """{kernels: {"<key>|<dtype>|<threads>": {s, forward_s, repeats}}, how} for the distinct
+    kernels listed."""
+    import torch
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    before = torch.get_num_threads()
+    rows = {}
+    try:
+        for k in kernels:
+            name = f"{k['key']}|{k['dtype']}|{k['threads']}"
+            if name in rows:
+                continue
+            if device == "cpu":
+                torch.set_num_threads(k["threads"])
+            forward, both = _kernel(k["kind"], k["dims"], getattr(torch, k["dtype"]), device)
+            seconds, repeats = _timed(both, sync)
+            row = {"s": seconds, "repeats": repeats}
+            if forward is not None:
+                with torch.no_grad():
+                    row["forward_s"] = _timed(forward, sync)[0]
+            rows[name] = row
+    finally:
+        torch.set_num_threads(before)
+    return {"kernels": rows, "device": device,
+            "how": (f"each kernel at its shape, dtype and thread count: median of >= {MIN_REPEATS} calls (up to "
+                    f"{TIME_PER_KERNEL_S} s each) after {WARMUP} warm-up calls, random inputs; forward_s: the "
+                    "forward alone, without autograd")}

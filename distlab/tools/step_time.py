@@ -1,0 +1,441 @@
+"""A run's step time predicted from measured parts, before it trains (issue: predict, run, score).
+
+    step = compute + exposed communication + optimizer (and offload copies) + pipeline bubble
+
+Every input is measured on the machine or read from a cited table, never fitted to runs:
+- compute: the step's kernels at the model's own shapes (each decoder-layer matmul forward,
+  input-gradient and weight-gradient, attention, the layer's elementwise work, the LM head and
+  its loss), each timed by the compute probe (distlab.tools.compute_probe) at the rank's thread
+  count and dtype: `kernels_needed` names them, the probe times exactly those. On a GPU whose
+  probe is missing, the FLOPs over the datasheet peak times the achievable fraction the GPU
+  kit measured.
+- communication: the bytes each strategy sends per step (`collectives_per_step`), each call
+  timed at its message size from collectives.json (this machine's gloo/NCCL benchmark, or the
+  capped link's), which includes each call's latency. Exposed: on CPU ranks, all of it unless
+  cores are free for the communication thread; on GPUs, DDP's bucketed all-reduce hides
+  behind the backward except its last bucket.
+- optimizer: AdamW over the parameters each rank steps (timed by the probe), gradient
+  clipping's read of the gradients, and offload's host copies (probe's copy bandwidth).
+- bubble: (stages - 1) pipeline micro-batch slots of a GPipe/1F1B schedule.
+
+This module is arithmetic on dicts (no torch): the advisor ranks named boxes with it too.
+"""
+from __future__ import annotations
+
+import math
+
+# DDP's gradient buckets (torch.nn.parallel.DistributedDataParallel: bucket_cap_mb=25, the
+# first bucket 1 MiB: dist._DEFAULT_FIRST_BUCKET_BYTES).
+DDP_BUCKET_BYTES = 25 * 2**20
+DDP_FIRST_BUCKET_BYTES = 2**20
+# Within this of the measured median, a prediction counts as right (issue 44: +-25%).
+TOLERANCE = 0.25
+LINK_TOLERANCE = 0.30
+GRAD_BYTES = 4  # gradients and optimizer state are fp32 in every strategy here (mixed: fp32 masters)
+
+
+def compute_dtype(spec: dict) -> str:
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(spec["precision"], "float32")
+
+
+# The optimizer's and the copies' rates are measured at one size each and scaled by the
+# parameter count: both stream memory (AdamW reads and writes 7 fp32 values a parameter).
+RATE_PARAMS = 2**22
+RATE_BYTES = 2**24
+
+
+def probe_key(spec: dict) -> str:
+    """What a rank's kernels depend on, as the compute probe's file name: its device, dtype and
+    threads, its micro-batch rows x sequence, the tensor-parallel degree that splits its linears,
+    and QLoRA's 4-bit weights. Experiments of one key share one probe; another learning rate or
+    strategy of the same shapes needs no new probe."""
+    world, strategy = spec["world_size"], spec["strategy"]
+    rows = spec["micro_batch"] // spec["pp"]["microbatches"] if strategy == "pp" else spec["micro_batch"]
+    threads = spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else 0
+    return (f"{spec['device']}-{compute_dtype(spec)}-t{threads}-r{rows}x{spec['seq_len']}"
+            f"-tp{world if strategy == 'tp' else 1}" + ("-nf4" if spec["method"] == "qlora" else ""))
+
+
+def parse_probe_key(key: str) -> dict:
+    import re
+
+    found = re.fullmatch(r"(cpu|cuda)-(\w+)-t(\d+)-r(\d+)x(\d+)-tp(\d+)(-nf4)?", key)
+    if not found:
+        raise ValueError(f"not a compute probe key: {key!r}")
+    device, dtype, threads, rows, seq, tp, nf4 = found.groups()
+    return {"device": device, "dtype": dtype, "threads": int(threads), "rows": int(rows), "seq": int(seq),
+            "tp": int(tp), "nf4": bool(nf4)}
+
+
+def _key(kind: str, *dims) -> str:
+    return kind + ":" + "x".join(str(int(d)) for d in dims)
+
+
+def _layout(key: dict, shape: dict, counts: dict) -> dict:
+    """What one rank computes per micro-step at a probe key: tokens and its linears' shapes."""
+    tp = key["tp"]
+    linears = []
+    for name, fan_in, fan_out, split in counts["_linears"]:
+        if name == "lm_head":
+            continue
+        if tp > 1 and split == 0:
+            fan_out = math.ceil(fan_out / tp)
+        elif tp > 1 and split == 1:
+            fan_in = math.ceil(fan_in / tp)
+        linears.append((fan_in, fan_out))
+    head = next((i, o) for name, i, o, _ in counts["_linears"] if name == "lm_head")
+    return {**key, "tokens": key["rows"] * key["seq"], "linears": linears, "head": head,
+            "heads": math.ceil(shape["num_attention_heads"] / tp), "head_dim": shape["head_dim"],
+            "hidden": shape["hidden_size"], "intermediate": math.ceil(shape["intermediate_size"] / tp),
+            "vocab": shape["vocab_size"]}
+
+
+def trainable_per_rank(spec: dict, counts: dict) -> float:
+    """Parameters each rank's optimizer steps."""
+    world, strategy = spec["world_size"], spec["strategy"]
+    sharded = strategy == "fsdp" or (strategy == "deepspeed" and spec["deepspeed"]["zero_stage"] >= 1)
+    split = strategy in ("tp", "pp")
+    return counts["trainable"] / world if (sharded or split) else counts["trainable"]
+
+
+def model_parts(spec: dict, config_json: dict) -> tuple[dict, dict, int]:
+    """(shape, parameter counts with the run's adapters, layers whose forward runs twice under
+    activation checkpointing on one rank) of a spec's model, from its config.json."""
+    from distlab.runtime.activations import checkpointed_layers
+    from distlab.tools.parameter_counts import model_shape, workload_counts
+
+    shape = model_shape(config_json)
+    counts = workload_counts(shape, {"method": spec["method"], "lora": spec["lora"]})
+    held = math.ceil(counts["layers"] / (spec["world_size"] if spec["strategy"] == "pp" else 1))
+    mode = spec["activation_checkpointing"]
+    ac_layers = 0 if mode == "none" else len(checkpointed_layers(mode, spec["activation_checkpointing_every"], held))
+    return shape, counts, ac_layers
+
+
+def kernels_needed(key: str, shape: dict, counts: dict) -> list[dict]:
+    """The kernels the probe times for a probe key: {key, kind, dims, dtype, threads}."""
+    lay = _layout(parse_probe_key(key), shape, counts)
+    t, dtype, threads = lay["tokens"], lay["dtype"], lay["threads"]
+    out = []
+
+    def add(kind, *dims, dt=dtype):
+        out.append({"key": _key(kind, *dims), "kind": kind, "dims": list(dims), "dtype": dt, "threads": threads})
+
+    for fan_in, fan_out in lay["linears"] + [lay["head"]]:
+        add("mm", t, fan_in, fan_out)     # forward: [T, in] @ [in, out]
+        add("mm", t, fan_out, fan_in)     # input gradient: [T, out] @ [out, in]
+        add("mm", fan_out, t, fan_in)     # weight gradient: [out, T] @ [T, in]
+    if lay["nf4"]:  # each 4-bit weight is dequantised for its forward and again for backward
+        for fan_in, fan_out in lay["linears"]:
+            add("dequant_nf4", fan_out, fan_in)
+    add("sdpa", lay["rows"], lay["heads"], lay["seq"], lay["head_dim"])
+    add("elementwise", t, lay["hidden"], lay["intermediate"])
+    add("cross_entropy", t, lay["vocab"])
+    add("adamw", RATE_PARAMS, dt="float32")
+    add("copy", RATE_BYTES, dt="uint8")
+    return out
+
+
+def _time(probe: dict, kind: str, *dims, dtype: str, threads: int, part: str = "s") -> float:
+    row = probe["kernels"].get(f"{_key(kind, *dims)}|{dtype}|{threads}")
+    if row is None:
+        raise KeyError(f"compute probe has no {kind} {dims} in {dtype} at {threads} thread(s)")
+    return row[part]
+
+
+def compute_term(spec: dict, shape: dict, counts: dict, probe: dict, ac_layers: int = 0) -> dict:
+    """Seconds of one rank's kernels per step (all micro-batches; a pipeline rank's own
+    micro-batch slots, without the bubble)."""
+    lay = _layout(parse_probe_key(probe_key(spec)), shape, counts)
+    t, dt, th = lay["tokens"], lay["dtype"], lay["threads"]
+    frozen_base = spec["method"] in ("lora", "qlora")
+    stages = spec["world_size"] if spec["strategy"] == "pp" else 1
+    pp_micro = spec["pp"]["microbatches"] if spec["strategy"] == "pp" else 1
+    layers = math.ceil(counts["layers"] / stages)
+    layer_fwd = layer_bwd = 0.0
+    for fan_in, fan_out in lay["linears"]:
+        layer_fwd += _time(probe, "mm", t, fan_in, fan_out, dtype=dt, threads=th)
+        layer_bwd += _time(probe, "mm", t, fan_out, fan_in, dtype=dt, threads=th)
+        if not frozen_base:  # a frozen weight gets no weight-gradient matmul
+            layer_bwd += _time(probe, "mm", fan_out, t, fan_in, dtype=dt, threads=th)
+        if lay["nf4"]:
+            dequant = _time(probe, "dequant_nf4", fan_out, fan_in, dtype=dt, threads=th)
+            layer_fwd += dequant
+            layer_bwd += dequant
+    attn = probe["kernels"][f"{_key('sdpa', lay['rows'], lay['heads'], lay['seq'], lay['head_dim'])}|{dt}|{th}"]
+    elem = probe["kernels"][f"{_key('elementwise', t, lay['hidden'], lay['intermediate'])}|{dt}|{th}"]
+    layer_fwd += attn["forward_s"] + elem["forward_s"]
+    layer_bwd += (attn["s"] - attn["forward_s"]) + (elem["s"] - elem["forward_s"])
+    hi, ho = lay["head"]
+    head = (_time(probe, "mm", t, hi, ho, dtype=dt, threads=th) + _time(probe, "mm", t, ho, hi, dtype=dt, threads=th)
+            + (0.0 if frozen_base else _time(probe, "mm", ho, t, hi, dtype=dt, threads=th))
+            + _time(probe, "cross_entropy", t, lay["vocab"], dtype=dt, threads=th))
+    # A pipeline's last stage alone runs the head; the step waits for it.
+    per_micro = layers * (layer_fwd + layer_bwd) + ac_layers * layer_fwd + head
+    micro_steps = spec["grad_accum"] * pp_micro
+    return {"seconds": per_micro * micro_steps,
+            "parts": {"layers": layers * (layer_fwd + layer_bwd) * micro_steps,
+                      "recompute": ac_layers * layer_fwd * micro_steps, "head_and_loss": head * micro_steps},
+            "how": (f"{micro_steps} micro-step(s) x ({layers} layer(s) x (matmuls forward, input-gradient"
+                    f"{'' if frozen_base else ', weight-gradient'}{', 4-bit dequantisation' if spec['method'] == 'qlora' else ''} + attention + "
+                    f"elementwise) + LM head and loss"
+                    f"{f' + {ac_layers} recomputed layer forward(s)' if ac_layers else ''}) at {t} tokens, {dt}, "
+                    f"{th or 'GPU'} thread(s): each kernel timed by the compute probe")}
+
+
+def collectives_per_step(spec: dict, shape: dict, counts: dict) -> list[dict]:
+    """The collectives one rank issues per optimizer step: {op, bytes, calls, phase}."""
+    world, strategy = spec["world_size"], spec["strategy"]
+    if world == 1:
+        return []
+    ga = spec["grad_accum"]
+    grads = counts["trainable"] * GRAD_BYTES
+    params = counts["trainable"] * GRAD_BYTES  # the sharded (trained) parameters are gathered in fp32
+    if strategy in ("ddp", "accelerate"):
+        buckets = _buckets(grads)
+        return [{"op": "all_reduce", "bytes": b, "calls": 1, "phase": "backward (gradient buckets)"} for b in buckets]
+    if strategy == "deepspeed":
+        stage = spec["deepspeed"]["zero_stage"]
+        if stage == 0:
+            return [{"op": "all_reduce", "bytes": grads, "calls": 1, "phase": "gradients"}]
+        buckets = math.ceil(counts["trainable"] / _zero_bucket(counts))
+        if stage in (1, 2):
+            # As counted in profiled steps over gloo: stage 1 all-reduces the gradients once at the
+            # step's boundary, stage 2 (which keeps only its partition) every micro-batch; both then
+            # gather the updated partitions.
+            return [{"op": "all_reduce", "bytes": grads / buckets, "calls": buckets * (ga if stage == 2 else 1),
+                     "phase": "gradients"},
+                    {"op": "all_gather", "bytes": params, "calls": 1, "phase": "updated parameters"}]
+        forward, backward = _zero3_gathers(spec, counts)
+        gathered = forward + backward
+        return [{"op": "all_gather", "bytes": sum(gathered) * GRAD_BYTES / max(1, len(gathered)),
+                 "calls": len(gathered) * ga,
+                 "phase": f"parameters, one collective each: {len(forward)} in forward, {len(backward)} again in backward"},
+                {"op": "reduce_scatter", "bytes": grads / buckets, "calls": buckets * ga, "phase": "gradients"}]
+    if strategy == "fsdp":
+        units = counts["layers"] + 1  # fully_shard per decoder layer, then the root
+        per_unit = params / units
+        gathers = (2 if spec["fsdp"]["reshard_after_forward"] else 1) * units * ga
+        # Accumulating micro-batches skip the gradient sync (set_requires_gradient_sync): one
+        # reduce-scatter per unit and step.
+        return [{"op": "all_gather", "bytes": per_unit, "calls": gathers, "phase": "parameters"},
+                {"op": "reduce_scatter", "bytes": per_unit, "calls": units, "phase": "gradients"}]
+    if strategy == "tp":
+        activation = spec["micro_batch"] * spec["seq_len"] * shape["hidden_size"] * 4
+        # Each row-parallel linear's output all-reduced in forward, each column-parallel linear's
+        # input gradient in backward (DTensor reduces them one by one: counted in a profiled step).
+        split = [x[3] for x in counts["_linears"] if x[0] != "lm_head"]
+        per_layer = sum(1 for d in split if d is not None)
+        return [{"op": "all_reduce", "bytes": activation, "calls": per_layer * counts["layers"] * ga,
+                 "phase": "activations"}]
+    if strategy == "pp":
+        m = spec["pp"]["microbatches"]
+        activation = spec["micro_batch"] // m * spec["seq_len"] * shape["hidden_size"] * 4
+        # Per stage boundary and pipeline micro-batch, one send forward and one backward.
+        return [{"op": "p2p", "bytes": activation, "calls": 2 * m * ga * (world - 1), "phase": "activations"}]
+    raise ValueError(f"no communication model for strategy {strategy!r}")
+
+
+def _zero_bucket(counts: dict) -> int:
+    """ZeRO's gradient bucket in elements, as the DeepSpeed config distlab writes sets it."""
+    from distlab.strategies.deepspeed_config import gradient_bucket_size
+
+    largest = max((math.prod(shape) for shape, grad in counts["_shapes"] if grad), default=1)
+    return gradient_bucket_size(counts["per_layer"], largest, counts["trainable"])
+
+
+def _zero3_gathers(spec: dict, counts: dict) -> tuple[list[int], list[int]]:
+    """(elements of each parameter ZeRO-3 all-gathers in one micro-batch's forward, and again in
+    its backward), from the zero3_profile's settings (distlab.strategies.deepspeed_config) and the
+    experiment's own zero_config. A parameter at or under the persistence threshold stays whole on
+    every rank; each gathered parameter is one collective (as counted in a profiled step). Backward
+    walks the forward in reverse: the parameters used last in forward are still live while they fit
+    max_live_parameters and max_reuse_distance, the rest are gathered again; all are released
+    after each micro-batch."""
+    from distlab.strategies.deepspeed_settings import zero3_limits
+
+    ds = spec["deepspeed"]
+    limits = {**zero3_limits(ds.get("zero3_profile", "auto"), counts["per_layer"], counts.get("hidden_size")),
+              **(ds.get("zero_config") or {})}
+    threshold = limits.get("stage3_param_persistence_threshold", 100_000)  # DeepSpeed's default
+    forward = [math.prod(shape) for shape, _ in counts["_shapes"] if math.prod(shape) > threshold]
+    live = min(limits.get("stage3_max_live_parameters", 1_000_000_000),
+               limits.get("stage3_max_reuse_distance", 1_000_000_000))
+    kept, still_live = 0, 0
+    for numel in reversed(forward):  # parameters() lists them in forward order: embedding ... head
+        if still_live + numel > live:
+            break
+        still_live += numel
+        kept += 1
+    return forward, forward[:len(forward) - kept]
+
+
+def wire_bytes_per_rank(calls: list[dict], world: int) -> float:
+    """Bytes each rank sends for these calls with ring algorithms: nccl-tests' bus-bandwidth
+    factor of the op times its size (an all-reduce of B bytes sends 2(n-1)/n B per rank; an
+    all-gather or reduce-scatter (n-1)/n B)."""
+    return sum(c["bytes"] * c["calls"] * _wire_factor(c["op"], world) for c in calls)
+
+
+def _wire_factor(op: str, world: int) -> float:
+    if op == "p2p":  # each message is sent by one of the two ranks of its boundary
+        return 0.5
+    return 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
+
+
+def _buckets(grads: int) -> list[int]:
+    out, left = [], grads
+    first = min(DDP_FIRST_BUCKET_BYTES, left)
+    out.append(first)
+    left -= first
+    while left > 0:
+        out.append(min(DDP_BUCKET_BYTES, left))
+        left -= out[-1]
+    return out
+
+
+def collective_seconds(collectives: dict, op: str, size: float, world: int) -> float:
+    """Seconds of one `op` of `size` bytes from a collectives.json: log-interpolated between
+    the measured sizes, beyond them at the largest size's bus bandwidth, scaled to `world`
+    through nccl-tests' bus-bandwidth factor."""
+    if op == "p2p":  # b bytes one way take what an all-gather of 2b takes over two ranks (b each way)
+        return collective_seconds(collectives, "all_gather", 2 * size, 2)
+    rows = sorted(((r["size_bytes"], r) for r in collectives["results"] if r["op"] == op and r.get("status") == "ok"),
+                  key=lambda row: row[0])
+    if not rows:
+        raise KeyError(f"collectives.json has no measured {op}")
+    measured_world = collectives["world_size"]
+    factor = {"all_reduce": lambda n: 2 * (n - 1) / n}.get(op, lambda n: (n - 1) / n)
+    scale = factor(world) / factor(measured_world)
+    sizes = [s for s, _ in rows]
+    if size <= sizes[0]:
+        return rows[0][1]["time_s_median"] * scale
+    if size >= sizes[-1]:
+        top = rows[-1][1]
+        return top["time_s_median"] * size / top["size_bytes"] * scale
+    for (s0, r0), (s1, r1) in zip(rows, rows[1:]):
+        if s0 <= size <= s1:
+            w = math.log(size / s0) / math.log(s1 / s0)
+            return math.exp((1 - w) * math.log(r0["time_s_median"]) + w * math.log(r1["time_s_median"])) * scale
+    raise AssertionError("unreachable")
+
+
+def communication_term(spec: dict, shape: dict, counts: dict, collectives: dict | None, compute: dict,
+                       free_cores: float) -> dict:
+    calls = collectives_per_step(spec, shape, counts)
+    if not calls:
+        return {"seconds": 0.0, "total_s": 0.0, "bytes": 0, "calls": [], "how": "one rank: no collectives"}
+    if collectives is None:
+        raise ValueError("a multi-rank prediction needs the machine's collectives.json")
+    world = spec["world_size"]
+    total = 0.0
+    rows = []
+    for c in calls:
+        seconds = c["calls"] * collective_seconds(collectives, c["op"], c["bytes"], world)
+        rows.append({**c, "seconds": seconds})
+        total += seconds
+    exposed, overlap_how = total, "not overlapped"
+    on_gpu = spec["device"] == "cuda"
+    if spec["strategy"] in ("ddp", "accelerate") and (on_gpu or free_cores >= 1):
+        last = rows[-1]["seconds"]
+        backward = compute["parts"]["layers"] * 2 / 3  # the backward holds ~2/3 of the layers' kernels
+        exposed = max(last, total - backward)
+        overlap_how = "DDP's buckets overlap the backward; the last bucket is exposed"
+    elif not on_gpu:
+        overlap_how = ("not overlapped: every core computes for a rank, so the collectives' thread takes "
+                       "turns with the computation")
+    return {"seconds": exposed, "total_s": total, "bytes": sum(c["bytes"] * c["calls"] for c in calls),
+            "wire_bytes_per_rank": wire_bytes_per_rank(calls, world),
+            "calls": rows, "how": f"each call at its message size from {collectives.get('_file', 'collectives.json')} "
+                                   f"(median time, latency included); {overlap_how}"}
+
+
+def optimizer_term(spec: dict, counts: dict, probe: dict) -> dict:
+    n = max(1, round(trainable_per_rank(spec, counts)))
+    threads = spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else 0
+    adamw = _time(probe, "adamw", RATE_PARAMS, dtype="float32", threads=threads) * n / RATE_PARAMS
+    copy = _time(probe, "copy", RATE_BYTES, dtype="uint8", threads=threads) * n * GRAD_BYTES / RATE_BYTES
+    clip = copy if spec["max_grad_norm"] else 0.0
+    ds = spec.get("deepspeed") or {}
+    offload = 0.0
+    copies = 0
+    if spec["strategy"] == "deepspeed" and ds.get("offload_optimizer") in ("cpu", "nvme"):
+        copies += 2  # gradients to the host, updated parameters back
+    if spec["strategy"] == "deepspeed" and ds.get("offload_param") in ("cpu", "nvme"):
+        copies += 2 * spec["grad_accum"]  # each micro-batch's forward and backward fetch the partition
+    if spec["strategy"] == "fsdp" and (spec.get("fsdp") or {}).get("cpu_offload"):
+        copies += 2 + 2 * spec["grad_accum"]
+    offload = copies * copy
+    return {"seconds": adamw + clip + offload, "parts": {"adamw": adamw, "clip": clip, "offload_copies": offload},
+            "how": f"AdamW over {n} parameters and copies of their {GRAD_BYTES * n} gradient bytes, at the rates "
+                   f"the probe measured ({RATE_PARAMS} parameters, {RATE_BYTES} bytes){' + gradient-norm read' if clip else ''}"
+                   f"{f' + {copies} host copies of the partition' if copies else ''}"}
+
+
+def bubble_term(spec: dict, compute: dict) -> dict:
+    if spec["strategy"] != "pp":
+        return {"seconds": 0.0, "how": "no pipeline"}
+    m, p = spec["pp"]["microbatches"], spec["world_size"]
+    slot = compute["seconds"] / (m * spec["grad_accum"])
+    return {"seconds": (p - 1) * slot * spec["grad_accum"],
+            "how": f"{spec['pp']['schedule']}: (stages - 1) = {p - 1} idle micro-batch slot(s) of {slot:.4f} s"}
+
+
+def predict(spec: dict, shape: dict, counts: dict, probe: dict, collectives: dict | None,
+            usable_cores: int, ac_layers: int = 0) -> dict:
+    """metrics.json's `prediction`: the step time and its four terms, each with how."""
+    compute = compute_term(spec, shape, counts, probe, ac_layers)
+    busy_cores = spec["world_size"] * max(1, spec["cpu_threads_per_rank"])
+    comm = communication_term(spec, shape, counts, collectives, compute, usable_cores - busy_cores)
+    optim = optimizer_term(spec, counts, probe)
+    bubble = bubble_term(spec, compute)
+    terms = {"compute": compute, "communication": comm, "optimizer": optim, "bubble": bubble}
+    step = sum(t["seconds"] for t in terms.values())
+    return {"status": "predicted", "step_time_s": step, "terms": terms,
+            "how": "compute + exposed communication + optimizer and offload + pipeline bubble, from the compute "
+                   "probe and collectives.json measured on this machine before the run (distlab.tools.step_time)"}
+
+
+def predict_from_files(spec: dict, model_config: str, probe_file: str | None, collectives_file: str | None,
+                       hardware_file: str) -> dict:
+    """The prediction a job records before its ranks start (distlab.jobs.launch.rule_job), or
+    why there is none."""
+    import json
+    from pathlib import Path
+
+    if probe_file is None:
+        return {"status": "not predicted", "why": "the step-time model covers causal-LM runs on a model whose "
+                                                 "config.json is on disk"}
+    if spec["world_size"] > 1 and collectives_file is None:
+        return {"status": "not predicted", "why": "no collectives.json (collectives.enabled is false)"}
+    shape, counts, ac_layers = model_parts(spec, json.loads(Path(model_config).read_text()))
+    probe = json.loads(Path(probe_file).read_text())
+    collectives = json.loads(Path(collectives_file).read_text()) if collectives_file else None
+    if collectives is not None:
+        collectives["_file"] = Path(collectives_file).name
+    hardware = json.loads(Path(hardware_file).read_text())
+    try:
+        found = predict(spec, shape, counts, probe, collectives, hardware["cpu"]["usable_cores"], ac_layers)
+    except KeyError as missing:  # a kernel or collective the files lack: said, not guessed
+        return {"status": "not predicted", "why": str(missing).strip("'\"")}
+    return {**found, "inputs": {"probe": Path(probe_file).name, "collectives": collectives and collectives["_file"],
+                                "hardware": Path(hardware_file).name}}
+
+
+def score(prediction: dict | None, measured_median: float | None, busy: bool | None,
+          tolerance: float = TOLERANCE) -> dict:
+    """Predicted against measured: error, verdict, and the term furthest off."""
+    if not prediction or prediction.get("status") != "predicted":
+        return {"verdict": "not predicted", "why": (prediction or {}).get("why", "no prediction")}
+    if measured_median is None:
+        return {"verdict": "not measured"}
+    predicted = prediction["step_time_s"]
+    error = predicted / measured_median - 1
+    terms = {k: v["seconds"] for k, v in prediction["terms"].items()}
+    # The term that would have to change most to close the gap, as a share of the step.
+    largest = max(terms, key=terms.get)
+    out = {"predicted_s": predicted, "measured_s": measured_median, "error": error,
+           "largest_term": largest, "largest_share": terms[largest] / predicted if predicted else None}
+    if busy is not False:
+        return {**out, "verdict": "not scored", "why": "timed on a busy machine" if busy else "noise not measured"}
+    return {**out, "verdict": "right" if abs(error) <= tolerance else "off"}

@@ -1,0 +1,188 @@
+"""The step-time model's promises, each term against a hand computation on a small case
+(distlab.tools.step_time): what a run's prediction adds up, and how the report scores it."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from distlab.tools import advisor_check
+from distlab.tools import step_time as S
+
+# A two-layer model with two linears per layer (one column-, one row-parallel) and a head.
+LAYER = [((16, 8), True), ((8, 16), True), ((8,), True)]  # (shape, trains): attn, mlp, norm
+SHAPES = LAYER * 2 + [((32, 8), True), ((32, 8), True), ((8,), True)]  # + embedding, head, final norm
+COUNTS = {"layers": 2, "trainable": 1048, "total": 1048, "per_layer": 264, "hidden_size": 8, "_shapes": SHAPES,
+          "_linears": [("attn", 8, 16, 0), ("mlp", 16, 8, 1), ("lm_head", 8, 32, None)]}
+GRADS = 1048 * 4  # fp32 gradient bytes
+SHAPE = {"num_attention_heads": 2, "head_dim": 4, "hidden_size": 8, "intermediate_size": 16, "vocab_size": 32}
+
+
+def spec(**over) -> dict:
+    base = {"strategy": "ddp", "world_size": 1, "micro_batch": 2, "grad_accum": 1, "seq_len": 4, "method": "full",
+            "precision": "fp32", "device": "cpu", "cpu_threads_per_rank": 1, "max_grad_norm": 1.0,
+            "pp": {"schedule": "gpipe", "microbatches": 2}, "deepspeed": {"zero_stage": 0, "offload_optimizer": "none",
+                                                                         "offload_param": "none"},
+            "fsdp": {"reshard_after_forward": True, "cpu_offload": False}}
+    base.update(over)
+    return base
+
+
+def probe_for(s: dict, seconds_of) -> dict:
+    """A probe that gives each kernel the time `seconds_of(kernel)` (forward: a third of it)."""
+    rows = {}
+    for k in S.kernels_needed(S.probe_key(s), SHAPE, COUNTS):
+        t = seconds_of(k)
+        rows[f"{k['key']}|{k['dtype']}|{k['threads']}"] = {"s": t, "forward_s": t / 3}
+    return {"kernels": rows}
+
+
+def flops_time(k) -> float:
+    """1 s per 1000 multiply-adds for matmuls; fixed times for the rest."""
+    if k["kind"] == "mm":
+        return math.prod(k["dims"]) / 1000
+    return {"sdpa": 0.01, "elementwise": 0.02, "cross_entropy": 0.05, "adamw": 0.1, "copy": 0.03}[k["kind"]]
+
+
+def test_compute_is_each_layers_matmuls_attention_and_elementwise_plus_the_head_per_micro_step():
+    s = spec(grad_accum=3)
+    got = S.compute_term(s, SHAPE, COUNTS, probe_for(s, flops_time))
+    tokens = 2 * 4
+    # per linear: forward, input gradient, weight gradient, each tokens x in x out multiply-adds
+    layer = sum(3 * tokens * i * o / 1000 for i, o in [(8, 16), (16, 8)]) + 0.01 + 0.02
+    head = 3 * tokens * 8 * 32 / 1000 + 0.05
+    assert got["seconds"] == pytest.approx(3 * (2 * layer + head))
+
+
+def test_a_frozen_base_gets_no_weight_gradient_matmuls():
+    s = spec(method="lora")
+    got = S.compute_term(s, SHAPE, COUNTS, probe_for(s, flops_time))
+    tokens = 8
+    layer = sum(2 * tokens * i * o / 1000 for i, o in [(8, 16), (16, 8)]) + 0.01 + 0.02
+    head = 2 * tokens * 8 * 32 / 1000 + 0.05
+    assert got["seconds"] == pytest.approx(2 * layer + head)
+
+
+def test_activation_checkpointing_adds_one_forward_per_checkpointed_layer():
+    s = spec()
+    plain = S.compute_term(s, SHAPE, COUNTS, probe_for(s, flops_time))
+    again = S.compute_term(s, SHAPE, COUNTS, probe_for(s, flops_time), ac_layers=2)
+    forward = sum(8 * i * o / 1000 for i, o in [(8, 16), (16, 8)]) + 0.01 / 3 + 0.02 / 3
+    assert again["seconds"] - plain["seconds"] == pytest.approx(2 * forward)
+
+
+def test_experiments_of_the_same_shapes_share_one_probe_and_others_get_their_own():
+    assert S.probe_key(spec(lr=1e-3, strategy="fsdp", world_size=2)) == S.probe_key(spec()) == "cpu-float32-t1-r2x4-tp1"
+    assert S.probe_key(spec(method="qlora")).endswith("-nf4")
+    assert S.probe_key(spec(strategy="pp", world_size=2, micro_batch=4)) == "cpu-float32-t1-r2x4-tp1"  # 2 pipeline micro-batches
+    assert S.parse_probe_key("cuda-bfloat16-t0-r8x2048-tp2") == {"device": "cuda", "dtype": "bfloat16", "threads": 0,
+                                                                "rows": 8, "seq": 2048, "tp": 2, "nf4": False}
+
+
+def test_tensor_parallel_splits_each_linear_on_its_planned_dimension():
+    s = spec(strategy="tp", world_size=2)
+    keys = {k["key"] for k in S.kernels_needed(S.probe_key(s), SHAPE, COUNTS)}
+    assert "mm:8x8x8" in keys  # attn: 8 -> 16 column-split to 8 -> 8; mlp: 16 -> 8 row-split to 8 -> 8
+    assert "mm:8x8x32" in keys  # the head is not split
+    assert not any(key.startswith("mm:8x8x16") or key.startswith("mm:8x16x8") for key in keys)
+
+
+def collectives_file(latency=1e-3, busbw=1e6, world=2) -> dict:
+    """A collectives.json whose calls take latency + bytes on the wire / busbw."""
+    rows = []
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        factor = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
+        for size in (1024, 4096, 16384, 65536, 262144):
+            rows.append({"op": op, "status": "ok", "size_bytes": size,
+                         "time_s_median": latency + size * factor / busbw})
+    return {"world_size": world, "results": rows}
+
+
+def test_ddp_all_reduces_its_gradients_once_per_step_in_buckets():
+    calls = S.collectives_per_step(spec(world_size=2, grad_accum=4), SHAPE, COUNTS)
+    assert [(c["op"], c["bytes"], c["calls"]) for c in calls] == [("all_reduce", GRADS, 1)]
+    big = dict(COUNTS, trainable=10 * 2**20)  # 40 MiB of fp32 gradients: 1 MiB first, then 25 MiB buckets
+    sizes = [c["bytes"] for c in S.collectives_per_step(spec(world_size=2), SHAPE, big)]
+    assert sizes == [2**20, 25 * 2**20, 40 * 2**20 - 26 * 2**20]
+
+
+def test_each_zero_stage_and_fsdp_send_what_they_shard():
+    by = {}
+    for name, over in {"zero1": {"deepspeed": {"zero_stage": 1}}, "zero2": {"deepspeed": {"zero_stage": 2}},
+                       "zero3": {"deepspeed": {"zero_stage": 3}}}.items():
+        s = spec(strategy="deepspeed", world_size=2, grad_accum=2, **over)
+        by[name] = sum(c["bytes"] * c["calls"] for c in S.collectives_per_step(s, SHAPE, COUNTS))
+    fsdp = sum(c["bytes"] * c["calls"] for c in S.collectives_per_step(spec(strategy="fsdp", world_size=2, grad_accum=2),
+                                                                       SHAPE, COUNTS))
+    grads = GRADS
+    assert by["zero1"] == 2 * grads  # one all-reduce, one all-gather per step
+    assert by["zero2"] == 3 * grads  # its all-reduce every micro-batch
+    # The auto profile keeps parameters of up to 10 x hidden elements whole (the norms): the rest,
+    # 4 x 128 + 2 x 256 elements, gathered once per micro-batch (live until backward); gradients
+    # reduce-scattered every micro-batch.
+    assert by["zero3"] == pytest.approx(2 * 1024 * 4 + 2 * grads)
+    lean = spec(strategy="deepspeed", world_size=2, grad_accum=2, deepspeed={"zero_stage": 3, "zero3_profile": "lean"})
+    gathers = [c for c in S.collectives_per_step(lean, SHAPE, COUNTS) if c["op"] == "all_gather"]
+    # Every tensor in forward; backward gathers again all but the last ones forward used, as long as
+    # they fit the one-layer reuse distance (264 elements: the head, 256, and the final norm, 8).
+    assert sum(c["calls"] for c in gathers) == 2 * (len(SHAPES) + len(SHAPES) - 2)
+    assert fsdp == pytest.approx(2 * 2 * grads + grads)  # accumulation skips the sync: one reduce-scatter a step
+
+
+def test_communication_times_each_call_at_its_size_and_hides_nothing_when_every_core_computes():
+    s = spec(world_size=2)
+    coll = collectives_file()
+    got = S.communication_term(s, SHAPE, COUNTS, coll, {"parts": {"layers": 10.0}}, free_cores=0)
+    # GRADS bytes all-reduced over 2 ranks: 1 ms + GRADS * 2(n-1)/n / 1e6 (interpolated on a log scale)
+    expect = S.collective_seconds(coll, "all_reduce", GRADS, 2)
+    assert expect == pytest.approx(1e-3 + GRADS / 1e6, rel=0.05)
+    assert got["seconds"] == pytest.approx(expect)
+    hidden = S.communication_term(s, SHAPE, COUNTS, coll, {"parts": {"layers": 10.0}}, free_cores=1)
+    assert hidden["seconds"] == pytest.approx(expect)  # one bucket: the last bucket is always exposed
+
+
+def test_a_collective_past_the_largest_measured_size_scales_with_bytes_and_world():
+    coll = collectives_file(latency=0.0)
+    assert S.collective_seconds(coll, "all_gather", 2 * 262144, 2) == pytest.approx(2 * 262144 * 0.5 / 1e6)
+    # 4 ranks move (n-1)/n = 3/4 of the bytes instead of 1/2
+    assert S.collective_seconds(coll, "all_gather", 262144, 4) == pytest.approx(262144 * 0.75 / 1e6)
+
+
+def test_optimizer_is_adamw_plus_the_norm_read_plus_offload_copies():
+    s = spec(strategy="deepspeed", world_size=2, grad_accum=2,
+             deepspeed={"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"})
+    got = S.optimizer_term(s, COUNTS, probe_for(s, flops_time))
+    # The probe's rates (AdamW 0.1 s per RATE_PARAMS parameters, 0.03 s per RATE_BYTES copied) at
+    # the 524 parameters each of 2 ranks steps: AdamW + the gradient-norm read + (2 + 2 x 2
+    # micro-batches) partition copies.
+    adamw, copy = 0.1 * 524 / S.RATE_PARAMS, 0.03 * 524 * 4 / S.RATE_BYTES
+    assert got["seconds"] == pytest.approx(adamw + copy + 6 * copy)
+
+
+def test_the_pipeline_bubble_is_stages_minus_one_micro_batch_slots():
+    s = spec(strategy="pp", world_size=2, micro_batch=4, pp={"schedule": "gpipe", "microbatches": 2})
+    compute = {"seconds": 0.8}
+    assert S.bubble_term(s, compute)["seconds"] == pytest.approx(0.4)  # 2 slots of 0.4 s, 1 idle
+
+
+def test_a_busy_run_is_shown_but_not_scored_and_a_quiet_one_is_scored_within_the_tolerance():
+    prediction = {"status": "predicted", "step_time_s": 1.2,
+                  "terms": {"compute": {"seconds": 1.0}, "communication": {"seconds": 0.2},
+                            "optimizer": {"seconds": 0.0}, "bubble": {"seconds": 0.0}}}
+    assert S.score(prediction, 1.0, busy=True)["verdict"] == "not scored"
+    assert S.score(prediction, 1.0, busy=False)["verdict"] == "right"
+    assert S.score(prediction, 0.9, busy=False)["verdict"] == "off"
+    assert S.score({"status": "not predicted", "why": "x"}, 1.0, busy=False)["verdict"] == "not predicted"
+
+
+def test_the_report_names_the_term_furthest_from_what_the_run_measured():
+    prediction = {"status": "predicted", "step_time_s": 1.0,
+                  "terms": {"compute": {"seconds": 0.5}, "communication": {"seconds": 0.5, "total_s": 0.5},
+                            "optimizer": {"seconds": 0.0}, "bubble": {"seconds": 0.0}}}
+    run = {"status": "ok", "experiment": "x", "prediction": prediction, "spec": {},
+           "timing": {"step_time_s": {"median": 1.5}, "comm_inflight_s_per_step": {"median": 1.0}},
+           "noise": {"busy": False}}
+    (row,) = advisor_check.check_step_times([run])
+    assert row["verdict"] == "off" and row["furthest off"].startswith("communication")
+    status, evidence = advisor_check.step_time_verdict([row, {**row, "verdict": "right"}] * 2)
+    assert status == "failed" and "2 of 4" in evidence
