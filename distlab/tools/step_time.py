@@ -189,8 +189,12 @@ def collectives_per_step(spec: dict, shape: dict, counts: dict) -> list[dict]:
     if world == 1:
         return []
     ga = spec["grad_accum"]
-    grads = counts["trainable"] * GRAD_BYTES
-    params = counts["trainable"] * GRAD_BYTES  # the sharded (trained) parameters are gathered in fp32
+    # DeepSpeed and FSDP2 hold (and gather) parameters in the 16-bit type of a mixed-precision run;
+    # DeepSpeed reduces its gradients in it too, FSDP2 in fp32 (reduce_dtype), DDP in fp32.
+    sixteen = spec["precision"] in ("bf16", "fp16") and strategy in ("deepspeed", "fsdp")
+    element = 2 if sixteen else GRAD_BYTES
+    grads = counts["trainable"] * (element if strategy == "deepspeed" else GRAD_BYTES)
+    params = counts["trainable"] * element  # ZeRO-1/2 gather the updated (trained) partitions
     if strategy in ("ddp", "accelerate"):
         buckets = _buckets(grads)
         return [{"op": "all_reduce", "bytes": b, "calls": 1, "phase": "backward (gradient buckets)"} for b in buckets]
@@ -208,18 +212,18 @@ def collectives_per_step(spec: dict, shape: dict, counts: dict) -> list[dict]:
                     {"op": "all_gather", "bytes": params, "calls": 1, "phase": "updated parameters"}]
         forward, backward = _zero3_gathers(spec, counts)
         gathered = forward + backward
-        return [{"op": "all_gather", "bytes": sum(gathered) * GRAD_BYTES / max(1, len(gathered)),
+        return [{"op": "all_gather", "bytes": sum(gathered) * element / max(1, len(gathered)),
                  "calls": len(gathered) * ga,
                  "phase": f"parameters, one collective each: {len(forward)} in forward, {len(backward)} again in backward"},
                 {"op": "reduce_scatter", "bytes": grads / buckets, "calls": buckets * ga, "phase": "gradients"}]
     if strategy == "fsdp":
         units = counts["layers"] + 1  # fully_shard per decoder layer, then the root
-        per_unit = params / units
+        per_unit = counts["total"] * element / units  # a LoRA run's frozen base is sharded and gathered too
         gathers = (2 if spec["fsdp"]["reshard_after_forward"] else 1) * units * ga
         # Accumulating micro-batches skip the gradient sync (set_requires_gradient_sync): one
         # reduce-scatter per unit and step.
         return [{"op": "all_gather", "bytes": per_unit, "calls": gathers, "phase": "parameters"},
-                {"op": "reduce_scatter", "bytes": per_unit, "calls": units, "phase": "gradients"}]
+                {"op": "reduce_scatter", "bytes": grads / units, "calls": units, "phase": "gradients"}]
     if strategy == "tp":
         activation = spec["micro_batch"] * spec["seq_len"] * shape["hidden_size"] * 4
         # Each row-parallel linear's output all-reduced in forward, each column-parallel linear's
