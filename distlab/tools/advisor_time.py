@@ -10,7 +10,7 @@ predicted with step_time's four terms from cited tables (no machine of the box i
   (CONSTANTS). On unequal boards every rank gets the same micro-batch: the slowest sets the step.
 - communication: the bytes and calls of distlab.tools.step_time.collectives_per_step, each call
   latency + size x nccl-tests' bus factor / the link's bus bandwidth (INTERCONNECTS);
-  ZeRO-3/FSDP also gather the frozen base of an adapter run (FROZEN_GATHER). Exposed: DDP's
+  ZeRO-3/FSDP gather an adapter run's frozen base too. Exposed: DDP's
   buckets hide behind the backward except the last one; the others are counted whole.
 - optimizer: AdamW's bytes over the board's memory bandwidth; with optimizer offload, CPU Adam's
   bytes over the host's memory bandwidth and the gradient/parameter copies over the board's host
@@ -205,22 +205,9 @@ def collective_time(op: str, size: float, n: int, link: dict) -> float:
     return link["latency_s"] + size * BUSBW_FACTOR[op](n) / link["busbw"][op]
 
 
-FROZEN_GATHER = ("ZeRO-3/FSDP shard the frozen base of an adapter run too and gather it (in the module dtype) in "
-                 "every forward and backward: added here, step_time.collectives_per_step counts trained "
-                 "parameters only")
-
-
 def _calls(key: str, spec: dict, shape: dict, counts: dict, workload: dict) -> list[dict]:
-    calls = collectives_per_step(spec, shape, counts)
-    frozen = counts["total"] - counts["trainable"]
-    if key.startswith("zero3") or key == "fsdp":
-        if frozen > 0 and spec["world_size"] > 1:
-            module = 2 if workload["precision"] in ("bf16", "fp16") else 4
-            units = counts["layers"] + 1
-            frozen_bytes = frozen * module - counts.get("quantized", 0) * (module - 0.5)
-            calls = calls + [{"op": "all_gather", "bytes": frozen_bytes / units, "calls": 2 * units * spec["grad_accum"],
-                              "phase": "frozen base (fwd+bwd)"}]
-    return calls
+    """The box's collectives: step_time's (ZeRO-3 and FSDP gather a LoRA run's frozen base too)."""
+    return collectives_per_step(spec, shape, counts)
 
 
 def predict_row(key: str, shape: dict, counts: dict, workload: dict, devices: list[dict], link: dict,
