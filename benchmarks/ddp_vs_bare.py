@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -26,7 +26,7 @@ def prepared(root: Path, seq_len: int) -> tuple[Path, Path, Path]:
     import yaml
 
     from distlab.data_prep import data
-    from distlab.tools import hardware
+    from distlab.configuration import hardware
     from distlab.runtime import model
     from distlab.configuration.config import load
 

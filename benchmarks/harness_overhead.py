@@ -42,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from distlab.jobs.job import Job  # noqa: E402  (after the checkout joins sys.path)
+from distlab.records.job import Job  # noqa: E402  (after the checkout joins sys.path)
 
 DEFAULT = ("ddp-full-w1-mb8-ga1,ddp-full-w2-mb4-ga1,accelerate-lora-w2-mb4-ga1,deepspeed-z3-full-w2-mb2-ga2,"
            "fsdp-fullshard-full-w2-mb2-ga2")
@@ -54,7 +54,7 @@ def prepare(root: Path) -> tuple[dict, dict, Path]:
 
     from distlab.data_prep import data
     from distlab.runtime import evaluation, model
-    from distlab.tools import hardware
+    from distlab.configuration import hardware
     from distlab.configuration.config import load
 
     cfg, specs = load(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), gpu_count=0)

@@ -71,7 +71,7 @@ def prepare(root: Path, layers: int) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from distlab.data_prep import data
-    from distlab.tools import hardware
+    from distlab.configuration import hardware
     from distlab.runtime import model
     from distlab.configuration.config import validate_schema
     from distlab.testing import tiny_config

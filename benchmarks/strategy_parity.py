@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench_common import round_order, rounds_parser  # noqa: E402
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 
 GLOBAL = {"world_size": 2, "micro_batch": 2, "grad_accum": 2}
 STRATEGIES = {
@@ -61,7 +61,7 @@ def prepare(root: Path, seq_len: int, models: list[str]) -> tuple[Path, Path, di
     import yaml
 
     from distlab.data_prep import data
-    from distlab.tools import hardware
+    from distlab.configuration import hardware
     from distlab.runtime import model
     from distlab.configuration.config import load
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from bench_common import round_order, rounds_parser  # noqa: E402
 from ddp_vs_bare import prepared  # noqa: E402  (the default config's data and model, built here)
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 
 ARMS = ("distlab", "distlab-2MiB", "distlab-1MiB", "distlab-dynamic", "trainer", "trainer-1MiB")
 THRESHOLDS = {"distlab-2MiB": 2 << 20, "distlab-1MiB": 1 << 20, "distlab-dynamic": 0}  # DISTLAB_MMAP_THRESHOLD per arm

@@ -25,3 +25,8 @@ class CheckpointMismatch(CheckpointError):
 
 class BaseMismatch(CheckpointMismatch):
     """LoRA adapters saved for another base model than this run's."""
+
+
+class FidelityError(RuntimeError):
+    """The run is not what its spec says (wrong wrapper, world size, device): strategies, model
+    setup and tasks raise it (distlab.strategies.base exports it too)."""

@@ -28,7 +28,7 @@ def build_prepared(root: Path) -> Path:
     """The tiny workspace in `root`: tokenizer + data (seq 32) + tiny model + hardware.json."""
     root.mkdir(parents=True, exist_ok=True)
     from distlab.data_prep import data
-    from distlab.tools import hardware
+    from distlab.configuration import hardware
     from distlab.runtime import model
     from distlab.configuration.config import validate_schema
 
@@ -80,7 +80,7 @@ def build_instruction_data(prepared: Path, out_dir: Path, seq_len: int = 32, **o
 def run_experiment(prepared: Path, run_dir: Path, spec: dict, checkpoint: bool = True, data_dir=None) -> dict:
     """Run one experiment through distlab.jobs.launch (real ranks) on the workspace's data (or
     data_dir's); returns its metrics (as the one reader, run_outputs.read_run_record, reads them)."""
-    from distlab.jobs.job import Job
+    from distlab.records.job import Job
     from distlab.jobs.launch import launch
     from distlab.records.run_outputs import read_run_record
 

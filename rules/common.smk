@@ -10,13 +10,13 @@ from distlab.configuration.validation_scope import validated_experiments
 from distlab.configuration.finetune_config import resolve_epochs
 from distlab.configuration.data_checks import datasets_of
 from distlab.configuration.tokenizer_checks import tokenizer_source
-from distlab.tools.hardware import gpu_count, machine_tag
+from distlab.configuration.hardware import gpu_count, machine_tag
 from distlab.configuration.results_lock import ResultsFolderBusy, hold_for_workflow
 from distlab.records.run_layout import KUBERAY_CHECKS, MACHINE_FILES, RUN_FILES, RUN_SIDE_FILES
 from distlab.tasks import task_for
 from distlab.tasks.causal_lm import CausalLM, model_suffix
 from distlab.jobs.two_hosts import two_hosts_spec
-from distlab.jobs.job import estimated_runtime_minutes
+from distlab.records.job import estimated_runtime_minutes
 from distlab.tools.advisor_box import measured_evidence
 from distlab.report.collect import shared_metrics_paths
 from distlab.records.sharing import private_files

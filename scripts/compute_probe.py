@@ -9,9 +9,10 @@ from distlab.tools.step_time import kernels_needed, parse_probe_key
 
 with logged(snakemake):
     key = snakemake.wildcards.key
-    shape = model_shape(json.loads(open(snakemake.input.model).read()))
+    config_json = json.loads(open(snakemake.input.model).read())
+    shape = model_shape(config_json)
     kernels = kernels_needed(key, shape, parameter_counts(shape))
-    found = probe(kernels, parse_probe_key(key)["device"])
+    found = probe(kernels, parse_probe_key(key)["device"], config_json)
     result = {"model": snakemake.wildcards.model, "key": key, **found}
     with open(snakemake.output[0], "w") as fh:
         json.dump(result, fh, indent=1)

@@ -1,7 +1,7 @@
 """Rule hardware: GPUs via pynvml (or none), the CPU, and a measured matmul peak."""
 import json
 
-from distlab.tools.hardware import describe
+from distlab.configuration.hardware import describe
 from distlab.jobs.rule_log import logged
 
 with logged(snakemake):

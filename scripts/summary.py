@@ -4,7 +4,7 @@ in summary-rejected.json and the log."""
 import json
 import sys
 
-from distlab.runtime.evaluation import eval_columns
+from distlab.report.held_out import eval_columns
 from distlab.records.run_outputs import ResultsError
 from distlab.report.collect import load_checked_runs, spreadsheet_safe, summary_frame
 from distlab.report.inputs import declared_inputs

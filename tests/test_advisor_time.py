@@ -8,18 +8,17 @@ import pytest
 import yaml
 
 from distlab.tools import advisor_time as at
-from distlab.tools.hardware import gpu_peak
+from distlab.configuration.hardware import gpu_peak
 
 REPO = Path(__file__).resolve().parent.parent
 
 # A hand-made tiny model: 2 layers of 4 linears 64x64, embedding 1000x64 untied, 1 head of 64.
 SHAPE = {"num_hidden_layers": 2, "num_attention_heads": 1, "head_dim": 64, "hidden_size": 64,
          "tie_word_embeddings": False}
-LINEARS = [("q", 64, 64, None), ("k", 64, 64, None), ("v", 64, 64, None), ("o", 64, 64, None),
-           ("lm_head", 64, 1000, None)]
-COUNTS = {"total": 2 * 4 * 64 * 64 + 2 * 64 * 1000, "embedding": 64 * 1000,
-          "trainable": 2 * 4 * 64 * 64 + 2 * 64 * 1000,
-          "layers": 2, "_linears": LINEARS, "quantized": 0}
+LINEARS = [("q", 64, 64, None), ("k", 64, 64, None), ("v", 64, 64, None), ("o", 64, 64, None), ("lm_head", 64, 1000, None)]
+COUNTS = {"total": 2 * 4 * 64 * 64 + 2 * 64 * 1000, "embedding": 64 * 1000, "trainable": 2 * 4 * 64 * 64 + 2 * 64 * 1000,
+          "layers": 2, "_linears": LINEARS, "quantized": 0, "per_layer": 4 * 64 * 64, "hidden_size": 64,
+          "_shapes": [((64, 64), True)] * 8 + [((1000, 64), True)] * 2}
 WORKLOAD = {"method": "full", "micro_batch": 2, "seq_len": 16, "grad_accum": 1, "precision": "bf16"}
 RTX3090 = {"name": "NVIDIA GeForce RTX 3090", "memory_gib": 24}
 
@@ -47,8 +46,7 @@ def test_offload_terms_and_the_slowest_device_setting_the_step():
     slow = {"name": "RTX 3060", "memory_gib": 12}
     row = at.predict_row("zero3-offopt-offparam", SHAPE, COUNTS, WORKLOAD, [RTX3090, slow], link, "none")
     flops = at.compute_flops(SHAPE, COUNTS, WORKLOAD, "none")["flops"]
-    assert row["terms"]["compute"]["seconds"] == pytest.approx(flops / (gpu_peak("NVIDIA GeForce RTX 3060",
-                                                                                 "bf16")[0] * 0.33))
+    assert row["terms"]["compute"]["seconds"] == pytest.approx(flops / (gpu_peak("NVIDIA GeForce RTX 3060", "bf16")[0] * 0.33))
     parts = row["terms"]["optimizer"]["parts"]
     shard = COUNTS["trainable"] / 2
     assert parts["cpu_adam"] == pytest.approx(28 * shard / 51.2e9)
@@ -64,9 +62,11 @@ def _ranked(link, estimates_keys=tuple(at.ROW_SPECS)):
 def test_over_one_gigabit_communication_decides_and_the_least_communicating_strategy_wins():
     time = _ranked("ethernet-1g")
     order = [r["key"] for r in time["ranking"]]
-    # DDP and ZeRO-1 send the gradients' bytes once per step (all-reduce = reduce-scatter + all-gather);
-    # ZeRO-2 reduce-scatters each micro-batch; ZeRO-3 gathers the parameters in every forward and backward.
-    assert set(order[:2]) == {"ddp", "zero1"} and order.index("zero1") < order.index("zero2") < order.index("zero3")
+    # DDP and ZeRO-1 send the gradients' bytes once per step; ZeRO-2 all-reduces them every
+    # micro-batch and ZeRO-3 gathers the parameters every micro-batch (as DeepSpeed 0.19 does in a
+    # profiled step, tests/test_step_time_bytes.py): both send more.
+    assert set(order[:2]) == {"ddp", "zero1"}
+    assert order.index("zero1") < order.index("zero2") and order.index("zero1") < order.index("zero3")
     zero3 = next(r for r in time["ranking"] if r["key"] == "zero3")
     assert zero3["decides"] == "communication" and "over 1 Gbit/s Ethernet" in zero3["sentence"]
     assert time["decides"].startswith("communication decides the ranking") and "over 1 Gbit/s" in time["decides"]

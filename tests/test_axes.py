@@ -16,7 +16,7 @@ def declared_axes() -> dict[str, set]:
     """Each axis as its declaration gives it (read from the registries themselves)."""
     from distlab.configuration.config import STAGE_ORDER
     from distlab.launchers import REGISTRY
-    from distlab.runtime.precision import PRECISIONS
+    from distlab.configuration.precision import PRECISIONS
     from distlab.strategies import strategy_names
     from distlab.tasks import task_named, task_names
 

@@ -91,7 +91,7 @@ if hasattr(modeling_utils, "prevent_arange_dtype_change"):
 sys.path.insert(0, os.path.join(os.environ["PYTHONPATH"], "tests"))
 from conftest import resolve
 from distlab.runtime.buffers import plain_buffers
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 from distlab.runtime.model_setup import prepare_model
 from distlab.strategies import strategy_for
 from distlab.runtime.worker import make_context

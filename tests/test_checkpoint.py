@@ -11,9 +11,9 @@ import torch
 
 from conftest import resolve, run_experiment
 from distlab.checkpoints import checkpoint as ckpt
-from distlab.checkpoints.checkpoint_files import MANIFEST, sha256_file, verify_manifest
+from distlab.records.checkpoint_files import MANIFEST, sha256_file, verify_manifest
 from distlab.checkpoint_formats.plain import load_plain
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 from distlab.runtime.loop import IndexStream
 from distlab.records.run_outputs import read_run_record
 from distlab.jobs.validate import validate_run
@@ -337,7 +337,7 @@ def resume_in(run_dir, trained, prepared, damage):
 
 
 def _rewrite_manifest(folder):
-    from distlab.checkpoints.checkpoint_files import write_manifest
+    from distlab.records.checkpoint_files import write_manifest
 
     (folder / MANIFEST).unlink()
     write_manifest(folder)

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import snakemake, tiny_config
 from distlab.checkpoints.checkpoint import FAULT_ENV
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 from distlab.records.run_outputs import read_run_record
 from report_fixtures import MACHINE, seed_prepared
 

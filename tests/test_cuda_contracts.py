@@ -22,7 +22,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 
 CUDA = torch.device("cuda", 0)
 
@@ -139,7 +139,7 @@ def no_file_writes(monkeypatch):
     """The export's writers check what they are given (CPU tensors) instead of writing bytes."""
     import safetensors.torch
 
-    from distlab.checkpoints.export_files import SafetensorsFile
+    from distlab.records.export_files import SafetensorsFile
 
     seen = []
 

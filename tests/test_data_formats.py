@@ -6,7 +6,7 @@ import pytest
 
 from distlab.data_prep import data
 from distlab.data_prep.data_formats import IGNORE, encode_chat, encode_instruction
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 from distlab.records.run_outputs import read_run_record
 
 

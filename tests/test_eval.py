@@ -2,7 +2,7 @@
 import json
 
 import pytest
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 
 from distlab.records.run_outputs import read_run_record
 
@@ -54,14 +54,16 @@ def test_sharded_run_is_evaluated_whole_beside_the_base_model(prepared, tmp_path
     again = evaluation.evaluate_model(exported, ids, labels)
     assert abs(trained["loss"] - again["loss"]) < 1e-5 and abs(trained["loss"] - base["loss"]) > 1e-4
     assert trained["tokens"] == again["tokens"] and "split over 2 data-parallel ranks" in trained["how"]
-    sentence = evaluation.eval_sentence([metrics])
+    from distlab.report.held_out import eval_sentence
+
+    sentence = eval_sentence([metrics])
     assert f"{base['loss']:.3f} -> {trained['loss']:.3f}" in sentence
 
 
 def test_summary_gets_each_runs_base_and_trained_eval_loss():
     import pandas as pd
 
-    from distlab.runtime.evaluation import eval_columns
+    from distlab.report.held_out import eval_columns
 
     runs = [{"machine": "m", "experiment": "a", "eval": {"base": {"loss": 8.0}, "trained": {"loss": 7.0,
                                                                                               "perplexity": 1096.6}}},

@@ -49,7 +49,7 @@ def test_the_streamed_export_is_byte_for_byte_what_save_pretrained_writes(tmp_pa
 
 
 def test_a_tensor_on_a_device_or_of_another_shape_is_refused_by_the_writer(tmp_path):
-    from distlab.checkpoints.export_files import SafetensorsFile
+    from distlab.records.export_files import SafetensorsFile
 
     out = SafetensorsFile(tmp_path / "x.safetensors", {"w": ((2, 3), torch.float32)})
     with pytest.raises(ValueError, match="'w' is .*declared"):

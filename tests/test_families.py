@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_config
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 from distlab.records.run_outputs import read_run_record
 
 SEQ_LEN = 32

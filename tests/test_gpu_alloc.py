@@ -126,8 +126,7 @@ def test_local_gpus_profile_dry_runs_the_workflow(tmp_path):
 
 
 def test_a_cuda_rank_gets_the_jobs_cores_split_over_its_ranks(monkeypatch):
-    from distlab.jobs.gpu_alloc import cuda_rank_threads
-    from distlab.launchers.environment import rank_environment
+    from distlab.launchers.environment import cuda_rank_threads, rank_environment
 
     spec = {"device": "cuda", "world_size": 2, "cpu_threads_per_rank": 1}
     monkeypatch.setenv("DISTLAB_JOB_THREADS", "12")

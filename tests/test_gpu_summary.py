@@ -19,7 +19,11 @@ def test_summary_prints_throughput_mfu_memory_oom_validations_and_nccl(tmp_path)
         "experiment": "ddp-a", "status": "ok", "throughput": {"tokens_per_s": 123456.0},
         "flops": {"mfu": 0.412, "peak_flops_per_rank": 989.5e12, "peak_how": "dense bf16 peak of NVIDIA H200"},
         "memory": {"per_rank": [{"cuda_max_allocated_bytes": 3 * 2**30, "cuda_max_reserved_bytes": 4 * 2**30}]},
-        "timing": {"comm_inflight_s_per_step": {"median": 0.0021}}, "as_built": {"comm_timing": "CUDA events"}})
+        "timing": {"comm_inflight_s_per_step": {"median": 0.0021}, "step_time_s": {"median": 0.1}},
+        "noise": {"busy": False}, "as_built": {"comm_timing": "CUDA events"},
+        "prediction": {"status": "predicted", "step_time_s": 0.12,
+                       "terms": {name: {"seconds": s, "how": "x"} for name, s in
+                                 {"compute": 0.1, "communication": 0.02, "optimizer": 0.0, "bubble": 0.0}.items()}}})
     write(box / "ddp-a" / "validation.json", {"experiment": "ddp-a", "status": "passed",
                                               "checks": {"reload": {"status": "passed"},
                                                          "reshard": {"status": "unsupported"}}})
@@ -34,6 +38,8 @@ def test_summary_prints_throughput_mfu_memory_oom_validations_and_nccl(tmp_path)
     assert "ddp-a: 123,456 tokens/s, MFU 41.2% of 989.5 TFLOP/s (dense bf16 peak of NVIDIA H200)" in text
     assert "peak GPU memory 3.00 GiB allocated, 4.00 GiB reserved" in text
     assert "all-reduce in flight 2.10 ms/step (median; CUDA events)" in text
+    assert "step time predicted 120.0 ms (compute 100.0, communication 20.0, optimizer 0.0, bubble 0.0 ms), " \
+           "measured 100.0 ms: +20%, right" in text
     assert "ddp-b: recorded OOM under a 2 GiB budget: CUDA out of memory" in text
     assert "ddp-a: checkpoint validation passed: reload passed, reshard unsupported" in text
     assert "NCCL bandwidth: not measured: NCCL collectives need at least 2 GPUs" in text

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from distlab.tools import hardware as hw
+from distlab.configuration import hardware as hw
 
 
 @pytest.mark.parametrize("name, precision, peak", [

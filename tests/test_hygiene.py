@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO, resolve
 
-from distlab.jobs.job import Job, ValidationJob
+from distlab.records.job import Job, ValidationJob
 
 
 def alive(pid: int) -> bool:
@@ -141,7 +141,7 @@ def test_sigkill_of_snakemake_leaves_no_launcher_or_rank_running(prepared, tmp_p
               env_allowlist=[], checkpoint_dir=None)
     job.write(tmp_path / "job-input.json")
     (tmp_path / "train.py").write_text(textwrap.dedent("""
-        from distlab.jobs.job import read_job
+        from distlab.records.job import read_job
         from distlab.jobs.launch import launch
         from distlab.jobs.rule_log import logged
         with logged(snakemake):

@@ -44,7 +44,7 @@ def image_run(run_dir, spec, images_per_s: float) -> None:
 def test_a_text_to_image_run_of_two_launches_is_folded_and_summarised_in_images_per_s(tmp_path):
     """Further launches and the summary read the unit the run measured in (images/s for
     text-to-image), never a tokens/s it does not have."""
-    from distlab.jobs.job import Job
+    from distlab.records.job import Job
     from distlab.jobs.launches import repeat_launches
     from distlab.report.collect import load_checked_runs, summary_frame
 

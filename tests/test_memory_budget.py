@@ -3,7 +3,7 @@ finishes, and every run records its load-phase and training-phase peaks."""
 import pytest
 
 from conftest import resolve, run_experiment
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 from distlab.records.run_outputs import read_run_record
 
 MIB = 2**20

@@ -21,7 +21,7 @@ import shutil
 import pytest
 
 from conftest import assert_advisor_estimate_holds, resolve, run_experiment
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 
 MIB = 2**20
 # 1.7 GiB per rank process: a 1-rank DDP rank of this model peaks near 2.2 GiB here while it

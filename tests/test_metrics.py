@@ -83,7 +83,7 @@ def test_a_machine_without_an_nvidia_driver_has_no_gpus_but_a_broken_driver_is_a
     import pynvml
     import pytest
 
-    from distlab.tools import hardware
+    from distlab.configuration import hardware
 
     monkeypatch.delenv("DISTLAB_GPU_COUNT", raising=False)
 

@@ -97,7 +97,7 @@ def test_a_weight_index_naming_files_outside_the_model_folder_is_refused_naming_
     check, the loaders and the export read (and copy) any file on the machine."""
     from safetensors import safe_open
 
-    from distlab.checkpoints.export_files import WeightIndexError, weight_index
+    from distlab.records.export_files import WeightIndexError, weight_index
     from distlab.configuration.input_checks import ConfigError, model_config
 
     elsewhere = tmp_path / "elsewhere"

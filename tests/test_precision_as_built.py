@@ -51,7 +51,7 @@ def test_a_bf16_zero3_run_builds_its_module_in_bf16(prepared, sd_model):
 
 
 def test_parameters_in_another_dtype_than_the_precision_are_a_label_mismatch():
-    from distlab.runtime.precision import parameter_dtype_mismatch
+    from distlab.configuration.precision import parameter_dtype_mismatch
 
     assert parameter_dtype_mismatch("fp32", {"float32": 10}, {"float32": 10}) is None
     assert parameter_dtype_mismatch("bf16", {"float32": 4, "bfloat16": 6}, {"float32": 10}) is None

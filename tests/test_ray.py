@@ -16,7 +16,7 @@ import pytest
 
 from conftest import REPO, resolve, run_experiment, seed_hardware, snakemake, tiny_config
 
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 from distlab.launchers.ray_nodes import RayNodes
 from distlab.records.run_outputs import read_run_record
 from distlab.jobs.two_hosts import newest_checkpoint_world

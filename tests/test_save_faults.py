@@ -71,7 +71,7 @@ def train_with_periodic_saves(rank: int, native_format: str, spec: dict, folder:
     import torch
     import torch.distributed as dist
 
-    from distlab.jobs.job import Job
+    from distlab.records.job import Job
     from distlab.runtime.training_checkpoints import TrainingCheckpoints
     from distlab.strategies.base import RunContext
 
@@ -159,7 +159,7 @@ def test_a_rank_waits_in_a_collective_no_longer_than_its_job_may_run(monkeypatch
     import torch.distributed as dist
     from conftest import resolve
 
-    from distlab.jobs.job import Job, estimated_runtime_minutes
+    from distlab.records.job import Job, estimated_runtime_minutes
     from distlab.strategies.base import RunContext
     from distlab.strategies.ddp import DDPStrategy
 

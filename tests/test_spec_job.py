@@ -10,8 +10,8 @@ import yaml
 from conftest import resolve
 
 from distlab.configuration.config import load_file
-from distlab.jobs.job import Job, JobError, ValidationJob, read_job, replace
-from distlab.configuration.spec import Spec, SpecError
+from distlab.records.job import Job, JobError, ValidationJob, read_job, replace
+from distlab.records.spec import Spec, SpecError
 
 
 def test_every_expanded_experiment_is_a_frozen_spec_changed_only_by_replace():

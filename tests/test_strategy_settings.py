@@ -305,14 +305,14 @@ def test_no_task_or_family_code_names_a_strategy():
 
 
 def test_precision_names_and_the_accumulation_loss_scale_are_decided_in_one_place_each():
-    """distlab/runtime/precision.py maps a precision name to its torch dtype and distlab/runtime/accumulation.py
+    """distlab/configuration/precision.py maps a precision name to its torch dtype and distlab/runtime/accumulation.py
     scales a micro-batch's loss: no other module spells either rule out again."""
     import re
 
     import torch
 
     from distlab.runtime.accumulation import for_backward
-    from distlab.runtime.precision import low_precision_dtype, torch_dtype
+    from distlab.configuration.precision import low_precision_dtype, torch_dtype
 
     assert [torch_dtype(p) for p in ("fp32", "bf16", "fp16")] == [torch.float32, torch.bfloat16, torch.float16]
     assert low_precision_dtype("fp32") is None
@@ -324,7 +324,7 @@ def test_precision_names_and_the_accumulation_loss_scale_are_decided_in_one_plac
     for path in package.rglob("*.py"):
         text = path.read_text()
         if path.name != "precision.py":
-            assert not dtype_map.search(text), f"{path}: a precision -> dtype map besides distlab/runtime/precision.py"
+            assert not dtype_map.search(text), f"{path}: a precision -> dtype map besides distlab/configuration/precision.py"
         if path.name != "accumulation.py":
             assert not micro_scale.search(text), \
                 f"{path}: loss scaled for accumulation besides distlab/runtime/accumulation.py"

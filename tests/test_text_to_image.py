@@ -38,7 +38,7 @@ def sd_config() -> dict:
 @pytest.fixture(scope="module")
 def workflow(tmp_path_factory):
     """(results folder, {experiment: metrics}) of one `snakemake --cores 2` run of every strategy."""
-    from distlab.tools import hardware
+    from distlab.configuration import hardware
 
     work = tmp_path_factory.mktemp("text-to-image")
     (work / "results" / MACHINE).mkdir(parents=True)

@@ -75,7 +75,7 @@ def test_a_warm_rank_passes_on_its_exit_status_and_its_error(server, tmp_path):
 
 def test_a_copy_carries_its_launch_identity_dies_with_its_stand_in_and_takes_signals(server, prepared, tmp_path):
     from tests.conftest import resolve
-    from distlab.jobs.job import Job
+    from distlab.records.job import Job
 
     spec = resolve({"strategy": "ddp", "world_size": 1}, steps=100000, untimed_steps=1)
     job = Job(spec=spec, run_dir=str(tmp_path / "run"), data_dir=str(prepared / "data32"),

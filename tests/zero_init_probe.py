@@ -23,8 +23,9 @@ def main() -> None:
     # forced: the same machine then stands for both CPU kinds this machine kind comes in.
     type(get_accelerator()).is_fp16_supported = lambda self: fp16_supported
 
-    from distlab.runtime.precision import torch_dtype
+    from distlab.configuration.precision import torch_dtype
     from distlab.strategies.deepspeed_config import deepspeed_config
+    from distlab.strategies import deepspeed_load
     from distlab.strategies.deepspeed_load import build_partitioned, load_through_transformers
     from distlab.tasks.text_to_image.model import load_unet_partitioned
     from distlab.testing import resolve
@@ -41,7 +42,7 @@ def main() -> None:
 
     for name, build in [("causal_lm", lambda: build_partitioned(model_dir, config, dtype)),
                         ("transformers_route", lambda: load_through_transformers(model_dir, config, dtype)),
-                        ("unet", lambda: load_unet_partitioned(sd_dir, config, dtype)[0])]:
+                        ("unet", lambda: load_unet_partitioned(sd_dir, config, dtype, zero=deepspeed_load)[0])]:
         try:
             built[name] = dtypes(build())
         except Exception as error:  # a refusal is an answer too: the test reads it

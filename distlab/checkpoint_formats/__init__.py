@@ -31,3 +31,9 @@ def read_format(folder, expected: str | None = None) -> dict:
     if expected is not None and fmt.get("format") != expected:
         raise ValueError(f"{folder}: checkpoint format {fmt.get('format')!r}, expected {expected!r}")
     return fmt
+
+
+def trainable_names(module) -> set[str]:
+    """Names of the parameters the optimizer steps (LoRA: the adapters): what a native
+    checkpoint holds."""
+    return {name for name, param in module.named_parameters() if param.requires_grad}

@@ -28,7 +28,7 @@ def _trainable_state(strategy):
     identity in the checkpoint's metadata, distlab.checkpoints.checkpoint)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from distlab.strategies.base import trainable_names
+    from distlab.checkpoint_formats import trainable_names
 
     model_state, optim_state = get_state_dict(strategy.model, strategy.optimizer, options=_dcp_options())
     trained = trainable_names(strategy.model)
@@ -45,7 +45,7 @@ def dcp_save(strategy, path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     from distlab.checkpoints.checkpoint import on_every_rank
-    from distlab.checkpoints.checkpoint_files import atomic_dir
+    from distlab.records.checkpoint_files import atomic_dir
 
     model_state, optim_state, _ = _trainable_state(strategy)
     tmp, commit = Path(str(path) + ".tmp"), None

@@ -18,9 +18,9 @@ def save_plain(strategy, path: str) -> None:
     import torch.distributed as dist
 
     from distlab.checkpoints.checkpoint import on_every_rank
-    from distlab.checkpoints.checkpoint_files import atomic_dir
-    from distlab.checkpoints.export_files import SafetensorsFile
-    from distlab.strategies.base import trainable_names
+    from distlab.records.checkpoint_files import atomic_dir
+    from distlab.records.export_files import SafetensorsFile
+    from distlab.checkpoint_formats import trainable_names
     from distlab.runtime.streamed import host
 
     def write():
@@ -47,7 +47,7 @@ def load_plain(strategy, path: str) -> None:
     from safetensors.torch import load_file
 
     from distlab.checkpoints.checkpoint import CheckpointMismatch
-    from distlab.strategies.base import trainable_names
+    from distlab.checkpoint_formats import trainable_names
 
     path = Path(path)
     module = strategy.unwrapped()

@@ -1,5 +1,5 @@
 """Checkpoints users can trust: the strategy's native state, the trainer state and a
-Hugging Face export, written atomically with a manifest (distlab.checkpoints.checkpoint_files).
+Hugging Face export, written atomically with a manifest (distlab.records.checkpoint_files).
 
 One checkpoint folder:
     state/                          the strategy's native format (strategy.save_checkpoint; the formats
@@ -40,26 +40,23 @@ import signal
 import time
 from pathlib import Path
 
-from distlab.checkpoints.checkpoint_files import (FORMAT_VERSION, dir_bytes, fsync_tree, replace_dir, verify_manifest,
-                                      write_manifest)
+from distlab.records.checkpoint_files import (FORMAT_VERSION, META, dir_bytes, fsync_tree, read_meta,  # noqa: F401
+                                             replace_dir, verify_manifest, write_manifest)
 from distlab.errors import BaseMismatch, CheckpointCorrupt, CheckpointError, CheckpointMismatch
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 from distlab.checkpoints.safe_load import weights_only_loads
+from distlab.launchers.environment import FAULT_ENV
 from distlab.checkpoints.trainer_state import restore_trainer_state as _restore_trainer_state
 from distlab.checkpoints.trainer_state import save_trainer_state as _save_trainer_state
 
 # torch is imported inside the functions that need it: the validation driver (one Snakemake
 # job per experiment) reads manifests and metadata without paying torch's import time.
 
-META = "distlab_checkpoint.json"
 PARITY_STEPS = 2  # steps validation re-runs from the mid-run checkpoint
 # Spec fields that leave the training trajectory unchanged: a checkpoint stays valid across them.
 NON_TRAJECTORY_FIELDS = ("id", "stage", "checkpoint_every", "checkpoint_keep", "export", "memory_budget_gib",
                          "untimed_steps", "repeats", "launches", "progress_every_s", "tracking", "eval_every",
                          "checkpoint_select", "profile")
-# Fault-injection hook for tests: "<experiment id>:<rank>:<steps done>" SIGKILLs that rank
-# right after that step (and after any checkpoint saved at it).
-FAULT_ENV = "DISTLAB_FAULT_KILL"
 
 
 class SaveFailed(RuntimeError):
@@ -130,7 +127,7 @@ def base_identity(model_source: str, weights_folder: str | None = None) -> dict:
     Collective where a process group exists: rank 0 reads the files, the others receive it."""
     import torch.distributed as dist
 
-    from distlab.checkpoints.checkpoint_files import sha256_file
+    from distlab.records.checkpoint_files import sha256_file
     from distlab.runtime.partial_load import model_folder
 
     out = [None]
@@ -191,14 +188,6 @@ def check_compatible(meta: dict, spec: dict, signature: dict, where, allow_world
     if config:
         raise CheckpointMismatch(f"checkpoint {where} was made with a different experiment config; refusing to "
                                  "load it: " + "; ".join(config))
-
-
-def read_meta(root) -> dict:
-    path = Path(root) / META
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointCorrupt(f"{path}: missing or unreadable ({exc})") from None
 
 
 # -- the collective save and load ----------------------------------------------------------------

@@ -5,7 +5,7 @@ computes the logits every later check compares against (distlab.runtime.streamed
 What is written (spec `export`):
 - full fine-tuning: export/ = the model as `save_pretrained(max_shard_size=...)` lays it out
   (safetensors shards + model.safetensors.index.json, or one model.safetensors), config and
-  tokenizer, written tensor by tensor (distlab.checkpoints.export_files).
+  tokenizer, written tensor by tensor (distlab.records.export_files).
 - LoRA: export/ = the PEFT adapter folder (`PeftModel.save_pretrained`: adapter_config.json,
   adapter_model.safetensors; loads with `PeftModel.from_pretrained(base, export)`) and the
   tokenizer; with `export: {merge: true}` also export/merged/, the base with the adapters
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from distlab.configuration.training_tools import adapts
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 
 EVAL_BATCH = 2  # sequences of the eval split the recorded logits are computed on
 EVAL_TOKENS = 32  # their first tokens
@@ -60,7 +60,7 @@ class FullWeights:
     def __init__(self, model, folder: Path, max_shard_size, rename=None):
         import torch
 
-        from distlab.checkpoints.export_files import ShardedWriter, save_hf_metadata, shard_plan
+        from distlab.records.export_files import ShardedWriter, save_hf_metadata, shard_plan
 
         folder.mkdir(parents=True, exist_ok=True)
         save_hf_metadata(model, folder, torch.float32)

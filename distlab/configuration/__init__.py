@@ -2,6 +2,9 @@
 before any job starts: the config schema, its defaults and its expansion into experiment specs,
 the fine-tuning keys, which strategies fit a model family, which checkpoints get validated, the
 checks of everything a job would read (model folders, data files, tokenizers, links, unequal
-devices) and the results folder's one-workflow lock. Light on purpose: a check that needs torch,
+devices) and the results folder's one-workflow lock; the precision map every later phase reads
+(precision.py: its torch dtypes are imported inside its functions); what this machine has
+(hardware.py: GPU count and machine tag at parse time, the probe of rule hardware, a rank's NVML
+handle and peak FLOPs; torch and pynvml inside its functions). Light on purpose: a check that needs torch,
 transformers or datasets imports them inside its function, so parsing never pays for them.
 """

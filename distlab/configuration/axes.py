@@ -3,7 +3,7 @@ from those declarations.
 
 The declarations: the strategies are the files distlab/strategies/<name>_settings.py, the tasks
 the modules of distlab/tasks/ holding a `TASK` (units: each task's `unit`), the launchers
-distlab.launchers.REGISTRY, the precisions distlab.runtime.precision.PRECISIONS, and the stages,
+distlab.launchers.REGISTRY, the precisions distlab.configuration.precision.PRECISIONS, and the stages,
 methods, devices and samplers the tuples below; a strategy's own choices
 (`deepspeed.offload_param`) its settings' `schema`. config/schema.yaml and
 distlab/report/results_schema.yaml hold no list of them: `enum_from: <axis>` (and
@@ -29,7 +29,7 @@ SAMPLERS = ("distributed", "none")
 def names() -> dict[str, list]:
     """{axis: the names it may take}, read from each axis's one declaration."""
     from distlab.launchers import REGISTRY as LAUNCHERS
-    from distlab.runtime.precision import PRECISIONS
+    from distlab.configuration.precision import PRECISIONS
     from distlab.strategies import strategy_names
     from distlab.strategies.settings import registered
     from distlab.tasks import task_named, task_names

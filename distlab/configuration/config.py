@@ -23,7 +23,7 @@ from distlab.configuration import schema as schema_file
 from distlab.configuration.config_links import check_unequal_and_link, link_label, machine_refusal, with_link_caps
 from distlab.configuration.input_checks import ConfigError
 from distlab.configuration.schema import load_schema  # also this module's name for it: validate_schema reads it here
-from distlab.configuration.spec import Spec
+from distlab.records.spec import Spec
 from distlab.configuration.training_tools import adapts, check_training_tools
 from distlab.strategies import strategy_key
 from distlab.strategies.settings import registered, schema_mismatch, settings_for, strategy_defaults
@@ -193,7 +193,7 @@ def expand_experiments(config: dict, gpu_count: int | None = None) -> dict[str, 
     gpu_count resolves device 'auto' (cuda when GPUs exist); None means "detect".
     """
     if gpu_count is None:
-        from distlab.tools.hardware import gpu_count as detect
+        from distlab.configuration.hardware import gpu_count as detect
 
         gpu_count = detect()
     defaults = finetune_config.layer(config.get("defaults", {}), "defaults")

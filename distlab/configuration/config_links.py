@@ -3,6 +3,8 @@ namespaced ranks (link, stages' link_caps_mbit) and unequal devices (rank_micro_
 rank_cpu_threads, rank_cpu_budget). Light like distlab.configuration.config: the Snakefile imports it."""
 from __future__ import annotations
 
+import math
+
 
 def link_label(mbit: float | None) -> str:
     """100 -> '100m', 1000 -> '1g', 2500 -> '2.5g', None -> 'free' (namespaced, uncapped)."""
@@ -80,3 +82,23 @@ def machine_refusal(spec: dict) -> tuple[str, str] | None:
         if no_cpu_budget():
             return "rank_cpu_budget", f"CPU budgets cannot be enforced here: {no_cpu_budget()}"
     return None
+
+
+def split_batch(total: int, speeds: list[float], capacities: list[int | None]) -> list[int]:
+    """Split `total` samples over ranks in proportion to speed (largest remainders), each at
+    least 1 and at most its capacity (None: unbounded); what a full rank cannot take goes to
+    the fastest with room."""
+    n = len(speeds)
+    if total < n:
+        raise ValueError(f"a global batch of {total} cannot give each of {n} ranks a sample")
+    room = [math.inf if c is None else c for c in capacities]
+    if any(r < 1 for r in room) or sum(min(r, total) for r in room) < total:
+        raise ValueError(f"the ranks' memory holds {capacities} samples each: less than the global batch of "
+                         f"{total} (or a rank holds none)")
+    quotas = [total * s / sum(speeds) for s in speeds]
+    sizes = [min(room[i], max(1, math.floor(q))) for i, q in enumerate(quotas)]
+    while sum(sizes) < total:  # the largest shortfall against its quota first, among ranks with room
+        sizes[max((i for i in range(n) if sizes[i] < room[i]), key=lambda i: quotas[i] - sizes[i])] += 1
+    while sum(sizes) > total:  # the floor of 1 overshot: take back from the largest excess
+        sizes[max((i for i in range(n) if sizes[i] > 1), key=lambda i: sizes[i] - quotas[i])] -= 1
+    return sizes

@@ -24,6 +24,11 @@ MAX_ROW_CHARS = 16 << 20
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
+def packing_mode(cfg: dict) -> str:
+    """The dataset's packing: as given, else documents for chat/instruction rows, blocks for text."""
+    return cfg.get("packing") or ("blocks" if cfg.get("format", "text") == "text" else "documents")
+
+
 def builder_for(path) -> str:
     return BUILDERS.get(Path(path).suffix.lower(), "text")
 

@@ -28,6 +28,7 @@ import jsonschema
 import yaml
 
 from distlab.errors import ConfigError
+from distlab.records.sharing import PROJECT_ROOT
 
 # Folders under results_dir that are not machine folders.
 RESERVED_MACHINE_NAMES = {"prep", "report", "logs", "kuberay", ".gpu-locks"}
@@ -37,7 +38,6 @@ SYSTEM_FOLDERS = ("/proc", "/sys", "/dev", "/boot", "/etc", "/bin", "/sbin", "/l
 SHARED_FOLDERS = ("/home", "/var", "/opt", "/srv", "/mnt", "/media", "/tmp", "/root")
 # Nor the project itself or its sources (a machine folder named like one would land among them,
 # and the report writes <results_dir>/report/).
-PROJECT_ROOT = Path(__file__).resolve().parent.parent.parent
 SOURCE_FOLDERS = (".git", ".ci", "benchmarks", "config", "distlab", "envs", "profiles", "report", "rules", "scripts",
                   "tests")
 WEIGHT_PATTERNS = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "*.pt", "*.pth")

@@ -57,7 +57,7 @@ def stored_weights(folder: Path, field: str) -> dict:
     files = sorted(folder.glob("*.safetensors"))
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        from distlab.checkpoints.export_files import WeightIndexError, read_weight_map
+        from distlab.records.export_files import WeightIndexError, read_weight_map
 
         try:
             listed = sorted(set(read_weight_map(index).values()))

@@ -87,11 +87,21 @@ def streamed_text_files(data: dict) -> list[str]:
     return fields
 
 
+PIECE_PROBES = (("x\n", "y"), ("Hello world.\n", "Next line"))
+
+
+def pieces_split_cleanly(encode) -> bool:
+    """Whether `encode` (text -> ids, no special tokens) gives a text cut after a line end
+    ("x\ny" -> "x\n" + "y") the same ids apart as whole. True for byte-level BPE (GPT-2,
+    Llama-3, Qwen2, GPT-NeoX); false for tokenizers that prepend a space marker to every call
+    (SentencePiece's Metaspace: Llama-2, Mistral). Config time asks it of `tokenizers`, the
+    data-prep job of the loaded transformers tokenizer (the same Rust object when fast)."""
+    return all(encode(a + b) == encode(a) + encode(b) for a, b in PIECE_PROBES)
+
+
 def check_streamed_text_pieces(config: dict, tokenizer, tok_field: str, source: str) -> None:
     """Refuse, before any job, a .txt file the tokenizer would encode differently in pieces
     than whole (the data-prep job refuses it too)."""
-    from distlab.data_prep.data_formats import pieces_split_cleanly
-
     streamed = streamed_text_files(config["data"])
     if not streamed:
         return

@@ -20,9 +20,9 @@ import re
 import time
 from pathlib import Path
 
-from distlab.configuration.data_checks import builder_for
+from distlab.configuration.data_checks import builder_for, packing_mode
 from distlab.data_prep.data_formats import BUILT_CHAT_TEMPLATE, DOCUMENT_END, IGNORE, encoder_for
-from distlab.data_prep.packing import POSITIONS, RowPacker, packing_mode
+from distlab.data_prep.packing import POSITIONS, RowPacker
 from distlab.data_prep.prep_progress import TokenizeProgress, summary
 from distlab.configuration.tokenizer_checks import load_tokenizer  # noqa: F401 (data prep's, and callers' data.load_tokenizer)
 

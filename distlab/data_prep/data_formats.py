@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 
+from distlab.configuration.tokenizer_checks import pieces_split_cleanly
+
 IGNORE = -100
 # Instruction rows with a tokenizer that has no chat template (documented in schema.yaml).
 PLAIN_PROMPT = "### Instruction:\n{prompt}\n\n### Response:\n"
@@ -23,18 +25,6 @@ DOCUMENT_END = "document_end"
 
 
 # Texts cut after a line end, as a streamed .txt file is cut into pieces.
-PIECE_PROBES = (("x\n", "y"), ("Hello world.\n", "Next line"))
-
-
-def pieces_split_cleanly(encode) -> bool:
-    """Whether `encode` (text -> ids, no special tokens) gives a text cut after a line end
-    ("x\ny" -> "x\n" + "y") the same ids apart as whole. True for byte-level BPE (GPT-2,
-    Llama-3, Qwen2, GPT-NeoX); false for tokenizers that prepend a space marker to every call
-    (SentencePiece's Metaspace: Llama-2, Mistral). Config time asks it of `tokenizers`, the
-    data-prep job of the loaded transformers tokenizer (the same Rust object when fast)."""
-    return all(encode(a + b) == encode(a) + encode(b) for a, b in PIECE_PROBES)
-
-
 @functools.lru_cache(maxsize=8)  # once per tokenizer, not once per batch of rows
 def pieces_tokenize_like_the_whole(tokenizer) -> bool:
     return pieces_split_cleanly(lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -36,11 +36,6 @@ def packed_inputs(position_ids) -> dict:
     return {"position_ids": position_ids, "use_cache": False}
 
 
-def packing_mode(cfg: dict) -> str:
-    """The dataset's packing: as given, else documents for chat/instruction rows, blocks for text."""
-    return cfg.get("packing") or ("blocks" if cfg.get("format", "text") == "text" else "documents")
-
-
 def row_pieces(ids, labels, seq_len: int):
     """(ids, labels) pieces of one row, seq_len tokens at most, each with a trained label after
     its first token (the first label is masked: within the piece nothing predicts it)."""

@@ -37,21 +37,10 @@ def visible_devices(count: int | None = None) -> list[str]:
     if inherited:
         return [d.strip() for d in inherited.split(",") if d.strip()]
     if count is None:
-        from distlab.tools.hardware import gpu_count
+        from distlab.configuration.hardware import gpu_count
 
         count = gpu_count()
     return [str(i) for i in range(count)]
-
-
-def cuda_rank_threads(spec: dict) -> int:
-    """CPU threads of one CUDA rank: the job's cores (DISTLAB_JOB_THREADS, Snakemake's
-    `threads` of the job, set by distlab.jobs.rule_log) split evenly over its ranks, at least 1.
-    torchrun's default of 1 thread starves the host-side work of a GPU rank (ZeRO offload's
-    CPU Adam, the validation's CPU logits). Outside Snakemake: cpu_threads_per_rank."""
-    job_threads = os.environ.get("DISTLAB_JOB_THREADS")
-    if not job_threads:
-        return spec["cpu_threads_per_rank"]
-    return max(1, int(job_threads) // spec["world_size"])
 
 
 def _try_lock(path: str):

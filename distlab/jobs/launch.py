@@ -9,12 +9,12 @@ import os
 import shutil
 from pathlib import Path
 
-from distlab.jobs.job import Job, replace
+from distlab.records.job import Job, replace
 from distlab.launchers import get_launcher
 from distlab.launchers.process import refuse_if_running
 from distlab.records.run_layout import run_files_dir
 from distlab.records.sharing import portable
-from distlab.configuration.spec import Spec, thaw
+from distlab.records.spec import Spec, thaw
 
 
 def job_file(run_dir: str) -> str:
@@ -51,7 +51,7 @@ def rule_job(snakemake, run_dir: str) -> Job:
         base_eval_json=os.path.abspath(snakemake.input.base_eval),
         # Trackers' store beside the machine's runs (absolute, as above): results/<machine>/tracking.
         tracking_dir=os.path.abspath(os.path.join(os.path.dirname(run_dir), "tracking")),
-        # The bound on every collective wait of its ranks (distlab.jobs.job.collective_timeout).
+        # The bound on every collective wait of its ranks (distlab.records.job.collective_timeout).
         runtime_minutes=_minutes(getattr(snakemake.resources, "runtime", None)),
     )
 

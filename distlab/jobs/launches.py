@@ -14,7 +14,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from distlab.jobs.job import Job, replace
+from distlab.records.job import Job, replace
 from distlab.records.run_layout import run_files_dir
 from distlab.records.run_outputs import read_run_record, throughput_unit, write_metrics
 

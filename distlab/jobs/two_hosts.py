@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from distlab.jobs.job import Job, replace
+from distlab.records.job import Job, replace
 
 HOST_NAMES = ("home-pc", "cloud-box")
 # What the two-host experiment is unless `two_hosts.experiment` says otherwise.
@@ -60,7 +60,7 @@ def two_hosts_spec(config: dict) -> dict:
 
 def newest_checkpoint_world(run_dir: Path) -> int | None:
     """World size of the newest checkpoint the running job has written (resume/step-*)."""
-    from distlab.checkpoints.checkpoint_files import step_folders
+    from distlab.records.checkpoint_files import step_folders
 
     for folder in reversed(step_folders(Path(run_dir) / "resume")):
         try:

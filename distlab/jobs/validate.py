@@ -15,19 +15,9 @@ import json
 from pathlib import Path
 
 from distlab.configuration.training_tools import adapts
-from distlab.jobs.job import ValidationJob, replace
-
-VALIDATION_SCHEMA_VERSION = 1
-PASSED, FAILED, UNSUPPORTED = "passed", "failed", "unsupported"
-# Every compared forward runs streamed on the CPU in fp32 (distlab.runtime.streamed), whatever the
-# training device and precision: the same code on the same weights agrees to float rounding.
-RELOAD_TOLERANCE = 1e-5
-# Merging LoRA into the base weights changes float rounding, not the function.
-MERGE_TOLERANCE = 1e-4
-# Resume parity compares training trajectories: bit-exact is expected for fp32 on one machine;
-# autocast precisions get room for reduced-precision kernels that are not bit-reproducible.
-PARITY_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 1e-2}
-
+from distlab.records.job import ValidationJob, replace
+from distlab.records.validation import (FAILED, MERGE_TOLERANCE, PARITY_TOLERANCE, PASSED,  # noqa: F401 (theirs too)
+                                       RELOAD_TOLERANCE, UNSUPPORTED, VALIDATION_SCHEMA_VERSION)
 
 def phase_checks(phase: str, spec: dict) -> list[str]:
     """The checks a phase records (export runs once, on rank 0, before any phase)."""
@@ -66,7 +56,7 @@ def verdict(result: dict, spec: dict) -> dict:
 
 # -- the driver -----------------------------------------------------------------------------------
 def validate_run(run_dir, model_source: str, data_dir: str, out_path, log_path=None, timeout: float = 600) -> dict:
-    from distlab.checkpoints.checkpoint_files import step_folders, verify_manifest
+    from distlab.records.checkpoint_files import step_folders, verify_manifest
 
     from distlab.records.run_outputs import read_run_record
 
@@ -155,10 +145,9 @@ def launch_plans(spec: dict, other: int | None) -> list[list[list]]:
 
 
 def _size_and_time(final: Path, reload: dict) -> dict:
-    from distlab.checkpoints import checkpoint as ckpt
-    from distlab.checkpoints.checkpoint_files import dir_bytes
+    from distlab.records.checkpoint_files import dir_bytes, read_meta
 
-    meta = ckpt.read_meta(final)
+    meta = read_meta(final)
     state = final / "state"
     return {"status": PASSED if reload.get("load_seconds") is not None else UNSUPPORTED,
             "state_bytes": dir_bytes(state), "checkpoint_bytes": dir_bytes(final),

@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from distlab.launchers.environment import single_node_environment
-from distlab.runtime.precision import ACCELERATE_MIXED_PRECISION
+from distlab.configuration.precision import ACCELERATE_MIXED_PRECISION
 from distlab.records.sharing import portable
 from distlab.strategies.accelerate_settings import CONFIG_NAME
 from distlab.strategies.settings import settings_for

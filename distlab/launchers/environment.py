@@ -13,15 +13,30 @@ BASE_ENV = {
 }
 
 
+# Fault-injection hook for tests: "<experiment id>:<rank>:<steps done>" SIGKILLs that rank
+# right after that step (and after any checkpoint saved at it: distlab.checkpoints.checkpoint).
+# Every launcher passes it on to its ranks.
+FAULT_ENV = "DISTLAB_FAULT_KILL"
+
+
 # A CPU experiment's ranks: DeepSpeed's CPU accelerator, and no GPU touched by accident.
 CPU_ENV = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def cuda_rank_threads(spec: dict) -> int:
+    """CPU threads of one CUDA rank: the job's cores (DISTLAB_JOB_THREADS, Snakemake's
+    `threads` of the job, set by distlab.jobs.rule_log) split evenly over its ranks, at least 1.
+    torchrun's default of 1 thread starves the host-side work of a GPU rank (ZeRO offload's
+    CPU Adam, the validation's CPU logits). Outside Snakemake: cpu_threads_per_rank."""
+    job_threads = os.environ.get("DISTLAB_JOB_THREADS")
+    if not job_threads:
+        return spec["cpu_threads_per_rank"]
+    return max(1, int(job_threads) // spec["world_size"])
 
 
 def rank_environment(spec: dict) -> dict:
     env = dict(os.environ)
     env.update(BASE_ENV)
-    from distlab.jobs.gpu_alloc import cuda_rank_threads
-
     # CPU: a "device" is cpu_threads_per_rank cores; CUDA: the job's cores split over its ranks.
     env["OMP_NUM_THREADS"] = str(spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else cuda_rank_threads(spec))
     if spec["device"] == "cpu":

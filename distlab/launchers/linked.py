@@ -18,7 +18,7 @@ import json
 import sys
 import time
 
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 from distlab.launchers.environment import rank_environment
 from distlab.launchers.process import launch_failure, launch_line, run_trees
 from distlab.jobs.links import INTERFACE, LinkedHosts

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 from distlab.launchers.accelerate import accelerate_command, launch_environment, write_accelerate_config
 from distlab.launchers.environment import single_node_environment
 from distlab.launchers.process import run_ranks

@@ -32,8 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from distlab.jobs.job import Job, collective_timeout, read_job, replace
-from distlab.launchers.environment import BASE_ENV, rank_environment
+from distlab.records.job import Job, collective_timeout, read_job, replace
+from distlab.launchers.environment import BASE_ENV, FAULT_ENV, rank_environment
 from distlab.launchers.process import run_ranks
 from distlab.launchers.ray_nodes import token_auth_environment
 from distlab.launchers.ray_record import earlier_rows, ray_record
@@ -65,8 +65,6 @@ def worker_environment(spec: dict) -> dict:
     env = dict(BASE_ENV, OMP_NUM_THREADS=str(spec["cpu_threads_per_rank"]))
     if spec["device"] == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
-    from distlab.checkpoints.checkpoint import FAULT_ENV
-
     # The fault-injection test hook reaches the workers too; so does the link interface gloo
     # must use on namespaced hosts (distlab/jobs/two_hosts.py).
     for key in (FAULT_ENV, "GLOO_SOCKET_IFNAME"):

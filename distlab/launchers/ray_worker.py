@@ -124,7 +124,7 @@ def train_worker(config: dict):
     import torch
 
     from distlab.runtime import worker
-    from distlab.jobs.job import replace
+    from distlab.records.job import replace
     from distlab.records.sharing import private_files
 
     private_files()  # a worker on a node `ray start` began writes as the ranks do (distlab.records.sharing)

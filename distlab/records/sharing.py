@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 # Owner read/write, group read, others nothing (directories: group may list and enter them).
 RESULTS_UMASK = 0o027
+# The checkout distlab runs from (the repository root).
+PROJECT_ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def private_files() -> None:
@@ -32,8 +35,6 @@ def _prefixes() -> list[tuple[str, str]]:
     """(absolute prefix, what replaces it): the working folder and the checkout become relative
     paths (the workflow runs there: results/... reads the same from the repository), then the
     home folder becomes '~/'. Longest first, so a checkout inside the home folder is relative."""
-    from distlab.configuration.input_checks import PROJECT_ROOT
-
     roots = {os.getcwd(), str(PROJECT_ROOT)}
     found = [(root.rstrip("/") + "/", "") for root in roots if len(root.rstrip("/")) > 1]
     home = os.path.expanduser("~").rstrip("/")

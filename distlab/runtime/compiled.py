@@ -51,7 +51,7 @@ def compile_record(step_rows: list[dict], first_step: int, untimed_steps: int, d
     the steady-state median, which leaves the untimed steps out; `dynamo`: dynamo_counts() of
     rank 0. A run in which torch compiled nothing fails (FidelityError): its label would lie."""
     if not dynamo["frames_compiled"]:
-        from distlab.strategies.base import FidelityError
+        from distlab.errors import FidelityError
 
         raise FidelityError(f"compile: true, but torch compiled no frame in this run ({dynamo})")
     first = step_rows[first_step]["step_time_s"]

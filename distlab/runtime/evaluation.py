@@ -16,7 +16,7 @@ import json
 import math
 from pathlib import Path
 
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 
 EVAL_BATCH = 8
 HOW = ("mean cross-entropy over the label positions (after the causal shift, -100 excluded) of the eval "
@@ -209,38 +209,3 @@ def evaluate_run(strategy, job: Job, last_point: dict | None = None) -> dict | N
         out["base"] = {"status": "not given", "reason": "the job names no base-model eval (rule evaluate_base_model)"}
     return out
 
-
-def eval_sentence(runs: list[dict]) -> str:
-    """One line for a stage card: base -> trained eval loss of the stage's runs."""
-    moved = []
-    for run in runs:
-        ev = run.get("eval") or {}
-        trained, base = ev.get("trained") or {}, ev.get("base") or {}
-        if trained.get("loss") is not None and base.get("loss") is not None:
-            moved.append(f"{run['experiment']} {base['loss']:.3f} -> {trained['loss']:.3f} "
-                         f"({trained['tokens']} tokens)")
-    masked = []
-    for run in runs:
-        tokens = ((run.get("data_prep") or {}).get("run_tokens")) or {}
-        if tokens.get("masked"):
-            masked.append(f"{run['experiment']} trained on {tokens['trained']:,} response tokens, "
-                          f"{tokens['masked']:,} prompt tokens masked")
-    text = ("Fine-tuning moved held-out eval loss (base model -> trained, same tokens): " + "; ".join(moved) + "."
-            if moved else "Held-out evaluation: no run of this stage recorded both a base and a trained eval loss.")
-    return text + (" " + "; ".join(masked) + "." if masked else "")
-
-
-def eval_columns(frame, runs: list[dict]):
-    """summary.csv's eval columns, matched to rows by machine and experiment."""
-    by_key = {(r["machine"], r["experiment"]): r.get("eval") or {} for r in runs}
-
-    def pick(row, part, key):
-        value = (by_key.get((row["machine"], row["experiment"]), {}).get(part) or {}).get(key)
-        return value if isinstance(value, (int, float)) else None
-
-    if frame.empty:
-        return frame
-    frame["eval_loss_base"] = frame.apply(lambda row: pick(row, "base", "loss"), axis=1)
-    frame["eval_loss"] = frame.apply(lambda row: pick(row, "trained", "loss"), axis=1)
-    frame["eval_perplexity"] = frame.apply(lambda row: pick(row, "trained", "perplexity"), axis=1)
-    return frame

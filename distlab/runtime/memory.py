@@ -84,7 +84,7 @@ def nvml_used_bytes(device) -> int:
     physical board behind `device`, found by UUID / PCI bus id (never the CUDA ordinal)."""
     import pynvml
 
-    from distlab.tools.hardware import nvml_handle
+    from distlab.configuration.hardware import nvml_handle
 
     pynvml.nvmlInit()
     try:

@@ -29,7 +29,7 @@ def prepare_model(strategy, model_source: str, spec: dict) -> PreparedModel:
     from distlab.configuration.training_tools import adapts
     from distlab.runtime.activations import checkpointing_facts, enable_checkpointing
     from distlab.runtime.lora import parameter_counts
-    from distlab.strategies.base import FidelityError
+    from distlab.errors import FidelityError
 
     torch.manual_seed(spec["seed"])
     model = strategy.load_model(model_source)
@@ -73,7 +73,7 @@ def prepare_model(strategy, model_source: str, spec: dict) -> PreparedModel:
 def verify_tools(model, spec: dict, described: dict, compiled: dict | None) -> None:
     """Record what the wrapped model really holds of QLoRA and compilation, and fail the run
     when it differs from the spec (a qlora label without a 4-bit layer, layers not compiled)."""
-    from distlab.strategies.base import FidelityError
+    from distlab.errors import FidelityError
 
     if spec["method"] == "qlora":
         from distlab.runtime.qlora import check_quantized, quantization_facts

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 from distlab.runtime.tracking import Trackers, step_values
 
 BEST = "best"  # checkpoint/best/ (the selected model of checkpoint_select: best)

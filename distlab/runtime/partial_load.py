@@ -74,7 +74,7 @@ class WeightFiles:
         self.folder = model_folder(model.distlab_source)
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
-            from distlab.checkpoints.export_files import read_weight_map
+            from distlab.records.export_files import read_weight_map
 
             where = read_weight_map(index)
         else:

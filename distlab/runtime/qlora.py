@@ -19,7 +19,7 @@ QUANT_TYPE = "nf4"
 def compute_dtype(spec: dict):
     """bnb_4bit_compute_dtype: the dtype the 4-bit weights are dequantised to for each matmul,
     the run's precision (bf16 or fp32; fp16 is refused at config time)."""
-    from distlab.runtime.precision import torch_dtype
+    from distlab.configuration.precision import torch_dtype
 
     return torch_dtype(spec["precision"])
 
@@ -106,7 +106,7 @@ def trained_groups(strategy, spec: dict, source: str):
 def _adapters_on_full_precision_base(strategy, spec: dict, source: str):
     import torch.distributed as dist
 
-    from distlab.checkpoints.export_files import weight_index
+    from distlab.records.export_files import weight_index
     from distlab.runtime.lora import base_name
     from distlab.runtime.partial_load import checkpoint_names, model_folder
     from distlab.runtime.streamed import Skeleton, open_weights, parameter_groups

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from distlab.records import metrics as M
-from distlab.tools.hardware import peak_flops_per_rank
-from distlab.jobs.job import Job
-from distlab.configuration.spec import thaw
+from distlab.configuration.hardware import peak_flops_per_rank
+from distlab.records.job import Job
+from distlab.records.spec import thaw
 from distlab.runtime.loop import gather
 from distlab.runtime.noise import summarize_noise
 

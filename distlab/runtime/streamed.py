@@ -195,7 +195,7 @@ def open_weights(folder, names_to_keys: dict[str, str] | None = None):
     returns a CPU tensor; close() unmaps what was read (call it after each group)."""
     from safetensors import safe_open
 
-    from distlab.checkpoints.export_files import weight_index
+    from distlab.records.export_files import weight_index
 
     where = weight_index(folder)
     handles: dict = {}

@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 
 SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "images_per_s", "memory_bytes", "step_time_s")
 # Where the store's experiments keep artifacts: MLflow's server-resolved scheme (see above).

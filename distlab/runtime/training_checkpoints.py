@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from distlab.configuration.training_tools import adapts
 from distlab.checkpoints import checkpoint as ckpt
-from distlab.checkpoints.checkpoint_files import step_folders
-from distlab.jobs.job import Job
+from distlab.records.checkpoint_files import step_folders
+from distlab.records.job import Job
 from distlab.runtime.loop import IndexStream
 from distlab.records.sharing import portable
 

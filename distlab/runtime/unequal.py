@@ -23,7 +23,8 @@ from __future__ import annotations
 import os
 import time
 
-from distlab.tools.advisor_box import split_batch  # the advisor predicts with the same split the ranks run
+from distlab.configuration.config_links import split_batch  # the advisor predicts with the same split
+
 
 # Timed forward+backward passes per rank, after one untimed: at least PROBE_PASSES and at least
 # PROBE_SECONDS of them, so a CPU budget's throttling (10 ms periods) is inside the average.

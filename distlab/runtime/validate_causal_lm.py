@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from distlab.configuration.training_tools import adapts
-from distlab.jobs.validate import FAILED, MERGE_TOLERANCE, PASSED, RELOAD_TOLERANCE
+from distlab.records.validation import FAILED, MERGE_TOLERANCE, PASSED, RELOAD_TOLERANCE
 
 
 def export_logits(folder: Path, batch, skeleton=None, base_folder=None, cast=None):
@@ -27,7 +27,7 @@ def export_logits(folder: Path, batch, skeleton=None, base_folder=None, cast=Non
         skeleton = Skeleton(load_model(str(folder), device="meta"))
         with open_weights(folder) as reader:
             return streamed_logits(skeleton, file_groups(skeleton, reader, cast=cast), batch)
-    from distlab.checkpoints.export_files import weight_index
+    from distlab.records.export_files import weight_index
     from distlab.runtime.lora import base_name
 
     base = skeleton.model.get_base_model()
@@ -68,7 +68,7 @@ def adapter_skeleton(folder: Path, source: str):
 
 def export_layout(folder: Path) -> dict:
     """The export's weight files against what save_pretrained writes for its own config."""
-    from distlab.checkpoints.export_files import shard_plan, weight_index
+    from distlab.records.export_files import shard_plan, weight_index
     from distlab.runtime.model import load_model
 
     plan = shard_plan(load_model(str(folder), device="meta"))

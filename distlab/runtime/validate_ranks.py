@@ -28,8 +28,8 @@ import traceback
 from pathlib import Path
 
 from distlab.configuration.training_tools import adapts
-from distlab.jobs.job import ValidationJob, read_job
-from distlab.jobs.validate import FAILED, PARITY_TOLERANCE, PASSED, RELOAD_TOLERANCE, UNSUPPORTED
+from distlab.records.job import ValidationJob, read_job
+from distlab.records.validation import FAILED, PARITY_TOLERANCE, PASSED, RELOAD_TOLERANCE, UNSUPPORTED
 
 
 class ValidationRank:

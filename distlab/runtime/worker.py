@@ -24,7 +24,7 @@ import torch.distributed as dist
 from distlab.runtime.activations import ActivationProbe
 from distlab.configuration.training_tools import adapts
 from distlab.runtime.evaluation import evaluate_run
-from distlab.jobs.job import Job, read_job
+from distlab.records.job import Job, read_job
 from distlab.jobs.links import interface_counters
 from distlab.runtime.loop import gather, train
 from distlab.runtime.memory import (OOM_EXIT_CODE, add_peaks_through_save, apply_memory_budget, budget_verdict,

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distlab.runtime.precision import ACCELERATE_MIXED_PRECISION
+from distlab.configuration.precision import ACCELERATE_MIXED_PRECISION
 from distlab.runtime.accumulation import for_backward
 from distlab.records.run_layout import RUN_FILES, run_files_dir
 from distlab.strategies.accelerate_settings import CONFIG_NAME, uses_accelerate_fsdp

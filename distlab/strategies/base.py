@@ -13,13 +13,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distlab.errors import FidelityError  # noqa: F401 (strategies and tests import it from here)
 from distlab.runtime.accumulation import for_backward
-from distlab.jobs.job import Job
-from distlab.runtime.precision import autocast, dtype_name, frozen_base_dtype, parameter_dtype_mismatch
-
-
-class FidelityError(RuntimeError):
-    """The run is not what its spec says (wrong wrapper, world size, device)."""
+from distlab.records.job import Job
+from distlab.configuration.precision import autocast, dtype_name, frozen_base_dtype, parameter_dtype_mismatch
 
 
 @dataclass
@@ -68,7 +65,7 @@ class Strategy:
     @property
     def collective_timeout(self):
         """The longest any collective of this rank waits: the job's runtime (collective_timeout)."""
-        from distlab.jobs.job import collective_timeout
+        from distlab.records.job import collective_timeout
 
         return collective_timeout(self.ctx.job, self.spec)
 
@@ -359,12 +356,6 @@ def gathered(param, device: torch.device):
         param = DTensor.from_local(local.to(device), param.device_mesh, param.placements, run_check=False,
                                    shape=param.shape, stride=param.stride())
     return param.full_tensor()
-
-
-def trainable_names(module) -> set[str]:
-    """Names of the parameters the optimizer steps (LoRA: the adapters): what a native
-    checkpoint holds."""
-    return {name for name, param in module.named_parameters() if param.requires_grad}
 
 
 def _storage(param):

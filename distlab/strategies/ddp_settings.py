@@ -2,13 +2,13 @@
 data-parallel one Accelerate shares."""
 from __future__ import annotations
 
-from distlab.runtime.precision import frozen_base_precision
+from distlab.configuration.precision import frozen_base_precision
 from distlab.strategies.settings import StrategySettings, state
 
 
 def replicated_state(counts: dict, lora: bool, precision: str, buckets: bool) -> dict:
     """Every rank holds the whole model: autocast over fp32 weights (LoRA's frozen base in bf16
-    when precision is bf16, distlab.runtime.precision.frozen_base_precision; QLoRA's `quantized`
+    when precision is bf16, distlab.configuration.precision.frozen_base_precision; QLoRA's `quantized`
     base weights at half a byte each, its other base weights fp32: distlab.runtime.qlora),
     gradients plus DDP's flat gradient buckets (a second copy) when `buckets`, AdamW's two fp32
     moments."""

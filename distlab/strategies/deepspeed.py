@@ -17,7 +17,7 @@ import torch.distributed as dist
 from distlab.runtime.accumulation import for_backward
 from distlab.checkpoint_formats.zero import zero_load, zero_save
 from distlab.runtime.model import decoder_layers
-from distlab.runtime.precision import deepspeed_precision, torch_dtype
+from distlab.configuration.precision import deepspeed_precision, torch_dtype
 from distlab.records.run_layout import run_files_dir
 from distlab.strategies.base import FidelityError, Strategy
 from distlab.strategies.deepspeed_config import (CONFIG_NAME, deepspeed_config, file_sha256, gradient_bucket_size,
@@ -79,8 +79,8 @@ class DeepSpeedStrategy(Strategy):
         """The weights in the dtype DeepSpeed keeps its module in (bf16/fp16 with fp32 masters
         in the optimizer, else fp32). At ZeRO-3 the model is built under deepspeed.zero.Init,
         so each parameter is partitioned (and offloaded where configured) as it is built, and
-        each rank reads only its partitions from the safetensors (the task's load_partitioned;
-        strategies.deepspeed_load for causal LMs): no rank holds or reads the whole model."""
+        each rank reads only its partitions from the safetensors (the task's load_partitioned,
+        handed strategies.deepspeed_load): no rank holds or reads the whole model."""
         dtype = torch_dtype(self.spec["precision"])
         if self.spec["method"] == "qlora":  # ZeRO 0-2 in fp32 only (distlab.configuration.training_tools)
             return super().load_model(model_source)
@@ -89,12 +89,13 @@ class DeepSpeedStrategy(Strategy):
         if self.ctx.device.type == "cpu":
             skip_inference_shm_op()
         forget_deepspeed_groups()
+        from distlab.strategies import deepspeed_load
+
         # zero.Init reads the partitioning, persistence and offload keys only; the live-parameter
         # limits sized from the built model are the engine's (wrap).
         model, self.load_report = self.task.load_partitioned(
-            model_source, deepspeed_config(self.spec, dist.get_world_size(),
-                                           hidden_size=self.task.hidden_size(model_source)),
-            dtype, nvme_params=self.spec["deepspeed"]["offload_param"] == "nvme")
+            model_source, deepspeed_config(self.spec, dist.get_world_size(), hidden_size=self.task.hidden_size(model_source)),
+            dtype, nvme_params=self.spec["deepspeed"]["offload_param"] == "nvme", zero=deepspeed_load)
         self.partitioned_at_load = all(hasattr(p, "ds_id") for p in model.parameters())
         return model
 
@@ -228,8 +229,7 @@ class DeepSpeedStrategy(Strategy):
             if ds[key] != want[key]:
                 raise FidelityError(f"spec {key} {want[key]} but the engine offloads to {ds[key]}")
         if want["zero_stage"] == 3 and not ds["partitioned_at_load"]:
-            raise FidelityError("ZeRO-3: the model was not built under deepspeed.zero.Init "
-                                "(every rank loaded it whole)")
+            raise FidelityError("ZeRO-3: the model was not built under deepspeed.zero.Init (every rank loaded it whole)")
         spec = self.spec
         if (ds["micro_batch"], ds["gradient_accumulation_steps"]) != (spec["micro_batch"], spec["grad_accum"]):
             raise FidelityError(f"spec micro_batch {spec['micro_batch']} x grad_accum {spec['grad_accum']} but the "

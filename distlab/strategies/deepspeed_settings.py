@@ -4,18 +4,54 @@ from __future__ import annotations
 
 import math
 
-from distlab.tools.parameter_counts import sharded_counts
-from distlab.strategies.settings import StrategySettings, block_schema, precision_layout, state
+from distlab.strategies.settings import StrategySettings, block_schema, precision_layout, sharded_counts, state
 
 OFFLOAD_TARGETS = ["none", "cpu", "nvme"]
 
 
+# DeepSpeed's own defaults for the live-parameter limits (elements), written out so the file
+# says what runs.
+DEEPSPEED_LIVE = 1_000_000_000
+
+
+def zero3_limits(profile: str, layer_params: int | None, hidden_size: int | None) -> dict:
+    """ZeRO-3's gathered-parameter settings for a zero3_profile (config/schema.yaml).
+
+    auto: what DeepSpeed users get through Hugging Face's "auto" values
+    (transformers.integrations.deepspeed: prefetch 0.9*h^2, persistence threshold 10*h, with h
+    the model's hidden size) and the 1e9 live parameters / reuse distance of DeepSpeed's and
+    Hugging Face's example configs. Parameters up to 10*h elements (norms, LoRA adapters) stay
+    whole on every rank, so they are never all-gathered; a model under 1e9 parameters stays
+    gathered from its forward to its backward, so backward re-gathers nothing. Fewest
+    collectives, at up to a whole model's gathered copy per rank.
+
+    lean: nothing persistent, one decoder layer live and the next prefetched, as FSDP2's full
+    shard holds them: least memory (0.8x a DDP rank's training peak against 1.6-1.9x at the 1e9
+    limits on a 155M LoRA model, benchmarks/RESULTS.md), every parameter re-gathered for backward and each
+    small one in a collective of its own: on a busy 2-core machine the collectives' waits
+    dominate (benchmarks/strategy_parity.py sets the two beside FSDP and DDP).
+
+    layer_params: one decoder layer's parameters (wrap() counts them; None at zero.Init, where
+    only the persistence threshold is read)."""
+    if profile == "lean":
+        out = {"stage3_param_persistence_threshold": 0}
+        if layer_params:
+            out.update(stage3_max_live_parameters=layer_params, stage3_max_reuse_distance=layer_params,
+                       stage3_prefetch_bucket_size=layer_params)
+        return out
+    if profile != "auto":
+        raise ValueError(f"deepspeed.zero3_profile {profile!r}: expected auto or lean")
+    out = {"stage3_max_live_parameters": DEEPSPEED_LIVE, "stage3_max_reuse_distance": DEEPSPEED_LIVE}
+    if hidden_size:
+        out.update(stage3_param_persistence_threshold=10 * hidden_size,
+                   stage3_prefetch_bucket_size=int(0.9 * hidden_size * hidden_size))
+    return out
+
+
 def zero3_settings(settings: dict, counts: dict) -> dict:
     """The persistence threshold and live limit a ZeRO-3 run of these settings gets: its
-    zero3_profile sized from the model (strategies.deepspeed_config.zero3_limits), zero_config
+    zero3_profile sized from the model (zero3_limits), zero_config
     over it, DeepSpeed's defaults for what neither sets."""
-    from distlab.strategies.deepspeed_config import zero3_limits
-
     out = {"stage3_param_persistence_threshold": 100_000, "stage3_max_live_parameters": 1_000_000_000}
     out.update(zero3_limits(settings.get("zero3_profile", "auto"), counts.get("per_layer"), counts.get("hidden_size")))
     out.update({k: v for k, v in (settings.get("zero_config") or {}).items() if k in out})

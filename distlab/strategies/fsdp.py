@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 from distlab.runtime.accumulation import for_backward
 from distlab.checkpoint_formats.dcp import dcp_load, dcp_save
 from distlab.runtime.model import decoder_layers
-from distlab.runtime.precision import is_mixed, low_precision_dtype
+from distlab.configuration.precision import is_mixed, low_precision_dtype
 from distlab.strategies.base import FidelityError, Strategy
 
 

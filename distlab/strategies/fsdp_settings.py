@@ -2,8 +2,7 @@
 and memory formula. `via: accelerate` hands the run to the Accelerate strategy."""
 from __future__ import annotations
 
-from distlab.tools.parameter_counts import sharded_counts
-from distlab.strategies.settings import StrategySettings, block_schema, precision_layout, state
+from distlab.strategies.settings import StrategySettings, block_schema, precision_layout, sharded_counts, state
 
 
 class FSDPSettings(StrategySettings):

@@ -34,7 +34,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from distlab.checkpoint_formats.dcp import dcp_load, dcp_save
 from distlab.runtime.model import decoder_layers
 from distlab.runtime.partial_load import empty_model, load_held_weights
-from distlab.runtime.precision import autocast
+from distlab.configuration.precision import autocast
 from distlab.records.run_layout import run_files_dir
 from distlab.strategies.base import FidelityError, ModelParallel, Strategy
 from distlab.strategies.pp_stages import StageModule, bubble_formula, prune_to_stage, split_layers

@@ -36,8 +36,7 @@ class PPSettings(ModelParallelSettings):
 
     def check(self, spec, config, fail, shape):
         super().check(spec, config, fail, shape)
-        from distlab.configuration.data_checks import datasets_of
-        from distlab.data_prep.packing import packing_mode
+        from distlab.configuration.data_checks import datasets_of, packing_mode
 
         data = datasets_of(config["data"]).get(spec.get("dataset", "default"))
         if data and packing_mode(data) == "documents":

@@ -15,10 +15,11 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import math
 import pkgutil
 import sys
 
-from distlab.runtime.precision import is_mixed
+from distlab.configuration.precision import is_mixed
 
 SUFFIX = "_settings"
 
@@ -222,3 +223,21 @@ def schema_mismatch(schema: dict) -> str | None:
             return (f"strategy '{name}' has settings {sorted(s.defaults)} but the experiment's '{name}' block "
                     f"declares {sorted(block)}")
     return None
+
+
+def sharded_counts(counts: dict, n: int, how: str) -> tuple[float, float]:
+    """(all, trainable) parameters one of n ranks holds once sharded, padding included:
+    ZeRO-3 pads each flattened parameter to a multiple of n; FSDP2 pads dim 0."""
+    shapes = counts.get("_shapes")
+    if not shapes or n == 1:
+        return counts["total"] / n, counts["trainable"] / n
+    total = trainable = 0
+    for shape, grad in shapes:
+        numel = math.prod(shape)
+        if how == "fsdp" and shape:
+            local = math.ceil(shape[0] / n) * (numel // shape[0] if shape[0] else 0)
+        else:
+            local = math.ceil(numel / n)
+        total += local
+        trainable += local if grad else 0
+    return total, trainable

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 
 
 def lazy(target: str):
@@ -102,8 +102,10 @@ class Task:
         None: the task has none (DeepSpeed's own sizes then)."""
         return None
 
-    def load_partitioned(self, source: str, ds_config: dict, dtype, nvme_params: bool) -> tuple:
-        """(module, load report): the trained module built under deepspeed.zero.Init (ZeRO-3)."""
+    def load_partitioned(self, source: str, ds_config: dict, dtype, nvme_params: bool, zero) -> tuple:
+        """(module, load report): the trained module built under deepspeed.zero.Init (ZeRO-3).
+        `zero`: the strategy's ZeRO-3 loader (distlab.strategies.deepspeed_load: zero_init,
+        check_built_dtype, load_partitioned), handed in so that a task names no strategy."""
         raise NotImplementedError
 
     def apply_lora(self, model, spec: dict) -> tuple:

@@ -93,10 +93,8 @@ class CausalLM(Task):
 
         return getattr(AutoConfig.from_pretrained(str(source)), "hidden_size", None)
 
-    def load_partitioned(self, source, ds_config, dtype, nvme_params):
-        from distlab.strategies import deepspeed_load
-
-        return deepspeed_load.load_partitioned(source, ds_config, dtype, nvme_params=nvme_params)
+    def load_partitioned(self, source, ds_config, dtype, nvme_params, zero):
+        return zero.load_partitioned(source, ds_config, dtype, nvme_params=nvme_params)
 
     def apply_lora(self, model, spec):
         if spec["method"] == "qlora":  # the base is 4-bit: peft's k-bit preparation first

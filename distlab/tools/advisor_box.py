@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 
+from distlab.configuration.config_links import split_batch  # the advisor predicts with the same split the ranks run
+
 GIB = 2**30
 NVLINK_CLASS_BUSBW = 100e9  # bytes/s: above any PCIe 4.0/5.0 x16 link (~32 / ~64 GB/s), below NVLink
 
@@ -129,23 +131,3 @@ def measured_evidence(machine_dir) -> dict:
             with open(path) as fh:
                 found[name] = json.load(fh)
     return found
-
-
-def split_batch(total: int, speeds: list[float], capacities: list[int | None]) -> list[int]:
-    """Split `total` samples over ranks in proportion to speed (largest remainders), each at
-    least 1 and at most its capacity (None: unbounded); what a full rank cannot take goes to
-    the fastest with room."""
-    n = len(speeds)
-    if total < n:
-        raise ValueError(f"a global batch of {total} cannot give each of {n} ranks a sample")
-    room = [math.inf if c is None else c for c in capacities]
-    if any(r < 1 for r in room) or sum(min(r, total) for r in room) < total:
-        raise ValueError(f"the ranks' memory holds {capacities} samples each: less than the global batch of "
-                         f"{total} (or a rank holds none)")
-    quotas = [total * s / sum(speeds) for s in speeds]
-    sizes = [min(room[i], max(1, math.floor(q))) for i, q in enumerate(quotas)]
-    while sum(sizes) < total:  # the largest shortfall against its quota first, among ranks with room
-        sizes[max((i for i in range(n) if sizes[i] < room[i]), key=lambda i: quotas[i] - sizes[i])] += 1
-    while sum(sizes) > total:  # the floor of 1 overshot: take back from the largest excess
-        sizes[max((i for i in range(n) if sizes[i] > 1), key=lambda i: sizes[i] - quotas[i])] -= 1
-    return sizes

@@ -13,7 +13,7 @@ import time
 
 MIN_REPEATS = 3
 MAX_REPEATS = 40
-TIME_PER_KERNEL_S = 0.1
+TIME_PER_KERNEL_S = 0.05
 WARMUP = 1
 
 
@@ -31,7 +31,20 @@ def _timed(call, sync) -> tuple[float, int]:
     return statistics.median(times), len(times)
 
 
-def _kernel(kind: str, dims: list[int], dtype, device):
+def toy_model(config_json: dict):
+    """The model's family and depth at toy width: its config with hidden size 16, 2 heads (of
+    8), intermediate 32 and a 64-token vocabulary, randomly initialised."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**config_json)
+    for name, value in {"hidden_size": 16, "intermediate_size": 32, "n_inner": 32, "num_attention_heads": 2,
+                        "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 64}.items():
+        if hasattr(config, name) and getattr(config, name) is not None:
+            setattr(config, name, value)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _kernel(kind: str, dims: list[int], dtype, device, config_json: dict | None = None):
     """(forward-only call or None, full call) of one kernel."""
     import torch
     import torch.nn.functional as F
@@ -88,6 +101,17 @@ def _kernel(kind: str, dims: list[int], dtype, device):
         def both():  # transformers upcasts the logits to fp32 for the loss
             F.cross_entropy(logits.float(), labels).backward()
         return None, both
+    if kind == "framework":
+        # The model's whole op graph at toy width (hidden 16, 2 heads, vocab 64), forward and
+        # backward at the run's rows x sequence: what dispatch, autograd and the family's
+        # elementwise ops cost per micro-step when the matmuls cost nothing.
+        rows, seq = dims
+        model = toy_model(config_json).to(device=device, dtype=dtype)
+        ids = torch.randint(0, model.config.vocab_size, (rows, seq), device=device)
+
+        def both():
+            model(input_ids=ids, labels=ids).loss.backward()
+        return None, both
     if kind == "dequant_nf4":  # QLoRA's frozen weight back to the compute dtype (bitsandbytes, NF4, nested)
         import bitsandbytes.functional as bnb
 
@@ -109,7 +133,7 @@ def _kernel(kind: str, dims: list[int], dtype, device):
     raise ValueError(f"unknown probe kernel {kind!r}")
 
 
-def probe(kernels: list[dict], device: str = "cpu") -> dict:
+def probe(kernels: list[dict], device: str = "cpu", config_json: dict | None = None) -> dict:
     """{kernels: {"<key>|<dtype>|<threads>": {s, forward_s, repeats}}, how} for the distinct
     kernels listed."""
     import torch
@@ -124,7 +148,7 @@ def probe(kernels: list[dict], device: str = "cpu") -> dict:
                 continue
             if device == "cpu":
                 torch.set_num_threads(k["threads"])
-            forward, both = _kernel(k["kind"], k["dims"], getattr(torch, k["dtype"]), device)
+            forward, both = _kernel(k["kind"], k["dims"], getattr(torch, k["dtype"]), device, config_json)
             seconds, repeats = _timed(both, sync)
             row = {"s": seconds, "repeats": repeats}
             if forward is not None:

@@ -52,7 +52,24 @@ def run_lines(metrics: dict) -> list[str]:
     if comm.get("median") is not None:
         lines.append(f"    all-reduce in flight {comm['median'] * 1e3:.2f} ms/step (median; "
                      f"{metrics.get('as_built', {}).get('comm_timing', 'timing method not recorded')})")
+    lines.append(f"    {prediction_line(metrics)}")
     return lines
+
+
+def prediction_line(metrics: dict) -> str:
+    """The step time the job predicted before the run against the measured median."""
+    from distlab.tools.step_time import score
+
+    prediction = metrics.get("prediction") or {}
+    if prediction.get("status") != "predicted":
+        return f"step time not predicted: {prediction.get('why', 'no prediction recorded')}"
+    measured = (metrics.get("timing", {}).get("step_time_s") or {}).get("median")
+    scored = score(prediction, measured, (metrics.get("noise") or {}).get("busy"))
+    terms = ", ".join(f"{name} {term['seconds'] * 1e3:.1f}" for name, term in prediction["terms"].items())
+    if measured is None:
+        return f"step time predicted {prediction['step_time_s'] * 1e3:.1f} ms ({terms}); not measured"
+    return (f"step time predicted {prediction['step_time_s'] * 1e3:.1f} ms ({terms} ms), measured "
+            f"{measured * 1e3:.1f} ms: {scored['error']:+.0%}, {scored['verdict']}")
 
 
 def validation_line(run_dir: Path) -> str | None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import math
 
 
 def model_shape(config_json: dict) -> dict:
@@ -143,21 +142,3 @@ def _tp_split(model) -> list[tuple[tuple, int]] | None:
                 if param_name == "weight" or (param_name == "bias" and colwise):
                     out.append((tuple(param.shape), 0 if colwise else 1))
     return out
-
-
-def sharded_counts(counts: dict, n: int, how: str) -> tuple[float, float]:
-    """(all, trainable) parameters one of n ranks holds once sharded, padding included:
-    ZeRO-3 pads each flattened parameter to a multiple of n; FSDP2 pads dim 0."""
-    shapes = counts.get("_shapes")
-    if not shapes or n == 1:
-        return counts["total"] / n, counts["trainable"] / n
-    total = trainable = 0
-    for shape, grad in shapes:
-        numel = math.prod(shape)
-        if how == "fsdp" and shape:
-            local = math.ceil(shape[0] / n) * (numel // shape[0] if shape[0] else 0)
-        else:
-            local = math.ceil(numel / n)
-        total += local
-        trainable += local if grad else 0
-    return total, trainable

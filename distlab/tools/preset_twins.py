@@ -56,7 +56,7 @@ def build_twin(name: str, out: Path, seq_len: int) -> dict:
     """tokenizer/, model/ (safetensors + its tokenizer), data<seq_len>/ and hardware.json for
     the twin of preset `name`, under `out`, with the pipeline's own code. Returns the shape."""
     from distlab.data_prep import data
-    from distlab.tools import hardware
+    from distlab.configuration import hardware
     from distlab.runtime import model
 
     shape = twin_shape(preset_model_config(name))

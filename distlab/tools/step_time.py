@@ -131,6 +131,7 @@ def kernels_needed(key: str, shape: dict, counts: dict) -> list[dict]:
     add("sdpa", lay["rows"], lay["heads"], lay["seq"], lay["head_dim"])
     add("elementwise", t, lay["hidden"], lay["intermediate"])
     add("cross_entropy", t, lay["vocab"])
+    add("framework", lay["rows"], lay["seq"])
     add("adamw", RATE_PARAMS, dt="float32")
     add("copy", RATE_BYTES, dt="uint8")
     return out
@@ -170,16 +171,19 @@ def compute_term(spec: dict, shape: dict, counts: dict, probe: dict, ac_layers: 
     head = (_time(probe, "mm", t, hi, ho, dtype=dt, threads=th) + _time(probe, "mm", t, ho, hi, dtype=dt, threads=th)
             + (0.0 if frozen_base else _time(probe, "mm", ho, t, hi, dtype=dt, threads=th))
             + _time(probe, "cross_entropy", t, lay["vocab"], dtype=dt, threads=th))
+    # What the op graph costs beyond its kernels (dispatch, autograd, small ops), from the toy-width
+    # model; a pipeline stage runs its share of the layers.
+    framework = _time(probe, "framework", lay["rows"], lay["seq"], dtype=dt, threads=th) * layers / counts["layers"]
     # A pipeline's last stage alone runs the head; the step waits for it.
-    per_micro = layers * (layer_fwd + layer_bwd) + ac_layers * layer_fwd + head
+    per_micro = layers * (layer_fwd + layer_bwd) + ac_layers * layer_fwd + head + framework
     micro_steps = spec["grad_accum"] * pp_micro
     return {"seconds": per_micro * micro_steps,
             "parts": {"layers": layers * (layer_fwd + layer_bwd) * micro_steps,
-                      "recompute": ac_layers * layer_fwd * micro_steps, "head_and_loss": head * micro_steps},
+                      "recompute": ac_layers * layer_fwd * micro_steps, "head_and_loss": head * micro_steps,
+                      "framework": framework * micro_steps},
             "how": (f"{micro_steps} micro-step(s) x ({layers} layer(s) x (matmuls forward, input-gradient"
-                    f"{'' if frozen_base else ', weight-gradient'}"
-                    f"{', 4-bit dequantisation' if spec['method'] == 'qlora' else ''} + attention + "
-                    f"elementwise) + LM head and loss"
+                    f"{'' if frozen_base else ', weight-gradient'}{', 4-bit dequantisation' if spec['method'] == 'qlora' else ''} + attention + "
+                    f"elementwise) + LM head and loss + the op graph's own cost (the model at toy width)"
                     f"{f' + {ac_layers} recomputed layer forward(s)' if ac_layers else ''}) at {t} tokens, {dt}, "
                     f"{th or 'GPU'} thread(s): each kernel timed by the compute probe")}
 
@@ -190,8 +194,12 @@ def collectives_per_step(spec: dict, shape: dict, counts: dict) -> list[dict]:
     if world == 1:
         return []
     ga = spec["grad_accum"]
-    grads = counts["trainable"] * GRAD_BYTES
-    params = counts["trainable"] * GRAD_BYTES  # the sharded (trained) parameters are gathered in fp32
+    # DeepSpeed and FSDP2 hold (and gather) parameters in the 16-bit type of a mixed-precision run;
+    # DeepSpeed reduces its gradients in it too, FSDP2 in fp32 (reduce_dtype), DDP in fp32.
+    sixteen = spec["precision"] in ("bf16", "fp16") and strategy in ("deepspeed", "fsdp")
+    element = 2 if sixteen else GRAD_BYTES
+    grads = counts["trainable"] * (element if strategy == "deepspeed" else GRAD_BYTES)
+    params = counts["trainable"] * element  # ZeRO-1/2 gather the updated (trained) partitions
     if strategy in ("ddp", "accelerate"):
         buckets = _buckets(grads)
         return [{"op": "all_reduce", "bytes": b, "calls": 1, "phase": "backward (gradient buckets)"} for b in buckets]
@@ -209,19 +217,18 @@ def collectives_per_step(spec: dict, shape: dict, counts: dict) -> list[dict]:
                     {"op": "all_gather", "bytes": params, "calls": 1, "phase": "updated parameters"}]
         forward, backward = _zero3_gathers(spec, counts)
         gathered = forward + backward
-        return [{"op": "all_gather", "bytes": sum(gathered) * GRAD_BYTES / max(1, len(gathered)),
+        return [{"op": "all_gather", "bytes": sum(gathered) * element / max(1, len(gathered)),
                  "calls": len(gathered) * ga,
-                 "phase": f"parameters, one collective each: {len(forward)} in forward, {len(backward)} again in "
-                          "backward"},
+                 "phase": f"parameters, one collective each: {len(forward)} in forward, {len(backward)} again in backward"},
                 {"op": "reduce_scatter", "bytes": grads / buckets, "calls": buckets * ga, "phase": "gradients"}]
     if strategy == "fsdp":
         units = counts["layers"] + 1  # fully_shard per decoder layer, then the root
-        per_unit = params / units
+        per_unit = counts["total"] * element / units  # a LoRA run's frozen base is sharded and gathered too
         gathers = (2 if spec["fsdp"]["reshard_after_forward"] else 1) * units * ga
         # Accumulating micro-batches skip the gradient sync (set_requires_gradient_sync): one
         # reduce-scatter per unit and step.
         return [{"op": "all_gather", "bytes": per_unit, "calls": gathers, "phase": "parameters"},
-                {"op": "reduce_scatter", "bytes": per_unit, "calls": units, "phase": "gradients"}]
+                {"op": "reduce_scatter", "bytes": grads / units, "calls": units, "phase": "gradients"}]
     if strategy == "tp":
         activation = spec["micro_batch"] * spec["seq_len"] * shape["hidden_size"] * 4
         # Each row-parallel linear's output all-reduced in forward, each column-parallel linear's
@@ -254,7 +261,7 @@ def _zero3_gathers(spec: dict, counts: dict) -> tuple[list[int], list[int]]:
     walks the forward in reverse: the parameters used last in forward are still live while they fit
     max_live_parameters and max_reuse_distance, the rest are gathered again; all are released
     after each micro-batch."""
-    from distlab.strategies.deepspeed_config import zero3_limits
+    from distlab.strategies.deepspeed_settings import zero3_limits
 
     ds = spec["deepspeed"]
     limits = {**zero3_limits(ds.get("zero3_profile", "auto"), counts["per_layer"], counts.get("hidden_size")),
@@ -370,8 +377,7 @@ def optimizer_term(spec: dict, counts: dict, probe: dict) -> dict:
     offload = copies * copy
     return {"seconds": adamw + clip + offload, "parts": {"adamw": adamw, "clip": clip, "offload_copies": offload},
             "how": f"AdamW over {n} parameters and copies of their {GRAD_BYTES * n} gradient bytes, at the rates "
-                   f"the probe measured ({RATE_PARAMS} parameters, {RATE_BYTES} "
-                   f"bytes){' + gradient-norm read' if clip else ''}"
+                   f"the probe measured ({RATE_PARAMS} parameters, {RATE_BYTES} bytes){' + gradient-norm read' if clip else ''}"
                    f"{f' + {copies} host copies of the partition' if copies else ''}"}
 
 
@@ -409,6 +415,10 @@ def predict_from_files(spec: dict, model_config: str, probe_file: str | None, co
     if probe_file is None:
         return {"status": "not predicted", "why": "the step-time model covers causal-LM runs on a model whose "
                                                  "config.json is on disk"}
+    unequal = [k for k in ("rank_cpu_budget", "rank_cpu_threads", "rank_micro_batch") if spec.get(k)]
+    if unequal:
+        return {"status": "not predicted", "why": f"ranks of unequal speed or batch ({', '.join(unequal)}): the model "
+                                                 "times one rank's kernels for every rank"}
     if spec["world_size"] > 1 and collectives_file is None:
         return {"status": "not predicted", "why": "no collectives.json (collectives.enabled is false)"}
     shape, counts, ac_layers = model_parts(spec, json.loads(Path(model_config).read_text()))

@@ -134,7 +134,7 @@ def checkpoint_card(runs: list[dict]) -> Card | None:
     if unvalidated:
         card.notes.append(f"Not validated ({NOT_RUN}; config validation.scope, default per_format: the first "
                           f"experiment of each distinct checkpoint format): {', '.join(unvalidated)}.")
-    from distlab.jobs.validate import MERGE_TOLERANCE, PARITY_TOLERANCE, RELOAD_TOLERANCE
+    from distlab.records.validation import MERGE_TOLERANCE, PARITY_TOLERANCE, RELOAD_TOLERANCE
 
     tolerances = {"reload, reshard and export logits": RELOAD_TOLERANCE, "merged LoRA export": MERGE_TOLERANCE,
                   **{f"resume loss ({p})": t for p, t in PARITY_TOLERANCE.items()}}

@@ -1,7 +1,7 @@
 """Stage 1 - PyTorch DDP with torchrun: 1 vs N ranks, DistributedSampler, gradient sync."""
 from __future__ import annotations
 
-from distlab.runtime.evaluation import eval_sentence
+from distlab.report.held_out import eval_sentence
 from distlab.report.cards import (DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, comm_ms,
                                   load_cell, metrics_link, noise_cause, ok_runs, spread_caveat)
 from distlab.report.collect import clear_winner

@@ -11,7 +11,7 @@ import math
 
 from matplotlib.ticker import ScalarFormatter
 
-from distlab.runtime.evaluation import eval_sentence
+from distlab.report.held_out import eval_sentence
 from distlab.report.cards import (FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, comm_ms, metrics_link,
                                   ok_runs, tokens_per_s)
 from distlab.report.plots import figure, label_axes, loss_curves, to_png_b64

@@ -2,7 +2,7 @@
 (distlab.report.cards.zero_memory), the budget, offload and DDP-parity goals."""
 from __future__ import annotations
 
-from distlab.runtime.evaluation import eval_sentence
+from distlab.report.held_out import eval_sentence
 from distlab.report.cards import (COMPARED, DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, load_cell,
                                   metrics_link, noise_cause, ok_runs, phase_peak_table)
 from distlab.report.cards.parity import NOT_COMPARED, gap_sentence, parity_rows

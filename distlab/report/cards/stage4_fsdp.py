@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from distlab.runtime.evaluation import eval_sentence
+from distlab.report.held_out import eval_sentence
 from distlab.report.cards import (DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, is_busy, load_cell,
                                   metrics_link, noise_cause, ok_runs, phase_peak_table, tokens_per_s)
 from distlab.report.cards.parity import NOT_COMPARED, gap_sentence, parity_rows

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 
-from distlab.runtime.evaluation import eval_sentence
+from distlab.report.held_out import eval_sentence
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, metrics_link, ok_runs
 from distlab.report.cards.parity import ddp_twin, loss_gap
 from distlab.report.plots import figure, loss_curves, to_png_b64

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from distlab.runtime.precision import torch_dtype
+from distlab.configuration.precision import torch_dtype
 
 INFO = "distlab_images.json"  # written by prepare.prepare_images beside the Arrow splits
 EVAL_SEED = 20251203  # the held-out images' draws: one fixed stream per image, the same for every model
@@ -167,7 +167,7 @@ class ImageCaptions:
     one split and the frozen encoders that turn them into UNet inputs."""
 
     def __init__(self, data_dir, source: str, spec: dict, device, split: str = "train"):
-        from distlab.strategies.base import FidelityError
+        from distlab.errors import FidelityError
 
         self.rows = load_split(data_dir, split)
         self.settings, self.seed = spec["text_to_image"], spec["seed"]

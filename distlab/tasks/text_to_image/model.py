@@ -69,7 +69,7 @@ def weight_files(folder: Path) -> dict[str, Path]:
 
     index = folder / f"{WEIGHTS}.index.json"
     if index.is_file():
-        from distlab.checkpoints.export_files import read_weight_map
+        from distlab.records.export_files import read_weight_map
 
         return {name: folder / file for name, file in read_weight_map(index).items()}
     single = folder / WEIGHTS
@@ -79,22 +79,21 @@ def weight_files(folder: Path) -> dict[str, Path]:
         return {name: single for name in handle.keys()}
 
 
-def load_unet_partitioned(source: str, ds_config: dict, dtype, nvme_params: bool = False) -> tuple:
+def load_unet_partitioned(source: str, ds_config: dict, dtype, nvme_params: bool = False, *, zero) -> tuple:
     """The UNet built under deepspeed.zero.Init (each parameter a partition as its module is
     constructed), then each rank copies only its own flat slice of every weight from the
-    safetensors (strategies.deepspeed_load's partition copy, the same as for causal LMs).
+    safetensors (`zero`, the strategy's ZeRO-3 loader: its partition copy, the same as for causal LMs).
     Only the UNet is built here: the frozen VAE and text encoder load in the task's TrainData,
     outside zero.Init (as diffusers' ZeRO-3 recipe keeps them out: they are never trained).
     nvme_params: refused at config time (the copy needs the partitions in memory)."""
     from diffusers import UNet2DConditionModel
     from safetensors import safe_open
 
-    from distlab.strategies.deepspeed_load import _copy_partition, check_built_dtype, zero_init
 
     folder = Path(source) / UNET
-    with zero_init(ds_config, dtype):  # not deepspeed.zero.Init(dtype=...): zero_init says why
+    with zero.zero_init(ds_config, dtype):  # not deepspeed.zero.Init(dtype=...): zero_init says why
         unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(str(source), subfolder=UNET))
-    check_built_dtype(unet, dtype, "the ZeRO-3 UNet")
+    zero.check_built_dtype(unet, dtype, "the ZeRO-3 UNet")
     unet.requires_grad_(False)
     unet.distlab_source = str(source)
     where = weight_files(folder)
@@ -113,7 +112,7 @@ def load_unet_partitioned(source: str, ds_config: dict, dtype, nvme_params: bool
         for (path, _), names in groups.items():
             with safe_open(str(path), framework="pt") as handle:
                 for name in names:
-                    read += _copy_partition(params[name], handle.get_slice(name))
+                    read += zero._copy_partition(params[name], handle.get_slice(name))
     return unet, {"how": "UNet built under deepspeed.zero.Init, then each rank copied only its own partition of "
                          "every weight from the safetensors (get_slice, rows covering it), one block at a time",
                   "bytes_read": read, "tensors": len(params)}

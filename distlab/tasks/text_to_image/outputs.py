@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from distlab.jobs.job import Job
+from distlab.records.job import Job
 from distlab.tasks.text_to_image.data import FIXED_BATCH, FrozenEncoders, heldout_inputs, unet_outputs
 from distlab.tasks.text_to_image.model import add_lora, load_unet
 
@@ -97,7 +97,7 @@ def check_export(validator) -> dict:
     from diffusers import StableDiffusionPipeline
 
     from distlab.checkpoints import checkpoint as ckpt
-    from distlab.jobs.validate import FAILED, PASSED, RELOAD_TOLERANCE
+    from distlab.records.validation import FAILED, PASSED, RELOAD_TOLERANCE
 
     job = validator.job
     folder = Path(job.final) / "export"
@@ -147,7 +147,7 @@ def frozen_base_report(peft_state: dict, base_state: dict) -> dict:
 def lora_base_frozen(unet, source: str, meta: dict, base: dict | None, reload_diff: float) -> dict:
     """The reloaded UNet's frozen weights vs a freshly loaded base UNet: bit for bit (the
     checkpoint's base identity was already checked by compatibility)."""
-    from distlab.jobs.validate import FAILED, PASSED
+    from distlab.records.validation import FAILED, PASSED
 
     report = frozen_base_report(unet.state_dict(), load_unet(source).state_dict())
     return {"status": PASSED if report["identical"] else FAILED, **report,

@@ -8,9 +8,12 @@ import os
 import shutil
 from pathlib import Path
 
+from distlab.errors import CheckpointCorrupt
+
 FORMAT_VERSION = 2  # of the checkpoint folder: its manifest and distlab_checkpoint.json (2: trainable
 # parameters only, the base named by identity; sharded streamed export)
 MANIFEST = "MANIFEST.json"
+META = "distlab_checkpoint.json"  # what the checkpoint is: run, step, world size, its settings' signature
 
 
 def sha256_file(path: Path) -> str:
@@ -104,3 +107,12 @@ def atomic_dir(final: str | os.PathLike):
 
 def dir_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def read_meta(root) -> dict:
+    """The checkpoint's distlab_checkpoint.json; CheckpointCorrupt naming it when it is missing or unreadable."""
+    path = Path(root) / META
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointCorrupt(f"{path}: missing or unreadable ({exc})") from None

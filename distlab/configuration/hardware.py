@@ -64,7 +64,7 @@ def gpu_peak(name: str, precision: str) -> tuple[float | None, str | None]:
 
 def matmul_precision(run_precision: str, tf32: bool) -> str:
     """The tensor path a run's matmuls take: bf16/fp16 autocast, else fp32 or TF32."""
-    from distlab.runtime.precision import is_mixed
+    from distlab.configuration.precision import is_mixed
 
     if is_mixed(run_precision):
         return run_precision
@@ -142,7 +142,7 @@ def measure_cuda_matmul_peak(device, precision: str, size: int = 4096, repeats: 
     products timed with CUDA events after warm-up, on random data (zeros run faster)."""
     import torch
 
-    from distlab.runtime.precision import torch_dtype
+    from distlab.configuration.precision import torch_dtype
 
     dtype = torch_dtype(precision)
     a = torch.randn(size, size, device=device, dtype=dtype)

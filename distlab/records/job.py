@@ -14,7 +14,7 @@ from datetime import timedelta
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from distlab.configuration.spec import FrozenDict, FrozenList, Spec, SpecError, freeze, thaw
+from distlab.records.spec import FrozenDict, FrozenList, Spec, SpecError, freeze, thaw
 
 __all__ = ["Job", "ValidationJob", "JobError", "read_job", "replace"]
 
