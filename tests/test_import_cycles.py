@@ -85,9 +85,11 @@ def package_graph() -> dict[str, set[str]]:
 def test_no_import_cycle_between_distlab_modules_counting_function_level_imports():
     graph = package_graph()
     # The two the issue named: the exceptions both sides raise live in distlab.errors.
-    assert "distlab.configuration.config" not in graph["distlab.configuration.data_checks"] | graph["distlab.configuration.tokenizer_checks"]
+    assert "distlab.configuration.config" not in \
+        graph["distlab.configuration.data_checks"] | graph["distlab.configuration.tokenizer_checks"]
     assert "distlab.checkpoints.checkpoint" not in graph["distlab.checkpoints.trainer_state"]
-    assert "distlab.configuration.config" not in graph["distlab.tasks"]  # the task enum comes from distlab.configuration.schema
+    # The task enum comes from distlab.configuration.schema.
+    assert "distlab.configuration.config" not in graph["distlab.tasks"]
     cycles = import_cycles(graph)
     assert [c for c in cycles if c not in KNOWN_CYCLES] == [], "\n".join(
         " <-> ".join(sorted(c)) + ": " + "; ".join(f"{m} -> {sorted(graph[m] & c)}" for m in sorted(c))
@@ -99,4 +101,5 @@ def test_the_cycle_finder_sees_a_cycle_through_a_function_level_import():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}  # c imports a inside a function, say
     assert import_cycles(graph) == [{"a", "b", "c"}]
     known = module_names()
-    assert "distlab.jobs.cpu_budget" in imported_modules("distlab.runtime.unequal", known["distlab.runtime.unequal"], known)  # in a function
+    unequal = "distlab.runtime.unequal"
+    assert "distlab.jobs.cpu_budget" in imported_modules(unequal, known[unequal], known)  # in a function

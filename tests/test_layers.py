@@ -235,7 +235,8 @@ def test_the_checks_see_a_function_level_a_dynamic_and_a_cyclic_import():
     assert any(m == "distlab.runtime.model" for _, m in found)  # lazy("distlab.runtime.model:load_model")
     hidden = ("def f(name):\n    import importlib\n    importlib.import_module('distlab.runtime.loop')\n"
               "    return importlib.import_module(f'distlab.jobs.{name}')\n")
-    assert imports(known["distlab.records.metrics"], known, hidden) == [(3, "distlab.runtime.loop"), (4, "distlab.jobs")]
+    assert imports(known["distlab.records.metrics"], known, hidden) == \
+        [(3, "distlab.runtime.loop"), (4, "distlab.jobs")]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
     assert is_upward("records", "runtime") and is_upward("report", "tools") and is_upward("tasks", "strategies")
     assert not is_upward("runtime", "records") and not is_upward("report", "records")

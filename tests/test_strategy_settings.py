@@ -324,7 +324,8 @@ def test_precision_names_and_the_accumulation_loss_scale_are_decided_in_one_plac
     for path in package.rglob("*.py"):
         text = path.read_text()
         if path.name != "precision.py":
-            assert not dtype_map.search(text), f"{path}: a precision -> dtype map besides distlab/configuration/precision.py"
+            assert not dtype_map.search(text), \
+                f"{path}: a precision -> dtype map besides distlab/configuration/precision.py"
         if path.name != "accumulation.py":
             assert not micro_scale.search(text), \
                 f"{path}: loss scaled for accumulation besides distlab/runtime/accumulation.py"

@@ -94,7 +94,8 @@ class DeepSpeedStrategy(Strategy):
         # zero.Init reads the partitioning, persistence and offload keys only; the live-parameter
         # limits sized from the built model are the engine's (wrap).
         model, self.load_report = self.task.load_partitioned(
-            model_source, deepspeed_config(self.spec, dist.get_world_size(), hidden_size=self.task.hidden_size(model_source)),
+            model_source, deepspeed_config(self.spec, dist.get_world_size(),
+                                           hidden_size=self.task.hidden_size(model_source)),
             dtype, nvme_params=self.spec["deepspeed"]["offload_param"] == "nvme", zero=deepspeed_load)
         self.partitioned_at_load = all(hasattr(p, "ds_id") for p in model.parameters())
         return model
@@ -229,7 +230,8 @@ class DeepSpeedStrategy(Strategy):
             if ds[key] != want[key]:
                 raise FidelityError(f"spec {key} {want[key]} but the engine offloads to {ds[key]}")
         if want["zero_stage"] == 3 and not ds["partitioned_at_load"]:
-            raise FidelityError("ZeRO-3: the model was not built under deepspeed.zero.Init (every rank loaded it whole)")
+            raise FidelityError("ZeRO-3: the model was not built under deepspeed.zero.Init "
+                                "(every rank loaded it whole)")
         spec = self.spec
         if (ds["micro_batch"], ds["gradient_accumulation_steps"]) != (spec["micro_batch"], spec["grad_accum"]):
             raise FidelityError(f"spec micro_batch {spec['micro_batch']} x grad_accum {spec['grad_accum']} but the "

@@ -41,7 +41,8 @@ CONSTANTS = {
                   "without and with torch.compile (distlab runs eager unless compile: true); measured by others on "
                   "H100, applied to every board (the GPU kit has measured no fraction yet)"},
     "achievable_fraction_compiled": {
-        "value": 0.39, "unit": "of the dense bf16 peak", "source": f"{TORCHTITAN_BENCH}: the same runs with torch.compile"},
+        "value": 0.39, "unit": "of the dense bf16 peak",
+        "source": f"{TORCHTITAN_BENCH}: the same runs with torch.compile"},
     "nccl_effective_fraction": {
         "value": 370 / 450, "unit": "of the link's line rate",
         "source": f"{NCCL_212}: NVLink4's 450 GB/s line rate gives NCCL ~370 GB/s effective bandwidth (~20% "
@@ -67,7 +68,8 @@ BOARDS = {
     "NVIDIA GeForce RTX 4090": {"memory_bandwidth": 1008 * GB, "host_link": PCIE4_X16,
                                 "source": "NVIDIA Ada (AD102) whitepaper (1008 GB/s GDDR6X); PCIe 4.0 x16"},
     "NVIDIA GeForce RTX 3060": {"memory_bandwidth": 360 * GB, "host_link": PCIE4_X16,
-                                "source": "NVIDIA GeForce RTX 3060 specifications (360 GB/s GDDR6, 12 GB); PCIe 4.0 x16"},
+                                "source": "NVIDIA GeForce RTX 3060 specifications (360 GB/s GDDR6, 12 GB); "
+                                          "PCIe 4.0 x16"},
     "NVIDIA H100 80GB HBM3": {"memory_bandwidth": 3350 * GB, "host_link": PCIE5_X16,
                               "source": "H100 SXM5 datasheet (3.35 TB/s HBM3; PCIe Gen5 128 GB/s both directions)"},
     "NVIDIA A100-SXM4-80GB": {"memory_bandwidth": 2039 * GB, "host_link": PCIE4_X16,
@@ -114,18 +116,21 @@ REFERENCES = [
      "box": "nvswitch-h100", "row": "fsdp",
      "shape": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "vocab_size": 128256},
      "note": "the achievable fraction (33%) comes from the same runs: the ratio checks the other terms only"},
-    {"model": "Llama 3.1 8B", "hardware": "8x H100 SXM (96 GB HBM2e, 500 W), NVLink", "strategy": "FSDP + torch.compile",
+    {"model": "Llama 3.1 8B", "hardware": "8x H100 SXM (96 GB HBM2e, 500 W), NVLink",
+     "strategy": "FSDP + torch.compile",
      "metric": "tokens/s per device", "value": 6667, "setup": "as above, torch.compile",
      "source": f"{TORCHTITAN_BENCH}, Table 1", "by": "measured by others (torchtitan team, 2024-12)"},
     {"model": "Llama 3.1 8B", "hardware": "8 or 128 H100", "strategy": "FSDP", "metric": "MFU", "value": "0.33-0.39",
      "setup": "without Float8; without / with torch.compile", "source": TORCHTITAN_BENCH,
      "by": "measured by others (torchtitan team)", "input": "achievable_fraction"},
-    {"model": "IBM Granite 7B (Llama 2 architecture)", "hardware": "4x A100", "strategy": "FSDP full shard (aligned mode)",
+    {"model": "IBM Granite 7B (Llama 2 architecture)", "hardware": "4x A100",
+     "strategy": "FSDP full shard (aligned mode)",
      "metric": "tokens/s per device", "value": 3158.7, "setup": "batch size 8, bf16; step 10.4 s, MFU 0.41",
      "source": "Hugging Face blog, 'A Hugging Face Accelerate Story of Multiple Backends: FSDP and DeepSpeed', "
                "Table 3 (https://huggingface.co/blog/deepspeed-to-fsdp-and-back)",
      "by": "measured by others (IBM Research / Hugging Face, 2024-06)",
-     "note": "no preset box is 4x A100, and the blog does not name the A100 variant, link or sequence length: not predicted"},
+     "note": "no preset box is 4x A100, and the blog does not name the A100 variant, link or sequence length: not "
+             "predicted"},
     {"model": "IBM Granite 7B (Llama 2 architecture)", "hardware": "4x A100", "strategy": "DeepSpeed ZeRO-3",
      "metric": "tokens/s per device", "value": 3094.5, "setup": "batch size 8, bf16; step 10.6 s, MFU 0.40",
      "source": "Hugging Face blog, 'A Hugging Face Accelerate Story of Multiple Backends: FSDP and DeepSpeed', "
@@ -140,7 +145,8 @@ REFERENCES = [
      "value": 370, "setup": "NCCL effective NVLink bandwidth (NCCL_ALGO=RING or non-all-reduce)",
      "source": NCCL_212, "by": "NVIDIA's NCCL maintainer", "box": "nvswitch-h100", "busbw_op": "all_gather",
      "input": "INTERCONNECTS['nvswitch-h100']"},
-    {"model": "-", "hardware": "2x RTX 2080 Ti, NVLink bridge (NVLink 2)", "strategy": "all_reduce", "metric": "busbw GB/s",
+    {"model": "-", "hardware": "2x RTX 2080 Ti, NVLink bridge (NVLink 2)", "strategy": "all_reduce",
+     "metric": "busbw GB/s",
      "value": 21.4, "setup": "nccl-tests all_reduce_perf, 64 MiB, out-of-place",
      "source": "NVIDIA/nccl-tests#44 (https://github.com/NVIDIA/nccl-tests/issues/44)", "by": "measured by others",
      "note": "the nearest bridge measurement found; no nccl-tests figure for 2x RTX 3090 NVLink or 2 GPUs on PCIe "
@@ -247,8 +253,8 @@ def predict_row(key: str, shape: dict, counts: dict, workload: dict, devices: li
     else:
         exposed, overlap = total, "not overlapped"
     comm = {"seconds": exposed, "total_s": total, "bytes": sum(r["bytes"] * r["calls"] for r in rows), "calls": rows,
-            "how": f"{sum(r['calls'] for r in rows)} call(s), {sum(r['bytes'] * r['calls'] for r in rows) / 1e9:.2f} GB "
-                   f"over {link['label']} ({overlap})"}
+            "how": f"{sum(r['calls'] for r in rows)} call(s), {sum(r['bytes'] * r['calls'] for r in rows) / 1e9:.2f} "
+                   f"GB over {link['label']} ({overlap})"}
     ds = spec["deepspeed"]
     sharded = key != "ddp"
     trained = counts["trainable"] / (n if sharded else 1)
@@ -261,7 +267,8 @@ def predict_row(key: str, shape: dict, counts: dict, workload: dict, devices: li
         parts["cpu_adam"] = adam_bytes / CONSTANTS["host_memory_bandwidth"]["value"]
         parts["gradient_and_parameter_copies"] = 2 * 4 * trained / host
     elif membw is None:
-        return {"key": key, "status": "not predicted", "why": "no memory bandwidth for these boards (advisor_time.BOARDS)"}
+        return {"key": key, "status": "not predicted",
+                "why": "no memory bandwidth for these boards (advisor_time.BOARDS)"}
     else:
         parts["adamw"] = adam_bytes / membw
     if ds.get("offload_param"):
@@ -380,8 +387,8 @@ def markdown(time: dict, box_name: str = "this box") -> list[str]:
     elif not time["ranking"]:
         lines.append("No strategy that fits could be predicted:")
     else:
-        lines += ["| # | strategy | predicted step s | tokens/s per device | compute s | exposed comm s | optimizer s | "
-                  "largest term | behind the fastest by |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| # | strategy | predicted step s | tokens/s per device | compute s | exposed comm s | optimizer s "
+                  "| largest term | behind the fastest by |", "|---|---|---|---|---|---|---|---|---|"]
         for i, r in enumerate(time["ranking"], 1):
             t = r["terms"]
             lines.append(f"| {i} | {label(r['key'])} | {r['step_time_s']:.3f} | {r['tokens_per_s_per_device']:,.0f} | "
@@ -405,8 +412,8 @@ def markdown(time: dict, box_name: str = "this box") -> list[str]:
         for ref in time["references"]:
             pred = f"{ref['predicted']:,.1f}" if "predicted" in ref else "-"
             ratio = f"{ref['ratio']:.2f}" if "ratio" in ref else "-"
-            lines.append(f"| {ref['model']} | {ref['hardware']} | {ref['strategy']} | {ref['metric']} | {ref['value']} | "
-                         f"{pred} | {ratio} | {ref['by']}: {ref['source']}"
+            lines.append(f"| {ref['model']} | {ref['hardware']} | {ref['strategy']} | {ref['metric']} | {ref['value']} "
+                         f"| {pred} | {ratio} | {ref['by']}: {ref['source']}"
                          + (f"; {ref['note']}" if ref.get("note") else "") + " |")
     return lines
 

@@ -182,7 +182,8 @@ def compute_term(spec: dict, shape: dict, counts: dict, probe: dict, ac_layers: 
                       "recompute": ac_layers * layer_fwd * micro_steps, "head_and_loss": head * micro_steps,
                       "framework": framework * micro_steps},
             "how": (f"{micro_steps} micro-step(s) x ({layers} layer(s) x (matmuls forward, input-gradient"
-                    f"{'' if frozen_base else ', weight-gradient'}{', 4-bit dequantisation' if spec['method'] == 'qlora' else ''} + attention + "
+                    f"{'' if frozen_base else ', weight-gradient'}"
+                    f"{', 4-bit dequantisation' if spec['method'] == 'qlora' else ''} + attention + "
                     f"elementwise) + LM head and loss + the op graph's own cost (the model at toy width)"
                     f"{f' + {ac_layers} recomputed layer forward(s)' if ac_layers else ''}) at {t} tokens, {dt}, "
                     f"{th or 'GPU'} thread(s): each kernel timed by the compute probe")}
@@ -219,7 +220,8 @@ def collectives_per_step(spec: dict, shape: dict, counts: dict) -> list[dict]:
         gathered = forward + backward
         return [{"op": "all_gather", "bytes": sum(gathered) * element / max(1, len(gathered)),
                  "calls": len(gathered) * ga,
-                 "phase": f"parameters, one collective each: {len(forward)} in forward, {len(backward)} again in backward"},
+                 "phase": f"parameters, one collective each: {len(forward)} in forward, {len(backward)} again in "
+                          "backward"},
                 {"op": "reduce_scatter", "bytes": grads / buckets, "calls": buckets * ga, "phase": "gradients"}]
     if strategy == "fsdp":
         units = counts["layers"] + 1  # fully_shard per decoder layer, then the root
@@ -377,7 +379,8 @@ def optimizer_term(spec: dict, counts: dict, probe: dict) -> dict:
     offload = copies * copy
     return {"seconds": adamw + clip + offload, "parts": {"adamw": adamw, "clip": clip, "offload_copies": offload},
             "how": f"AdamW over {n} parameters and copies of their {GRAD_BYTES * n} gradient bytes, at the rates "
-                   f"the probe measured ({RATE_PARAMS} parameters, {RATE_BYTES} bytes){' + gradient-norm read' if clip else ''}"
+                   f"the probe measured ({RATE_PARAMS} parameters, {RATE_BYTES} "
+                   f"bytes){' + gradient-norm read' if clip else ''}"
                    f"{f' + {copies} host copies of the partition' if copies else ''}"}
 
 
