@@ -54,15 +54,8 @@ from distlab.strategies.settings import advisor_rows, registered
 GIB = 2**30
 # measured / estimated model state a run may be off by and still be called right (report too).
 TOLERANCE = 0.15
-ROW_ORDER = ["ddp", "zero1", "zero2", "zero3", "zero3-offopt", "zero3-offopt-offparam"]
-ROW_LABEL = {
-    "ddp": "DDP (each device holds everything)",
-    "zero1": "ZeRO-1 (optimizer state sharded)",
-    "zero2": "ZeRO-2 (+ gradients sharded)",
-    "zero3": "ZeRO-3 / FSDP full shard (+ parameters sharded)",
-    "zero3-offopt": "ZeRO-3 + optimizer offload to CPU",
-    "zero3-offopt-offparam": "ZeRO-3 + optimizer and parameter offload to CPU",
-}
+# The rows the advisor estimates and ranks, and their labels (one table, advisor_rows.py).
+from distlab.tools.advisor_rows import ROW_LABEL, ROW_ORDER  # noqa: E402,F401
 
 
 def unit_for(nbytes: float) -> tuple[str, float]:

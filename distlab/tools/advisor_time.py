@@ -372,7 +372,7 @@ def references_for(ranking: list[dict], link_name: str, shape: dict) -> list[dic
 
 
 def label(key: str) -> str:
-    from distlab.tools.advisor import ROW_LABEL as MEMORY_LABEL
+    from distlab.tools.advisor_rows import ROW_LABEL as MEMORY_LABEL
 
     return ROW_LABEL.get(key) or MEMORY_LABEL.get(key, key)
 
