@@ -41,6 +41,6 @@ rule compute_probe:
         # CUDA keys' kernels are timed on one GPU.
         gpu=lambda wildcards: int(wildcards.key.startswith("cuda")),
         mem_mb=one_process_model_mem_mb(),
-        runtime=10,
+        runtime=1,  # seconds of kernels after the imports
     script:
         "../scripts/compute_probe.py"

@@ -82,6 +82,7 @@ def test_kit_plan_needs_no_more_gpus_than_exist_and_reaches_the_report(tmp_path,
 # runs the preflight and prints the summary (a minute at most is left for them).
 BOX_COMMAND_LIMIT_S = 600
 OUTSIDE_SNAKEMAKE_S = 60
+PROBE_S = 30
 
 
 def kit_timeout_s() -> int:
@@ -97,11 +98,15 @@ def one_gpu_plan(tmp_path_factory):
     return planned_jobs(proc.stdout)
 
 
-def test_the_kits_serial_gpu_jobs_plan_at_most_70_percent_of_its_timeout_inside_the_boxs_limit(one_gpu_plan):
+def test_the_kits_serial_gpu_jobs_plan_at_most_75_percent_of_its_timeout_inside_the_boxs_limit(one_gpu_plan):
     gpu_jobs = [job for job in one_gpu_plan if job["gpu"]]
-    assert {job["rule"] for job in gpu_jobs} == {"train", "validate_checkpoint"}
-    planned_s = 60 * sum(job["runtime"] for job in gpu_jobs)  # one GPU: they run one after the other
-    assert planned_s <= 0.7 * kit_timeout_s(), (planned_s, kit_timeout_s(), gpu_jobs)
+    assert {job["rule"] for job in gpu_jobs} == {"compute_probe", "train", "validate_checkpoint"}
+    # One GPU: they run one after the other. A compute probe's runtime resource is Snakemake's
+    # smallest (1 minute); its work is its imports and at most ~40 kernels of <= 0.05 s after a
+    # warm-up call each (distlab.tools.compute_probe): PROBE_S, not measured on a GPU yet.
+    planned_s = sum(PROBE_S if job["rule"] == "compute_probe" else 60 * job["runtime"] for job in gpu_jobs)
+    # 70% before the step-time prediction's probe joined the plan (its ~30 s take the rest).
+    assert planned_s <= 0.75 * kit_timeout_s(), (planned_s, kit_timeout_s(), gpu_jobs)
     assert kit_timeout_s() + OUTSIDE_SNAKEMAKE_S <= BOX_COMMAND_LIMIT_S
 
 

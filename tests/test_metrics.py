@@ -160,7 +160,10 @@ HAND_READS_KEPT = {("tests/test_metrics.py",
                    ("tests/test_merge.py", "fake_second_machine"),
                    ("tests/test_merge.py", "test_untrustworthy_results_from_other_machines_are_named_and_left_out"),
                    ("tests/test_opt_in_pages.py",
-                    "test_a_page_given_a_run_of_its_stage_that_does_not_read_fails_naming_it")}
+                    "test_a_page_given_a_run_of_its_stage_that_does_not_read_fails_naming_it"),
+                   # json.loads of a summary.csv cell (strategy_settings), in a function that also names
+                   # the run's metrics.json path for the summary to read
+                   ("tests/test_strategy_settings.py", "test_a_new_strategy_runs_through_the_summary_and_the_report")}
 SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
 

@@ -69,13 +69,13 @@ def profiled_runs(prepared, tmp_path_factory) -> Path:
 
 
 def test_each_strategys_bytes_per_step_are_what_a_profiled_step_sends(profiled_runs):
+    from distlab.records.run_outputs import read_run_record
     from distlab.tools.step_time import _wire_factor, collectives_per_step, model_parts
 
     config_json = json.loads((profiled_runs.parent / "prep" / "model" / "config.json").read_text())
     checked = []
     for metrics in sorted(profiled_runs.glob("*/metrics.json")):
-        run = json.loads(metrics.read_text())
-        spec = run["spec"]
+        spec = read_run_record(metrics).to_dict()["spec"]
         (trace,) = (metrics.parent / "run_files" / "profile").glob("rank0*.json")
         counted = sent_bytes(trace)
         shape, counts, _ = model_parts(spec, config_json)
