@@ -8,6 +8,7 @@ MIN_REPEATS, until TIME_PER_KERNEL_S is spent), on fresh random inputs of its sh
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -133,12 +134,38 @@ def _kernel(kind: str, dims: list[int], dtype, device, config_json: dict | None 
     raise ValueError(f"unknown probe kernel {kind!r}")
 
 
+def _neighbours(call, count: int) -> list[int]:
+    """`count` forked copies of this process running `call` without end: on CPU a rank's kernels
+    share the machine's cores (SMT siblings, caches, memory bandwidth) with the other ranks and
+    the jobs Snakemake runs beside it, so each kernel is timed with every other core busy."""
+    pids = []
+    for _ in range(count):
+        pid = os.fork()
+        if pid == 0:  # the neighbour: the same kernel until it is killed
+            try:
+                while True:
+                    call()
+            finally:
+                os._exit(0)
+        pids.append(pid)
+    return pids
+
+
+def _stop(pids: list[int]) -> None:
+    import signal
+
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
 def probe(kernels: list[dict], device: str = "cpu", config_json: dict | None = None) -> dict:
     """{kernels: {"<key>|<dtype>|<threads>": {s, forward_s, repeats}}, how} for the distinct
     kernels listed."""
     import torch
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    cores = len(os.sched_getaffinity(0))  # the cores this job may use: all of them (rule compute_probe)
     before = torch.get_num_threads()
     rows = {}
     try:
@@ -149,15 +176,21 @@ def probe(kernels: list[dict], device: str = "cpu", config_json: dict | None = N
             if device == "cpu":
                 torch.set_num_threads(k["threads"])
             forward, both = _kernel(k["kind"], k["dims"], getattr(torch, k["dtype"]), device, config_json)
-            seconds, repeats = _timed(both, sync)
-            row = {"s": seconds, "repeats": repeats}
-            if forward is not None:
-                with torch.no_grad():
-                    row["forward_s"] = _timed(forward, sync)[0]
+            others = max(0, cores // max(1, k["threads"]) - 1) if device == "cpu" else 0
+            neighbours = _neighbours(both, others)
+            try:
+                seconds, repeats = _timed(both, sync)
+                row = {"s": seconds, "repeats": repeats, "neighbours": others}
+                if forward is not None:
+                    with torch.no_grad():
+                        row["forward_s"] = _timed(forward, sync)[0]
+            finally:
+                _stop(neighbours)
             rows[name] = row
     finally:
         torch.set_num_threads(before)
     return {"kernels": rows, "device": device,
             "how": (f"each kernel at its shape, dtype and thread count: median of >= {MIN_REPEATS} calls (up to "
-                    f"{TIME_PER_KERNEL_S} s each) after {WARMUP} warm-up calls, random inputs; forward_s: the "
-                    "forward alone, without autograd")}
+                    f"{TIME_PER_KERNEL_S} s each) after {WARMUP} warm-up calls, random inputs; on CPU while "
+                    "forked copies run the same kernel on every other core (neighbours: the machine as a "
+                    "pipeline fills it); forward_s: the forward alone, without autograd")}
