@@ -57,8 +57,8 @@ KNOWN_UPWARD = {
         "a Ray Train worker is a rank: its rank half belongs in runtime",
     "distlab/runtime/unequal.py -> distlab.tools.advisor":
         "sizing a rank's batch by its free memory uses the advisor's activation formula; it belongs below both",
-    "distlab/jobs/launch.py -> distlab.tools.step_time":
-        "the job predicts its step time (metrics.json prediction) with the advisor's model; the rule should hand it in",
+    "distlab/runtime/worker.py -> distlab.tools.step_time":
+        "rank 0 predicts its step time before the first step (metrics.json prediction) with the advisor's model",
     "distlab/report/build.py -> distlab.tools.step_time":
         "the advisor card predicts step times at report time instead of reading the runs' recorded predictions",
     "distlab/report/build.py -> distlab.tools.advisor_time":

@@ -14,7 +14,7 @@ from distlab.launchers import get_launcher
 from distlab.launchers.process import refuse_if_running
 from distlab.records.run_layout import run_files_dir
 from distlab.records.sharing import portable
-from distlab.records.spec import Spec, thaw
+from distlab.records.spec import Spec
 
 
 def job_file(run_dir: str) -> str:
@@ -29,18 +29,14 @@ def _minutes(runtime) -> float | None:
 
 
 def rule_job(snakemake, run_dir: str) -> Job:
-    """The job of a training rule (train, two_hosts) from its Snakemake object, with its step
-    time predicted from the rule's probe and collectives inputs before any rank starts."""
-    from distlab.tools.step_time import predict_from_files
-
+    """The job of a training rule (train, two_hosts) from its Snakemake object."""
     spec = Spec.checked(snakemake.params.spec, f"experiment {snakemake.params.spec.get('id')!r}")
     inputs = dict(snakemake.input.items())
-    model = snakemake.input.model[0] if snakemake.input.get("model") else None
-    prediction = predict_from_files(thaw(spec), model, inputs.get("probe"), inputs.get("collectives"),
-                                    snakemake.input.hardware)
     return Job(
         spec=spec,
-        prediction=prediction,
+        # The step-time prediction's measured parts (absolute: Ray workers run elsewhere).
+        probe_json=os.path.abspath(inputs["probe"]) if inputs.get("probe") else None,
+        collectives_json=os.path.abspath(inputs["collectives"]) if inputs.get("collectives") else None,
         run_dir=run_dir,
         data_dir=snakemake.input.data,
         model_source=snakemake.params.model_source,

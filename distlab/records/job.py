@@ -50,9 +50,11 @@ class Job:
     # The Snakemake job's `runtime` resource (minutes): no collective of its ranks waits longer
     # (collective_timeout). None (a launch outside a rule): estimated_runtime_minutes.
     runtime_minutes: float | None = None
-    # The step time predicted before the ranks start (distlab.tools.step_time), recorded as
-    # metrics.json's `prediction`; None where no prediction was asked (a launch outside a rule).
-    prediction: FrozenDict | None = None
+    # What rank 0 predicts the step time from before the first step (distlab.tools.step_time,
+    # metrics.json `prediction`): the compute probe of the run's shapes and the collectives file
+    # of its links; None where the rule gave none (no prediction, said so in the record).
+    probe_json: str | None = None
+    collectives_json: str | None = None
 
     def __post_init__(self):
         # The door: whatever was handed in is frozen from here on (lists stay lists: a FrozenList
@@ -63,7 +65,7 @@ class Job:
             value = getattr(self, name)
             object.__setattr__(self, name, freeze(list(value) if isinstance(value, tuple) else value))
 
-    _frozen_fields = ("env_allowlist", "driver_inside", "host_names", "prediction")
+    _frozen_fields = ("env_allowlist", "driver_inside", "host_names")
 
     def to_dict(self) -> dict:
         data = {f.name: thaw(getattr(self, f.name)) for f in fields(self)}

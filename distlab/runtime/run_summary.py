@@ -11,7 +11,6 @@ import torch
 from distlab.records import metrics as M
 from distlab.configuration.hardware import peak_flops_per_rank
 from distlab.records.job import Job
-from distlab.records.spec import thaw
 from distlab.runtime.loop import gather
 from distlab.runtime.noise import summarize_noise
 
@@ -135,9 +134,6 @@ def summarize_run(job: Job, ctx, strategy, prepared, ranks: dict, n_samples: int
                             strategy, "comm_unmeasured_reason", "its collectives are not timed without changing them"),
         },
         "timing_per_rank": per_rank_timing(all_records, comm, warm),
-        # Made by the job before the ranks started (distlab.tools.step_time); scored in the report.
-        "prediction": thaw(job.prediction) if job.prediction is not None else {
-            "status": "not predicted", "why": "launched outside the train rule (no probe was asked)"},
         "throughput": {
             f"{unit}s_per_s": units_per_s, "samples_per_s": samples_per_step / timed["median"],
             f"{unit}s_per_s_per_rank": units_per_s_per_rank, "samples_per_step": samples_per_step,

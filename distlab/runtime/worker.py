@@ -24,6 +24,7 @@ import torch.distributed as dist
 from distlab.runtime.activations import ActivationProbe
 from distlab.configuration.training_tools import adapts
 from distlab.runtime.evaluation import evaluate_run
+from distlab.records.spec import thaw
 from distlab.records.job import Job, read_job
 from distlab.jobs.links import interface_counters
 from distlab.runtime.loop import gather, train
@@ -52,6 +53,16 @@ def make_context(job: Job) -> RunContext:
     return RunContext(spec=spec, run_dir=job.run_dir, device=local_device(spec),
                       rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)),
                       local_rank=int(os.environ.get("LOCAL_RANK", 0)), job=job)
+
+
+def predicted_step_time(job: Job) -> dict:
+    """The step time rank 0 predicts before the first step from the job's probe and collectives
+    files (distlab.tools.step_time; the model's config.json for its shapes)."""
+    from distlab.tools.step_time import predict_from_files
+
+    config = os.path.join(job.model_source or "", "config.json")
+    return predict_from_files(dict(thaw(job.spec)), config if os.path.isfile(config) else None, job.probe_json,
+                              job.collectives_json, job.hardware_json)
 
 
 def run_rank(job: Job, checkpoints_class=None) -> tuple[dict, list] | None:
@@ -96,6 +107,7 @@ def run_rank(job: Job, checkpoints_class=None) -> tuple[dict, list] | None:
         checkpoints.on_step_end(step)
 
     load_phase = load_phase_record(ctx.device, rss_before_model)  # process start -> first step
+    prediction = predicted_step_time(job) if ctx.is_main else None  # before the first step
     timeline.mark("data, resume")
     wire_before = interface_counters() if spec.get("link") else None  # this host's link, around the steps
     result = train(ctx, strategy, train_data, start_step=start_step, stream=checkpoints.stream,
@@ -128,6 +140,7 @@ def run_rank(job: Job, checkpoints_class=None) -> tuple[dict, list] | None:
         else:
             out[0]["eval"] = None
         out[0]["tracking"] = during.get("tracking")
+        out[0]["prediction"] = prediction
         out[0]["profile"] = profile_record(profiles)
         if spec.get("compile"):
             out[0]["timing"]["compile"] = compile_record(out[1], start_step, spec["untimed_steps"], dynamo_counts())

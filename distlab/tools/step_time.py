@@ -415,9 +415,10 @@ def predict_from_files(spec: dict, model_config: str, probe_file: str | None, co
     import json
     from pathlib import Path
 
-    if probe_file is None:
-        return {"status": "not predicted", "why": "the step-time model covers causal-LM runs on a model whose "
-                                                 "config.json is on disk"}
+    if probe_file is None or model_config is None:
+        return {"status": "not predicted", "why": "no compute probe for this run: the step-time model covers "
+                                                 "causal-LM runs of the train rule on a model whose config.json is "
+                                                 "on disk"}
     unequal = [k for k in ("rank_cpu_budget", "rank_cpu_threads", "rank_micro_batch") if spec.get(k)]
     if unequal:
         return {"status": "not predicted", "why": f"ranks of unequal speed or batch ({', '.join(unequal)}): the model "
