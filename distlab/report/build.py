@@ -212,7 +212,7 @@ def step_time_table(card: Card, machine: str, runs: list[dict]) -> None:
         f"Step time: predicted before the run vs measured on {machine}", pd.DataFrame(rows),
         "predicted = compute (the step's kernels at the model's shapes, timed by the compute probe) + exposed "
         "communication (each collective at its size from collectives.json) + optimizer and offload copies + "
-        "pipeline bubble, made by the job before its ranks started (metrics.json prediction, its terms and "
+        "pipeline bubble, made by rank 0 before the first step (metrics.json prediction, its terms and "
         "their inputs); measured = the median step after warm-up. A run timed on a busy machine is shown, "
         "not scored. 'furthest off' compares communication with the time the strategy's collectives were in "
         "flight where it times them, and the rest of the step with the rest of the prediction."))

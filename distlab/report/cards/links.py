@@ -120,7 +120,7 @@ def prediction_table(card: Card, linked: list[dict]) -> None:
                            {"passed": PASSED, "failed": FAILED}.get(status, NOT_RUN), evidence))
     card.tables.append(Table("Predicted before the run vs measured, at each link", pd.DataFrame(rows), (
         "predicted: distlab.tools.step_time from the compute probe and the link's own collectives file "
-        "(links/collectives-<cap>.json), made by the job before its ranks started; measured: the median step. "
+        "(links/collectives-<cap>.json), made by rank 0 before the first step; measured: the median step. "
         "MB/step sent: the bytes the model says each host sends per step (ring algorithms: an all-reduce of B "
         "bytes sends B per host at 2 hosts, an all-gather or reduce-scatter B/2) against the host's eth0 "
         "counters (every step, warm-up and the loss's reduction included).")))
