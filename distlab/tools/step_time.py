@@ -1,4 +1,4 @@
-"""A run's step time predicted from measured parts, before it trains (issue: predict, run, score).
+"""A run's step time predicted from measured parts, before it trains; the report scores it.
 
     step = compute + exposed communication + optimizer (and offload copies) + pipeline bubble
 
@@ -6,9 +6,8 @@ Every input is measured on the machine or read from a cited table, never fitted 
 - compute: the step's kernels at the model's own shapes (each decoder-layer matmul forward,
   input-gradient and weight-gradient, attention, the layer's elementwise work, the LM head and
   its loss), each timed by the compute probe (distlab.tools.compute_probe) at the rank's thread
-  count and dtype: `kernels_needed` names them, the probe times exactly those. On a GPU whose
-  probe is missing, the FLOPs over the datasheet peak times the achievable fraction the GPU
-  kit measured.
+  count and dtype: `kernels_needed` names them, the probe times exactly those (on a GPU too:
+  the probe runs its kernels on the device the runs use).
 - communication: the bytes each strategy sends per step (`collectives_per_step`), each call
   timed at its message size from collectives.json (this machine's gloo/NCCL benchmark, or the
   capped link's), which includes each call's latency. Exposed: on CPU ranks, all of it unless
@@ -18,7 +17,8 @@ Every input is measured on the machine or read from a cited table, never fitted 
   clipping's read of the gradients, and offload's host copies (probe's copy bandwidth).
 - bubble: (stages - 1) pipeline micro-batch slots of a GPipe/1F1B schedule.
 
-This module is arithmetic on dicts (no torch): the advisor ranks named boxes with it too.
+Arithmetic on dicts (`model_parts` alone reads a model's shapes, through transformers on the meta
+device): the advisor's time ranking of named boxes (advisor_time.py) uses its byte counts too.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ DDP_FIRST_BUCKET_BYTES = 2**20
 # Within this of the measured median, a prediction counts as right (issue 44: +-25%).
 TOLERANCE = 0.25
 LINK_TOLERANCE = 0.30
-GRAD_BYTES = 4  # gradients and optimizer state are fp32 in every strategy here (mixed: fp32 masters)
+GRAD_BYTES = 4  # fp32 gradients and optimizer state (DeepSpeed's 16-bit gradients: collectives_per_step)
 
 
 def compute_dtype(spec: dict) -> str:
