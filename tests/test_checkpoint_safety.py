@@ -129,3 +129,29 @@ def test_loading_a_checkpoint_of_another_strategy_does_not_import_deepspeed(tmp_
             "print(sorted(m for m in ('deepspeed', 'mlflow') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+class _PickledAsGetattr:
+    """Pickles as getattr(target, name), as Python 3.11.2 pickles an enum member."""
+
+    def __init__(self, target, name):
+        self.target, self.name = target, name
+
+    def __reduce__(self):
+        return getattr, (self.target, self.name)
+
+
+def test_an_enum_member_pickled_through_getattr_loads_and_any_other_getattr_is_refused():
+    """The metadata of a DCP checkpoint saved under Python 3.11.2 names builtins.getattr for its
+    memory-format enum; the restricted unpickler resolves exactly that, on whichever Python runs
+    the tests (the pickles are made by hand)."""
+    import pathlib
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from distlab.checkpoints.safe_load import _restricted_pickle_loads
+
+    member = next(iter(_MEM_FORMAT_ENCODING))
+    assert _restricted_pickle_loads(pickle.dumps(_PickledAsGetattr(_MEM_FORMAT_ENCODING, member.name))) is member
+    with pytest.raises(pickle.UnpicklingError, match="not an allow-listed enum member"):
+        _restricted_pickle_loads(pickle.dumps(_PickledAsGetattr(pathlib.PosixPath, "cwd")))

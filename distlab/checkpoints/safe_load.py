@@ -75,8 +75,24 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if (module, name) == ("torch.serialization", "_get_layout"):  # maps "torch.strided" to the layout
             return torch.serialization._get_layout
+        if (module, name) == ("builtins", "getattr"):  # an enum member, as some Python releases pickle one
+            return _allowed_enum_member
         raise pickle.UnpicklingError(f"checkpoint pickle names {module}.{name}, which is not plain checkpoint "
                                      "data; refusing to load it (distlab.checkpoints.safe_load)")
+
+
+def _allowed_enum_member(cls, name):
+    """getattr(EnumClass, "MEMBER") for an allow-listed enum only: Python 3.11.2 pickles DCP's
+    _MEM_FORMAT_ENCODING members that way (3.11.7 by value), so a plain getattr would otherwise be
+    the one callable a checkpoint may name. Anything else is refused."""
+    import enum
+
+    if (isinstance(cls, type) and issubclass(cls, enum.Enum) and cls in _safe_globals()
+            and isinstance(name, str) and name in cls.__members__):
+        return cls[name]
+    raise pickle.UnpicklingError(f"checkpoint pickle calls getattr({getattr(cls, '__name__', cls)!r}, {name!r}), "
+                                 "which is not an allow-listed enum member; refusing to load it "
+                                 "(distlab.checkpoints.safe_load)")
 
 
 def _restricted_pickle_load(file, *args, **kwargs):
