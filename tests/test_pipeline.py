@@ -1,6 +1,7 @@
 """The workflow as a user runs it: `snakemake --cores all` on a tiny config in a temp folder."""
 import copy
 import json
+import math
 import re
 
 import pytest
@@ -48,8 +49,13 @@ def test_an_epochs_run_gets_its_steps_from_the_prepared_data_and_a_rerun_has_not
     work, _ = finished
     metrics = read_run_record(work / "results" / MACHINE / "ddp-full-w1-mb8-ga1" / "metrics.json").to_dict()
     length = metrics["spec"]["length"]
-    assert length["from"] == "epochs" and length["train_blocks"] == 6438 and metrics["spec"]["steps"] == 9
-    assert len(metrics["loss"]["per_step"]) == 9  # (the no-op rerun: test_nothing_to_do_on_a_rerun)
+    # The corpus is the pydoc topics of the Python that runs the tests: its block count differs
+    # between Python releases (6438 blocks of 32 tokens on 3.11.7, 6431 on 3.11.2).
+    data = json.loads((work / "results" / "prep" / "data" / "default-seq32" / "distlab_data.json").read_text())
+    blocks = data["splits"]["train"]["blocks"]
+    steps = math.ceil(0.01 * (blocks // 8))  # epochs 0.01, 1 rank, micro-batch 8
+    assert length["from"] == "epochs" and length["train_blocks"] == blocks and metrics["spec"]["steps"] == steps
+    assert len(metrics["loss"]["per_step"]) == steps  # (the no-op rerun: test_nothing_to_do_on_a_rerun)
 
 
 @pytest.mark.slow
