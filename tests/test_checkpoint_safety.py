@@ -155,3 +155,16 @@ def test_an_enum_member_pickled_through_getattr_loads_and_any_other_getattr_is_r
     assert _restricted_pickle_loads(pickle.dumps(_PickledAsGetattr(_MEM_FORMAT_ENCODING, member.name))) is member
     with pytest.raises(pickle.UnpicklingError, match="not an allow-listed enum member"):
         _restricted_pickle_loads(pickle.dumps(_PickledAsGetattr(pathlib.PosixPath, "cwd")))
+    # torch.load (DeepSpeed's checkpoints: its ZeroStageEnum) under weights_only_loads, the same way
+    import io
+
+    for target, name, loads in ((_MEM_FORMAT_ENCODING, member.name, True), (pathlib.PosixPath, "cwd", False)):
+        buffer = io.BytesIO()
+        torch.save({"x": _PickledAsGetattr(target, name)}, buffer)
+        buffer.seek(0)
+        with weights_only_loads():
+            if loads:
+                assert torch.load(buffer)["x"] is member
+            else:
+                with pytest.raises(pickle.UnpicklingError):
+                    torch.load(buffer)

@@ -120,7 +120,9 @@ def weights_only_loads():
     filesystem.pickle = types.SimpleNamespace(load=_restricted_pickle_load, dump=original_pickle.dump,
                                               dumps=original_pickle.dumps, loads=_restricted_pickle_loads)
     try:
-        with torch.serialization.safe_globals(_safe_globals()):
+        # torch's weights-only unpickler takes (object, name) pairs: a pickle naming builtins.getattr
+        # gets the enum-member resolver (DeepSpeed's ZeroStageEnum under Python 3.11.2).
+        with torch.serialization.safe_globals(_safe_globals() + [(_allowed_enum_member, "builtins.getattr")]):
             yield
     finally:
         torch.load, filesystem.pickle = original_load, original_pickle
