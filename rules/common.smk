@@ -481,3 +481,32 @@ def two_hosts_input(kind):
         )
 
     return path
+
+
+# The step-time prediction (distlab.tools.step_time): every causal-LM run on a model whose
+# config.json is on disk is predicted before it trains, from the compute probe of its kernels'
+# shapes and the collectives benchmark of the links its ranks use.
+def predicted(spec):
+    return spec["task"] == "causal-lm" and model_config_path(spec.get("model", "default")) is not None
+
+
+def prediction_inputs(wildcards):
+    """The probe and the collectives file a run's prediction reads. The probe's name holds all it
+    depends on, so it never reruns for another experiment. ancient(collectives): re-measuring the
+    links reruns no experiment."""
+    from distlab.tools.step_time import probe_key
+
+    spec = SPECS[wildcards.experiment]
+    if not predicted(spec):
+        return {}
+    found = {"probe": f"{RESULTS}/{MACHINE}/compute_probe/{spec.get('model', 'default')}/{probe_key(spec)}.json"}
+    if spec["world_size"] > 1:
+        from distlab.configuration.config_links import link_label
+
+        if spec["link"]:
+            found["collectives"] = ancient(
+                f"{RESULTS}/{MACHINE}/links/collectives-{link_label(spec['link']['bandwidth_mbit'])}.json"
+            )
+        elif collectives_outputs():
+            found["collectives"] = ancient(collectives_outputs()[0])
+    return found

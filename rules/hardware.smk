@@ -1,5 +1,5 @@
-# What this machine has and can do: its matmul peak (hardware), the kernels of each run's shapes
-# (compute_probe) and which of them a run's step-time prediction reads (prediction_inputs).
+# What this machine has and can do: its matmul peak (hardware) and the kernels of each run's
+# shapes (compute_probe), which a run's step-time prediction reads (rules/common.smk).
 
 
 rule hardware:
@@ -45,32 +45,3 @@ rule compute_probe:
         runtime=1,  # seconds of kernels after the imports
     script:
         "../scripts/compute_probe.py"
-
-
-# The step-time prediction (distlab.tools.step_time): every causal-LM run on a model whose
-# config.json is on disk is predicted before it trains, from the compute probe of its kernels'
-# shapes and the collectives benchmark of the links its ranks use.
-def predicted(spec):
-    return spec["task"] == "causal-lm" and model_config_path(spec.get("model", "default")) is not None
-
-
-def prediction_inputs(wildcards):
-    """The probe and the collectives file a run's prediction reads. The probe's name holds all it
-    depends on, so it never reruns for another experiment. ancient(collectives): re-measuring the
-    links reruns no experiment."""
-    from distlab.tools.step_time import probe_key
-
-    spec = SPECS[wildcards.experiment]
-    if not predicted(spec):
-        return {}
-    found = {"probe": f"{RESULTS}/{MACHINE}/compute_probe/{spec.get('model', 'default')}/{probe_key(spec)}.json"}
-    if spec["world_size"] > 1:
-        from distlab.configuration.config_links import link_label
-
-        if spec["link"]:
-            found["collectives"] = ancient(
-                f"{RESULTS}/{MACHINE}/links/collectives-{link_label(spec['link']['bandwidth_mbit'])}.json"
-            )
-        elif collectives_outputs():
-            found["collectives"] = ancient(collectives_outputs()[0])
-    return found
