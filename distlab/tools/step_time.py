@@ -357,9 +357,10 @@ def communication_term(spec: dict, shape: dict, counts: dict, collectives: dict 
                        "turns with the computation")
     return {"seconds": exposed, "total_s": total, "bytes": sum(c["bytes"] * c["calls"] for c in calls),
             "wire_bytes_per_rank": wire_bytes_per_rank(calls, world),
-            "calls": rows, "how": f"each call at its message size from {collectives.get('_file', 'collectives.json')} "
-                                   f"(median time, latency included; log-interpolated between measured sizes, past the largest at its "
-                                   f"bandwidth); {overlap_how}"}
+            "calls": rows,
+            "how": f"each call at its message size from {collectives.get('_file', 'collectives.json')} (median "
+                   "time, latency included; log-interpolated between measured sizes, past the largest at its "
+                   f"bandwidth); {overlap_how}"}
 
 
 def optimizer_term(spec: dict, counts: dict, probe: dict) -> dict:
