@@ -5,11 +5,24 @@ list comes from every experiment's spec (`step_time.kernels_needed`).
 
 Each kernel is timed after warm-up calls, as the median of repeated calls (at least
 MIN_REPEATS, until TIME_PER_KERNEL_S is spent), on fresh random inputs of its shape.
+
+It runs as its own process (`python -m distlab.tools.compute_probe`, started by rule compute_probe
+through `run_probe`), so that on CPU it forks from the run's warm-start server as ranks do
+(distlab.launchers.warm_start): its kernels take ~1-2 s here, torch and transformers' imports
+~5-7 s, paid once per probe key otherwise.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # first, before the heavy imports: a warm start skips them
+    from distlab.launchers.process import enter
+
+    enter("distlab.tools.compute_probe", same_launch=False)  # its parent check is run_tree's (preexec)
+
+import argparse
+import json
 import os
 import statistics
+import sys
 import time
 
 MIN_REPEATS = 3
@@ -194,3 +207,57 @@ def probe(kernels: list[dict], device: str = "cpu", config_json: dict | None = N
                     f"{TIME_PER_KERNEL_S} s each) after {WARMUP} warm-up calls, random inputs; on CPU while "
                     "forked copies run the same kernel on every other core (neighbours: the machine as a "
                     "pipeline fills it); forward_s: the forward alone, without autograd")}
+
+
+def probe_key_file(model_config: str, key: str, model: str, out: str) -> None:
+    """Time the kernels of probe key `key` (distlab.tools.step_time.probe_key) at the shapes of the
+    model whose config.json is `model_config`, and write them to `out`."""
+    from distlab.launchers.warm_start import start_record
+    from distlab.tools.parameter_counts import model_shape, parameter_counts
+    from distlab.tools.step_time import kernels_needed, parse_probe_key
+
+    started = time.perf_counter()
+    with open(model_config) as fh:
+        config_json = json.load(fh)
+    shape = model_shape(config_json)
+    found = probe(kernels_needed(key, shape, parameter_counts(shape)), parse_probe_key(key)["device"], config_json)
+    with open(out, "w") as fh:
+        json.dump({"model": model, "key": key, **found, "start": start_record(),
+                   "probe_seconds": time.perf_counter() - started}, fh, indent=1)
+    print(f"{len(found['kernels'])} kernel(s) timed for {model} at {key}", flush=True)
+
+
+def run_probe(model_config: str, key: str, model: str, out: str) -> None:
+    """Rule compute_probe: this module as a process of its own, through the process handling
+    every launch uses (it dies with this job; distlab.launchers.process). A CPU key's process
+    may start warm; a CUDA key's sees the job's GPUs and starts fresh, as a GPU rank does."""
+    from distlab.launchers.environment import BASE_ENV, CPU_ENV
+    from distlab.launchers.process import run_ranks
+    from distlab.launchers.warm_start import SOCKET_ENV
+    from distlab.tools.step_time import parse_probe_key
+
+    env = {**os.environ, **BASE_ENV}
+    if parse_probe_key(key)["device"] == "cpu":
+        env.update(CPU_ENV)
+    else:
+        env.pop(SOCKET_ENV, None)
+    command = [sys.executable, "-m", "distlab.tools.compute_probe", "--model-config", model_config, "--key", key,
+               "--model", model, "--out", out]
+    run_ranks(command, env, None, None, marker=os.path.abspath(out), what="compute probe")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model-config", required=True, help="the model's config.json")
+    parser.add_argument("--key", required=True, help="the probe key (distlab.tools.step_time.probe_key)")
+    parser.add_argument("--model", required=True, help="the model's name in the config (for the record)")
+    parser.add_argument("--out", required=True, help="the JSON file to write")
+    args = parser.parse_args(argv)
+    probe_key_file(args.model_config, args.key, args.model, args.out)
+
+
+if __name__ == "__main__":
+    main()
+    from distlab.launchers.process import exit_without_teardown
+
+    exit_without_teardown()
