@@ -1,5 +1,6 @@
 """The compute probe a run's step-time prediction reads: each kernel of its key timed in a
-process of its own, which on CPU forks from the run's warm interpreter as ranks do."""
+process of its own (distlab.launchers.call), which on CPU forks from the run's warm interpreter as
+ranks do."""
 from __future__ import annotations
 
 import json
@@ -42,3 +43,11 @@ def test_the_probe_times_every_kernel_of_its_key_and_starts_warm_where_a_server_
         assert all(row["s"] > 0 and row["repeats"] >= 3 for row in record["kernels"].values())
     assert fresh["start"] == "fresh interpreter"
     assert warm["start"].startswith("forked from the run's warm interpreter"), warm["start"]
+
+
+def test_a_call_names_a_distlab_function_before_any_process_starts(tmp_path):
+    from distlab.launchers.call import call_in_own_process
+
+    for target in ("os:system", "distlab.tools.compute_probe", "distlab.tools.compute_probe:not a name"):
+        with pytest.raises(ValueError, match="distlab.<module>:<function>"):
+            call_in_own_process(target, str(tmp_path / "out.json"))

@@ -21,7 +21,7 @@ import os
 import sys
 
 ENTRY_MODULES = ("distlab.runtime.worker", "distlab.runtime.validate_ranks", "distlab.launchers.loopback",
-                 "distlab.tools.collectives", "distlab.tools.compute_probe")
+                 "distlab.tools.collectives", "distlab.launchers.call")
 # A flavour server's extra imports may be only these (what warm_start.rank_imports names).
 FLAVOURS = ("deepspeed", "accelerate", "peft", "bitsandbytes", "mlflow")
 # Variables a library reads when it is imported (the interpreter, the loader, glibc's malloc,

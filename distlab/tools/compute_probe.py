@@ -6,23 +6,15 @@ list comes from every experiment's spec (`step_time.kernels_needed`).
 Each kernel is timed after warm-up calls, as the median of repeated calls (at least
 MIN_REPEATS, until TIME_PER_KERNEL_S is spent), on fresh random inputs of its shape.
 
-It runs as its own process (`python -m distlab.tools.compute_probe`, started by rule compute_probe
-through `run_probe`), so that on CPU it forks from the run's warm-start server as ranks do
-(distlab.launchers.warm_start): its kernels take ~1-2 s here, torch and transformers' imports
-~5-7 s, paid once per probe key otherwise.
+Rule compute_probe runs it in a process of its own (`run_probe`, distlab.launchers.call), which on
+CPU forks from the run's warm-start server as ranks do: its kernels take ~1-2 s here, torch's and
+transformers' imports ~5-7 s, paid once per probe key otherwise.
 """
 from __future__ import annotations
 
-if __name__ == "__main__":  # first, before the heavy imports: a warm start skips them
-    from distlab.launchers.process import enter
-
-    enter("distlab.tools.compute_probe", same_launch=False)  # its parent check is run_tree's (preexec)
-
-import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 MIN_REPEATS = 3
@@ -228,36 +220,10 @@ def probe_key_file(model_config: str, key: str, model: str, out: str) -> None:
 
 
 def run_probe(model_config: str, key: str, model: str, out: str) -> None:
-    """Rule compute_probe: this module as a process of its own, through the process handling
-    every launch uses (it dies with this job; distlab.launchers.process). A CPU key's process
-    may start warm; a CUDA key's sees the job's GPUs and starts fresh, as a GPU rank does."""
-    from distlab.launchers.environment import BASE_ENV, CPU_ENV
-    from distlab.launchers.process import run_ranks
-    from distlab.launchers.warm_start import SOCKET_ENV
+    """Rule compute_probe: probe_key_file in a process of its own (distlab.launchers.call): a CPU
+    key's may start warm; a CUDA key's sees the job's GPUs and starts fresh, as a GPU rank does."""
+    from distlab.launchers.call import call_in_own_process
     from distlab.tools.step_time import parse_probe_key
 
-    env = {**os.environ, **BASE_ENV}
-    if parse_probe_key(key)["device"] == "cpu":
-        env.update(CPU_ENV)
-    else:
-        env.pop(SOCKET_ENV, None)
-    command = [sys.executable, "-m", "distlab.tools.compute_probe", "--model-config", model_config, "--key", key,
-               "--model", model, "--out", out]
-    run_ranks(command, env, None, None, marker=os.path.abspath(out), what="compute probe")
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model-config", required=True, help="the model's config.json")
-    parser.add_argument("--key", required=True, help="the probe key (distlab.tools.step_time.probe_key)")
-    parser.add_argument("--model", required=True, help="the model's name in the config (for the record)")
-    parser.add_argument("--out", required=True, help="the JSON file to write")
-    args = parser.parse_args(argv)
-    probe_key_file(args.model_config, args.key, args.model, args.out)
-
-
-if __name__ == "__main__":
-    main()
-    from distlab.launchers.process import exit_without_teardown
-
-    exit_without_teardown()
+    call_in_own_process("distlab.tools.compute_probe:probe_key_file", out, device=parse_probe_key(key)["device"],
+                        model_config=model_config, key=key, model=model, out=out)
