@@ -57,8 +57,13 @@ def stand_in(server: str, job: Path, identity: str, out: Path,
                                             "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     rank = f"{prefix} {sys.executable} -m distlab.runtime.worker --job {job}"
+    # The agent dies with this process (a pytest killed by a timeout once left a stand-in training
+    # for 20 minutes on a core of its own); the rank dies with the agent (its die_with_parent).
+    from distlab.launchers.process import die_with_parent
+
+    tests = os.getpid()
     agent = subprocess.Popen(["sh", "-c", f"{rank} > {out} 2>&1; echo status $? >> {out}"], env=env, cwd=REPO,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=lambda: die_with_parent(tests))
     deadline = time.monotonic() + 30
     while not psutil.Process(agent.pid).children() and time.monotonic() < deadline:
         time.sleep(0.02)
