@@ -37,6 +37,9 @@ def test_a_warm_rank_trains_exactly_what_a_fresh_rank_trains(server, prepared, t
     assert fresh["timeline"]["start"] == "fresh interpreter"
     assert warm["timeline"]["start"].startswith("forked from the run's warm interpreter"), warm["timeline"]
     assert warm["loss"]["per_step"] == fresh["loss"]["per_step"]
+    # each rank says how it started beside its memory figures
+    assert all(r["start"] == "fresh interpreter" for r in fresh["memory"]["per_rank"])
+    assert all(r["start"].startswith("forked from") for r in warm["memory"]["per_rank"]), warm["memory"]
     # the copy skipped the imports: its first phase is the hand-over, not torch's import
     first = {run: record["timeline"]["phases"][0]["cpu_s"] for run, record in (("fresh", fresh), ("warm", warm))}
     assert first["warm"] < first["fresh"] / 5, first
