@@ -43,10 +43,6 @@ APART = [("strategies", "tasks")]  # a strategy names no task, a task no strateg
 # there. Both lists only shrink: an entry that no longer matches such an import fails.
 # Upward (or across units kept APART):
 KNOWN_UPWARD = {
-    "distlab/configuration/config_links.py -> distlab.jobs.cpu_budget":
-        "the CPU budget refusal (can this machine set a cgroup quota) lives with the job that sets it",
-    "distlab/configuration/config_links.py -> distlab.jobs.links":
-        "the links refusal (can this machine make namespaces) lives with the job that makes them",
     "distlab/configuration/model_files.py -> distlab.runtime.partial_load":
         "checking a model folder's weights before any job builds the model on meta through the sharded loader",
     "distlab/launchers/ray_worker.py -> distlab.checkpoints.checkpoint":
@@ -78,10 +74,6 @@ KNOWN_UPWARD = {
 }
 # Within a layer, closing a cycle between its units:
 KNOWN_IN_LAYER = {
-    "distlab/launchers/linked.py -> distlab.jobs.links":
-        "the linked launcher builds the link's hosts itself; the links job should hand them in",
-    "distlab/launchers/ranks.py -> distlab.jobs.cpu_budget":
-        "the rank service sweeps the CPU budgets the job made; the job should sweep its own",
     "distlab/runtime/loop.py -> distlab.strategies.base":
         "the loop drives a Strategy: runtime holds both the rank's kernels (below strategies) and its drivers",
     "distlab/runtime/worker.py -> distlab.strategies.base": "the worker drives a Strategy; same split",

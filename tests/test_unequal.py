@@ -88,7 +88,7 @@ BUDGETS = {"world_size": 2, "micro_batch": 12, "rank_cpu_budget": [0.5, 0.125], 
 
 @pytest.fixture(scope="module")
 def uniform_and_sized(prepared, tmp_path_factory):
-    from distlab.jobs.cpu_budget import refusal
+    from distlab.configuration.cpu_budget import refusal
 
     if refusal():
         pytest.skip(f"CPU budgets cannot be enforced here: {refusal()}")

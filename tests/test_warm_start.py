@@ -194,7 +194,7 @@ def test_a_refused_start_runs_fresh_and_says_why(server, prepared, tmp_path, mon
 def test_a_gpu_or_link_launch_is_never_offered_a_warm_start(monkeypatch):
     """A link's ranks run in host namespaces a copy of the server would not be in; nothing
     started there (nsenter) carries the socket (tests/test_links_warm.py runs one)."""
-    from distlab.jobs.links import LinkedHosts
+    from distlab.launchers.links import LinkedHosts
     from distlab.launchers.environment import rank_environment
     from tests.conftest import resolve
 

@@ -55,7 +55,7 @@ def run(job: Job, job_path: str, log_path: str | None, timeout: float | None) ->
         linked.run(job, job_path, log_path, timeout)
         return
     if spec.get("rank_cpu_budget"):  # the ranks' cpu cgroups: empty ones of earlier runs go first
-        from distlab.jobs.cpu_budget import sweep
+        from distlab.configuration.cpu_budget import sweep
 
         sweep()
     try:

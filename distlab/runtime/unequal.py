@@ -38,17 +38,17 @@ def rank_threads(spec: dict, rank: int) -> int:
 
 
 def enter_cpu_budget(spec: dict, rank: int) -> dict | None:
-    """Cap this rank's CPU time at its rank_cpu_budget entry (distlab.jobs.cpu_budget); None when unset."""
+    """Cap this rank's CPU time at its rank_cpu_budget entry (distlab.configuration.cpu_budget); None when unset."""
     if not spec.get("rank_cpu_budget"):
         return None
-    from distlab.jobs.cpu_budget import enter
+    from distlab.configuration.cpu_budget import enter
 
     return dict(enter(spec["rank_cpu_budget"][rank]), rank=rank)
 
 
 def leave_cpu_budget(record: dict | None) -> None:
     if record is not None:
-        from distlab.jobs.cpu_budget import leave
+        from distlab.configuration.cpu_budget import leave
 
         leave(record)
 

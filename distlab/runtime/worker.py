@@ -26,7 +26,7 @@ from distlab.configuration.training_tools import adapts
 from distlab.runtime.evaluation import evaluate_run
 from distlab.records.spec import thaw
 from distlab.records.job import Job, read_job
-from distlab.jobs.links import interface_counters
+from distlab.launchers.links import interface_counters
 from distlab.runtime.loop import gather, train
 from distlab.runtime.memory import (OOM_EXIT_CODE, add_peaks_through_save, apply_memory_budget, budget_verdict,
                             gather_peaks_through_save, is_out_of_memory, load_phase_record, memory_record,

@@ -1,5 +1,5 @@
 """The link card (`snakemake links`): the same DDP, ZeRO-2/3, FSDP and TP runs over links of
-several speeds, each rank on a host of its own (distlab/jobs/links.py). Not a `stage*` module: the
+several speeds, each rank on a host of its own (distlab/launchers/links.py). Not a `stage*` module: the
 milestone report does not show it; its own page does, and the advisor cites its card.json."""
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ model, the `auto` probe and the steps (distlab.runtime.worker); the kernel appli
 A group whose processes are gone is
 empty and is removed by `sweep()`, which the launcher runs after its ranks end and before
 it starts new ones (a killed run's empty groups go then). Needs root and a writable cpu
-cgroup controller: `refusal()` says why not, and the config check names it.
+cgroup controller: `refusal()` says why not, and the config check names it before any job
+starts: that is why this module sits in the bottom layer (it imports nothing of distlab).
 """
 from __future__ import annotations
 
