@@ -43,8 +43,6 @@ APART = [("strategies", "tasks")]  # a strategy names no task, a task no strateg
 # there. Both lists only shrink: an entry that no longer matches such an import fails.
 # Upward (or across units kept APART):
 KNOWN_UPWARD = {
-    "distlab/configuration/model_files.py -> distlab.runtime.partial_load":
-        "checking a model folder's weights before any job builds the model on meta through the sharded loader",
     "distlab/launchers/ray_worker.py -> distlab.checkpoints.checkpoint":
         "a Ray Train worker is a rank started by the launcher module: it runs rank code",
     "distlab/launchers/ray_worker.py -> distlab.runtime.training_checkpoints":

@@ -20,7 +20,7 @@ def export_logits(folder: Path, batch, skeleton=None, base_folder=None, cast=Non
     and weight files, one layer at a time. LoRA: `skeleton` is the PeftModel peft built on a
     meta base from the adapter folder, the base weights read from `base_folder`."""
     from distlab.runtime.model import load_model
-    from distlab.runtime.partial_load import checkpoint_names
+    from distlab.configuration.model_files import checkpoint_names
     from distlab.runtime.streamed import Skeleton, file_groups, open_weights, streamed_logits
 
     if skeleton is None:

@@ -32,7 +32,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from distlab.checkpoint_formats.dcp import dcp_load, dcp_save
 from distlab.configuration.families import TP_STYLES, layer_tp_plan
 from distlab.runtime.model import decoder_layers
-from distlab.runtime.partial_load import empty_model, load_held_weights
+from distlab.configuration.model_files import empty_model
+from distlab.runtime.partial_load import load_held_weights
 from distlab.strategies.base import FidelityError, ModelParallel, Strategy
 
 #: families.TP_STYLES' names made real; "replicate" (None) leaves the weight whole.
