@@ -23,8 +23,10 @@ LAYERS = [
     ("bottom", "parse time, and the files every later phase reads", ["configuration", "records"]),
     ("prep", "data prep jobs, before any training job", ["data_prep"]),
     ("job", "in a Snakemake job, around the ranks it starts", ["jobs", "launchers"]),
-    ("rank", "inside a rank", ["runtime", "checkpoints", "checkpoint_formats", "strategies", "tasks"]),
-    ("tools", "on their own: advisor, probes, benchmarks, the GPU kit", ["tools"]),
+    ("kernels", "inside a rank: what it is built from", ["runtime", "checkpoints", "checkpoint_formats",
+                                                          "strategies", "tasks"]),
+    ("tools", "on their own: advisor, step-time model, probes, benchmarks, the GPU kit", ["tools"]),
+    ("rank", "inside a rank, at its top: entry modules and the loop", ["rank"]),
     ("report", "in the summary and report rules", ["report"]),
     ("harness", "tests and benchmarks", ["testing"]),
 ]
@@ -45,14 +47,12 @@ APART = [("strategies", "tasks")]  # a strategy names no task, a task no strateg
 KNOWN_UPWARD = {
     "distlab/launchers/ray_worker.py -> distlab.checkpoints.checkpoint":
         "a Ray Train worker is a rank started by the launcher module: it runs rank code",
-    "distlab/launchers/ray_worker.py -> distlab.runtime.training_checkpoints":
+    "distlab/launchers/ray_worker.py -> distlab.rank.training_checkpoints":
         "a Ray Train worker is a rank: its rank half belongs in runtime",
-    "distlab/launchers/ray_worker.py -> distlab.runtime.worker":
+    "distlab/launchers/ray_worker.py -> distlab.rank.worker":
         "a Ray Train worker is a rank: its rank half belongs in runtime",
     "distlab/runtime/unequal.py -> distlab.tools.advisor":
         "sizing a rank's batch by its free memory uses the advisor's activation formula; it belongs below both",
-    "distlab/runtime/worker.py -> distlab.tools.step_time":
-        "rank 0 predicts its step time before the first step (metrics.json prediction) with the advisor's model",
     "distlab/report/build.py -> distlab.tools.step_time":
         "the advisor card predicts step times at report time instead of reading the runs' recorded predictions",
     "distlab/report/build.py -> distlab.tools.advisor_time":
@@ -71,17 +71,7 @@ KNOWN_UPWARD = {
         "the card formats bytes with the advisor's human(); a formatting helper to move to the report",
 }
 # Within a layer, closing a cycle between its units:
-KNOWN_IN_LAYER = {
-    "distlab/runtime/loop.py -> distlab.strategies.base":
-        "the loop drives a Strategy: runtime holds both the rank's kernels (below strategies) and its drivers",
-    "distlab/runtime/worker.py -> distlab.strategies.base": "the worker drives a Strategy; same split",
-    "distlab/runtime/model_setup.py -> distlab.checkpoints.checkpoint": "a driver above checkpoints; same split",
-    "distlab/runtime/monitor.py -> distlab.checkpoints.checkpoint": "a driver above checkpoints; same split",
-    "distlab/runtime/training_checkpoints.py -> distlab.checkpoints.checkpoint": "a driver; same split",
-    "distlab/runtime/validate_ranks.py -> distlab.checkpoints.checkpoint": "a driver; same split",
-    "distlab/runtime/validate_causal_lm.py -> distlab.checkpoints.checkpoint": "a driver; same split",
-    "distlab/runtime/validate_causal_lm.py -> distlab.checkpoints.export": "a driver; same split",
-}
+KNOWN_IN_LAYER: dict[str, str] = {}
 
 LAYER_OF = {unit: name for name, _, units in LAYERS for unit in units}
 RANK = {name: i for i, (name, _, _) in enumerate(LAYERS)}
@@ -223,10 +213,10 @@ def test_the_checks_see_a_function_level_a_dynamic_and_a_cyclic_import():
     known = modules()
     found = imports(known["distlab.tasks.causal_lm"], known)
     assert any(m == "distlab.runtime.model" for _, m in found)  # lazy("distlab.runtime.model:load_model")
-    hidden = ("def f(name):\n    import importlib\n    importlib.import_module('distlab.runtime.loop')\n"
+    hidden = ("def f(name):\n    import importlib\n    importlib.import_module('distlab.rank.loop')\n"
               "    return importlib.import_module(f'distlab.jobs.{name}')\n")
     assert imports(known["distlab.records.metrics"], known, hidden) == \
-        [(3, "distlab.runtime.loop"), (4, "distlab.jobs")]
+        [(3, "distlab.rank.loop"), (4, "distlab.jobs")]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
     assert is_upward("records", "runtime") and is_upward("report", "tools") and is_upward("tasks", "strategies")
     assert not is_upward("runtime", "records") and not is_upward("report", "records")

@@ -17,7 +17,7 @@ GRADIENT_SCRIPT = textwrap.dedent("""
     import torch, torch.distributed as dist
     from distlab.data_prep.data import load_blocks
     from distlab.runtime.accumulation import step_items
-    from distlab.runtime.loop import IndexStream
+    from distlab.rank.loop import IndexStream
     from distlab.runtime.model import load_model
     from distlab.strategies.base import RunContext
     from distlab.strategies.ddp import DDPStrategy

@@ -55,7 +55,7 @@ def stand_in(server: str, job: Path, identity: str, out: Path,
     env = dict(warm_start_environment(), **{warm_start.SOCKET_ENV: server, "DISTLAB_LAUNCH": identity,
                                             "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    rank = f"{prefix} {sys.executable} -m distlab.runtime.worker --job {job}"
+    rank = f"{prefix} {sys.executable} -m distlab.rank.worker --job {job}"
     agent = subprocess.Popen(["sh", "-c", f"{rank} > {out} 2>&1; echo status $? >> {out}"], env=env, cwd=REPO,
                              start_new_session=True)
     deadline = time.monotonic() + 30
@@ -116,7 +116,7 @@ def request(**changes) -> dict:
     import distlab
 
     env = dict(warm_start_environment())
-    base = {"module": "distlab.runtime.worker", "argv": ["-m"], "cwd": str(REPO), "env": env, "umask": 0o22,
+    base = {"module": "distlab.rank.worker", "argv": ["-m"], "cwd": str(REPO), "env": env, "umask": 0o22,
             "affinity": sorted(os.sched_getaffinity(0)), "started": time.time(), "executable": sys.executable,
             "imports": [], "distlab": os.path.dirname(os.path.abspath(distlab.__file__)),
             "hash_seed": warm_start.hash_seed()}
@@ -220,10 +220,10 @@ def test_a_server_that_never_answers_does_not_hang_the_rank(tmp_path, monkeypatc
     listener.listen(1)
     monkeypatch.setattr(warm_start, "REPLY_TIMEOUT_S", 0.5)
     started = time.monotonic()
-    reply, sock = warm_start._request(str(tmp_path / "socket"), "distlab.runtime.worker", [])
+    reply, sock = warm_start._request(str(tmp_path / "socket"), "distlab.rank.worker", [])
     assert reply == {"refused": "the server did not answer in 0.5 s"} and sock is None
     assert time.monotonic() - started < 10
-    reply, _ = warm_start._request(str(tmp_path / "nothing"), "distlab.runtime.worker", [])
+    reply, _ = warm_start._request(str(tmp_path / "nothing"), "distlab.rank.worker", [])
     assert reply["refused"].startswith(f"no server at {tmp_path / 'nothing'}")
     listener.close()
 

@@ -1,4 +1,4 @@
-"""The `ray` launcher, driver side: the ranks of distlab.runtime.worker.run_rank run as Ray Train v2
+"""The `ray` launcher, driver side: the ranks of distlab.rank.worker.run_rank run as Ray Train v2
 workers (their side: distlab.launchers.ray_worker; the record: distlab.launchers.ray_record).
 
 `TorchTrainer` places one worker per rank and sets up the torch process group (gloo on

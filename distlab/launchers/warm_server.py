@@ -28,7 +28,7 @@ from distlab.launchers.warm_start import LAUNCH_ENV, send_message
 # What every CPU rank imports anyway: torch, distlab's rank code, transformers' model base (its
 # import is ~2.7 s of CPU); besides, for the agents, torchrun's launcher API (~0.1 s of import),
 # and the default model's family (a rank of another family imports its own on top).
-PRELOAD = ("torch", "torch.distributed.launcher.api", "distlab.runtime.worker", "distlab.runtime.validate_ranks",
+PRELOAD = ("torch", "torch.distributed.launcher.api", "distlab.rank.worker", "distlab.rank.validate_ranks",
            "transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama")
 
 _flavour: tuple[str, ...] = ()  # what this server imported beyond PRELOAD

@@ -83,7 +83,7 @@ def _storage_bytes(tensor) -> tuple[int, int]:
 
 
 class ActivationProbe:
-    """micro_context for distlab.runtime.loop: measures the saved activation bytes of the first
+    """micro_context for distlab.rank.loop: measures the saved activation bytes of the first
     micro-batch of the first untimed step, on every rank; `result` holds the figure afterwards.
     A micro-batch's backward saves nothing through these hooks (a checkpointed layer's
     recompute saves through torch's own, inner hooks), so what is packed is its forward's."""

@@ -4,7 +4,7 @@ Uniform DDP gives every rank the same micro-batch, so the slowest device sets th
 the smallest one's memory sets the batch (the roadmap: "the smaller one limits"). With
 `rank_micro_batch: [6, 2]` rank r reads b_r samples of each global batch of B = sum(b_r):
 one seeded permutation of the data is cut into global batches of B, rank r takes its slice
-(distlab.runtime.loop.IndexStream), so a 1-rank run with micro_batch B reads the same samples.
+(distlab.rank.loop.IndexStream), so a 1-rank run with micro_batch B reads the same samples.
 
 The gradient. Every step's loss is the mean over the step's label tokens, counted over all
 ranks before the forward (distlab.runtime.accumulation): rank r back-propagates its summed

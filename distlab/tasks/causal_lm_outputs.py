@@ -1,4 +1,4 @@
-"""The causal LM's outputs in a validation rank (distlab.runtime.validate_ranks calls them through the
+"""The causal LM's outputs in a validation rank (distlab.rank.validate_ranks calls them through the
 task: distlab.tasks.causal_lm; text-to-image's are distlab/tasks/text_to_image/outputs.py):
 the export checked as a user opens it, a reloaded strategy's output on the fixed eval batch,
 and the LoRA base check.
