@@ -4,7 +4,7 @@ import json
 
 from distlab.jobs.rule_log import logged
 from distlab.tools.compute_probe import probe
-from distlab.tools.parameter_counts import model_shape, parameter_counts
+from distlab.runtime.parameter_counts import model_shape, parameter_counts
 from distlab.tools.step_time import kernels_needed, parse_probe_key
 
 with logged(snakemake):

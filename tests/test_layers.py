@@ -51,8 +51,6 @@ KNOWN_UPWARD = {
         "a Ray Train worker is a rank: its rank half belongs in runtime",
     "distlab/launchers/ray_worker.py -> distlab.rank.worker":
         "a Ray Train worker is a rank: its rank half belongs in runtime",
-    "distlab/runtime/unequal.py -> distlab.tools.advisor":
-        "sizing a rank's batch by its free memory uses the advisor's activation formula; it belongs below both",
     "distlab/report/build.py -> distlab.tools.step_time":
         "the advisor card predicts step times at report time instead of reading the runs' recorded predictions",
     "distlab/report/build.py -> distlab.tools.advisor_time":

@@ -101,15 +101,17 @@ def probe(model, spec: dict, device) -> dict:
 
 
 def memory_capacity(model, spec: dict, free: int) -> int:
-    """Samples this rank's free memory holds: activations per sample (distlab.tools.advisor) plus the
-    gradient, DDP bucket and AdamW state still to be allocated (16 bytes/trainable param)."""
-    from distlab.tools import advisor
+    """Samples this rank's free memory holds: activations per sample (the advisor's estimate,
+    distlab.runtime.activations) plus the gradient, DDP bucket and AdamW state still to be
+    allocated (16 bytes/trainable param)."""
+    from distlab.runtime.activations import activation_bytes
+    from distlab.runtime.parameter_counts import model_shape, workload_counts
 
-    shape = advisor.model_shape(model.config.to_dict())
-    counts = advisor.workload_counts(shape, spec)
+    shape = model_shape(model.config.to_dict())
+    counts = workload_counts(shape, spec)
     workload = {key: spec[key] for key in ("method", "seq_len", "precision", "lora", "device",
                                            "activation_checkpointing", "activation_checkpointing_every")}
-    per_sample = advisor.activation_bytes(shape, {**workload, "micro_batch": 1}, counts)  # DDP's, one sample
+    per_sample = activation_bytes(shape, {**workload, "micro_batch": 1}, counts)  # DDP's, one sample
     to_come = 16 * sum(p.numel() for p in model.parameters() if p.requires_grad)
     return max(0, int((free - to_come) // per_sample))
 

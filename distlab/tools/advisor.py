@@ -42,13 +42,14 @@ Memory = model state + activations, per device:
 Each strategy's byte formula lives beside it (`model_state` in
 distlab/strategies/<name>_settings.py); the recommendation and the estimate-vs-measured check
 (distlab.tools.advisor_check) read the same formulas through `strategy_state`; the parameter
-counting they rest on is distlab.tools.parameter_counts.
+counting they rest on is distlab.runtime.parameter_counts.
 """
 from __future__ import annotations
 
 import copy
 
-from distlab.tools.parameter_counts import model_shape, parameter_counts, workload_counts  # noqa: F401 (advisor's API)
+from distlab.runtime.activations import activation_bytes
+from distlab.runtime.parameter_counts import model_shape, parameter_counts, workload_counts  # noqa: F401 (advisor's API)
 from distlab.strategies.settings import advisor_rows, registered
 
 GIB = 2**30
@@ -85,24 +86,6 @@ def model_state(key: str, counts: dict, n: int, precision: str, lora: bool, grad
     out = strategy_state(strategy, counts, n, precision, lora, {**settings, "grad_accum": grad_accum})
     out.pop("cpu_parts")
     return out
-
-
-def activation_bytes(shape: dict, workload: dict, counts: dict, mode: str | None = None, strategy: str = "ddp",
-                     part: str = "peak_bytes") -> float:
-    """Activation bytes of one micro-batch on a data-parallel rank (distlab.runtime.activations).
-    Autocast over fp32 weights (DDP/Accelerate, FSDP on CPU) also holds bf16 copies of the
-    matmul weights (LoRA's frozen base is already bf16); DeepSpeed and FSDP's
-    MixedPrecisionPolicy keep the module in bf16 instead."""
-    from distlab.runtime.activations import estimate_activations
-
-    mode = workload.get("activation_checkpointing", "none") if mode is None else mode
-    known = registered().get(strategy)
-    module = bool(known and known.module_precision(workload))
-    matmul = counts["total"] - (0 if shape.get("tie_word_embeddings") else counts["embedding"])
-    return estimate_activations(shape, workload["micro_batch"], workload["seq_len"], workload["precision"], mode,
-                                workload.get("activation_checkpointing_every", 2),
-                                "module" if module else "autocast",
-                                matmul if workload["method"] == "full" else 0)[part]
 
 
 def estimate(shape: dict, workload: dict, n: int, mode: str | None = None) -> list[dict]:

@@ -3,8 +3,9 @@ estimate for the run's own spec, and the estimate against the run's measured per
 and saved activations (check_against_runs, used by the report and the tests)."""
 from __future__ import annotations
 
-from distlab.tools.advisor import TOLERANCE, activation_bytes, strategy_state
-from distlab.tools.parameter_counts import workload_counts
+from distlab.runtime.activations import activation_bytes
+from distlab.tools.advisor import TOLERANCE, strategy_state
+from distlab.runtime.parameter_counts import workload_counts
 from distlab.strategies.settings import data_parallel, registered
 
 

@@ -102,7 +102,7 @@ def model_parts(spec: dict, config_json: dict) -> tuple[dict, dict, int]:
     """(shape, parameter counts with the run's adapters, layers whose forward runs twice under
     activation checkpointing on one rank) of a spec's model, from its config.json."""
     from distlab.runtime.activations import checkpointed_layers
-    from distlab.tools.parameter_counts import model_shape, workload_counts
+    from distlab.runtime.parameter_counts import model_shape, workload_counts
 
     shape = model_shape(config_json)
     counts = workload_counts(shape, {"method": spec["method"], "lora": spec["lora"]})
