@@ -45,12 +45,9 @@ APART = [("strategies", "tasks")]  # a strategy names no task, a task no strateg
 # there. Both lists only shrink: an entry that no longer matches such an import fails.
 # Upward (or across units kept APART):
 KNOWN_UPWARD = {
-    "distlab/launchers/ray_worker.py -> distlab.checkpoints.checkpoint":
-        "a Ray Train worker is a rank started by the launcher module: it runs rank code",
-    "distlab/launchers/ray_worker.py -> distlab.rank.training_checkpoints":
-        "a Ray Train worker is a rank: its rank half belongs in runtime",
-    "distlab/launchers/ray_worker.py -> distlab.rank.worker":
-        "a Ray Train worker is a rank: its rank half belongs in runtime",
+    "distlab/launchers/ray_driver.py -> distlab.rank.ray_worker":
+        "Ray Train takes a rank's entry as a function object, so the driver imports it to hand it over (torchrun "
+        "and accelerate start theirs by module name, distlab.rank.worker, in a new process)",
     "distlab/report/build.py -> distlab.tools.step_time":
         "the advisor card predicts step times at report time instead of reading the runs' recorded predictions",
     "distlab/report/build.py -> distlab.tools.advisor_time":

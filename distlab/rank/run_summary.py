@@ -86,7 +86,7 @@ def step_extras(all_records: list[list[dict]], i: int) -> dict:
 
 def summarize_run(job: Job, ctx, strategy, prepared, ranks: dict, n_samples: int, started: float):
     """Rank 0: (metrics.json's dict, steps.jsonl's rows) from what gather_ranks collected."""
-    spec = ctx.spec  # the job's, or the one an elastic Ray group resumed under (distlab.launchers.ray_worker)
+    spec = ctx.spec  # the job's, or the one an elastic Ray group resumed under (distlab.rank.ray_worker)
     flops = prepared.flops
     all_records, all_memory, comm = ranks["records"], ranks["memory"], ranks["comm"]
     hardware = json.loads(Path(job.hardware_json).read_text())

@@ -26,7 +26,8 @@ def node_identity() -> dict:
 def _ray_checkpoints_class():
     """TrainingCheckpoints (distlab.rank.training_checkpoints) that also tells Ray about every checkpoint and
     resumes from the one Ray hands back; built on first use so that importing this module
-    (the launcher registry does) loads neither torch nor Ray."""
+    (the Ray driver does, to hand Ray `train_worker`) loads neither torch
+    nor Ray."""
     import ray
     import ray.train
     import torch.distributed as dist
