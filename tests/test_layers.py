@@ -48,22 +48,12 @@ KNOWN_UPWARD = {
     "distlab/launchers/ray_driver.py -> distlab.rank.ray_worker":
         "Ray Train takes a rank's entry as a function object, so the driver imports it to hand it over (torchrun "
         "and accelerate start theirs by module name, distlab.rank.worker, in a new process)",
-    "distlab/report/build.py -> distlab.tools.step_time":
-        "the advisor card predicts step times at report time instead of reading the runs' recorded predictions",
-    "distlab/report/build.py -> distlab.tools.advisor_time":
-        "the advisor card ranks strategies by time at report time instead of reading advice.json",
-    "distlab/report/cards/links.py -> distlab.tools.advisor_check":
-        "the links card scores predictions with the advisor's check at report time",
-    "distlab/report/cards/links.py -> distlab.tools.step_time":
-        "the links card predicts each link run's step time at report time",
-    "distlab/report/build.py -> distlab.tools.advisor":
-        "the advisor card computes the advisor's estimate at report time instead of reading advice.json",
     "distlab/report/build.py -> distlab.tools.advisor_check":
-        "the advisor card holds the estimate to the runs at report time (parameter counts on meta)",
-    "distlab/report/cards/across.py -> distlab.tools.collectives":
-        "the collectives card reads the benchmark's figures through the benchmark module",
-    "distlab/report/cards/stage2_text_to_image.py -> distlab.tools.advisor":
-        "the card formats bytes with the advisor's human(); a formatting helper to move to the report",
+        "the advisor card holds the advisor's memory estimate to each run by recomputing it for the run's spec at "
+        "report time (parameter counts on torch's meta device); to go, a rule (or rank 0, as it records its "
+        "step-time prediction) should record the estimate, and the card compare recorded figures",
+    "distlab/report/build.py -> distlab.tools.advisor":
+        "the same check's tolerance (advisor.TOLERANCE), which goes down with it",
 }
 # Within a layer, closing a cycle between its units:
 KNOWN_IN_LAYER: dict[str, str] = {}

@@ -158,7 +158,7 @@ def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
                              f"{adv.human(a['usable_bytes_per_device'])} usable each)", frame,
                              " ".join(a["how"].split())))
     if a.get("time"):  # a named box: the strategies that fit, ranked by predicted step time (advisor_time)
-        from distlab.tools.advisor_time import card_rows
+        from distlab.records.advice import card_rows
 
         ranking, refs = card_rows(a["time"])
         link = a["time"]["link"]
@@ -199,12 +199,12 @@ def step_time_table(card: Card, machine: str, runs: list[dict]) -> None:
     """Predicted against measured step time for every run of the machine (distlab.tools.step_time)."""
     import pandas as pd
 
-    from distlab.tools.step_time import TOLERANCE
+    from distlab.records.predictions import TOLERANCE, check_step_times, step_time_verdict
 
-    rows = advisor_check.check_step_times(runs)
+    rows = check_step_times(runs)
     if not rows:
         return
-    status, evidence = advisor_check.step_time_verdict(rows)
+    status, evidence = step_time_verdict(rows)
     card.goals.append(Goal("minimal", f"Step time predicted before each run, within {TOLERANCE:.0%} of the measured "
                                       f"median for at least 80% of the runs timed on a quiet machine ({machine})",
                            {"passed": PASSED, "failed": FAILED}.get(status, NOT_RUN), evidence))

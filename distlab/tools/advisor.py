@@ -48,24 +48,15 @@ from __future__ import annotations
 
 import copy
 
+from distlab.records.memory_phases import GIB, human, unit_for
 from distlab.runtime.activations import activation_bytes
 from distlab.runtime.parameter_counts import model_shape, parameter_counts, workload_counts  # noqa: F401 (advisor's API)
 from distlab.strategies.settings import advisor_rows, registered
 
-GIB = 2**30
 # measured / estimated model state a run may be off by and still be called right (report too).
 TOLERANCE = 0.15
-# The rows the advisor estimates and ranks, and their labels (one table, advisor_rows.py).
-from distlab.tools.advisor_rows import ROW_LABEL, ROW_ORDER  # noqa: E402,F401
-
-
-def unit_for(nbytes: float) -> tuple[str, float]:
-    return ("GiB", GIB) if nbytes >= GIB else ("MiB", 2**20)
-
-
-def human(nbytes: float) -> str:
-    unit, scale = unit_for(nbytes)
-    return f"{nbytes / scale:.1f} {unit}"
+# The rows the advisor estimates and ranks, and their labels (one table: distlab/records/advice.py).
+from distlab.records.advice import ROW_LABEL, ROW_ORDER  # noqa: E402,F401
 
 
 def strategy_state(strategy: str, counts: dict, n: int, precision: str, lora: bool, settings: dict | None = None,

@@ -100,8 +100,7 @@ def prediction_table(card: Card, linked: list[dict]) -> None:
     measured median, and the bytes the model says each host sends against the host's counters."""
     import pandas as pd
 
-    from distlab.tools.advisor_check import check_step_times, step_time_verdict
-    from distlab.tools.step_time import LINK_TOLERANCE
+    from distlab.records.predictions import LINK_TOLERANCE, check_step_times, step_time_verdict
 
     rows = check_step_times(linked, LINK_TOLERANCE)
     if not rows:
