@@ -52,8 +52,6 @@ KNOWN_UPWARD = {
         "the advisor card holds the advisor's memory estimate to each run by recomputing it for the run's spec at "
         "report time (parameter counts on torch's meta device); to go, a rule (or rank 0, as it records its "
         "step-time prediction) should record the estimate, and the card compare recorded figures",
-    "distlab/report/build.py -> distlab.tools.advisor":
-        "the same check's tolerance (advisor.TOLERANCE), which goes down with it",
 }
 # Within a layer, closing a cycle between its units:
 KNOWN_IN_LAYER: dict[str, str] = {}

@@ -8,7 +8,7 @@ sizes -> planned for the smallest; several machines -> Ray Train around the stra
 Memory = model state + activations, per device:
 - Model state, Psi parameters (T trainable: all, or LoRA's adapters; the frozen rest has
   no gradient or optimizer state) over N devices, in bytes per parameter of what distlab
-  itself allocates (checked against real runs' tensors within TOLERANCE, tests/test_advisor.py):
+  itself allocates (checked against real runs' tensors within advisor_check.TOLERANCE, tests/test_advisor.py):
   - DDP / Accelerate (autocast over fp32 weights; LoRA's frozen base in bf16 when precision
     is bf16, adapters fp32): weights 4*Psi (LoRA bf16: 2*(Psi-T) + 4*T; QLoRA: 0.5 byte for
     each of the Q decoder-layer Linear weights bitsandbytes holds in 4 bits, 4 for the rest of
@@ -53,8 +53,6 @@ from distlab.runtime.activations import activation_bytes
 from distlab.runtime.parameter_counts import model_shape, parameter_counts, workload_counts  # noqa: F401 (advisor's API)
 from distlab.strategies.settings import advisor_rows, registered
 
-# measured / estimated model state a run may be off by and still be called right (report too).
-TOLERANCE = 0.15
 # The rows the advisor estimates and ranks, and their labels (one table: distlab/records/advice.py).
 from distlab.records.advice import ROW_LABEL, ROW_ORDER  # noqa: E402,F401
 
