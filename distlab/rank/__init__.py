@@ -4,6 +4,7 @@ Train worker calls `worker.run_rank`), the one training loop, the model built, L
 wrapped (model_setup), what is reported between steps (monitor), a rank's checkpoint duties and
 what a run measured (run_summary). They drive a strategy and a task, built from distlab.runtime's
 kernels, and ask the advisor's step-time model (distlab.tools.step_time) for rank 0's prediction:
-so this package sits above all of those, and nothing but the launchers' process boundary (a module
-name to start) and the tests reaches into it.
+so this package sits above all of those. The launchers start its entry modules by name in a new
+process; only the Ray driver imports one (ray_worker.train_worker), to hand Ray Train the function
+(tests/test_layers.py lists that import, with why).
 """
