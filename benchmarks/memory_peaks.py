@@ -189,7 +189,7 @@ def main() -> None:
 
 
 def layer_fp32_bytes(model_dir: Path) -> int:
-    from distlab.tools.parameter_counts import model_shape, parameter_counts
+    from distlab.runtime.parameter_counts import model_shape, parameter_counts
 
     return 4 * parameter_counts(model_shape(json.loads((model_dir / "config.json").read_text())))["per_layer"]
 

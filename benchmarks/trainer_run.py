@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, Trainin
 
 from bench_common import loop_parser
 from distlab.data_prep.data import load_blocks
-from distlab.runtime.loop import IndexStream
+from distlab.rank.loop import IndexStream
 
 
 class StepTimer(TrainerCallback):

@@ -465,7 +465,7 @@ def two_hosts_input(kind):
     def path(wildcards):
         spec = TWO_HOSTS_SPEC
         if kind == "data":
-            from distlab.jobs.links import refusal
+            from distlab.configuration.netns import refusal
 
             if refusal():
                 raise WorkflowError(

@@ -1,12 +1,12 @@
 """Rule link_collectives: the collective bandwidth benchmark with each rank on its own host
-of a capped link (distlab/jobs/links.py), one torchrun agent per host."""
+of a capped link (distlab/launchers/links.py), one torchrun agent per host."""
 import json
 import os
 
 from distlab.tools.collectives import command_args, rank_spec
 from distlab.launchers.environment import rank_environment
 from distlab.launchers.linked import run_on_link
-from distlab.jobs.links import LinkedHosts
+from distlab.launchers.links import LinkedHosts
 from distlab.jobs.rule_log import logged
 
 with logged(snakemake):

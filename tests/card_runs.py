@@ -1,4 +1,4 @@
-"""Run records for card tests, shaped like a real metrics.json (keys as distlab.runtime.worker
+"""Run records for card tests, shaped like a real metrics.json (keys as distlab.rank.worker
 writes them) with every figure chosen by the test: a card's sentences can then be checked
 against the numbers they claim to come from, without training anything. Each goes through the
 one writer and the one reader of metrics.json (distlab.records.run_outputs), as a real run does."""

@@ -50,7 +50,7 @@ def by_hand(run_dir: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(run_dir / "run_files" / "accelerate_config.yaml"), "-m", "distlab.runtime.worker", "--job",
+           str(run_dir / "run_files" / "accelerate_config.yaml"), "-m", "distlab.rank.worker", "--job",
            str(run_dir / "job.json")]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 

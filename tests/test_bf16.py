@@ -92,9 +92,9 @@ sys.path.insert(0, os.path.join(os.environ["PYTHONPATH"], "tests"))
 from conftest import resolve
 from distlab.runtime.buffers import plain_buffers
 from distlab.records.job import Job
-from distlab.runtime.model_setup import prepare_model
+from distlab.rank.model_setup import prepare_model
 from distlab.strategies import strategy_for
-from distlab.runtime.worker import make_context
+from distlab.rank.worker import make_context
 
 source, run_dir = sys.argv[1], sys.argv[2]
 plain = plain_buffers(source)

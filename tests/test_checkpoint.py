@@ -14,7 +14,7 @@ from distlab.checkpoints import checkpoint as ckpt
 from distlab.records.checkpoint_files import MANIFEST, sha256_file, verify_manifest
 from distlab.checkpoint_formats.plain import load_plain
 from distlab.records.job import Job
-from distlab.runtime.loop import IndexStream
+from distlab.rank.loop import IndexStream
 from distlab.records.run_outputs import read_run_record
 from distlab.jobs.validate import validate_run
 from test_hygiene import python_process, reaper, sigkill_leaves_nothing, wait_for_ranks  # noqa: F401 (a fixture)
@@ -175,7 +175,7 @@ def test_validation_ranks_die_with_the_process_that_started_them(trained, prepar
     shutil.copytree(trained[0], run, ignore=shutil.ignore_patterns("validation-work"))
     args = [str(run), str(prepared / "model"), str(prepared / "data32"), str(tmp_path / "validation.json")]
     validating = python_process(f"from distlab.jobs.validate import validate_run; validate_run(*{args!r})")
-    wait_for_ranks(validating, str(run), "distlab.runtime.validate_ranks")
+    wait_for_ranks(validating, str(run), "distlab.rank.validate_ranks")
     sigkill_leaves_nothing(validating, run)
     assert not (tmp_path / "validation.json").exists()
 
@@ -319,7 +319,7 @@ def resume_in(run_dir, trained, prepared, damage):
     trained run's step-4 checkpoint as one rank saved it, then damaged."""
     from types import SimpleNamespace
 
-    from distlab.runtime.training_checkpoints import TrainingCheckpoints
+    from distlab.rank.training_checkpoints import TrainingCheckpoints
 
     folder = run_dir / "resume" / "step-000004"
     if not folder.parent.is_dir():
@@ -354,7 +354,7 @@ def _truncate_weights(folder):
 @pytest.mark.slow
 def test_a_resume_checkpoint_that_fails_to_load_stops_the_run_naming_it_and_the_rerun_starts_fresh(
         trained, prepared, tmp_path, one_rank_group, capsys):
-    from distlab.runtime.training_checkpoints import REFUSED_DIR, ResumeFailed
+    from distlab.rank.training_checkpoints import REFUSED_DIR, ResumeFailed
 
     with pytest.raises(ResumeFailed) as failed:
         resume_in(tmp_path, trained, prepared, _truncate_weights).resume()
@@ -373,7 +373,7 @@ def test_a_resume_checkpoint_that_fails_to_load_stops_the_run_naming_it_and_the_
 
 @pytest.mark.slow
 def test_a_refused_resume_checkpoint_is_kept_and_named_never_deleted(trained, prepared, tmp_path, one_rank_group):
-    from distlab.runtime.training_checkpoints import REFUSED_DIR, REFUSED_LOG
+    from distlab.rank.training_checkpoints import REFUSED_DIR, REFUSED_LOG
 
     def other_config(folder):
         meta = json.loads((folder / ckpt.META).read_text())
@@ -395,7 +395,7 @@ def test_a_refused_resume_checkpoint_is_kept_and_named_never_deleted(trained, pr
 def test_past_a_million_steps_pruning_keeps_the_newest_checkpoint_by_step_number(tmp_path):
     """Folder names are zero-padded to 6 digits: by name step-1000000 sorts before step-999999,
     and the newest checkpoint would be the one removed."""
-    from distlab.runtime.training_checkpoints import prune_periodic
+    from distlab.rank.training_checkpoints import prune_periodic
 
     for step in (999_998, 999_999, 1_000_000):
         (tmp_path / f"step-{step:06d}").mkdir()
@@ -404,7 +404,7 @@ def test_past_a_million_steps_pruning_keeps_the_newest_checkpoint_by_step_number
 
 
 def test_checkpoint_keep_keeps_the_newest_periodic_saves_and_the_one_validation_resumes_from(tmp_path):
-    from distlab.runtime.training_checkpoints import prune_periodic
+    from distlab.rank.training_checkpoints import prune_periodic
 
     for step in (2, 4, 6, 8, 10):
         (tmp_path / f"step-{step:06d}").mkdir()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from distlab.records import collectives as readers
 from distlab.tools import collectives as coll
 
 
@@ -30,18 +31,18 @@ def test_allreduce_time_is_interpolated_between_measured_sizes():
         {"op": "all_reduce", "backend": "gloo", "status": "ok", "size_bytes": 1 << 20, "time_s_median": 0.001},
         {"op": "all_reduce", "backend": "gloo", "status": "ok", "size_bytes": 4 << 20, "time_s_median": 0.004},
     ]}
-    assert coll.time_at(result, "all_reduce", "gloo", 2 << 20) == pytest.approx(0.002)
-    assert coll.time_at(result, "all_reduce", "gloo", 8 << 20) == pytest.approx(0.008)  # constant bandwidth
-    assert coll.time_at(result, "all_reduce", "nccl", 2 << 20) is None
+    assert readers.time_at(result, "all_reduce", "gloo", 2 << 20) == pytest.approx(0.002)
+    assert readers.time_at(result, "all_reduce", "gloo", 8 << 20) == pytest.approx(0.008)  # constant bandwidth
+    assert readers.time_at(result, "all_reduce", "nccl", 2 << 20) is None
 
 
 def test_break_even_batch_is_where_n_ranks_and_one_take_equal_time():
     c, a, n = 0.05, 0.02, 2  # 50 ms compute per sample, 20 ms all-reduce
-    b = coll.break_even_global_batch(c, a, n)
+    b = readers.break_even_global_batch(c, a, n)
     assert b * c / n + a == pytest.approx(b * c)
     assert (b + 1) * c / n + a < (b + 1) * c  # above it, N ranks win
     with pytest.raises(ValueError):
-        coll.break_even_global_batch(c, a, 1)
+        readers.break_even_global_batch(c, a, 1)
 
 
 def test_single_tensor_collectives_fall_back_to_the_pre_2_13_names(monkeypatch):

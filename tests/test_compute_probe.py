@@ -10,7 +10,7 @@ import pytest
 from distlab.launchers import warm_start
 from distlab.testing import TINY_MODEL
 from distlab.tools.compute_probe import run_probe
-from distlab.tools.parameter_counts import model_shape, parameter_counts
+from distlab.runtime.parameter_counts import model_shape, parameter_counts
 from distlab.tools.step_time import kernels_needed
 
 from warm_fixtures import server  # noqa: F401 - a fixture

@@ -188,7 +188,7 @@ def assert_whole_model_paths_stay_on_the_host(strategy, prepared, tmp_path, writ
     """The export pass (gathered groups, rank 0's streamed forward, writers, recorded logits)
     and the validation ranks' streamed logits."""
     from distlab.checkpoints.export import EVAL_BATCH, EVAL_TOKENS, export_pass
-    from distlab.runtime.validate_ranks import ValidationRank
+    from distlab.rank.validate_ranks import ValidationRank
 
     job = Job(spec=strategy.spec, run_dir=str(tmp_path), model_source=str(prepared / "model"),
               data_dir=str(prepared / "data32"))

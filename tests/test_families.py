@@ -145,7 +145,7 @@ def plain_losses(folder: Path, blocks, samples: list[int], sliding_window=True) 
 
 def step0_samples(run_dir: Path, spec: dict, data_parallel_size: int, n_samples: int) -> list[int]:
     """The samples step 0 read (steps.jsonl), checked against what the spec's seed and sampler give."""
-    from distlab.runtime.loop import IndexStream
+    from distlab.rank.loop import IndexStream
 
     step0 = json.loads((run_dir / "steps.jsonl").read_text().splitlines()[0])
     by_rank = step0["samples_by_rank"]

@@ -155,7 +155,7 @@ def test_sigkill_of_snakemake_leaves_no_launcher_or_rank_running(prepared, tmp_p
             script: "train.py"
     """))
     smk = start_snakemake(tmp_path)
-    wait_for_ranks(smk, str((run_dir / "job.json").resolve()), "distlab.runtime.worker", tmp_path / "train.log")
+    wait_for_ranks(smk, str((run_dir / "job.json").resolve()), "distlab.rank.worker", tmp_path / "train.log")
     assert (run_dir / "steps.jsonl").exists() is False  # mid-run, nothing finished
     sigkill_leaves_nothing(smk, tmp_path)
 

@@ -102,4 +102,4 @@ def test_the_cycle_finder_sees_a_cycle_through_a_function_level_import():
     assert import_cycles(graph) == [{"a", "b", "c"}]
     known = module_names()
     unequal = "distlab.runtime.unequal"
-    assert "distlab.jobs.cpu_budget" in imported_modules(unequal, known[unequal], known)  # in a function
+    assert "distlab.configuration.cpu_budget" in imported_modules(unequal, known[unequal], known)  # in a function

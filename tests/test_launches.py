@@ -25,7 +25,7 @@ def test_further_launches_time_the_same_work_and_give_the_spread(prepared, tmp_p
 
 
 def image_run(run_dir, spec, images_per_s: float) -> None:
-    """A text-to-image run's metrics.json as distlab.runtime.run_summary writes one: its throughput
+    """A text-to-image run's metrics.json as distlab.rank.run_summary writes one: its throughput
     counted in its task's unit (images), no tokens figure anywhere."""
     from card_runs import fake_run
     from distlab.records.run_outputs import read_run_record, write_metrics

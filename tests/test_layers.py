@@ -1,8 +1,9 @@
 """distlab's packages layer by when their code runs: parse time, then job time, then rank time,
-then the report. A module imports only from its own layer or the layers before it, counting
-imports inside functions and dynamic ones (`importlib.import_module("distlab...")`, a
-`"distlab.x:attr"` target handed to a lazy loader), and the packages form no cycle. The table
-is here once; ARCHITECTURE.md shows the same one (checked below). Parsed with ast: no torch."""
+then the report. The units are in one order, earliest first, within a layer too: a module imports
+only from its own unit or the units before it, counting imports inside functions and dynamic ones
+(`importlib.import_module("distlab...")`, a `"distlab.x:attr"` target handed to a lazy loader),
+so the packages form no cycle. The table is here once; ARCHITECTURE.md shows the same one, in
+the same order (checked below). Parsed with ast: no torch."""
 from __future__ import annotations
 
 import ast
@@ -16,19 +17,21 @@ from test_import_cycles import import_cycles as cycles  # Tarjan's strongly conn
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "distlab"
 
-# The layers, earliest first: (name, when its code runs, its units). A unit is a package of
-# distlab or one of its top-level modules.
+# The layers, earliest first: (name, when its code runs, its units, earliest first). A unit is a
+# package of distlab or one of its top-level modules.
 LAYERS = [
     ("foundation", "everywhere: importing nothing of distlab", ["errors", "registry"]),
-    ("bottom", "parse time, and the files every later phase reads", ["configuration", "records"]),
+    ("bottom", "parse time, and the files every later phase reads", ["records", "configuration"]),
     ("prep", "data prep jobs, before any training job", ["data_prep"]),
-    ("job", "in a Snakemake job, around the ranks it starts", ["jobs", "launchers"]),
-    ("rank", "inside a rank", ["runtime", "checkpoints", "checkpoint_formats", "strategies", "tasks"]),
-    ("tools", "on their own: advisor, probes, benchmarks, the GPU kit", ["tools"]),
+    ("job", "in a Snakemake job, around the ranks it starts", ["launchers", "jobs"]),
+    ("kernels", "inside a rank: what it is built from", ["runtime", "checkpoints", "checkpoint_formats",
+                                                          "strategies", "tasks"]),
+    ("tools", "on their own: advisor, step-time model, probes, benchmarks, the GPU kit", ["tools"]),
+    ("rank", "inside a rank, at its top: entry modules and the loop", ["rank"]),
     ("report", "in the summary and report rules", ["report"]),
     ("harness", "tests and benchmarks", ["testing"]),
 ]
-# What a layer may read when it is not its own and every layer before it.
+# What a layer may read when it is not every unit before its own.
 READS_ONLY = {"foundation": set(), "report": {"foundation", "bottom", "report"}}
 # Declarations run at parse time wherever they live: they count as `configuration`. A strategy's
 # torch-free settings stay beside its module ("a strategy is its files"), and the registries of
@@ -39,62 +42,20 @@ DECLARATIONS = ["distlab/strategies/__init__.py", "distlab/strategies/settings.p
 # Units of one layer that must not import each other at all.
 APART = [("strategies", "tasks")]  # a strategy names no task, a task no strategy
 
-# Imports against the layers not yet fixed, each to go: "file -> module": why it is still
-# there. Both lists only shrink: an entry that no longer matches such an import fails.
-# Upward (or across units kept APART):
+# Imports against the order, not yet fixed: "file -> module": why it is still there and what
+# would take it off. The list only shrinks: an entry that no longer matches such an import fails.
 KNOWN_UPWARD = {
-    "distlab/configuration/config_links.py -> distlab.jobs.cpu_budget":
-        "the CPU budget refusal (can this machine set a cgroup quota) lives with the job that sets it",
-    "distlab/configuration/config_links.py -> distlab.jobs.links":
-        "the links refusal (can this machine make namespaces) lives with the job that makes them",
-    "distlab/configuration/model_files.py -> distlab.runtime.partial_load":
-        "checking a model folder's weights before any job builds the model on meta through the sharded loader",
-    "distlab/launchers/ray_worker.py -> distlab.checkpoints.checkpoint":
-        "a Ray Train worker is a rank started by the launcher module: it runs rank code",
-    "distlab/launchers/ray_worker.py -> distlab.runtime.training_checkpoints":
-        "a Ray Train worker is a rank: its rank half belongs in runtime",
-    "distlab/launchers/ray_worker.py -> distlab.runtime.worker":
-        "a Ray Train worker is a rank: its rank half belongs in runtime",
-    "distlab/runtime/unequal.py -> distlab.tools.advisor":
-        "sizing a rank's batch by its free memory uses the advisor's activation formula; it belongs below both",
-    "distlab/runtime/worker.py -> distlab.tools.step_time":
-        "rank 0 predicts its step time before the first step (metrics.json prediction) with the advisor's model",
-    "distlab/report/build.py -> distlab.tools.step_time":
-        "the advisor card predicts step times at report time instead of reading the runs' recorded predictions",
-    "distlab/report/build.py -> distlab.tools.advisor_time":
-        "the advisor card ranks strategies by time at report time instead of reading advice.json",
-    "distlab/report/cards/links.py -> distlab.tools.advisor_check":
-        "the links card scores predictions with the advisor's check at report time",
-    "distlab/report/cards/links.py -> distlab.tools.step_time":
-        "the links card predicts each link run's step time at report time",
-    "distlab/report/build.py -> distlab.tools.advisor":
-        "the advisor card computes the advisor's estimate at report time instead of reading advice.json",
+    "distlab/launchers/ray_driver.py -> distlab.rank.ray_worker":
+        "Ray Train takes a rank's entry as a function object, so the driver imports it to hand it over (torchrun "
+        "and accelerate start theirs by module name, distlab.rank.worker, in a new process)",
     "distlab/report/build.py -> distlab.tools.advisor_check":
-        "the advisor card holds the estimate to the runs at report time (parameter counts on meta)",
-    "distlab/report/cards/across.py -> distlab.tools.collectives":
-        "the collectives card reads the benchmark's figures through the benchmark module",
-    "distlab/report/cards/stage2_text_to_image.py -> distlab.tools.advisor":
-        "the card formats bytes with the advisor's human(); a formatting helper to move to the report",
-}
-# Within a layer, closing a cycle between its units:
-KNOWN_IN_LAYER = {
-    "distlab/launchers/linked.py -> distlab.jobs.links":
-        "the linked launcher builds the link's hosts itself; the links job should hand them in",
-    "distlab/launchers/ranks.py -> distlab.jobs.cpu_budget":
-        "the rank service sweeps the CPU budgets the job made; the job should sweep its own",
-    "distlab/runtime/loop.py -> distlab.strategies.base":
-        "the loop drives a Strategy: runtime holds both the rank's kernels (below strategies) and its drivers",
-    "distlab/runtime/worker.py -> distlab.strategies.base": "the worker drives a Strategy; same split",
-    "distlab/runtime/model_setup.py -> distlab.checkpoints.checkpoint": "a driver above checkpoints; same split",
-    "distlab/runtime/monitor.py -> distlab.checkpoints.checkpoint": "a driver above checkpoints; same split",
-    "distlab/runtime/training_checkpoints.py -> distlab.checkpoints.checkpoint": "a driver; same split",
-    "distlab/runtime/validate_ranks.py -> distlab.checkpoints.checkpoint": "a driver; same split",
-    "distlab/runtime/validate_causal_lm.py -> distlab.checkpoints.checkpoint": "a driver; same split",
-    "distlab/runtime/validate_causal_lm.py -> distlab.checkpoints.export": "a driver; same split",
+        "the advisor card holds the advisor's memory estimate to each run by recomputing it for the run's spec at "
+        "report time (parameter counts on torch's meta device); to go, a rule (or rank 0, as it records its "
+        "step-time prediction) should record the estimate, and the card compare recorded figures",
 }
 
 LAYER_OF = {unit: name for name, _, units in LAYERS for unit in units}
-RANK = {name: i for i, (name, _, _) in enumerate(LAYERS)}
+ORDER = {unit: i for i, unit in enumerate(unit for _, _, units in LAYERS for unit in units)}
 
 
 def unit_of(path: Path) -> str:
@@ -179,12 +140,12 @@ def is_upward(source: str, target: str) -> bool:
     mine, theirs = LAYER_OF[source], LAYER_OF[target]
     if mine in READS_ONLY:
         return theirs not in READS_ONLY[mine]
-    return RANK[theirs] > RANK[mine] or ({source, target} in [set(p) for p in APART])
+    return ORDER[target] > ORDER[source] or ({source, target} in [set(p) for p in APART])
 
 
 def upward(found) -> dict[str, list[str]]:
     """{"file -> module": ["file:line (unit, layer -> unit, layer)", ...]} of every import
-    pointing to a later layer (or across units kept apart)."""
+    pointing to a later unit (or across units kept apart)."""
     bad = defaultdict(list)
     for source, target, file, module, line in found:
         if is_upward(source, target):
@@ -197,7 +158,7 @@ def test_every_unit_has_one_layer_and_every_layer_its_units():
     units = {unit_of(p) for p in modules().values()} - {"__init__"}
     assert units <= set(LAYER_OF), f"units on no layer: {sorted(units - set(LAYER_OF))}"
     assert sum(len(u) for _, _, u in LAYERS) == len(LAYER_OF), "a unit on two layers"
-    for key, why in {**KNOWN_UPWARD, **KNOWN_IN_LAYER}.items():
+    for key, why in KNOWN_UPWARD.items():
         assert key.count(" -> ") == 1 and why, key
 
 
@@ -211,35 +172,35 @@ def test_no_package_imports_a_later_phase():
 
 
 def test_packages_form_no_cycle():
-    """Counting every import but the known ones; within a layer, each package cycle is broken by
-    taking an edge off (KNOWN_IN_LAYER), which says which way the layer is meant to point."""
-    graph, where, in_layer = defaultdict(set), defaultdict(list), set()
+    """Counting every import but the known ones (the order above implies it; this names the cycle
+    an import against the order would close)."""
+    graph, where = defaultdict(set), defaultdict(list)
     for source, target, file, module, line in edges():
-        key = f"{file} -> {module}"
-        if LAYER_OF[source] == LAYER_OF[target]:
-            in_layer.add(key)
-        if key not in KNOWN_UPWARD and key not in KNOWN_IN_LAYER:
+        if f"{file} -> {module}" not in KNOWN_UPWARD:
             graph[source].add(target)
             where[source, target].append(f"{file}:{line} imports {module}")
     found = cycles(graph)
     assert not found, "package cycles:\n" + "\n".join(
         " <-> ".join(sorted(c)) + ":\n  " + "\n  ".join(w for a in sorted(c) for b in sorted(graph[a] & c)
                                                      for w in where[a, b]) for c in found)
-    gone = sorted(set(KNOWN_IN_LAYER) - in_layer)
-    assert not gone, f"KNOWN_IN_LAYER entries that match no import within a layer, take them off: {gone}"
 
 
 def test_the_checks_see_a_function_level_a_dynamic_and_a_cyclic_import():
     known = modules()
     found = imports(known["distlab.tasks.causal_lm"], known)
     assert any(m == "distlab.runtime.model" for _, m in found)  # lazy("distlab.runtime.model:load_model")
-    hidden = ("def f(name):\n    import importlib\n    importlib.import_module('distlab.runtime.loop')\n"
+    hidden = ("def f(name):\n    import importlib\n    importlib.import_module('distlab.rank.loop')\n"
               "    return importlib.import_module(f'distlab.jobs.{name}')\n")
     assert imports(known["distlab.records.metrics"], known, hidden) == \
-        [(3, "distlab.runtime.loop"), (4, "distlab.jobs")]
+        [(3, "distlab.rank.loop"), (4, "distlab.jobs")]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
     assert is_upward("records", "runtime") and is_upward("report", "tools") and is_upward("tasks", "strategies")
     assert not is_upward("runtime", "records") and not is_upward("report", "records")
+    # Within a layer the order holds too: configuration reads records, jobs start ranks through the
+    # launchers, the checkpoints and strategies build on the kernels.
+    assert is_upward("records", "configuration") and is_upward("launchers", "jobs")
+    assert is_upward("runtime", "checkpoints") and is_upward("checkpoints", "checkpoint_formats")
+    assert not is_upward("strategies", "runtime") and not is_upward("rank", "tools")
 
 
 # The package __init__s that hold more than their docstring, and what.
@@ -261,5 +222,5 @@ def test_every_package_init_says_when_its_code_runs_and_only_the_registries_hold
 def test_architecture_md_shows_this_layer_table():
     text = (REPO / "ARCHITECTURE.md").read_text()
     rows = re.findall(r"^\| (\d) \| (\w+) \|[^|]*\| ([^|]*) \|", text, re.M)
-    shown = [(name, sorted(re.findall(r"`(?:distlab/)?(\w+)(?:/|\.py)`", units))) for _, name, units in rows]
-    assert shown == [(name, sorted(units)) for name, _, units in LAYERS], shown
+    shown = [(name, re.findall(r"`(?:distlab/)?(\w+)(?:/|\.py)`", units)) for _, name, units in rows]
+    assert shown == [(name, units) for name, _, units in LAYERS], shown

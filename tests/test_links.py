@@ -1,4 +1,4 @@
-"""Links you can set: ranks in network namespaces joined by tbf-capped veth pairs (distlab/jobs/links.py).
+"""Links you can set: ranks in network namespaces joined by tbf-capped veth pairs (distlab/launchers/links.py).
 
 Needs root (namespaces, veth, tc); elsewhere the module is skipped with the reason the
 config check would give.
@@ -14,7 +14,8 @@ import pytest
 
 from conftest import REPO, resolve, run_experiment
 
-from distlab.jobs import links
+from distlab.configuration import netns
+from distlab.launchers import links
 
 pytestmark = pytest.mark.skipif(bool(links.refusal()), reason=f"links cannot be made here: {links.refusal()}")
 
@@ -79,7 +80,7 @@ def running(pid: int) -> bool:
 
 KILLED_OWNER = textwrap.dedent("""
     import subprocess, sys, time
-    from distlab.jobs.links import LinkedHosts, netns_id
+    from distlab.launchers.links import LinkedHosts, netns_id
     hosts = LinkedHosts(2, 100).__enter__()
     # A process inside that does not ask to die with its parent (as a Ray daemon may not).
     orphan = subprocess.Popen(hosts.inside(1, ["sleep", "600"]), start_new_session=True)
@@ -111,8 +112,8 @@ def test_links_are_refused_at_config_time_naming_why(monkeypatch):
     from distlab.configuration.input_checks import ConfigError
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    assert "needs root" in links.refusal.__wrapped__()
-    monkeypatch.setattr(links, "refusal", lambda: "making network namespaces needs root (test)")
+    assert "needs root" in netns.refusal.__wrapped__()
+    monkeypatch.setattr(netns, "refusal", lambda: "making network namespaces needs root (test)")
     with pytest.raises(ConfigError, match=r"experiments\[0\]\.link': network namespaces cannot be made here: "
                                           r"making network namespaces needs root"):
         resolve({"world_size": 2, "link": {"bandwidth_mbit": 100}})

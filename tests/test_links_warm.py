@@ -1,4 +1,4 @@
-"""A link launch with the run's warm-start server offered (distlab/jobs/links.py,
+"""A link launch with the run's warm-start server offered (distlab/launchers/links.py,
 distlab.launchers.warm_start): its ranks must sit in their host namespaces, as without a server.
 A copy forked by the server would run in the server's (this machine's) network namespace, where
 10.77.0.1 is unreachable: its store client retried for gloo's 30 minutes.
@@ -12,7 +12,7 @@ import pytest
 from conftest import resolve, run_experiment
 from warm_fixtures import server, server_log  # noqa: F401 - server: a fixture
 
-from distlab.jobs import links
+from distlab.launchers import links
 from distlab.launchers import warm_start
 
 pytestmark = pytest.mark.skipif(bool(links.refusal()), reason=f"links cannot be made here: {links.refusal()}")

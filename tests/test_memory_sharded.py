@@ -170,14 +170,14 @@ def test_the_same_cpu_budget_stops_one_ddp_rank_and_lets_fsdp_at_two_ranks_finis
 
 
 def shape_of(model_dir) -> dict:
-    from distlab.tools.parameter_counts import model_shape
+    from distlab.runtime.parameter_counts import model_shape
 
     return model_shape(json.loads((model_dir / "config.json").read_text()))
 
 
 def layer_fp32_bytes(model_dir) -> int:
     """One decoder layer's parameters in fp32, from the model's config."""
-    from distlab.tools.parameter_counts import parameter_counts
+    from distlab.runtime.parameter_counts import parameter_counts
 
     return 4 * parameter_counts(shape_of(model_dir))["per_layer"]
 
@@ -224,7 +224,7 @@ def test_a_lora_checkpoint_is_at_most_twice_its_adapters_and_their_optimizer_sta
 
 
 def advisor_save_estimate(big, spec: dict) -> dict:
-    from distlab.tools.parameter_counts import parameter_counts
+    from distlab.runtime.parameter_counts import parameter_counts
     from distlab.tools.save_estimate import save_estimate
 
     shape, lora = shape_of(big / "model"), spec["method"] == "lora"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import resolve, run_experiment
-from distlab.jobs import links
+from distlab.launchers import links
 
 SHORT = {"steps": 2, "untimed_steps": 1}
 

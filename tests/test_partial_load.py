@@ -35,7 +35,8 @@ def test_loading_a_ranks_part_unmaps_the_safetensors_after_each_layer(prepared, 
     import json
     import shutil
 
-    from distlab.runtime.partial_load import WeightFiles, empty_model, load_held_weights
+    from distlab.configuration.model_files import empty_model
+    from distlab.runtime.partial_load import WeightFiles, load_held_weights
 
     closes = []
     original = WeightFiles.close
@@ -67,7 +68,8 @@ def test_every_sharded_loader_refuses_a_folder_missing_a_weight_naming_it_before
 
     from safetensors.torch import load_file, save_file
 
-    from distlab.runtime.partial_load import MissingWeights, RankSlices, empty_model
+    from distlab.configuration.model_files import empty_model
+    from distlab.runtime.partial_load import MissingWeights, RankSlices
     from distlab.strategies.deepspeed_load import ZeroPartitions
     from distlab.strategies.fsdp_load import DCPShards
 

@@ -1,6 +1,6 @@
 """Why DistributedSampler: disjoint shards that cover the epoch, and what happens without it."""
-from distlab.runtime.loop import IndexStream
-from distlab.runtime.run_summary import coverage
+from distlab.rank.loop import IndexStream
+from distlab.rank.run_summary import coverage
 
 
 def _spec(sampler, micro_batch=4):

@@ -72,7 +72,7 @@ def train_with_periodic_saves(rank: int, native_format: str, spec: dict, folder:
     import torch.distributed as dist
 
     from distlab.records.job import Job
-    from distlab.runtime.training_checkpoints import TrainingCheckpoints
+    from distlab.rank.training_checkpoints import TrainingCheckpoints
     from distlab.strategies.base import RunContext
 
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from distlab.tools import advisor_check
+from distlab.records import predictions
 from distlab.tools import step_time as S
 
 # A two-layer model with two linears per layer (one column-, one row-parallel) and a head.
@@ -172,10 +172,10 @@ def test_a_busy_run_is_shown_but_not_scored_and_a_quiet_one_is_scored_within_the
     prediction = {"status": "predicted", "step_time_s": 1.2,
                   "terms": {"compute": {"seconds": 1.0}, "communication": {"seconds": 0.2},
                             "optimizer": {"seconds": 0.0}, "bubble": {"seconds": 0.0}}}
-    assert S.score(prediction, 1.0, busy=True)["verdict"] == "not scored"
-    assert S.score(prediction, 1.0, busy=False)["verdict"] == "right"
-    assert S.score(prediction, 0.9, busy=False)["verdict"] == "off"
-    assert S.score({"status": "not predicted", "why": "x"}, 1.0, busy=False)["verdict"] == "not predicted"
+    assert predictions.score(prediction, 1.0, busy=True)["verdict"] == "not scored"
+    assert predictions.score(prediction, 1.0, busy=False)["verdict"] == "right"
+    assert predictions.score(prediction, 0.9, busy=False)["verdict"] == "off"
+    assert predictions.score({"status": "not predicted", "why": "x"}, 1.0, busy=False)["verdict"] == "not predicted"
 
 
 def test_the_report_names_the_term_furthest_from_what_the_run_measured():
@@ -185,7 +185,7 @@ def test_the_report_names_the_term_furthest_from_what_the_run_measured():
     run = {"status": "ok", "experiment": "x", "prediction": prediction, "spec": {},
            "timing": {"step_time_s": {"median": 1.5}, "comm_inflight_s_per_step": {"median": 1.0}},
            "noise": {"busy": False}}
-    (row,) = advisor_check.check_step_times([run])
+    (row,) = predictions.check_step_times([run])
     assert row["verdict"] == "off" and row["furthest off"].startswith("communication")
-    status, evidence = advisor_check.step_time_verdict([row, {**row, "verdict": "right"}] * 2)
+    status, evidence = predictions.step_time_verdict([row, {**row, "verdict": "right"}] * 2)
     assert status == "failed" and "2 of 4" in evidence

@@ -226,8 +226,8 @@ def test_report_shows_the_sd_card_and_a_browser_decodes_its_sample_grid(workflow
 
 def test_strategies_loop_and_launchers_never_ask_which_task_they_run():
     """The task is its own axis: no task name and no `task` field read in these modules."""
-    modules = [*sorted((REPO / "distlab" / "strategies").glob("*.py")), REPO / "distlab" / "runtime" / "loop.py",
-               *sorted((REPO / "distlab" / "launchers").glob("*.py")), REPO / "distlab" / "runtime" / "worker.py"]
+    modules = [*sorted((REPO / "distlab" / "strategies").glob("*.py")), REPO / "distlab" / "rank" / "loop.py",
+               *sorted((REPO / "distlab" / "launchers").glob("*.py")), REPO / "distlab" / "rank" / "worker.py"]
     for path in modules:
         text = path.read_text()
         for needle in ("text-to-image", "causal-lm", "text_to_image", 'spec["task"]', "spec.get(\"task\""):

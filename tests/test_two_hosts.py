@@ -7,7 +7,7 @@ import pytest
 
 from conftest import seed_hardware, snakemake, tiny_config
 
-from distlab.jobs import links
+from distlab.launchers import links
 from distlab.records.run_outputs import read_run_record
 
 pytestmark = pytest.mark.skipif(bool(links.refusal()), reason=f"links cannot be made here: {links.refusal()}")

@@ -17,7 +17,7 @@ GRADIENT_SCRIPT = textwrap.dedent("""
     import torch, torch.distributed as dist
     from distlab.data_prep.data import load_blocks
     from distlab.runtime.accumulation import step_items
-    from distlab.runtime.loop import IndexStream
+    from distlab.rank.loop import IndexStream
     from distlab.runtime.model import load_model
     from distlab.strategies.base import RunContext
     from distlab.strategies.ddp import DDPStrategy
@@ -88,7 +88,7 @@ BUDGETS = {"world_size": 2, "micro_batch": 12, "rank_cpu_budget": [0.5, 0.125], 
 
 @pytest.fixture(scope="module")
 def uniform_and_sized(prepared, tmp_path_factory):
-    from distlab.jobs.cpu_budget import refusal
+    from distlab.configuration.cpu_budget import refusal
 
     if refusal():
         pytest.skip(f"CPU budgets cannot be enforced here: {refusal()}")

@@ -33,7 +33,7 @@ def test_while_rank_0_checks_the_export_the_other_ranks_import_the_model_code():
     from types import SimpleNamespace
 
     from distlab.records.job import ValidationJob
-    from distlab.runtime.validate_ranks import check_export_meanwhile_import
+    from distlab.rank.validate_ranks import check_export_meanwhile_import
 
     def run(rank: int, plan: list) -> list:
         calls = []

@@ -59,7 +59,7 @@ def stand_in(server: str, job: Path, identity: str, out: Path,
     env = dict(warm_start_environment(), **{warm_start.SOCKET_ENV: server, "DISTLAB_LAUNCH": identity,
                                             "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    rank = f"{prefix} {sys.executable} -m distlab.runtime.worker --job {job}"
+    rank = f"{prefix} {sys.executable} -m distlab.rank.worker --job {job}"
     # The agent dies with this process (a pytest killed by a timeout once left a stand-in training
     # for 20 minutes on a core of its own); the rank dies with the agent (its die_with_parent).
     from distlab.launchers.process import die_with_parent
@@ -125,7 +125,7 @@ def request(**changes) -> dict:
     import distlab
 
     env = dict(warm_start_environment())
-    base = {"module": "distlab.runtime.worker", "argv": ["-m"], "cwd": str(REPO), "env": env, "umask": 0o22,
+    base = {"module": "distlab.rank.worker", "argv": ["-m"], "cwd": str(REPO), "env": env, "umask": 0o22,
             "affinity": sorted(os.sched_getaffinity(0)), "started": time.time(), "executable": sys.executable,
             "imports": [], "distlab": os.path.dirname(os.path.abspath(distlab.__file__)),
             "hash_seed": warm_start.hash_seed()}
@@ -201,7 +201,7 @@ def test_a_flavour_server_imports_only_what_a_fresh_rank_of_that_spec_imports(ov
     imported = set(re.findall(r"^(?:import time:.*\||import_module:)\s+([\w.]+)$", log, re.M))
     assert {"torch", "transformers.models.llama.modeling_llama"} <= imported  # both logs are there
     assert set(wanted) <= imported, set(wanted) - imported
-    not_imported = {"distlab.runtime.worker", "distlab.runtime.validate_ranks"}  # a rank runs one as __main__
+    not_imported = {"distlab.rank.worker", "distlab.rank.validate_ranks"}  # a rank runs one as __main__
     if spec["launcher"] != "torchrun":  # only torchrun's agent imports its launcher API
         not_imported.add("torch.distributed.launcher.api")
     assert set(PRELOAD) - not_imported <= imported, set(PRELOAD) - not_imported - imported
@@ -222,7 +222,7 @@ def test_a_refused_start_runs_fresh_and_says_why(server, prepared, tmp_path, mon
 def test_a_gpu_or_link_launch_is_never_offered_a_warm_start(monkeypatch):
     """A link's ranks run in host namespaces a copy of the server would not be in; nothing
     started there (nsenter) carries the socket (tests/test_links_warm.py runs one)."""
-    from distlab.jobs.links import LinkedHosts
+    from distlab.launchers.links import LinkedHosts
     from distlab.launchers.environment import rank_environment
     from tests.conftest import resolve
 
@@ -248,10 +248,10 @@ def test_a_server_that_never_answers_does_not_hang_the_rank(tmp_path, monkeypatc
     listener.listen(1)
     monkeypatch.setattr(warm_start, "REPLY_TIMEOUT_S", 0.5)
     started = time.monotonic()
-    reply, sock = warm_start._request(str(tmp_path / "socket"), "distlab.runtime.worker", [])
+    reply, sock = warm_start._request(str(tmp_path / "socket"), "distlab.rank.worker", [])
     assert reply == {"refused": "the server did not answer in 0.5 s"} and sock is None
     assert time.monotonic() - started < 10
-    reply, _ = warm_start._request(str(tmp_path / "nothing"), "distlab.runtime.worker", [])
+    reply, _ = warm_start._request(str(tmp_path / "nothing"), "distlab.rank.worker", [])
     assert reply["refused"].startswith(f"no server at {tmp_path / 'nothing'}")
     listener.close()
 

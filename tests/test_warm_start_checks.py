@@ -89,8 +89,8 @@ def test_a_stand_in_gone_before_its_check_gets_no_copy(server_context):
     ([], "a request is a JSON object, not list"),
     ({"argv": []}, "request field 'module' is missing"),
     ({"module": 3}, "request field 'module' is int, not str"),
-    ({"module": "distlab.runtime.worker", "argv": "-m"}, "request field 'argv' is str, not list"),
-    ({"module": "distlab.runtime.worker", "argv": [1]}, "request field 'argv' holds an item that is not str"),
+    ({"module": "distlab.rank.worker", "argv": "-m"}, "request field 'argv' is str, not list"),
+    ({"module": "distlab.rank.worker", "argv": [1]}, "request field 'argv' holds an item that is not str"),
 ])
 def test_a_request_of_the_wrong_shape_is_refused_naming_the_field(request_, named):
     assert warm_checks.shape_error(request_) == named

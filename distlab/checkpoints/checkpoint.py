@@ -25,7 +25,7 @@ Where checkpoints live, under results/<machine>/<experiment>/:
                           job's outputs, and these must survive a killed job so the rerun resumes
                           from them. Removed when the job ends; step N moves into checkpoint/.
     refused-checkpoints/  resume checkpoints a launch refused, moved here with the reason, never
-                          deleted by distlab (distlab.runtime.training_checkpoints.set_aside).
+                          deleted by distlab (distlab.rank.training_checkpoints.set_aside).
 
 Loading never unpickles arbitrary objects: tensors come from safetensors or
 torch.load(weights_only=True), everything else is JSON; the libraries' own loaders (DeepSpeed,

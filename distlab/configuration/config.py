@@ -51,7 +51,7 @@ EXPERIMENT_DEFAULTS: dict = {
     "lr": 3.0e-4,
     "weight_decay": 0.0,
     # Fine-tuning controls (distlab.runtime.schedule, distlab.runtime.clipping, distlab.runtime.activations,
-    # distlab.runtime.monitor).
+    # distlab.rank.monitor).
     "lr_schedule": "constant",
     "lr_warmup_steps": 0,
     "lr_warmup_ratio": None,

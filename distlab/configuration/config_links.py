@@ -72,12 +72,12 @@ def machine_refusal(spec: dict) -> tuple[str, str] | None:
     are refused when the config loads; the opt-in ones when their target asks for them
     (rules/common.smk stage_metrics), so that a config naming them still runs elsewhere."""
     if spec["link"] is not None:
-        from distlab.jobs.links import refusal
+        from distlab.configuration.netns import refusal
 
         if refusal():
             return "link", f"network namespaces cannot be made here: {refusal()}"
     if spec["rank_cpu_budget"] is not None:
-        from distlab.jobs.cpu_budget import refusal as no_cpu_budget
+        from distlab.configuration.cpu_budget import refusal as no_cpu_budget
 
         if no_cpu_budget():
             return "rank_cpu_budget", f"CPU budgets cannot be enforced here: {no_cpu_budget()}"

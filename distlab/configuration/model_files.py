@@ -11,7 +11,8 @@ while the sharded loaders refused it. So, before any job:
   file stops here, without allocating for it);
 - the architecture is built on the meta device (no memory) and every parameter must have a
   stored weight of its shape, names mapped the way from_pretrained maps them
-  (distlab.runtime.partial_load.checkpoint_names' renamings, the base model prefix added or dropped).
+  (checkpoint_names' renamings, the base model prefix added or dropped). The sharded loaders
+  (distlab.runtime.partial_load) build and name a model's weights through the same two functions.
 A `pytorch_model*.bin` folder is read with torch.load(mmap=True, weights_only=True) for its
 names and shapes.
 """
@@ -109,8 +110,6 @@ def check_model_weights(folder: str | os.PathLike, field: str = "model.path") ->
     if not stored:
         raise ConfigError(f"config field '{field}': the weight files of {folder} hold no tensor")
     check_plausible(config, stored, folder, field)
-    from distlab.runtime.partial_load import checkpoint_names, empty_model
-
     model = empty_model(str(folder))
     try:
         names = checkpoint_names(model, stored)
@@ -132,3 +131,40 @@ def check_model_weights(folder: str | os.PathLike, field: str = "model.path") ->
                           + (f" and {total - len(listed)} more" if total > len(listed) else "")
                           + "; from_pretrained would start those from random values")
     return {"parameters": sum(1 for _ in model.parameters()), "stored": len(stored), "names_checked": True}
+
+
+def empty_model(source: str):
+    """The causal LM of `source` with every parameter on the meta device (fp32, as load_model)."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(source))
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()  # from_config leaves the meta lm_head untied: it is never stored on its own
+    model.distlab_source = str(source)  # where wrap() reads the weights this rank keeps
+    return model
+
+
+def checkpoint_names(model, file_keys) -> dict[str, str]:
+    """{model parameter name: stored key}, renamed the way from_pretrained renames them: the
+    model's own conversion mapping (e.g. GPT-NeoX stores `embed_out.` for `lm_head.`) and the
+    base model prefix added or stripped. Keys that from_pretrained would merge or split
+    (WeightConverter) cannot be read piecewise and are refused."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    wanted = model.state_dict()
+    names = {}
+    for key in file_keys:
+        name, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, wanted)
+        if converted is not None:
+            raise NotImplementedError(f"stored weight '{key}' is converted ({converted}) when {type(model).__name__} "
+                                      "loads: it cannot be read piecewise for one rank")
+        names[name] = key
+    return names

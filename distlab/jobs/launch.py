@@ -60,7 +60,7 @@ def write_job(job: Job) -> str:
 def write_oom_metrics(job: Job) -> bool:
     """Fold the ranks' oom-rank<N>.json into a metrics.json with status 'oom' (then removed:
     metrics.json, a declared output, holds them). A run that ran out of memory in its final
-    save had already written its figures (distlab.runtime.worker): they are kept, its checkpoint
+    save had already written its figures (distlab.rank.worker): they are kept, its checkpoint
     recorded as failed."""
     from distlab.records.metrics import METRICS_SCHEMA_VERSION, library_versions
     from distlab.records.run_outputs import read_run_record, write_metrics

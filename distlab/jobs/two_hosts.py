@@ -1,6 +1,6 @@
 """Two hosts, one Ray cluster: the roadmap's "home PC + one cloud box over Ray", on one machine.
 
-`snakemake two_hosts` makes two hosts on a link (distlab/jobs/links.py: each its own network
+`snakemake two_hosts` makes two hosts on a link (distlab/launchers/links.py: each its own network
 namespace and address, 10.77.0.1 "home-pc" and 10.77.0.2 "cloud-box", the link capped at
 `two_hosts.bandwidth_mbit`), starts a Ray head on home-pc and a worker node on cloud-box
 (`ray start`, token auth, distlab/launchers/ray_nodes.py), and runs one elastic Ray Train
@@ -43,7 +43,7 @@ def two_hosts_spec(config: dict) -> dict:
     from distlab.configuration.config import _deep_merge, expand_experiments
     from distlab.configuration.input_checks import ConfigError
     from distlab.launchers.ray_nodes import NAMESPACED_PORT
-    from distlab.jobs.links import address
+    from distlab.launchers.links import address
 
     block = config.get("two_hosts", {})
     override = _deep_merge(DEFAULT_EXPERIMENT, block.get("experiment", {}))
@@ -85,7 +85,7 @@ def run_two_hosts(job: Job, bandwidth_mbit: float | None, log_path: str, timeout
     rejoining, tear everything down. Returns the record of what happened to the hosts."""
     from distlab.jobs.launch import launch
     from distlab.launchers.ray_nodes import RayNodes
-    from distlab.jobs.links import INTERFACE, LinkedHosts
+    from distlab.launchers.links import INTERFACE, LinkedHosts
 
     run_dir = Path(job.run_dir)
     events, outcome = [], {}

@@ -1,7 +1,7 @@
 """Checkpoint validation: one job per trained experiment, in processes that did not train.
 
 The driver (validate_run, the Snakemake rule's script) checks the manifest, then starts the
-ranks of distlab/runtime/validate_ranks.py under the experiment's launcher for two phases:
+ranks of distlab/rank/validate_ranks.py under the experiment's launcher for two phases:
   "same"    at the saved world size: export (rank 0, first thing it loads), reload, LoRA
             base weights, resume parity from the mid-run checkpoint;
   "reshard" at the other world size (2 -> 1, 1 -> 2): load the final checkpoint there;
@@ -70,7 +70,7 @@ def validate_run(run_dir, model_source: str, data_dir: str, out_path, log_path=N
         result.update(status="nothing to validate",
                       reason=f"the run ended with status {metrics.get('status')!r}; it saved no checkpoint")
         return _write(out_path, result)
-    failed_save = root / "FAILED.json"  # distlab.runtime.training_checkpoints.FAILED
+    failed_save = root / "FAILED.json"  # distlab.rank.training_checkpoints.FAILED
     if failed_save.is_file():
         why = json.loads(failed_save.read_text())["error"]
         result.update(status="nothing to validate", reason=f"the run trained but its final save failed: {why}")
@@ -183,7 +183,7 @@ def _run_phase(job: ValidationJob, folder: Path, log_path, timeout) -> dict:
     locks = lock_dir_for(Path(job.run_dir).resolve().parent.parent)
     with assigned_gpus(spec, str(folder), locks):
         try:  # under the launcher the experiment trained with (distlab.launchers.ranks.rank_command)
-            start_ranks(spec, "distlab.runtime.validate_ranks", ["--job", str(job_path)], job_path, log_path, timeout,
+            start_ranks(spec, "distlab.rank.validate_ranks", ["--job", str(job_path)], job_path, log_path, timeout,
                         run_dir=folder, what="validation ranks", check=False)  # what they recorded decides
         finally:  # kept beside the run's results: without this checkout's paths (distlab.records.sharing)
             job_path.write_text(json.dumps(portable(json.loads(job_path.read_text()))))

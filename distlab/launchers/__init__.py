@@ -3,7 +3,8 @@
 Each launcher is `run(job, job_path, log_path, timeout)`: it starts the experiment's ranks
 and returns when they have finished (raising when they failed). Ranks on this machine start
 through distlab.launchers.ranks (also validation's and the collective benchmark's); process
-handling lives in distlab.launchers.process, the rank environment in distlab.launchers.environment.
+handling lives in distlab.launchers.process, the rank environment in distlab.launchers.environment,
+hosts joined by a link (network namespaces) in distlab.launchers.links.
 """
 from __future__ import annotations
 

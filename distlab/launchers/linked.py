@@ -1,4 +1,4 @@
-"""torchrun over a link: each rank in its own network namespace (distlab/jobs/links.py).
+"""torchrun over a link: each rank in its own network namespace (distlab/launchers/links.py).
 
 An experiment with `link:` runs one torchrun agent per host namespace (`--nnodes=N
 --nproc-per-node=1 --node-rank=i`), as on N machines. Rendezvous is torchrun's static one:
@@ -21,7 +21,7 @@ import time
 from distlab.records.job import Job
 from distlab.launchers.environment import rank_environment
 from distlab.launchers.process import launch_failure, launch_line, run_trees
-from distlab.jobs.links import INTERFACE, LinkedHosts
+from distlab.launchers.links import INTERFACE, LinkedHosts
 from distlab.records.run_layout import run_files_dir
 
 # Inside a run's own namespaces no other process listens: a fixed port cannot collide.
@@ -68,6 +68,6 @@ def run_on_link(hosts: LinkedHosts, module: str, args: list[str], env: dict, log
 def run(job: Job, job_path: str, log_path: str | None, timeout: float | None) -> None:
     spec = job.spec
     with LinkedHosts(spec["world_size"], spec["link"]["bandwidth_mbit"]) as hosts:
-        record = run_on_link(hosts, "distlab.runtime.worker", ["--job", job_path], rank_environment(spec), log_path,
+        record = run_on_link(hosts, "distlab.rank.worker", ["--job", job_path], rank_environment(spec), log_path,
                              timeout, marker=job_path)
     (run_files_dir(job.run_dir) / "link.json").write_text(json.dumps(record, indent=1))

@@ -47,7 +47,7 @@ def start_ranks(spec: dict, module: str, args: list[str], marker: str | Path, lo
 
 
 def run(job: Job, job_path: str, log_path: str | None, timeout: float | None) -> None:
-    """The torchrun and accelerate launchers: the experiment's ranks of distlab.runtime.worker."""
+    """The torchrun and accelerate launchers: the experiment's ranks of distlab.rank.worker."""
     spec = job.spec
     if spec.get("link"):  # one agent per host namespace instead (torchrun only: distlab.configuration.config_links)
         from distlab.launchers import linked
@@ -55,11 +55,11 @@ def run(job: Job, job_path: str, log_path: str | None, timeout: float | None) ->
         linked.run(job, job_path, log_path, timeout)
         return
     if spec.get("rank_cpu_budget"):  # the ranks' cpu cgroups: empty ones of earlier runs go first
-        from distlab.jobs.cpu_budget import sweep
+        from distlab.configuration.cpu_budget import sweep
 
         sweep()
     try:
-        start_ranks(spec, "distlab.runtime.worker", ["--job", job_path], job_path, log_path, timeout,
+        start_ranks(spec, "distlab.rank.worker", ["--job", job_path], job_path, log_path, timeout,
                     run_dir=job.run_dir)
     finally:
         if spec.get("rank_cpu_budget"):

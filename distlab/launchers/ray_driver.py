@@ -1,5 +1,5 @@
-"""The `ray` launcher, driver side: the ranks of distlab.runtime.worker.run_rank run as Ray Train v2
-workers (their side: distlab.launchers.ray_worker; the record: distlab.launchers.ray_record).
+"""The `ray` launcher, driver side: the ranks of distlab.rank.worker.run_rank run as Ray Train v2
+workers (their side: distlab.rank.ray_worker; the record: distlab.launchers.ray_record).
 
 `TorchTrainer` places one worker per rank and sets up the torch process group (gloo on
 CPU, nccl on GPU); Strategy.init_distributed finds it initialized and joins it. The loop
@@ -167,7 +167,7 @@ def fit(job: Job) -> dict:
                            failure_config=FailureConfig(max_failures=spec["ray"]["max_failures"]),
                            checkpoint_config=CheckpointConfig(num_to_keep=2),
                            worker_runtime_env={"env_vars": worker_environment(spec)})
-    from distlab.launchers.ray_worker import train_worker
+    from distlab.rank.ray_worker import train_worker
 
     trainer = TorchTrainer(train_worker, train_loop_config={"job": job, "log": run_log},
                            scaling_config=scaling_config, run_config=run_config,

@@ -1,5 +1,5 @@
 """A Ray cluster of real `ray start` nodes on this machine: on 127.0.0.1 (tests/test_ray.py), or
-each node on a host of its own, in a network namespace of a link (distlab/jobs/links.py: the
+each node on a host of its own, in a network namespace of a link (distlab/launchers/links.py: the
 two-host run, `snakemake two_hosts`).
 
 Every node is a `ray start --block` in its own session, stopped by signalling that process

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import sys
 
-ENTRY_MODULES = ("distlab.runtime.worker", "distlab.runtime.validate_ranks", "distlab.launchers.loopback",
+ENTRY_MODULES = ("distlab.rank.worker", "distlab.rank.validate_ranks", "distlab.launchers.loopback",
                  "distlab.tools.collectives", "distlab.launchers.call")
 # A flavour server's extra imports may be only these (what warm_start.rank_imports names).
 FLAVOURS = ("deepspeed", "accelerate", "peft", "bitsandbytes", "mlflow")

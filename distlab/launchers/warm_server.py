@@ -30,7 +30,7 @@ from distlab.launchers.warm_start import LAUNCH_ENV, send_message
 # bitsandbytes through them) and datasets (the prepared blocks, ~0.4 s); besides, for the agents,
 # torchrun's launcher API (~0.1 s of import), and the default model's family (a rank of another
 # family imports its own on top). tests/test_warm_start.py checks a fresh rank imports each.
-PRELOAD = ("torch", "torch.distributed.launcher.api", "distlab.runtime.worker", "distlab.runtime.validate_ranks",
+PRELOAD = ("torch", "torch.distributed.launcher.api", "distlab.rank.worker", "distlab.rank.validate_ranks",
            "transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
            "transformers.optimization", "datasets")
 

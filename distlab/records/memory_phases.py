@@ -1,10 +1,22 @@
 """A run's memory peaks per phase (load, training, save) as metrics.json records them:
 distlab.runtime.memory measures them inside the ranks, the summary and the report read them with these
-(torch-free, so the report never imports torch for them)."""
+(torch-free, so the report never imports torch for them); and how bytes are shown (the advisor's
+estimates and the report's cards print them alike)."""
 from __future__ import annotations
 
 
 PHASES = ("load_phase", "training_phase", "save_phase")
+GIB = 2**30
+
+
+def unit_for(nbytes: float) -> tuple[str, float]:
+    """(unit, bytes per unit) to show nbytes in: GiB from 1 GiB, else MiB."""
+    return ("GiB", GIB) if nbytes >= GIB else ("MiB", 2**20)
+
+
+def human(nbytes: float) -> str:
+    unit, scale = unit_for(nbytes)
+    return f"{nbytes / scale:.1f} {unit}"
 
 
 def rank_phase_peaks(rank: dict) -> dict:

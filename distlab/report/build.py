@@ -14,7 +14,7 @@ import csv
 import os
 from dataclasses import dataclass, field
 
-from distlab.tools import advisor as adv
+from distlab.records.memory_phases import human, unit_for
 from distlab.tools import advisor_check
 from distlab.report.cards import (COMPARED, DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Goal, Table, all_cards, is_busy)
 from distlab.report.cards.across import (card_noting_missing, collectives_card, loss_card, machines_card,
@@ -99,8 +99,8 @@ def headline(runs: list[dict], advice: dict) -> list[str]:
             checked = advisor_check.check_against_runs(a, [r for r in runs if r["machine"] == machine])
             if checked:
                 right = sum(c["verdict"] == "right" for c in checked)
-                text += (f" The advisor's memory estimate was right (within {adv.TOLERANCE:.0%}) for {right} of "
-                         f"{len(checked)} run(s) measured here.")
+                text += (f" The advisor's memory estimate was right (within {advisor_check.TOLERANCE:.0%}) for "
+                         f"{right} of {len(checked)} run(s) measured here.")
         lines.append(text)
     return lines
 
@@ -141,7 +141,7 @@ def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
 
     card.notes.append(f"{machine}: recommended {a['recommendation_label']}. " + " ".join(
         f"{r[0].upper()}{r[1:]}." for r in a["reasons"]))
-    unit, scale = adv.unit_for(max(r["total_bytes"] for r in a["estimates"]))
+    unit, scale = unit_for(max(r["total_bytes"] for r in a["estimates"]))
     frame = pd.DataFrame([{"strategy": r["strategy"], f"params {unit}": round(r["params"] / scale, 2),
                            f"grads {unit}": round(r["grads"] / scale, 2),
                            f"optimizer {unit}": round(r["optimizer"] / scale, 2),
@@ -155,10 +155,10 @@ def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
                           for r in a["estimates"]])
     plan = a["devices"]
     card.tables.append(Table(f"Estimated memory per device on {machine} ({plan['devices']} device(s), "
-                             f"{adv.human(a['usable_bytes_per_device'])} usable each)", frame,
+                             f"{human(a['usable_bytes_per_device'])} usable each)", frame,
                              " ".join(a["how"].split())))
     if a.get("time"):  # a named box: the strategies that fit, ranked by predicted step time (advisor_time)
-        from distlab.tools.advisor_time import card_rows
+        from distlab.records.advice import card_rows
 
         ranking, refs = card_rows(a["time"])
         link = a["time"]["link"]
@@ -179,11 +179,12 @@ def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
         card.tables.append(Table(f"Estimate vs measured on {machine}", frame,
                                  "model state = params + grads (DDP's buckets included) + optimizer bytes "
                                  "the rank held at the last step, offloaded ones too, counted from its "
-                                 f"tensors; right = the total and each of params, grads and optimizer within "
-                                 f"{adv.TOLERANCE:.0%} ('where' names a part that is not). Activations: the bytes "
-                                 "autograd held at the end of one micro-batch's forward on rank 0 (saved-tensor "
-                                 "hooks) vs distlab.runtime.activations' estimate (data-parallel strategies; peak RSS, "
-                                 "which includes the interpreter and libraries, is not compared)."))
+                                 "tensors; right = the total and each of params, grads and optimizer within "
+                                 f"{advisor_check.TOLERANCE:.0%} ('where' names a part that is not). Activations: "
+                                 "the bytes autograd held at the end of one micro-batch's forward on rank 0 "
+                                 "(saved-tensor hooks) vs distlab.runtime.activations' estimate (data-parallel "
+                                 "strategies; peak RSS, which includes the interpreter and libraries, is not "
+                                 "compared)."))
         card.notes.append(f"The estimate was wrong for {len(wrong)} of {len(checked)} run(s)"
                           + (": " + "; ".join(f"{c['experiment']} ({c['where'] or 'total'})" for c in wrong)
                              if wrong else "."))
@@ -199,12 +200,12 @@ def step_time_table(card: Card, machine: str, runs: list[dict]) -> None:
     """Predicted against measured step time for every run of the machine (distlab.tools.step_time)."""
     import pandas as pd
 
-    from distlab.tools.step_time import TOLERANCE
+    from distlab.records.predictions import TOLERANCE, check_step_times, step_time_verdict
 
-    rows = advisor_check.check_step_times(runs)
+    rows = check_step_times(runs)
     if not rows:
         return
-    status, evidence = advisor_check.step_time_verdict(rows)
+    status, evidence = step_time_verdict(rows)
     card.goals.append(Goal("minimal", f"Step time predicted before each run, within {TOLERANCE:.0%} of the measured "
                                       f"median for at least 80% of the runs timed on a quiet machine ({machine})",
                            {"passed": PASSED, "failed": FAILED}.get(status, NOT_RUN), evidence))

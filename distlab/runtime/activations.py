@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 
-from distlab.strategies.settings import settings_for
+from distlab.strategies.settings import registered, settings_for
 
 HOW = ("bytes autograd holds for backward at the end of one micro-batch's forward (saved_tensors_hooks; each "
        "storage once, parameters excluded), on rank {rank}'s first micro-batch of step {step} (untimed); pipeline "
@@ -83,7 +83,7 @@ def _storage_bytes(tensor) -> tuple[int, int]:
 
 
 class ActivationProbe:
-    """micro_context for distlab.runtime.loop: measures the saved activation bytes of the first
+    """micro_context for distlab.rank.loop: measures the saved activation bytes of the first
     micro-batch of the first untimed step, on every rank; `result` holds the figure afterwards.
     A micro-batch's backward saves nothing through these hooks (a checkpointed layer's
     recompute saves through torch's own, inner hooks), so what is packed is its forward's."""
@@ -154,3 +154,20 @@ def estimate_activations(shape: dict, micro_batch: int, seq_len: int, precision:
     recompute = tokens * layer * scale if checkpointed else 0
     return {"held_bytes": held, "recompute_bytes": recompute, "peak_bytes": held + recompute,
             "checkpointed_layers": checkpointed, "how": ESTIMATE_HOW}
+
+
+def activation_bytes(shape: dict, workload: dict, counts: dict, mode: str | None = None, strategy: str = "ddp",
+                     part: str = "peak_bytes") -> float:
+    """Activation bytes of one micro-batch on a data-parallel rank (estimate_activations) for a
+    spec or advisor workload: the advisor's estimate and an unequal rank's auto micro-batch both size by it.
+    Autocast over fp32 weights (DDP/Accelerate, FSDP on CPU) also holds bf16 copies of the
+    matmul weights (LoRA's frozen base is already bf16); DeepSpeed and FSDP's
+    MixedPrecisionPolicy keep the module in bf16 instead."""
+    mode = workload.get("activation_checkpointing", "none") if mode is None else mode
+    known = registered().get(strategy)
+    module = bool(known and known.module_precision(workload))
+    matmul = counts["total"] - (0 if shape.get("tie_word_embeddings") else counts["embedding"])
+    return estimate_activations(shape, workload["micro_batch"], workload["seq_len"], workload["precision"], mode,
+                                workload.get("activation_checkpointing_every", 2),
+                                "module" if module else "autocast",
+                                matmul if workload["method"] == "full" else 0)[part]

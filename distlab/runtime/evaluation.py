@@ -112,7 +112,7 @@ def evaluate_forward(strategy, ids, labels, positions=None) -> dict | None:
     still sharded or split, on its device, training precision), eval_batch_size sequences at a
     time (the micro-batch, or more where their no-grad forward holds less than training keeps for
     one micro-batch, so the evaluation fits wherever training fits). The
-    record on rank 0, None elsewhere. The final eval and eval_every's points (distlab.runtime.monitor).
+    record on rank 0, None elsewhere. The final eval and eval_every's points (distlab.rank.monitor).
 
     Data-parallel ranks split the batches (batch i goes to data-parallel rank i mod size) and
     sum their parts, as they split training batches: the same batches give the same logits
@@ -189,7 +189,7 @@ def evaluate_run(strategy, job: Job, last_point: dict | None = None) -> dict | N
     (Task.evaluate_trained; causal LM: evaluate_sharded). Returns {"trained", "base"} on rank 0
     (base from the base-model rule's file, when the job names one), None on the other ranks.
 
-    last_point: the eval point distlab.runtime.monitor took after the last step (every rank holds it).
+    last_point: the eval point distlab.rank.monitor took after the last step (every rank holds it).
     It is that same computation (evaluate_forward on the eval split's tokens, the model as it
     ended), so it is the trained figure rather than a second pass over the same tokens."""
     import torch.distributed as dist

@@ -105,3 +105,26 @@ def linear_module_names(model) -> list[str]:
             if isinstance(module, torch.nn.Linear):
                 names.add(name.rsplit(".", 1)[-1])
     return sorted(names)
+
+
+def layer_plan(model) -> dict[str, str]:
+    """{name inside a decoder layer: style} from the model's declared base_model_tp_plan, for
+    the styles that split something; a style outside TP_STYLES is refused. Tensor parallel splits
+    by it (distlab.strategies.tp) and the parameter counts say what it splits (parameter_counts)."""
+    import fnmatch
+
+    from distlab.configuration.families import TP_STYLES, layer_tp_plan
+
+    layer_names = {name for layer in decoder_layers(model)[:1] for name, _ in layer.named_modules()}
+    out = {}
+    for inner, style in layer_tp_plan(model.config).items():
+        if style not in TP_STYLES:
+            raise NotImplementedError(f"tensor parallel: plan style '{style}' for 'layers.*.{inner}' is not "
+                                      f"supported (supported: {sorted(TP_STYLES)})")
+        for name in layer_names:
+            if fnmatch.fnmatchcase(name, inner) and TP_STYLES[style] is not None:
+                out[name] = style
+    if not out:
+        raise NotImplementedError(f"tensor parallel: {type(model).__name__} declares no base_model_tp_plan for its "
+                                  "decoder layers; cannot tell which linear layers to split")
+    return out

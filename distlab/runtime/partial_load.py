@@ -20,20 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
-def empty_model(source: str):
-    """The causal LM of `source` with every parameter on the meta device (fp32, as load_model)."""
-    import torch
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(str(source))
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if getattr(config, "tie_word_embeddings", False):
-        model.tie_weights()  # from_config leaves the meta lm_head untied: it is never stored on its own
-    model.distlab_source = str(source)  # where wrap() reads the weights this rank keeps
-    return model
+from distlab.configuration.model_files import checkpoint_names
 
 
 def model_folder(source: str) -> Path:
@@ -43,28 +30,6 @@ def model_folder(source: str) -> Path:
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(source, local_files_only=True))
-
-
-def checkpoint_names(model, file_keys) -> dict[str, str]:
-    """{model parameter name: stored key}, renamed the way from_pretrained renames them: the
-    model's own conversion mapping (e.g. GPT-NeoX stores `embed_out.` for `lm_head.`) and the
-    base model prefix added or stripped. Keys that from_pretrained would merge or split
-    (WeightConverter) cannot be read piecewise and are refused."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, rename_source_key
-
-    transforms = get_model_conversion_mapping(model)
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
-    wanted = model.state_dict()
-    names = {}
-    for key in file_keys:
-        name, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, wanted)
-        if converted is not None:
-            raise NotImplementedError(f"stored weight '{key}' is converted ({converted}) when {type(model).__name__} "
-                                      "loads: it cannot be read piecewise for one rank")
-        names[name] = key
-    return names
 
 
 class WeightFiles:

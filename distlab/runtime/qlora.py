@@ -108,7 +108,8 @@ def _adapters_on_full_precision_base(strategy, spec: dict, source: str):
 
     from distlab.records.export_files import weight_index
     from distlab.runtime.lora import base_name
-    from distlab.runtime.partial_load import checkpoint_names, model_folder
+    from distlab.configuration.model_files import checkpoint_names
+    from distlab.runtime.partial_load import model_folder
     from distlab.runtime.streamed import Skeleton, open_weights, parameter_groups
 
     adapters = strategy.state_groups(select=lambda name: "lora_" in name)

@@ -1,5 +1,5 @@
 """The learning-rate schedule of a run: transformers.get_scheduler over the strategy's
-optimizer, stepped once per optimizer step (distlab.runtime.loop; DeepSpeed's engine steps the same
+optimizer, stepped once per optimizer step (distlab.rank.loop; DeepSpeed's engine steps the same
 object itself), its state saved with each checkpoint's trainer state (distlab.checkpoints.trainer_state)."""
 from __future__ import annotations
 

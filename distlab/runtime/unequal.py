@@ -4,7 +4,7 @@ Uniform DDP gives every rank the same micro-batch, so the slowest device sets th
 the smallest one's memory sets the batch (the roadmap: "the smaller one limits"). With
 `rank_micro_batch: [6, 2]` rank r reads b_r samples of each global batch of B = sum(b_r):
 one seeded permutation of the data is cut into global batches of B, rank r takes its slice
-(distlab.runtime.loop.IndexStream), so a 1-rank run with micro_batch B reads the same samples.
+(distlab.rank.loop.IndexStream), so a 1-rank run with micro_batch B reads the same samples.
 
 The gradient. Every step's loss is the mean over the step's label tokens, counted over all
 ranks before the forward (distlab.runtime.accumulation): rank r back-propagates its summed
@@ -38,17 +38,17 @@ def rank_threads(spec: dict, rank: int) -> int:
 
 
 def enter_cpu_budget(spec: dict, rank: int) -> dict | None:
-    """Cap this rank's CPU time at its rank_cpu_budget entry (distlab.jobs.cpu_budget); None when unset."""
+    """Cap this rank's CPU time at its rank_cpu_budget entry (distlab.configuration.cpu_budget); None when unset."""
     if not spec.get("rank_cpu_budget"):
         return None
-    from distlab.jobs.cpu_budget import enter
+    from distlab.configuration.cpu_budget import enter
 
     return dict(enter(spec["rank_cpu_budget"][rank]), rank=rank)
 
 
 def leave_cpu_budget(record: dict | None) -> None:
     if record is not None:
-        from distlab.jobs.cpu_budget import leave
+        from distlab.configuration.cpu_budget import leave
 
         leave(record)
 
@@ -101,15 +101,17 @@ def probe(model, spec: dict, device) -> dict:
 
 
 def memory_capacity(model, spec: dict, free: int) -> int:
-    """Samples this rank's free memory holds: activations per sample (distlab.tools.advisor) plus the
-    gradient, DDP bucket and AdamW state still to be allocated (16 bytes/trainable param)."""
-    from distlab.tools import advisor
+    """Samples this rank's free memory holds: activations per sample (the advisor's estimate,
+    distlab.runtime.activations) plus the gradient, DDP bucket and AdamW state still to be
+    allocated (16 bytes/trainable param)."""
+    from distlab.runtime.activations import activation_bytes
+    from distlab.runtime.parameter_counts import model_shape, workload_counts
 
-    shape = advisor.model_shape(model.config.to_dict())
-    counts = advisor.workload_counts(shape, spec)
+    shape = model_shape(model.config.to_dict())
+    counts = workload_counts(shape, spec)
     workload = {key: spec[key] for key in ("method", "seq_len", "precision", "lora", "device",
                                            "activation_checkpointing", "activation_checkpointing_every")}
-    per_sample = advisor.activation_bytes(shape, {**workload, "micro_batch": 1}, counts)  # DDP's, one sample
+    per_sample = activation_bytes(shape, {**workload, "micro_batch": 1}, counts)  # DDP's, one sample
     to_come = 16 * sum(p.numel() for p in model.parameters() if p.requires_grad)
     return max(0, int((free - to_come) // per_sample))
 

@@ -91,7 +91,7 @@ class Strategy:
         """The model this rank starts from, before LoRA and wrap(): by default every rank
         loads the task's whole trained module (host memory) in frozen_base_dtype(spec).
         Strategies that shard or split the model override this so that no rank ever holds
-        more than its part (distlab.runtime.model_setup). QLoRA: the base in 4-bit NF4 on this
+        more than its part (distlab.rank.model_setup). QLoRA: the base in 4-bit NF4 on this
         rank's device (distlab.runtime.qlora; refused at config time for the strategies that
         override this, distlab.configuration.training_tools, but DeepSpeed's ZeRO 0-2)."""
         if self.spec["method"] == "qlora":

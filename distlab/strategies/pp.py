@@ -33,7 +33,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from distlab.checkpoint_formats.dcp import dcp_load, dcp_save
 from distlab.runtime.model import decoder_layers
-from distlab.runtime.partial_load import empty_model, load_held_weights
+from distlab.configuration.model_files import empty_model
+from distlab.runtime.partial_load import load_held_weights
 from distlab.configuration.precision import autocast
 from distlab.records.run_layout import run_files_dir
 from distlab.strategies.base import FidelityError, ModelParallel, Strategy

@@ -46,7 +46,7 @@ class StrategySettings:
     #: Whether a rank holds a run of the decoder layers numbered in the whole model (a pipeline
     #: stage): there selective activation checkpointing cannot be checked layer by layer.
     holds_layer_run: bool = False
-    #: The advisor rows (distlab.tools.advisor.ROW_ORDER) this strategy stands for: {row: its settings block}.
+    #: The advisor rows (distlab.records.advice.ROW_ORDER) this strategy stands for: {row: its settings block}.
     advisor_rows: dict[str, dict] = {}
     #: {task trait: why this strategy needs it} (the traits: distlab.tasks.base.Task.lacks): an
     #: experiment whose task's model lacks one is refused naming its `strategy` field
@@ -112,7 +112,7 @@ class StrategySettings:
         return (spec["precision"],)
 
     def advisor_row(self, spec: dict) -> str | None:
-        """The advisor row (distlab.tools.advisor.ROW_ORDER, or a formula of its own) a run's spec
+        """The advisor row (distlab.records.advice.ROW_ORDER, or a formula of its own) a run's spec
         corresponds to; None: the advisor has no formula for it and checks none of its runs."""
         return None
 

@@ -30,9 +30,10 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from distlab.checkpoint_formats.dcp import dcp_load, dcp_save
-from distlab.configuration.families import TP_STYLES, layer_tp_plan
-from distlab.runtime.model import decoder_layers
-from distlab.runtime.partial_load import empty_model, load_held_weights
+from distlab.configuration.families import TP_STYLES
+from distlab.runtime.model import decoder_layers, layer_plan
+from distlab.configuration.model_files import empty_model
+from distlab.runtime.partial_load import load_held_weights
 from distlab.strategies.base import FidelityError, ModelParallel, Strategy
 
 #: families.TP_STYLES' names made real; "replicate" (None) leaves the weight whole.
@@ -46,26 +47,6 @@ TORCH_STYLES = {
     "replicate": None,
 }
 assert set(TORCH_STYLES) == set(TP_STYLES)
-
-
-def layer_plan(model) -> dict[str, str]:
-    """{name inside a decoder layer: style} from the model's declared base_model_tp_plan, for
-    the styles that split something; a style outside TORCH_STYLES is refused."""
-    import fnmatch
-
-    layer_names = {name for layer in decoder_layers(model)[:1] for name, _ in layer.named_modules()}
-    out = {}
-    for inner, style in layer_tp_plan(model.config).items():
-        if style not in TORCH_STYLES:
-            raise NotImplementedError(f"tensor parallel: plan style '{style}' for 'layers.*.{inner}' is not "
-                                      f"supported (supported: {sorted(TORCH_STYLES)})")
-        for name in layer_names:
-            if fnmatch.fnmatchcase(name, inner) and TORCH_STYLES[style] is not None:
-                out[name] = style
-    if not out:
-        raise NotImplementedError(f"tensor parallel: {type(model).__name__} declares no base_model_tp_plan for its "
-                                  "decoder layers; cannot tell which linear layers to split")
-    return out
 
 
 class TensorParallelStrategy(ModelParallel, Strategy):

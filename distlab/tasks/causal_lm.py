@@ -3,7 +3,7 @@ instruction data), a Hugging Face causal LM, full fine-tuning or LoRA through pe
 
 Each method hands over to the module that always did the work (distlab.runtime.model, distlab.runtime.lora,
 distlab.data_prep.data, distlab.runtime.evaluation, distlab.checkpoints.checkpoint,
-distlab.runtime.validate_causal_lm): this file is
+distlab.tasks.causal_lm_outputs): this file is
 where the rest of distlab meets them.
 """
 from __future__ import annotations
@@ -84,9 +84,9 @@ class CausalLM(Task):
     load_quantized = lazy("distlab.runtime.qlora:load_quantized")
     evaluate_trained = lazy("distlab.runtime.evaluation:evaluate_sharded")
     export_pass = lazy("distlab.checkpoints.export:export_pass")
-    trained_outputs = lazy("distlab.runtime.validate_causal_lm:streamed_outputs")
-    check_export = lazy("distlab.runtime.validate_causal_lm:check_export")
-    lora_base_frozen = lazy("distlab.runtime.validate_causal_lm:lora_base_frozen")
+    trained_outputs = lazy("distlab.tasks.causal_lm_outputs:streamed_outputs")
+    check_export = lazy("distlab.tasks.causal_lm_outputs:check_export")
+    lora_base_frozen = lazy("distlab.tasks.causal_lm_outputs:lora_base_frozen")
 
     def hidden_size(self, source):
         from transformers import AutoConfig

@@ -8,7 +8,7 @@ sizes -> planned for the smallest; several machines -> Ray Train around the stra
 Memory = model state + activations, per device:
 - Model state, Psi parameters (T trainable: all, or LoRA's adapters; the frozen rest has
   no gradient or optimizer state) over N devices, in bytes per parameter of what distlab
-  itself allocates (checked against real runs' tensors within TOLERANCE, tests/test_advisor.py):
+  itself allocates (checked against real runs' tensors within advisor_check.TOLERANCE, tests/test_advisor.py):
   - DDP / Accelerate (autocast over fp32 weights; LoRA's frozen base in bf16 when precision
     is bf16, adapters fp32): weights 4*Psi (LoRA bf16: 2*(Psi-T) + 4*T; QLoRA: 0.5 byte for
     each of the Q decoder-layer Linear weights bitsandbytes holds in 4 bits, 4 for the rest of
@@ -42,29 +42,19 @@ Memory = model state + activations, per device:
 Each strategy's byte formula lives beside it (`model_state` in
 distlab/strategies/<name>_settings.py); the recommendation and the estimate-vs-measured check
 (distlab.tools.advisor_check) read the same formulas through `strategy_state`; the parameter
-counting they rest on is distlab.tools.parameter_counts.
+counting they rest on is distlab.runtime.parameter_counts.
 """
 from __future__ import annotations
 
 import copy
 
-from distlab.tools.parameter_counts import model_shape, parameter_counts, workload_counts  # noqa: F401 (advisor's API)
+from distlab.records.memory_phases import GIB, human, unit_for
+from distlab.runtime.activations import activation_bytes
+from distlab.runtime.parameter_counts import model_shape, parameter_counts, workload_counts  # noqa: F401 (advisor's API)
 from distlab.strategies.settings import advisor_rows, registered
 
-GIB = 2**30
-# measured / estimated model state a run may be off by and still be called right (report too).
-TOLERANCE = 0.15
-# The rows the advisor estimates and ranks, and their labels (one table, advisor_rows.py).
-from distlab.tools.advisor_rows import ROW_LABEL, ROW_ORDER  # noqa: E402,F401
-
-
-def unit_for(nbytes: float) -> tuple[str, float]:
-    return ("GiB", GIB) if nbytes >= GIB else ("MiB", 2**20)
-
-
-def human(nbytes: float) -> str:
-    unit, scale = unit_for(nbytes)
-    return f"{nbytes / scale:.1f} {unit}"
+# The rows the advisor estimates and ranks, and their labels (one table: distlab/records/advice.py).
+from distlab.records.advice import ROW_LABEL, ROW_ORDER  # noqa: E402,F401
 
 
 def strategy_state(strategy: str, counts: dict, n: int, precision: str, lora: bool, settings: dict | None = None,
@@ -85,24 +75,6 @@ def model_state(key: str, counts: dict, n: int, precision: str, lora: bool, grad
     out = strategy_state(strategy, counts, n, precision, lora, {**settings, "grad_accum": grad_accum})
     out.pop("cpu_parts")
     return out
-
-
-def activation_bytes(shape: dict, workload: dict, counts: dict, mode: str | None = None, strategy: str = "ddp",
-                     part: str = "peak_bytes") -> float:
-    """Activation bytes of one micro-batch on a data-parallel rank (distlab.runtime.activations).
-    Autocast over fp32 weights (DDP/Accelerate, FSDP on CPU) also holds bf16 copies of the
-    matmul weights (LoRA's frozen base is already bf16); DeepSpeed and FSDP's
-    MixedPrecisionPolicy keep the module in bf16 instead."""
-    from distlab.runtime.activations import estimate_activations
-
-    mode = workload.get("activation_checkpointing", "none") if mode is None else mode
-    known = registered().get(strategy)
-    module = bool(known and known.module_precision(workload))
-    matmul = counts["total"] - (0 if shape.get("tie_word_embeddings") else counts["embedding"])
-    return estimate_activations(shape, workload["micro_batch"], workload["seq_len"], workload["precision"], mode,
-                                workload.get("activation_checkpointing_every", 2),
-                                "module" if module else "autocast",
-                                matmul if workload["method"] == "full" else 0)[part]
 
 
 def estimate(shape: dict, workload: dict, n: int, mode: str | None = None) -> list[dict]:

@@ -23,6 +23,7 @@ Torch-free arithmetic on the advisor's counts (distlab.tools.advisor calls rank_
 """
 from __future__ import annotations
 
+from distlab.records.advice import label
 from distlab.records.metrics import flops_per_token
 from distlab.tools.collectives import BUSBW_FACTOR
 from distlab.configuration.hardware import gpu_peak
@@ -178,7 +179,6 @@ ROW_SPECS = {
     "zero3-offopt": ("deepspeed", {"zero_stage": 3, "offload_optimizer": "cpu"}),
     "zero3-offopt-offparam": ("deepspeed", {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}),
 }
-ROW_LABEL = {"fsdp": "FSDP2 full shard"}
 
 
 def step_spec(key: str, workload: dict, n: int) -> dict:
@@ -371,12 +371,6 @@ def references_for(ranking: list[dict], link_name: str, shape: dict) -> list[dic
     return out
 
 
-def label(key: str) -> str:
-    from distlab.tools.advisor_rows import ROW_LABEL as MEMORY_LABEL
-
-    return ROW_LABEL.get(key) or MEMORY_LABEL.get(key, key)
-
-
 def markdown(time: dict, box_name: str = "this box") -> list[str]:
     """advice.md's time ranking and the references beside it."""
     if not time:
@@ -416,20 +410,3 @@ def markdown(time: dict, box_name: str = "this box") -> list[str]:
                          f"| {pred} | {ratio} | {ref['by']}: {ref['source']}"
                          + (f"; {ref['note']}" if ref.get("note") else "") + " |")
     return lines
-
-
-def card_rows(time: dict) -> tuple[list[dict], list[dict]]:
-    """The report's advisor card: the ranking's rows and the references' rows."""
-    ranking = [{"#": i, "strategy": label(r["key"]), "predicted step s": round(r["step_time_s"], 3),
-                "tokens/s per device": round(r["tokens_per_s_per_device"]),
-                "compute s": round(r["terms"]["compute"]["seconds"], 3),
-                "exposed comm s": round(r["terms"]["communication"]["seconds"], 3),
-                "optimizer s": round(r["terms"]["optimizer"]["seconds"], 3), "largest term": r["sentence"],
-                "behind the fastest by": r.get("behind", "-")}
-               for i, r in enumerate(time["ranking"], 1)]
-    refs = [{"model": f["model"], "hardware": f["hardware"], "strategy": f["strategy"], "metric": f["metric"],
-             "published (others)": f["value"], "predicted": round(f["predicted"], 1) if "predicted" in f else None,
-             "predicted/published": round(f["ratio"], 2) if "ratio" in f else None,
-             "source": f"{f['by']}: {f['source']}" + (f"; {f['note']}" if f.get("note") else "")}
-            for f in time["references"]]
-    return ranking, refs

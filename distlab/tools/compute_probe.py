@@ -205,7 +205,7 @@ def probe_key_file(model_config: str, key: str, model: str, out: str) -> None:
     """Time the kernels of probe key `key` (distlab.tools.step_time.probe_key) at the shapes of the
     model whose config.json is `model_config`, and write them to `out`."""
     from distlab.launchers.warm_start import start_record
-    from distlab.tools.parameter_counts import model_shape, parameter_counts
+    from distlab.runtime.parameter_counts import model_shape, parameter_counts
     from distlab.tools.step_time import kernels_needed, parse_probe_key
 
     started = time.perf_counter()

@@ -58,7 +58,7 @@ def run_lines(metrics: dict) -> list[str]:
 
 def prediction_line(metrics: dict) -> str:
     """The step time the job predicted before the run against the measured median."""
-    from distlab.tools.step_time import score
+    from distlab.records.predictions import score
 
     prediction = metrics.get("prediction") or {}
     if prediction.get("status") != "predicted":

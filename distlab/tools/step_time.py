@@ -28,9 +28,6 @@ import math
 # first bucket 1 MiB: dist._DEFAULT_FIRST_BUCKET_BYTES).
 DDP_BUCKET_BYTES = 25 * 2**20
 DDP_FIRST_BUCKET_BYTES = 2**20
-# Within this of the measured median, a prediction counts as right (issue 44: +-25%).
-TOLERANCE = 0.25
-LINK_TOLERANCE = 0.30
 GRAD_BYTES = 4  # fp32 gradients and optimizer state (DeepSpeed's 16-bit gradients: collectives_per_step)
 
 
@@ -102,7 +99,7 @@ def model_parts(spec: dict, config_json: dict) -> tuple[dict, dict, int]:
     """(shape, parameter counts with the run's adapters, layers whose forward runs twice under
     activation checkpointing on one rank) of a spec's model, from its config.json."""
     from distlab.runtime.activations import checkpointed_layers
-    from distlab.tools.parameter_counts import model_shape, workload_counts
+    from distlab.runtime.parameter_counts import model_shape, workload_counts
 
     shape = model_shape(config_json)
     counts = workload_counts(shape, {"method": spec["method"], "lora": spec["lora"]})
@@ -439,22 +436,3 @@ def predict_from_files(spec: dict, model_config: str, probe_file: str | None, co
         return {"status": "not predicted", "why": str(missing).strip("'\"")}
     return {**found, "inputs": {"probe": Path(probe_file).name, "collectives": collectives and collectives["_file"],
                                 "hardware": Path(hardware_file).name}}
-
-
-def score(prediction: dict | None, measured_median: float | None, busy: bool | None,
-          tolerance: float = TOLERANCE) -> dict:
-    """Predicted against measured: error, verdict, and the term furthest off."""
-    if not prediction or prediction.get("status") != "predicted":
-        return {"verdict": "not predicted", "why": (prediction or {}).get("why", "no prediction")}
-    if measured_median is None:
-        return {"verdict": "not measured"}
-    predicted = prediction["step_time_s"]
-    error = predicted / measured_median - 1
-    terms = {k: v["seconds"] for k, v in prediction["terms"].items()}
-    # The term that would have to change most to close the gap, as a share of the step.
-    largest = max(terms, key=terms.get)
-    out = {"predicted_s": predicted, "measured_s": measured_median, "error": error,
-           "largest_term": largest, "largest_share": terms[largest] / predicted if predicted else None}
-    if busy is not False:
-        return {**out, "verdict": "not scored", "why": "timed on a busy machine" if busy else "noise not measured"}
-    return {**out, "verdict": "right" if abs(error) <= tolerance else "off"}

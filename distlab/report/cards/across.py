@@ -3,7 +3,7 @@ collective bandwidth with the data-parallel break-even batch, loss curves per st
 modules: the report (distlab.report.build) places them after the stage cards."""
 from __future__ import annotations
 
-from distlab.tools import collectives as coll
+from distlab.records import collectives as coll
 from distlab.records.run_outputs import DEFAULT_TASK
 from distlab.report.cards import Card, Figure, Table, run_task, spread_caveat
 from distlab.report.collect import clear_winner, unit_of

@@ -1,5 +1,5 @@
 """The link card (`snakemake links`): the same DDP, ZeRO-2/3, FSDP and TP runs over links of
-several speeds, each rank on a host of its own (distlab/jobs/links.py). Not a `stage*` module: the
+several speeds, each rank on a host of its own (distlab/launchers/links.py). Not a `stage*` module: the
 milestone report does not show it; its own page does, and the advisor cites its card.json."""
 from __future__ import annotations
 
@@ -100,8 +100,7 @@ def prediction_table(card: Card, linked: list[dict]) -> None:
     measured median, and the bytes the model says each host sends against the host's counters."""
     import pandas as pd
 
-    from distlab.tools.advisor_check import check_step_times, step_time_verdict
-    from distlab.tools.step_time import LINK_TOLERANCE
+    from distlab.records.predictions import LINK_TOLERANCE, check_step_times, step_time_verdict
 
     rows = check_step_times(linked, LINK_TOLERANCE)
     if not rows:

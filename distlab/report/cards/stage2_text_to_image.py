@@ -152,7 +152,7 @@ def advisor_tables(card: Card, runs: list[dict]) -> None:
     text-to-image runs."""
     import pandas as pd
 
-    from distlab.tools.advisor import human
+    from distlab.records.memory_phases import human
 
     for machine, advice in sorted({r["machine"]: r.get("_sd_advice") for r in runs}.items()):
         if not advice:

@@ -64,7 +64,8 @@ def build(run: dict | None, record: dict) -> Card:
     card.notes.append(f"Last group's median step {st['median'] * 1000:.1f} ms over {st['n']} timed steps; "
                       f"TorchTrainer.fit() took {ray['fit_seconds']:.1f} s. Final loss {run['loss']['last']:.3f} "
                       f"(first {run['loss']['first']:.3f}). Each host is a network namespace of this machine joined by "
-                      "a veth pair through a bridge (distlab/jobs/links.py): the addresses, sockets and the link are "
-                      "real, the CPU and disk are shared, so this shows the mechanics of two machines, not a real WAN.")
+                      "a veth pair through a bridge (distlab/launchers/links.py): the addresses, sockets and the link "
+                      "are real, the CPU and disk are shared, so this shows the mechanics of two machines, not a real "
+                      "WAN.")
     return card
 

@@ -86,7 +86,7 @@ def build(runs: list[dict]) -> tuple[Card, dict]:
     how = ("tokens/s = global tokens per step / median step time (max over ranks) after warm-up, same global batch; "
            "waiting = each rank's all-reduce time in flight (median per step) minus the least of any rank: the fast "
            "rank's wait for the slow one; loss diff vs a 1-rank run of the same global batch (the same samples: "
-           f"distlab.runtime.loop.IndexStream). {SPREAD_CAVEAT}")
+           f"distlab.rank.loop.IndexStream). {SPREAD_CAVEAT}")
     if rows:
         label_axes(ax, "micro-batches", "tokens/s", "Uniform vs sized batches on unequal ranks")
         card.figures.append(Figure("Uniform vs sized", to_png_b64(fig), how))

@@ -96,11 +96,9 @@ def _layer_linears(model) -> list[tuple[str, int, int, int | None]]:
     its weight as (in, out); nn.Linear as (out, in)."""
     import torch
 
-    from distlab.runtime.model import decoder_layers
+    from distlab.runtime.model import decoder_layers, layer_plan
 
     try:
-        from distlab.strategies.tp import layer_plan
-
         plan = layer_plan(model)
     except NotImplementedError:
         plan = {}
@@ -123,10 +121,9 @@ def _layer_linears(model) -> list[tuple[str, int, int, int | None]]:
 
 def _tp_split(model) -> list[tuple[tuple, int]] | None:
     """(shape, split dim) of each parameter tensor parallel splits, from the same plan
-    strategies.tp applies (colwise: weight and bias on dim 0; rowwise: weight on dim 1, bias
+    distlab.strategies.tp applies (colwise: weight and bias on dim 0; rowwise: weight on dim 1, bias
     whole); None for a model without a usable plan (tensor parallel refused)."""
-    from distlab.runtime.model import decoder_layers
-    from distlab.strategies.tp import layer_plan
+    from distlab.runtime.model import decoder_layers, layer_plan
 
     try:
         plan = layer_plan(model)

@@ -1,4 +1,4 @@
-"""The validation ranks (`python -m distlab.runtime.validate_ranks --job job.json`, started by
+"""The validation ranks (`python -m distlab.rank.validate_ranks --job job.json`, started by
 distlab.jobs.validate under the experiment's launcher): build the strategy exactly as the worker
 does, load checkpoints through the Strategy interface and record each check.
 
@@ -7,7 +7,7 @@ LoRA base weights, resume parity) and "reshard" (other world size). The export c
 first, on rank 0, before this process loads anything else.
 
 Every output compared here is computed the way the recorded ones were, by the task (causal
-LM: distlab.runtime.validate_causal_lm, on rank 0's CPU in fp32, the weights arriving one decoder
+LM: distlab.tasks.causal_lm_outputs, on rank 0's CPU in fp32, the weights arriving one decoder
 layer at a time): from a reloaded strategy's gathered state, or from the export's files. No
 process holds a whole model.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 if __name__ == "__main__":  # first, before the heavy imports: a warm start skips them
     from distlab.launchers.process import enter
 
-    enter("distlab.runtime.validate_ranks", job="validation")
+    enter("distlab.rank.validate_ranks", job="validation")
 
 import argparse
 import gc
@@ -41,7 +41,7 @@ class ValidationRank:
 
         from distlab.strategies import strategy_for
         from distlab.tasks import task_for
-        from distlab.runtime.worker import make_context
+        from distlab.rank.worker import make_context
 
         self.job, self.spec = job, job.spec.replace(world_size=job.plan[0][1])
         if self.spec["device"] == "cpu":
@@ -98,7 +98,7 @@ class ValidationRank:
 
     def build(self, spec: dict):
         """A fresh model + strategy exactly as the worker builds them; returns (strategy, signature)."""
-        from distlab.runtime.model_setup import prepare_model
+        from distlab.rank.model_setup import prepare_model
 
         self.ctx.spec = spec
         strategy = self.strategy_cls(self.ctx)
@@ -122,7 +122,7 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
     import torch.distributed as dist
 
     from distlab.checkpoints import checkpoint as ckpt
-    from distlab.runtime.loop import IndexStream, gather, train
+    from distlab.rank.loop import IndexStream, gather, train
 
     job = validator.job
     spec = validator.spec = job.spec.replace(world_size=world_size)

@@ -1,18 +1,18 @@
-"""One rank of one experiment: `python -m distlab.runtime.worker --job job.json` under torchrun
+"""One rank of one experiment: `python -m distlab.rank.worker --job job.json` under torchrun
 (or the same `run_rank` under accelerate launch / a Ray Train worker).
 
 Loads the base model, applies LoRA if asked, lets the strategy wrap it, verifies the
 result matches the spec, trains, and has rank 0 write metrics.json and steps.jsonl.
-The pieces: distlab.runtime.model_setup (build, LoRA, wrap, verify), distlab.runtime.training_checkpoints
-(resume and saves), distlab.runtime.loop (the steps), distlab.runtime.memory (budget, OOM record),
-distlab.runtime.run_summary (what the run measured), distlab.records.run_outputs (the result files).
+The pieces: distlab.rank.model_setup (build, LoRA, wrap, verify), distlab.rank.training_checkpoints
+(resume and saves), distlab.rank.loop (the steps), distlab.runtime.memory (budget, OOM record),
+distlab.rank.run_summary (what the run measured), distlab.records.run_outputs (the result files).
 """
 from __future__ import annotations
 
 if __name__ == "__main__":  # first, before the heavy imports: a warm start skips them
     from distlab.launchers.process import enter
 
-    enter("distlab.runtime.worker", job="training")
+    enter("distlab.rank.worker", job="training")
 
 import argparse
 import os
@@ -26,22 +26,22 @@ from distlab.configuration.training_tools import adapts
 from distlab.runtime.evaluation import evaluate_run
 from distlab.records.spec import thaw
 from distlab.records.job import Job, read_job
-from distlab.jobs.links import interface_counters
-from distlab.runtime.loop import gather, train
+from distlab.launchers.links import interface_counters
+from distlab.rank.loop import gather, train
 from distlab.runtime.memory import (OOM_EXIT_CODE, add_peaks_through_save, apply_memory_budget, budget_verdict,
                             gather_peaks_through_save, is_out_of_memory, load_phase_record, memory_record,
                             record_oom, rss_now, start_save_phase)
-from distlab.runtime.model_setup import prepare_model
-from distlab.runtime.monitor import RunMonitor
+from distlab.rank.model_setup import prepare_model
+from distlab.rank.monitor import RunMonitor
 from distlab.runtime.compiled import compile_record, dynamo_counts
 from distlab.runtime.profiling import StepProfiler, profile_record
 from distlab.records.run_outputs import write_outputs
-from distlab.runtime.run_summary import gather_ranks, summarize_run
+from distlab.rank.run_summary import gather_ranks, summarize_run
 from distlab.strategies import strategy_for
 from distlab.strategies.base import RunContext, local_device
 from distlab.runtime.timeline import Timeline
 from distlab.runtime.tracking import hide_mlflow
-from distlab.runtime.training_checkpoints import TrainingCheckpoints
+from distlab.rank.training_checkpoints import TrainingCheckpoints
 from distlab.runtime.unequal import enter_cpu_budget, leave_cpu_budget, rank_threads
 
 TIMELINE = Timeline()

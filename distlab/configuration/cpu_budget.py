@@ -9,11 +9,12 @@ descheduled peer (measured here: a 6 ms step took 200-400 ms).
 
 Each rank makes its own group `<cpu cgroup>/distlab/<pid>` and moves itself into it once
 its libraries are imported, and back out after its last step: the budget covers loading the
-model, the `auto` probe and the steps (distlab.runtime.worker); the kernel applies it to all threads.
+model, the `auto` probe and the steps (distlab.rank.worker); the kernel applies it to all threads.
 A group whose processes are gone is
 empty and is removed by `sweep()`, which the launcher runs after its ranks end and before
 it starts new ones (a killed run's empty groups go then). Needs root and a writable cpu
-cgroup controller: `refusal()` says why not, and the config check names it.
+cgroup controller: `refusal()` says why not, and the config check names it before any job
+starts: that is why this module sits in the bottom layer (it imports nothing of distlab).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from distlab.configuration.training_tools import adapts
 from distlab.checkpoints import checkpoint as ckpt
 from distlab.records.checkpoint_files import step_folders
 from distlab.records.job import Job
-from distlab.runtime.loop import IndexStream
+from distlab.rank.loop import IndexStream
 from distlab.records.sharing import portable
 
 

@@ -1,6 +1,6 @@
 """Ray Train worker side of the `ray` launcher: what each worker process runs.
 
-`train_worker` is the TorchTrainer training function: distlab.runtime.worker.run_rank with
+`train_worker` is the TorchTrainer training function: distlab.rank.worker.run_rank with
 checkpoints that Ray knows about (every periodic checkpoint is reported with
 `ray.train.report`; a restarted or resized group resumes from `ray.train.get_checkpoint()`).
 Events go to the driver's RunLog actor (distlab.launchers.ray_driver), so no shared
@@ -24,16 +24,17 @@ def node_identity() -> dict:
 
 
 def _ray_checkpoints_class():
-    """TrainingCheckpoints (distlab.runtime.training_checkpoints) that also tells Ray about every checkpoint and
+    """TrainingCheckpoints (distlab.rank.training_checkpoints) that also tells Ray about every checkpoint and
     resumes from the one Ray hands back; built on first use so that importing this module
-    (the launcher registry does) loads neither torch nor Ray."""
+    (the Ray driver does, to hand Ray `train_worker`) loads neither torch
+    nor Ray."""
     import ray
     import ray.train
     import torch.distributed as dist
     from ray.train import Checkpoint
 
     from distlab.checkpoints import checkpoint as ckpt
-    from distlab.runtime.training_checkpoints import TrainingCheckpoints
+    from distlab.rank.training_checkpoints import TrainingCheckpoints
 
     class RayCheckpoints(TrainingCheckpoints):
         run_log = None  # the driver's RunLog actor, set by train_worker
@@ -118,12 +119,12 @@ def earlier_losses(folder: Path, world_size: int) -> list[dict]:
 
 
 def train_worker(config: dict):
-    """What every Ray Train worker runs: distlab.runtime.worker.run_rank with Ray-aware checkpoints."""
+    """What every Ray Train worker runs: distlab.rank.worker.run_rank with Ray-aware checkpoints."""
     import ray
     import ray.train
     import torch
 
-    from distlab.runtime import worker
+    from distlab.rank import worker
     from distlab.records.job import replace
     from distlab.records.sharing import private_files
 

@@ -24,68 +24,31 @@ and its veth ends and bridge die with it, so:
   new link) kills every tagged process whose owner is gone; their namespaces go with them.
 
 Root is needed (CAP_NET_ADMIN for veth/tc, CAP_SYS_ADMIN to make a namespace):
-`refusal()` says why links cannot be made here, and the config check names it before any
-job starts. `netem` (delay) and `fq_codel` are not available on every kernel; `tbf` is.
+`refusal()` (distlab.configuration.netns: the config check asks it) says why links cannot be
+made here before any job starts. `netem` (delay) and `fq_codel` are not available on every kernel; `tbf` is.
 """
 from __future__ import annotations
 
-import functools
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from distlab.configuration.netns import TBF_LATENCY, burst_bytes, refusal, tbf_command
+
 SUBNET = "10.77.0"
 INTERFACE = "eth0"
 MARKER = "distlab-link"
 # Set in every process a run starts inside its namespaces: "<owner pid>@<owner start time>".
 LINK_ENV = "DISTLAB_LINK_OWNER"
-# A token bucket of at least 64 KiB (one GSO packet) or 2 ms at the rate; packets wait up to
-# 100 ms for tokens before tbf drops them (TCP then backs off, as on a real saturated link).
-TBF_LATENCY = "100ms"
 # The holder: prints one line once it runs inside its new namespace, then sleeps.
 HOLDER = "import signal, sys; print('ready', flush=True); signal.pause()"
 
 
 def address(index: int) -> str:
     return f"{SUBNET}.{index + 1}"
-
-
-def burst_bytes(mbit: float) -> int:
-    return max(64 * 1024, int(mbit * 1e6 / 8 * 0.002))
-
-
-def tbf_command(device: str, mbit: float) -> list[str]:
-    return ["tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{mbit:g}mbit",
-            "burst", str(burst_bytes(mbit)), "latency", TBF_LATENCY]
-
-
-@functools.lru_cache(maxsize=1)
-def refusal() -> str | None:
-    """Why capped links cannot be made on this machine, or None when they can. Tries the
-    real thing once per process (a throwaway namespace with a veth pair and a tbf qdisc,
-    gone when the probe exits: about 20 ms)."""
-    if not sys.platform.startswith("linux"):
-        return f"network namespaces are Linux-only (this is {sys.platform})"
-    if os.geteuid() != 0:
-        return ("making network namespaces, veth pairs and tc qdiscs needs root (CAP_SYS_ADMIN and "
-                f"CAP_NET_ADMIN); this process runs as uid {os.geteuid()}")
-    missing = [tool for tool in ("ip", "tc", "unshare", "nsenter") if shutil.which(tool) is None]
-    if missing:
-        return f"missing tools: {', '.join(missing)} (iproute2 and util-linux)"
-    probe = " && ".join([
-        "ip link add probe0 type veth peer name probe1", "ip link set probe0 up", "ip link set probe1 up",
-        " ".join(tbf_command("probe0", 100)), "ip link add probebr type bridge"])
-    try:
-        proc = subprocess.run(["unshare", "--net", "sh", "-c", probe], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"could not make a test namespace: {exc}"
-    if proc.returncode:
-        return f"a test namespace with a veth pair, a tbf qdisc and a bridge failed: {proc.stderr.strip()[:300]}"
-    return None
 
 
 def _owner_tag(pid: int) -> str:

@@ -102,7 +102,7 @@ def train(ctx: RunContext, strategy: Strategy, train_data, start_step: int = 0,
     train_data: the task's samples (distlab.tasks.base.TrainData): the loop draws indices,
     the task turns them into the batch its loss takes.
     on_step_end(step) runs after each step (progress, trackers, eval points, periodic
-    checkpoints: distlab.runtime.monitor, distlab.runtime.training_checkpoints); it is outside the timer.
+    checkpoints: distlab.rank.monitor, distlab.rank.training_checkpoints); it is outside the timer.
     micro_context(step, micro): a context around one micro-batch's forward and backward (None:
     none), e.g. the activation-memory probe of an untimed step (distlab.runtime.activations).
     records: the records of steps before start_step when resuming; new ones are appended to it.

@@ -11,7 +11,7 @@ import torch
 from distlab.records import metrics as M
 from distlab.configuration.hardware import peak_flops_per_rank
 from distlab.records.job import Job
-from distlab.runtime.loop import gather
+from distlab.rank.loop import gather
 from distlab.runtime.noise import summarize_noise
 
 
@@ -76,7 +76,7 @@ def optimization(spec: dict, all_records: list[list[dict]]) -> dict:
 
 def step_extras(all_records: list[list[dict]], i: int) -> dict:
     """Step i's learning rate and pre-clip gradient norm (rank 0's: every rank's are the same
-    global figures), and the largest memory any rank held after it (distlab.runtime.monitor)."""
+    global figures), and the largest memory any rank held after it (distlab.rank.monitor)."""
     first = all_records[0][i]
     memory = [recs[i].get("memory_bytes") for recs in all_records if recs[i].get("memory_bytes") is not None]
     ev = first.get("eval") or {}
@@ -86,7 +86,7 @@ def step_extras(all_records: list[list[dict]], i: int) -> dict:
 
 def summarize_run(job: Job, ctx, strategy, prepared, ranks: dict, n_samples: int, started: float):
     """Rank 0: (metrics.json's dict, steps.jsonl's rows) from what gather_ranks collected."""
-    spec = ctx.spec  # the job's, or the one an elastic Ray group resumed under (distlab.launchers.ray_worker)
+    spec = ctx.spec  # the job's, or the one an elastic Ray group resumed under (distlab.rank.ray_worker)
     flops = prepared.flops
     all_records, all_memory, comm = ranks["records"], ranks["memory"], ranks["comm"]
     hardware = json.loads(Path(job.hardware_json).read_text())

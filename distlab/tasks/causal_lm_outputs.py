@@ -1,4 +1,4 @@
-"""The causal LM's outputs in a validation rank (distlab.runtime.validate_ranks calls them through the
+"""The causal LM's outputs in a validation rank (distlab.rank.validate_ranks calls them through the
 task: distlab.tasks.causal_lm; text-to-image's are distlab/tasks/text_to_image/outputs.py):
 the export checked as a user opens it, a reloaded strategy's output on the fixed eval batch,
 and the LoRA base check.
@@ -20,7 +20,7 @@ def export_logits(folder: Path, batch, skeleton=None, base_folder=None, cast=Non
     and weight files, one layer at a time. LoRA: `skeleton` is the PeftModel peft built on a
     meta base from the adapter folder, the base weights read from `base_folder`."""
     from distlab.runtime.model import load_model
-    from distlab.runtime.partial_load import checkpoint_names
+    from distlab.configuration.model_files import checkpoint_names
     from distlab.runtime.streamed import Skeleton, file_groups, open_weights, streamed_logits
 
     if skeleton is None:
