@@ -169,6 +169,8 @@ def test_a_start_the_server_cannot_make_identical_to_a_fresh_one_is_refused(chan
     ({"strategy": "ddp"}, ["mlflow"]),
     ({"strategy": "deepspeed", "deepspeed": {"zero_stage": 1}}, ["deepspeed", "mlflow"]),
     ({"strategy": "accelerate", "launcher": "accelerate", "method": "lora"}, ["accelerate", "peft", "mlflow"]),
+    ({"strategy": "accelerate", "launcher": "accelerate", "method": "qlora"},
+     ["accelerate", "peft", "bitsandbytes", "mlflow"]),
 ])
 def test_a_flavour_server_imports_only_what_a_fresh_rank_of_that_spec_imports(overrides, wanted, prepared,
                                                                                tmp_path, monkeypatch):
@@ -335,11 +337,11 @@ def test_every_cpu_experiment_of_the_default_run_is_offered_a_warm_start():
     """Each flavour a CPU rank of the default run asks for is one a flavour server imports: a QLoRA
     rank once asked for bitsandbytes, which no server imported, and started fresh every time."""
     from distlab.configuration.config import load_file
-    from distlab.launchers.warm_checks import FLAVOURS
+    from distlab.launchers.warm_start import flavours
 
     _, specs = load_file("config/config.yaml", gpu_count=0)
     for name, spec in specs.items():
         for rank in range(spec["world_size"]):
             for training in (True, False):
                 asked = set(warm_start.rank_imports(spec, rank, training))
-                assert asked <= set(FLAVOURS), (name, rank, asked - set(FLAVOURS))
+                assert asked <= set(flavours()), (name, rank, asked - set(flavours()))

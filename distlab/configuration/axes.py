@@ -20,6 +20,9 @@ STAGE_ORDER = ["ddp", "accelerate", "deepspeed", "fsdp", "ray", "parallel", "lin
 OPT_IN_STAGES = ("links", "unequal")
 # Full fine-tuning, LoRA adapters (peft), QLoRA (LoRA on a 4-bit base): config/schema.yaml says more.
 METHODS = ("full", "lora", "qlora")
+# The libraries a method's ranks import beyond the warm-start server's preloads (a warm start's
+# flavour, distlab.launchers.warm_start.rank_imports): PEFT's adapters, bitsandbytes' 4-bit layers.
+METHOD_LIBRARIES = {"lora": ("peft",), "qlora": ("peft", "bitsandbytes")}
 # Where a run computes (a config's `auto` resolves to one of them at expansion).
 DEVICES = ("cpu", "cuda")
 # distributed: disjoint shards per rank; none: every rank reads all of it.

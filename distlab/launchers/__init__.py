@@ -17,5 +17,10 @@ REGISTRY = {
 }
 
 
+# The libraries a launcher's ranks import beyond the warm-start server's preloads (as a strategy's
+# settings declare its own: distlab.launchers.warm_start.rank_imports).
+RANK_LIBRARIES = {"accelerate": ("accelerate",)}
+
+
 def get_launcher(name: str):
     return load(REGISTRY, name, "launcher")

@@ -22,8 +22,6 @@ import sys
 
 ENTRY_MODULES = ("distlab.rank.worker", "distlab.rank.validate_ranks", "distlab.launchers.loopback",
                  "distlab.tools.collectives", "distlab.launchers.call")
-# A flavour server's extra imports may be only these (what warm_start.rank_imports names).
-FLAVOURS = ("deepspeed", "accelerate", "peft", "bitsandbytes", "mlflow")
 # Variables a library reads when it is imported (the interpreter, the loader, glibc's malloc,
 # GNU OpenMP, MKL, OpenBLAS, torch, Hugging Face, CUDA, DeepSpeed): a request whose value differs from the
 # server's is refused. Thread counts are set per job (snakemake) and launch (distlab) and applied
@@ -94,8 +92,10 @@ def refusal(request: dict) -> str | None:
     (shape_error) before this reads it."""
     if request["module"] not in ENTRY_MODULES:
         return f"{request['module']} is not an entry module distlab starts"
-    if not set(request["imports"]) <= set(FLAVOURS):
-        return f"no flavour server imports {sorted(set(request['imports']) - set(FLAVOURS))}"
+    from distlab.launchers.warm_start import flavours
+
+    if not set(request["imports"]) <= set(flavours()):
+        return f"no flavour server imports {sorted(set(request['imports']) - set(flavours()))}"
     if request["executable"] != sys.executable:
         return f"another Python ({request['executable']}, the server runs {sys.executable})"
     import distlab

@@ -213,22 +213,33 @@ def launch_of_copy(pid: int, cmdline: list[str], parent: int) -> str | None:
 
 
 def rank_imports(spec: dict, rank: int, training: bool = True) -> list[str]:
-    """What a rank of `spec` imports beyond PRELOAD that a flavour server can import once:
-    DeepSpeed for its strategy, Accelerate for its launcher, PEFT for LoRA, MLflow on a training
-    rank 0 that tracks to it (distlab.runtime.tracking.hide_mlflow keeps it out of the others).
-    Each is imported by a fresh rank of such a spec (tests/test_warm_start.py checks it)."""
-    imports = []
-    if spec["strategy"] == "deepspeed":
-        imports.append("deepspeed")
-    if spec.get("launcher") == "accelerate":
-        imports.append("accelerate")
-    if spec["method"] in ("lora", "qlora"):
-        imports.append("peft")
-    if spec["method"] == "qlora":
-        imports.append("bitsandbytes")
+    """What a rank of `spec` imports beyond PRELOAD that a flavour server can import once, as its
+    strategy's settings, its launcher and its method declare them (`rank_libraries`,
+    RANK_LIBRARIES, METHOD_LIBRARIES), plus MLflow on a training rank 0 that tracks to it
+    (distlab.runtime.tracking.hide_mlflow keeps it out of the others). Each is imported by a fresh
+    rank of such a spec (tests/test_warm_start.py checks it)."""
+    from distlab.configuration.axes import METHOD_LIBRARIES
+    from distlab.launchers import RANK_LIBRARIES
+    from distlab.strategies.settings import registered
+
+    imports = [*registered()[spec["strategy"]].rank_libraries, *RANK_LIBRARIES.get(spec.get("launcher"), ()),
+               *METHOD_LIBRARIES.get(spec["method"], ())]
     if training and rank == 0 and "mlflow" in spec.get("tracking", []):
         imports.append("mlflow")
-    return imports
+    return list(dict.fromkeys(imports))
+
+
+def flavours() -> tuple[str, ...]:
+    """Every library a flavour server may import: what any strategy, launcher or method declares,
+    and MLflow."""
+    from distlab.configuration.axes import METHOD_LIBRARIES
+    from distlab.launchers import RANK_LIBRARIES
+    from distlab.strategies.settings import registered
+
+    declared = [*(name for s in registered().values() for name in s.rank_libraries),
+                *(name for names in RANK_LIBRARIES.values() for name in names),
+                *(name for names in METHOD_LIBRARIES.values() for name in names), "mlflow"]
+    return tuple(dict.fromkeys(declared))
 
 
 def job_rank_imports(training: bool = True) -> list[str]:

@@ -60,6 +60,7 @@ def zero3_settings(settings: dict, counts: dict) -> dict:
 
 class DeepSpeedSettings(StrategySettings):
     name = "deepspeed"
+    rank_libraries = ("deepspeed",)
     defaults = {"zero_stage": 2, "offload_optimizer": "none", "offload_param": "none", "nvme_path": None,
                 "optimizer_impl": "torch", "zero3_profile": "auto"}
     schema = block_schema({

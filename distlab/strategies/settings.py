@@ -36,6 +36,9 @@ class StrategySettings:
     schema: dict | None = None
     #: What `launcher: auto` starts the strategy's ranks with.
     launcher: str = "torchrun"
+    #: The libraries its ranks import beyond the warm-start server's preloads: a warm start forks
+    #: them from a server that imported these too (distlab.launchers.warm_start.rank_imports).
+    rank_libraries: tuple[str, ...] = ()
     #: Whether each rank reads its own samples (False: the ranks split the model and read the same ones).
     data_parallel: bool = True
     #: Whether Ray Train can start it (`launcher: ray`): Ray sets up its process group.
