@@ -45,9 +45,6 @@ APART = [("strategies", "tasks")]  # a strategy names no task, a task no strateg
 # Imports against the order, not yet fixed: "file -> module": why it is still there and what
 # would take it off. The list only shrinks: an entry that no longer matches such an import fails.
 KNOWN_UPWARD = {
-    "distlab/launchers/ray_driver.py -> distlab.rank.ray_worker":
-        "Ray Train takes a rank's entry as a function object, so the driver imports it to hand it over (torchrun "
-        "and accelerate start theirs by module name, distlab.rank.worker, in a new process)",
     "distlab/report/build.py -> distlab.tools.advisor_check":
         "the advisor card holds the advisor's memory estimate to each run by recomputing it for the run's spec at "
         "report time (parameter counts on torch's meta device); to go, a rule (or rank 0, as it records its "

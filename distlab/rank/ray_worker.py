@@ -3,7 +3,7 @@
 `train_worker` is the TorchTrainer training function: distlab.rank.worker.run_rank with
 checkpoints that Ray knows about (every periodic checkpoint is reported with
 `ray.train.report`; a restarted or resized group resumes from `ray.train.get_checkpoint()`).
-Events go to the driver's RunLog actor (distlab.launchers.ray_driver), so no shared
+Events go to the driver's RunLog actor (distlab.rank.ray_train), so no shared
 filesystem is needed for them.
 """
 from __future__ import annotations
