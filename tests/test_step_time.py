@@ -151,6 +151,27 @@ def test_a_collective_past_the_largest_measured_size_scales_with_bytes_and_world
     assert S.collective_seconds(coll, "all_gather", 262144, 4) == pytest.approx(262144 * 0.75 / 1e6)
 
 
+def test_on_cpu_ranks_a_reduce_scatter_sends_what_an_all_reduce_does_and_on_gpus_half_of_it():
+    # gloo reduce-scatters by all-reducing the whole input: 2(n-1)/n of it leaves each rank.
+    calls = [{"op": "reduce_scatter", "bytes": 1000, "calls": 3}, {"op": "all_gather", "bytes": 1000, "calls": 1}]
+    assert S.wire_bytes_per_rank(calls, 4, "cpu") == pytest.approx(3 * 1000 * 2 * 3 / 4 + 1000 * 3 / 4)
+    assert S.wire_bytes_per_rank(calls, 4, "cuda") == pytest.approx(3 * 1000 * 3 / 4 + 1000 * 3 / 4)
+    # From 2 measured ranks to 4: x (2*3/4) / (2*1/2) on gloo, as its all-reduce scales.
+    coll = collectives_file(latency=0.0)
+    measured = S.collective_seconds(coll, "reduce_scatter", 262144, 2, "cpu")
+    assert S.collective_seconds(coll, "reduce_scatter", 262144, 4, "cpu") == pytest.approx(measured * 1.5)
+
+
+def test_each_rank_device_reads_its_own_backends_rows_of_the_collectives_file():
+    gloo, nccl = collectives_file(latency=1e-3), collectives_file(latency=1e-6, busbw=1e9)
+    both = {"world_size": 2, "results": [dict(r, backend="gloo") for r in gloo["results"]]
+            + [dict(r, backend="nccl") for r in nccl["results"]]}
+    assert S.collective_seconds(both, "all_reduce", 4096, 2, "cpu") == pytest.approx(
+        S.collective_seconds(gloo, "all_reduce", 4096, 2))
+    assert S.collective_seconds(both, "all_reduce", 4096, 2, "cuda") == pytest.approx(
+        S.collective_seconds(nccl, "all_reduce", 4096, 2))
+
+
 def test_optimizer_is_adamw_plus_the_norm_read_plus_offload_copies():
     s = spec(strategy="deepspeed", world_size=2, grad_accum=2,
              deepspeed={"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"})

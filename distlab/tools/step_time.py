@@ -281,17 +281,24 @@ def _zero3_gathers(spec: dict, counts: dict) -> tuple[list[int], list[int]]:
     return forward, forward[:len(forward) - kept]
 
 
-def wire_bytes_per_rank(calls: list[dict], world: int) -> float:
+def wire_bytes_per_rank(calls: list[dict], world: int, device: str = "cuda") -> float:
     """Bytes each rank sends for these calls with ring algorithms: nccl-tests' bus-bandwidth
     factor of the op times its size (an all-reduce of B bytes sends 2(n-1)/n B per rank; an
-    all-gather or reduce-scatter (n-1)/n B)."""
-    return sum(c["bytes"] * c["calls"] * _wire_factor(c["op"], world) for c in calls)
+    all-gather or reduce-scatter (n-1)/n B), and on CPU ranks gloo's reduce-scatter as the
+    all-reduce it is (_wire_factor)."""
+    return sum(c["bytes"] * c["calls"] * _wire_factor(c["op"], world, device) for c in calls)
 
 
-def _wire_factor(op: str, world: int) -> float:
+def _wire_factor(op: str, world: int, device: str = "cuda") -> float:
     if op == "p2p":  # each message is sent by one of the two ranks of its boundary
         return 0.5
-    return 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
+    # gloo (CPU tensors) reduce-scatters by all-reducing the whole input and keeping its chunk: a
+    # profiled ZeRO-3 step's reduce_scatter_base calls ran as gloo:all_reduce, over 100 Mbit/s a
+    # 4 MiB reduce-scatter took an all-reduce's time (0.356 s each, links/collectives-100m.json),
+    # and each FSDP host's eth0 counted 45 MB a step against 31.6 MB with a ring reduce-scatter.
+    if op == "all_reduce" or (op == "reduce_scatter" and device == "cpu"):
+        return 2 * (world - 1) / world
+    return (world - 1) / world
 
 
 def _buckets(grads: int) -> list[int]:
@@ -305,19 +312,21 @@ def _buckets(grads: int) -> list[int]:
     return out
 
 
-def collective_seconds(collectives: dict, op: str, size: float, world: int) -> float:
-    """Seconds of one `op` of `size` bytes from a collectives.json: log-interpolated between
-    the measured sizes, beyond them at the largest size's bus bandwidth, scaled to `world`
-    through nccl-tests' bus-bandwidth factor."""
+def collective_seconds(collectives: dict, op: str, size: float, world: int, device: str = "cpu") -> float:
+    """Seconds of one `op` of `size` bytes from a collectives.json, on the backend of the ranks'
+    `device` (gloo for CPU tensors, NCCL for CUDA ones): log-interpolated between the measured
+    sizes, beyond them at the largest size's bus bandwidth, scaled to `world` through nccl-tests'
+    bus-bandwidth factor (gloo's reduce-scatter: an all-reduce's, _wire_factor)."""
     if op == "p2p":  # b bytes one way take what an all-gather of 2b takes over two ranks (b each way)
-        return collective_seconds(collectives, "all_gather", 2 * size, 2)
-    rows = sorted(((r["size_bytes"], r) for r in collectives["results"] if r["op"] == op and r.get("status") == "ok"),
+        return collective_seconds(collectives, "all_gather", 2 * size, 2, device)
+    backend = "nccl" if device == "cuda" else "gloo"
+    rows = sorted(((r["size_bytes"], r) for r in collectives["results"]
+                   if r["op"] == op and r.get("status") == "ok" and r.get("backend", backend) == backend),
                   key=lambda row: row[0])
     if not rows:
-        raise KeyError(f"collectives.json has no measured {op}")
+        raise KeyError(f"collectives.json has no measured {backend} {op}")
     measured_world = collectives["world_size"]
-    factor = {"all_reduce": lambda n: 2 * (n - 1) / n}.get(op, lambda n: (n - 1) / n)
-    scale = factor(world) / factor(measured_world)
+    scale = _wire_factor(op, world, device) / _wire_factor(op, measured_world, device)
     sizes = [s for s, _ in rows]
     if size <= sizes[0]:
         return rows[0][1]["time_s_median"] * scale
@@ -342,7 +351,7 @@ def communication_term(spec: dict, shape: dict, counts: dict, collectives: dict 
     total = 0.0
     rows = []
     for c in calls:
-        seconds = c["calls"] * collective_seconds(collectives, c["op"], c["bytes"], world)
+        seconds = c["calls"] * collective_seconds(collectives, c["op"], c["bytes"], world, spec["device"])
         rows.append({**c, "seconds": seconds})
         total += seconds
     exposed, overlap_how = total, "not overlapped"
@@ -356,7 +365,7 @@ def communication_term(spec: dict, shape: dict, counts: dict, collectives: dict 
         overlap_how = ("not overlapped: every core computes for a rank, so the collectives' thread takes "
                        "turns with the computation")
     return {"seconds": exposed, "total_s": total, "bytes": sum(c["bytes"] * c["calls"] for c in calls),
-            "wire_bytes_per_rank": wire_bytes_per_rank(calls, world),
+            "wire_bytes_per_rank": wire_bytes_per_rank(calls, world, spec["device"]),
             "calls": rows,
             "how": f"each call at its message size from {collectives.get('_file', 'collectives.json')} (median "
                    "time, latency included; log-interpolated between measured sizes, past the largest at its "
