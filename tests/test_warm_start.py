@@ -19,6 +19,7 @@ import pytest
 from distlab.launchers import warm_checks, warm_start
 from distlab.launchers.environment import warm_start_environment
 from distlab.launchers.process import launch_of, processes_of
+from distlab.launchers.warm_server import PRELOAD
 
 from warm_fixtures import copies_of, server, server_log, server_pid  # noqa: F401 - server: a fixture
 
@@ -36,6 +37,9 @@ def test_a_warm_rank_trains_exactly_what_a_fresh_rank_trains(server, prepared, t
     assert fresh["timeline"]["start"] == "fresh interpreter"
     assert warm["timeline"]["start"].startswith("forked from the run's warm interpreter"), warm["timeline"]
     assert warm["loss"]["per_step"] == fresh["loss"]["per_step"]
+    # each rank says how it started beside its memory figures
+    assert all(r["start"] == "fresh interpreter" for r in fresh["memory"]["per_rank"])
+    assert all(r["start"].startswith("forked from") for r in warm["memory"]["per_rank"]), warm["memory"]
     # the copy skipped the imports: its first phase is the hand-over, not torch's import
     first = {run: record["timeline"]["phases"][0]["cpu_s"] for run, record in (("fresh", fresh), ("warm", warm))}
     assert first["warm"] < first["fresh"] / 5, first
@@ -56,8 +60,13 @@ def stand_in(server: str, job: Path, identity: str, out: Path,
                                             "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     rank = f"{prefix} {sys.executable} -m distlab.runtime.worker --job {job}"
+    # The agent dies with this process (a pytest killed by a timeout once left a stand-in training
+    # for 20 minutes on a core of its own); the rank dies with the agent (its die_with_parent).
+    from distlab.launchers.process import die_with_parent
+
+    tests = os.getpid()
     agent = subprocess.Popen(["sh", "-c", f"{rank} > {out} 2>&1; echo status $? >> {out}"], env=env, cwd=REPO,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=lambda: die_with_parent(tests))
     deadline = time.monotonic() + 30
     while not psutil.Process(agent.pid).children() and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -157,13 +166,15 @@ def test_a_start_the_server_cannot_make_identical_to_a_fresh_one_is_refused(chan
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides, wanted", [
+    ({"strategy": "ddp"}, ["mlflow"]),
     ({"strategy": "deepspeed", "deepspeed": {"zero_stage": 1}}, ["deepspeed", "mlflow"]),
     ({"strategy": "accelerate", "launcher": "accelerate", "method": "lora"}, ["accelerate", "peft", "mlflow"]),
 ])
 def test_a_flavour_server_imports_only_what_a_fresh_rank_of_that_spec_imports(overrides, wanted, prepared,
                                                                                tmp_path, monkeypatch):
-    """A warm copy maps its server's modules: each flavour import must be one the fresh rank
-    makes itself (Python's own import log, -X importtime, of a fresh 1-rank run)."""
+    """A warm copy maps its server's modules: each flavour import, and each module every server
+    preloads, must be one the fresh rank makes itself (Python's own import log, -X importtime, of
+    a fresh 1-rank run)."""
     import re
 
     from tests.conftest import resolve, run_experiment
@@ -172,11 +183,28 @@ def test_a_flavour_server_imports_only_what_a_fresh_rank_of_that_spec_imports(ov
     assert warm_start.rank_imports(spec, 0) == wanted
     assert warm_start.rank_imports(spec, 1) == [name for name in wanted if name != "mlflow"]
     monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")
+    # Python's import log misses importlib.import_module (transformers' lazy submodules, the Auto
+    # classes' model code): a sitecustomize logs those calls too.
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(
+        "import importlib, sys\n"
+        "_import_module = importlib.import_module\n"
+        "def import_module(name, package=None):\n"
+        "    module = _import_module(name, package)\n"
+        "    print(f'import_module: {module.__name__}', file=sys.stderr)\n"
+        "    return module\n"
+        "importlib.import_module = import_module\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "site"), *sys.path]))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     run_experiment(prepared, tmp_path / "run", spec, checkpoint=False)
-    imported = set(re.findall(r"^import time:.*\|\s+([\w.]+)$", (tmp_path / "run" / "train.log").read_text(), re.M))
-    assert "torch" in imported  # the log is there
+    log = (tmp_path / "run" / "train.log").read_text()
+    imported = set(re.findall(r"^(?:import time:.*\||import_module:)\s+([\w.]+)$", log, re.M))
+    assert {"torch", "transformers.models.llama.modeling_llama"} <= imported  # both logs are there
     assert set(wanted) <= imported, set(wanted) - imported
+    not_imported = {"distlab.runtime.worker", "distlab.runtime.validate_ranks"}  # a rank runs one as __main__
+    if spec["launcher"] != "torchrun":  # only torchrun's agent imports its launcher API
+        not_imported.add("torch.distributed.launcher.api")
+    assert set(PRELOAD) - not_imported <= imported, set(PRELOAD) - not_imported - imported
 
 
 @pytest.mark.slow
@@ -301,3 +329,17 @@ def test_one_bad_or_abandoned_request_never_ends_the_server(server, tmp_path):
     assert copies_of(server) == []  # the abandoned request's copy was killed and its record removed
     log = server_log(server)
     assert "BrokenPipeError" in log or "ConnectionResetError" in log, log[-3000:]
+
+
+def test_every_cpu_experiment_of_the_default_run_is_offered_a_warm_start():
+    """Each flavour a CPU rank of the default run asks for is one a flavour server imports: a QLoRA
+    rank once asked for bitsandbytes, which no server imported, and started fresh every time."""
+    from distlab.configuration.config import load_file
+    from distlab.launchers.warm_checks import FLAVOURS
+
+    _, specs = load_file("config/config.yaml", gpu_count=0)
+    for name, spec in specs.items():
+        for rank in range(spec["world_size"]):
+            for training in (True, False):
+                asked = set(warm_start.rank_imports(spec, rank, training))
+                assert asked <= set(FLAVOURS), (name, rank, asked - set(FLAVOURS))

@@ -21,9 +21,9 @@ import os
 import sys
 
 ENTRY_MODULES = ("distlab.runtime.worker", "distlab.runtime.validate_ranks", "distlab.launchers.loopback",
-                 "distlab.tools.collectives")
+                 "distlab.tools.collectives", "distlab.launchers.call")
 # A flavour server's extra imports may be only these (what warm_start.rank_imports names).
-FLAVOURS = ("deepspeed", "accelerate", "peft", "mlflow")
+FLAVOURS = ("deepspeed", "accelerate", "peft", "bitsandbytes", "mlflow")
 # Variables a library reads when it is imported (the interpreter, the loader, glibc's malloc,
 # GNU OpenMP, MKL, OpenBLAS, torch, Hugging Face, CUDA, DeepSpeed): a request whose value differs from the
 # server's is refused. Thread counts are set per job (snakemake) and launch (distlab) and applied

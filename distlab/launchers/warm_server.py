@@ -25,11 +25,14 @@ import sys
 from distlab.launchers import warm_checks, warm_start
 from distlab.launchers.warm_start import LAUNCH_ENV, send_message
 
-# What every CPU rank imports anyway: torch, distlab's rank code, transformers' model base (its
-# import is ~2.7 s of CPU); besides, for the agents, torchrun's launcher API (~0.1 s of import),
-# and the default model's family (a rank of another family imports its own on top).
+# What every CPU training rank imports anyway: torch, distlab's rank code, transformers' model base
+# (its import is ~2.7 s of CPU), transformers' schedulers (~2 s: transformers 5 pulls in PEFT and
+# bitsandbytes through them) and datasets (the prepared blocks, ~0.4 s); besides, for the agents,
+# torchrun's launcher API (~0.1 s of import), and the default model's family (a rank of another
+# family imports its own on top). tests/test_warm_start.py checks a fresh rank imports each.
 PRELOAD = ("torch", "torch.distributed.launcher.api", "distlab.runtime.worker", "distlab.runtime.validate_ranks",
-           "transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama")
+           "transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
+           "transformers.optimization", "datasets")
 
 _flavour: tuple[str, ...] = ()  # what this server imported beyond PRELOAD
 

@@ -144,8 +144,12 @@ def memory_record(ctx, load_phase: dict | None = None) -> dict:
                            else "VmHWM since process start (clear_refs refused: includes the load phase)")
     if ctx.device.type == "cuda":
         out.update({k: v for k, v in training.items() if k.startswith(("cuda_", "nvml_"))})
-    else:  # what RSS means here depends on it
+    else:  # what RSS means here depends on them
+        from distlab.launchers.warm_start import start_record
+
         out["host_allocator"] = host_allocator.record()
+        # A warm copy's RSS counts only the pages it touched of what its server imported.
+        out["start"] = start_record()
     return out
 
 

@@ -8,9 +8,14 @@ of TIME_PER_KERNEL_S), and each kernel's time is the median of all its calls: on
 (a VM's cores, other tenants) the slowdown comes and goes over seconds, and timing each kernel in
 one stretch gave one kernel a quiet spell and the next a busy one (matmul rates of one probe
 spread 32-91 GFLOP/s). Interleaved, every kernel samples the same spells.
+
+Rule compute_probe runs it in a process of its own (`run_probe`, distlab.launchers.call), which on
+CPU forks from the run's warm-start server as ranks do: its kernels take ~1-2 s here, torch's and
+transformers' imports ~5-7 s, paid once per probe key otherwise.
 """
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import statistics
@@ -233,3 +238,31 @@ def probe(kernels: list[dict], device: str = "cpu", config_json: dict | None = N
                     f"{WARMUP} warm-up call, the median of all its calls (round_s: each round's median); random "
                     "inputs; on CPU while forked copies run the same kernel on every other core (neighbours: the "
                     "other ranks of the step); forward_s: the forward alone, without autograd")}
+
+
+def probe_key_file(model_config: str, key: str, model: str, out: str) -> None:
+    """Time the kernels of probe key `key` (distlab.tools.step_time.probe_key) at the shapes of the
+    model whose config.json is `model_config`, and write them to `out`."""
+    from distlab.launchers.warm_start import start_record
+    from distlab.tools.parameter_counts import model_shape, parameter_counts
+    from distlab.tools.step_time import kernels_needed, parse_probe_key
+
+    started = time.perf_counter()
+    with open(model_config) as fh:
+        config_json = json.load(fh)
+    shape = model_shape(config_json)
+    found = probe(kernels_needed(key, shape, parameter_counts(shape)), parse_probe_key(key)["device"], config_json)
+    with open(out, "w") as fh:
+        json.dump({"model": model, "key": key, **found, "start": start_record(),
+                   "probe_seconds": time.perf_counter() - started}, fh, indent=1)
+    print(f"{len(found['kernels'])} kernel(s) timed for {model} at {key}", flush=True)
+
+
+def run_probe(model_config: str, key: str, model: str, out: str) -> None:
+    """Rule compute_probe: probe_key_file in a process of its own (distlab.launchers.call): a CPU
+    key's may start warm; a CUDA key's sees the job's GPUs and starts fresh, as a GPU rank does."""
+    from distlab.launchers.call import call_in_own_process
+    from distlab.tools.step_time import parse_probe_key
+
+    call_in_own_process("distlab.tools.compute_probe:probe_key_file", out, device=parse_probe_key(key)["device"],
+                        model_config=model_config, key=key, model=model, out=out)
