@@ -127,3 +127,32 @@ def test_the_neighbours_run_the_kernel_being_timed():
             assert seen[0] == index + 1
     finally:
         neighbours.stop()
+
+
+def test_paused_neighbours_leave_the_machine_to_the_timed_kernel():
+    seen = mmap.mmap(-1, 1)
+
+    def call():
+        seen[0] = 1
+        time.sleep(0.001)
+
+    neighbours = P._Neighbours([call], [1], 1)
+    try:
+        deadline = time.monotonic() + 5
+        while seen[0] != 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        neighbours.pause()
+        time.sleep(0.05)  # a call under way ends
+        seen[0] = 0
+        time.sleep(0.05)
+        assert seen[0] == 0
+    finally:
+        neighbours.stop()
+
+
+def test_with_other_cores_each_kernel_is_also_timed_alone(recorded, monkeypatch):
+    monkeypatch.setattr(P.os, "sched_getaffinity", lambda pid: {0, 1})
+    row = P.probe([kernel("mm")], "cpu")["kernels"]["mm:1|float32|1"]
+    assert row["neighbours"] == 1 and row["alone_s"] > 0
+    monkeypatch.setattr(P.os, "sched_getaffinity", lambda pid: {0})
+    assert "alone_s" not in P.probe([kernel("mm")], "cpu")["kernels"]["mm:1|float32|1"]  # no core to leave free

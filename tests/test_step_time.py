@@ -73,6 +73,25 @@ def test_activation_checkpointing_adds_one_forward_per_checkpointed_layer():
     assert again["seconds"] - plain["seconds"] == pytest.approx(2 * forward)
 
 
+def test_a_run_leaving_cores_free_is_timed_between_its_kernels_alone_and_beside_by_what_others_used():
+    s = spec()  # one rank of one thread
+    beside = probe_for(s, lambda k: 2 * flops_time(k))
+    for row in beside["kernels"].values():  # alone: half of beside
+        row["alone_s"], row["forward_alone_s"] = row["s"] / 2, row["forward_s"] / 2
+    alone = S.compute_term(s, SHAPE, COUNTS, probe_for(s, flops_time))["seconds"]
+    full = 2 * alone
+    # 2 cores: the run leaves one free; others used none, half of it, all of it (or more) as it started
+    assert S.neighbour_share(s, 2, 0.0) == 0.0 and S.neighbour_share(s, 2, 0.5) == 0.5
+    assert S.neighbour_share(s, 2, 1.7) == 1.0 and S.neighbour_share(s, 2, None) == 1.0
+    for others, expect in ((0.0, alone), (0.5, 1.5 * alone), (1.7, full)):
+        got = S.predict(s, SHAPE, COUNTS, beside, None, 2, others_cores=others)["terms"]["compute"]["seconds"]
+        assert got == pytest.approx(expect)
+    # Two ranks on two cores fill the machine: each rank's neighbour is the other, whatever else ran.
+    assert S.neighbour_share(spec(world_size=2), 2, 0.0) == 1.0
+    # A probe without alone times (another core never existed): beside times as they are.
+    assert S.compute_term(s, SHAPE, COUNTS, probe_for(s, flops_time), neighbours=0.0)["seconds"] == alone
+
+
 def test_experiments_of_the_same_shapes_share_one_probe_and_others_get_their_own():
     assert S.probe_key(spec(lr=1e-3, strategy="fsdp", world_size=2)) == S.probe_key(spec()) == "cpu-float32-t1-r2x4-tp1"
     assert S.probe_key(spec(method="qlora")).endswith("-nf4")

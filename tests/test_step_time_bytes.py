@@ -71,7 +71,8 @@ def profiled_runs(prepared, tmp_path_factory) -> Path:
 
 def test_each_strategys_bytes_per_step_are_what_a_profiled_step_sends(profiled_runs):
     from distlab.records.run_outputs import read_run_record
-    from distlab.tools.step_time import _wire_factor, collectives_per_step, model_parts
+    from distlab.tools.step_collectives import _wire_factor, collectives_per_step
+    from distlab.tools.step_time import model_parts
 
     config_json = json.loads((profiled_runs.parent / "prep" / "model" / "config.json").read_text())
     checked = []

@@ -161,6 +161,9 @@ class _Neighbours:
                     running = None
                     while True:
                         index = self.current()
+                        if index < 0:  # paused: the timed kernel has the machine to itself
+                            time.sleep(0.0005)
+                            continue
                         if threads[index] != running:
                             running = threads[index]
                             torch.set_num_threads(running)
@@ -171,6 +174,9 @@ class _Neighbours:
 
     def select(self, index: int) -> None:
         self.shared[:8] = struct.pack("q", index)
+
+    def pause(self) -> None:
+        self.select(-1)
 
     def current(self) -> int:
         return struct.unpack("q", self.shared[:8])[0]
@@ -185,8 +191,8 @@ class _Neighbours:
 
 
 def probe(kernels: list[dict], device: str = "cpu", config_json: dict | None = None) -> dict:
-    """{kernels: {"<key>|<dtype>|<threads>": {s, forward_s, repeats, round_s}}, how} for the
-    distinct kernels listed."""
+    """{kernels: {"<key>|<dtype>|<threads>": {s, forward_s, alone_s, forward_alone_s, repeats,
+    round_s}}, how} for the distinct kernels listed."""
     import torch
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -201,8 +207,11 @@ def probe(kernels: list[dict], device: str = "cpu", config_json: dict | None = N
     threads = [max(1, distinct[n]["threads"]) for n in names]
     # One rank's threads per neighbour, on every core the timed kernel leaves (a probe key has one thread count).
     others = max(0, cores // max(threads) - 1) if device == "cpu" else 0
-    times = {n: [] for n in names}
-    forward_times = {n: [] for n in names}
+    # Each kernel is timed beside its neighbours (the step as a full machine runs it) and, where
+    # there are any, alone (a 1-rank run the workflow left a core to): half of its budget each.
+    sides = ("beside", "alone") if others else ("beside",)
+    budget, calls = TIME_PER_KERNEL_S / ROUNDS / len(sides), max(1, MAX_REPEATS // ROUNDS // len(sides))
+    times = {(n, side, part): [] for n in names for side in sides for part in ("both", "forward")}
     round_medians = {n: [] for n in names}
     neighbours = _Neighbours([both for _, both in built], threads, others)
     try:
@@ -211,33 +220,43 @@ def probe(kernels: list[dict], device: str = "cpu", config_json: dict | None = N
                 forward, both = built[i]
                 if device == "cpu":
                     torch.set_num_threads(threads[i])
-                neighbours.select(i)
-                if round_index == 0:
-                    for _ in range(WARMUP):
-                        both()
-                    sync()
-                got = _timed_round(both, sync, TIME_PER_KERNEL_S / ROUNDS, MAX_REPEATS // ROUNDS)
-                times[name] += got
-                round_medians[name].append(statistics.median(got))
-                if forward is not None:
-                    with torch.no_grad():
-                        forward_times[name] += _timed_round(forward, sync, TIME_PER_KERNEL_S / ROUNDS,
-                                                            MAX_REPEATS // ROUNDS)
+                for side in sides:
+                    if side == "beside":
+                        neighbours.select(i)
+                    else:
+                        neighbours.pause()
+                    if round_index == 0 and side == "beside":
+                        for _ in range(WARMUP):
+                            both()
+                        sync()
+                    got = _timed_round(both, sync, budget, calls)
+                    times[name, side, "both"] += got
+                    if side == "beside":
+                        round_medians[name].append(statistics.median(got))
+                    if forward is not None:
+                        with torch.no_grad():
+                            times[name, side, "forward"] += _timed_round(forward, sync, budget, calls)
     finally:
         neighbours.stop()
         torch.set_num_threads(before)
     rows = {}
     for name in names:
-        rows[name] = {"s": statistics.median(times[name]), "repeats": len(times[name]), "neighbours": others,
+        rows[name] = {"s": statistics.median(times[name, "beside", "both"]),
+                      "repeats": len(times[name, "beside", "both"]), "neighbours": others,
                       "round_s": round_medians[name]}
-        if forward_times[name]:
-            rows[name]["forward_s"] = statistics.median(forward_times[name])
+        if times[name, "beside", "forward"]:
+            rows[name]["forward_s"] = statistics.median(times[name, "beside", "forward"])
+        if "alone" in sides:
+            rows[name]["alone_s"] = statistics.median(times[name, "alone", "both"])
+            if times[name, "alone", "forward"]:
+                rows[name]["forward_alone_s"] = statistics.median(times[name, "alone", "forward"])
     return {"kernels": rows, "device": device, "rounds": ROUNDS,
             "how": (f"each kernel at its shape, dtype and thread count: {ROUNDS} interleaved rounds over every "
-                    f"kernel, each kernel called for {TIME_PER_KERNEL_S / ROUNDS} s a round (at least once) after "
-                    f"{WARMUP} warm-up call, the median of all its calls (round_s: each round's median); random "
-                    "inputs; on CPU while forked copies run the same kernel on every other core (neighbours: the "
-                    "other ranks of the step); forward_s: the forward alone, without autograd")}
+                    f"kernel, each kernel called for {budget} s a round (at least once) after {WARMUP} warm-up "
+                    "call, the median of all its calls (round_s: each round's median); random inputs; on CPU "
+                    "while forked copies run the same kernel on every other core (neighbours: the other ranks of "
+                    "the step), and as long again with those copies paused (alone_s, forward_alone_s: the machine "
+                    "to itself); forward_s: the forward alone, without autograd")}
 
 
 def probe_key_file(model_config: str, key: str, model: str, out: str) -> None:
