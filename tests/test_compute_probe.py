@@ -1,14 +1,21 @@
 """The compute probe a run's step-time prediction reads: each kernel of its key timed in a
 process of its own (distlab.launchers.call), which on CPU forks from the run's warm interpreter as
-ranks do."""
+ranks do. Every kernel is sampled across the whole probe, not in one stretch, so a busy spell of a shared
+machine slows all kernels alike; each kernel's time is the median of its calls; the neighbours
+run the kernel being timed.
+"""
 from __future__ import annotations
 
 import json
+import mmap
+import os
+import time
 
 import pytest
 
 from distlab.launchers import warm_start
 from distlab.testing import TINY_MODEL
+from distlab.tools import compute_probe as P
 from distlab.tools.compute_probe import run_probe
 from distlab.runtime.parameter_counts import model_shape, parameter_counts
 from distlab.tools.step_time import kernels_needed
@@ -51,3 +58,101 @@ def test_a_call_names_a_distlab_function_before_any_process_starts(tmp_path):
     for target in ("os:system", "distlab.tools.compute_probe", "distlab.tools.compute_probe:not a name"):
         with pytest.raises(ValueError, match="distlab.<module>:<function>"):
             call_in_own_process(target, str(tmp_path / "out.json"))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Kernels that record which of them ran, in this process, in call order."""
+    order: list[str] = []
+    pid = os.getpid()
+
+    def fake_kernel(kind, dims, dtype, device, config_json=None):
+        def both():
+            if os.getpid() == pid:  # not the forked neighbours' calls
+                order.append(kind)
+        return None, both
+
+    monkeypatch.setattr(P, "_kernel", fake_kernel)
+    return order
+
+
+def kernel(kind: str) -> dict:
+    return {"key": f"{kind}:1", "kind": kind, "dims": [1], "dtype": "float32", "threads": 1}
+
+
+def test_the_probe_interleaves_its_kernels_in_rounds_so_every_kernel_samples_the_same_spells(recorded):
+    found = P.probe([kernel("mm"), kernel("sdpa"), kernel("mm")], "cpu")
+    runs = [kind for i, kind in enumerate(recorded) if i == 0 or recorded[i - 1] != kind]
+    assert runs == ["mm", "sdpa"] * P.ROUNDS  # one stretch each would be ["mm", "sdpa"]
+    assert set(found["kernels"]) == {"mm:1|float32|1", "sdpa:1|float32|1"}  # the repeated kernel timed once
+    for row in found["kernels"].values():
+        assert len(row["round_s"]) == P.ROUNDS
+        assert row["repeats"] >= P.ROUNDS
+
+
+def test_a_kernels_time_is_the_median_of_all_its_calls_over_the_rounds(monkeypatch):
+    durations = [1.0, 5.0, 2.0, 4.0, 3.0]  # one call a round: each outlasts the round's budget
+    ticks = iter([x for d in durations for x in (0.0, d)])  # each call's start, then its end
+    clock = {"now": 0.0}
+
+    def fake_counter():
+        clock["now"] += next(ticks)
+        return clock["now"]
+
+    monkeypatch.setattr(P, "_kernel", lambda *a, **k: (None, lambda: None))
+    monkeypatch.setattr(P, "WARMUP", 0)
+    monkeypatch.setattr(P.time, "perf_counter", fake_counter)
+    monkeypatch.setattr(P.os, "sched_getaffinity", lambda pid: {0})  # one core: no neighbour to fork
+    row = P.probe([kernel("mm")], "cpu")["kernels"]["mm:1|float32|1"]
+    assert row["round_s"] == durations
+    assert row["s"] == 3.0 and row["repeats"] == 5
+
+
+def test_the_neighbours_run_the_kernel_being_timed():
+    seen = mmap.mmap(-1, 1)  # what the neighbour ran last, shared with it
+
+    def runs(index):
+        def call():
+            seen[0] = index
+            time.sleep(0.001)
+        return call
+
+    neighbours = P._Neighbours([runs(1), runs(2)], [1, 1], 1)
+    try:
+        for index in (1, 0, 1):
+            neighbours.select(index)
+            deadline = time.monotonic() + 5
+            while seen[0] != index + 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert seen[0] == index + 1
+    finally:
+        neighbours.stop()
+
+
+def test_paused_neighbours_leave_the_machine_to_the_timed_kernel():
+    seen = mmap.mmap(-1, 1)
+
+    def call():
+        seen[0] = 1
+        time.sleep(0.001)
+
+    neighbours = P._Neighbours([call], [1], 1)
+    try:
+        deadline = time.monotonic() + 5
+        while seen[0] != 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        neighbours.pause()
+        time.sleep(0.05)  # a call under way ends
+        seen[0] = 0
+        time.sleep(0.05)
+        assert seen[0] == 0
+    finally:
+        neighbours.stop()
+
+
+def test_with_other_cores_each_kernel_is_also_timed_alone(recorded, monkeypatch):
+    monkeypatch.setattr(P.os, "sched_getaffinity", lambda pid: {0, 1})
+    row = P.probe([kernel("mm")], "cpu")["kernels"]["mm:1|float32|1"]
+    assert row["neighbours"] == 1 and row["alone_s"] > 0
+    monkeypatch.setattr(P.os, "sched_getaffinity", lambda pid: {0})
+    assert "alone_s" not in P.probe([kernel("mm")], "cpu")["kernels"]["mm:1|float32|1"]  # no core to leave free

@@ -73,6 +73,25 @@ def test_activation_checkpointing_adds_one_forward_per_checkpointed_layer():
     assert again["seconds"] - plain["seconds"] == pytest.approx(2 * forward)
 
 
+def test_a_run_leaving_cores_free_is_timed_between_its_kernels_alone_and_beside_by_what_others_used():
+    s = spec()  # one rank of one thread
+    beside = probe_for(s, lambda k: 2 * flops_time(k))
+    for row in beside["kernels"].values():  # alone: half of beside
+        row["alone_s"], row["forward_alone_s"] = row["s"] / 2, row["forward_s"] / 2
+    alone = S.compute_term(s, SHAPE, COUNTS, probe_for(s, flops_time))["seconds"]
+    full = 2 * alone
+    # 2 cores: the run leaves one free; others used none, half of it, all of it (or more) as it started
+    assert S.neighbour_share(s, 2, 0.0) == 0.0 and S.neighbour_share(s, 2, 0.5) == 0.5
+    assert S.neighbour_share(s, 2, 1.7) == 1.0 and S.neighbour_share(s, 2, None) == 1.0
+    for others, expect in ((0.0, alone), (0.5, 1.5 * alone), (1.7, full)):
+        got = S.predict(s, SHAPE, COUNTS, beside, None, 2, others_cores=others)["terms"]["compute"]["seconds"]
+        assert got == pytest.approx(expect)
+    # Two ranks on two cores fill the machine: each rank's neighbour is the other, whatever else ran.
+    assert S.neighbour_share(spec(world_size=2), 2, 0.0) == 1.0
+    # A probe without alone times (another core never existed): beside times as they are.
+    assert S.compute_term(s, SHAPE, COUNTS, probe_for(s, flops_time), neighbours=0.0)["seconds"] == alone
+
+
 def test_experiments_of_the_same_shapes_share_one_probe_and_others_get_their_own():
     assert S.probe_key(spec(lr=1e-3, strategy="fsdp", world_size=2)) == S.probe_key(spec()) == "cpu-float32-t1-r2x4-tp1"
     assert S.probe_key(spec(method="qlora")).endswith("-nf4")
@@ -149,6 +168,27 @@ def test_a_collective_past_the_largest_measured_size_scales_with_bytes_and_world
     assert S.collective_seconds(coll, "all_gather", 2 * 262144, 2) == pytest.approx(2 * 262144 * 0.5 / 1e6)
     # 4 ranks move (n-1)/n = 3/4 of the bytes instead of 1/2
     assert S.collective_seconds(coll, "all_gather", 262144, 4) == pytest.approx(262144 * 0.75 / 1e6)
+
+
+def test_on_cpu_ranks_a_reduce_scatter_sends_what_an_all_reduce_does_and_on_gpus_half_of_it():
+    # gloo reduce-scatters by all-reducing the whole input: 2(n-1)/n of it leaves each rank.
+    calls = [{"op": "reduce_scatter", "bytes": 1000, "calls": 3}, {"op": "all_gather", "bytes": 1000, "calls": 1}]
+    assert S.wire_bytes_per_rank(calls, 4, "cpu") == pytest.approx(3 * 1000 * 2 * 3 / 4 + 1000 * 3 / 4)
+    assert S.wire_bytes_per_rank(calls, 4, "cuda") == pytest.approx(3 * 1000 * 3 / 4 + 1000 * 3 / 4)
+    # From 2 measured ranks to 4: x (2*3/4) / (2*1/2) on gloo, as its all-reduce scales.
+    coll = collectives_file(latency=0.0)
+    measured = S.collective_seconds(coll, "reduce_scatter", 262144, 2, "cpu")
+    assert S.collective_seconds(coll, "reduce_scatter", 262144, 4, "cpu") == pytest.approx(measured * 1.5)
+
+
+def test_each_rank_device_reads_its_own_backends_rows_of_the_collectives_file():
+    gloo, nccl = collectives_file(latency=1e-3), collectives_file(latency=1e-6, busbw=1e9)
+    both = {"world_size": 2, "results": [dict(r, backend="gloo") for r in gloo["results"]]
+            + [dict(r, backend="nccl") for r in nccl["results"]]}
+    assert S.collective_seconds(both, "all_reduce", 4096, 2, "cpu") == pytest.approx(
+        S.collective_seconds(gloo, "all_reduce", 4096, 2))
+    assert S.collective_seconds(both, "all_reduce", 4096, 2, "cuda") == pytest.approx(
+        S.collective_seconds(nccl, "all_reduce", 4096, 2))
 
 
 def test_optimizer_is_adamw_plus_the_norm_read_plus_offload_copies():

@@ -32,7 +32,8 @@ SCALAR_BYTES = 1024
 
 def sent_bytes(trace: Path) -> dict[str, float]:
     """Bytes rank 0 sent per kind of collective in a chrome trace (ring algorithms, 2 ranks: an
-    all-reduce of B bytes sends B, an all-gather of B output or reduce-scatter of B input B/2)."""
+    all-reduce of B bytes sends B, an all-gather of B output B/2; gloo's reduce-scatter of B input
+    all-reduces it: B)."""
     out: dict[str, float] = {}
     for event in json.loads(trace.read_text())["traceEvents"]:
         name = event.get("name", "")
@@ -46,7 +47,7 @@ def sent_bytes(trace: Path) -> dict[str, float]:
             return math.prod(dims[i]) * ELEMENT_BYTES[types[i]]
         op = name[len("c10d::"):].strip("_")
         sent = {"allreduce": lambda: nbytes(0), "allgather_base": lambda: nbytes(0) / 2,
-                "reduce_scatter_base": lambda: nbytes(1) / 2, "send": lambda: nbytes(0)}.get(op, lambda: 0)()
+                "reduce_scatter_base": lambda: nbytes(1), "send": lambda: nbytes(0)}.get(op, lambda: 0)()
         if sent > SCALAR_BYTES:
             kind = {"allreduce": "all_reduce", "allgather_base": "all_gather", "reduce_scatter_base": "reduce_scatter",
                     "send": "p2p"}[op]
@@ -70,7 +71,8 @@ def profiled_runs(prepared, tmp_path_factory) -> Path:
 
 def test_each_strategys_bytes_per_step_are_what_a_profiled_step_sends(profiled_runs):
     from distlab.records.run_outputs import read_run_record
-    from distlab.tools.step_time import _wire_factor, collectives_per_step, model_parts
+    from distlab.tools.step_collectives import _wire_factor, collectives_per_step
+    from distlab.tools.step_time import model_parts
 
     config_json = json.loads((profiled_runs.parent / "prep" / "model" / "config.json").read_text())
     checked = []
@@ -81,7 +83,7 @@ def test_each_strategys_bytes_per_step_are_what_a_profiled_step_sends(profiled_r
         shape, counts, _ = model_parts(spec, config_json)
         predicted: dict[str, float] = {}
         for call in collectives_per_step(spec, shape, counts):
-            sent = call["bytes"] * call["calls"] * _wire_factor(call["op"], spec["world_size"])
+            sent = call["bytes"] * call["calls"] * _wire_factor(call["op"], spec["world_size"], spec["device"])
             predicted[call["op"]] = predicted.get(call["op"], 0) + sent
         assert set(counted) == set(predicted), (spec["id"], counted, predicted)
         for op, sent in counted.items():

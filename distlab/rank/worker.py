@@ -33,6 +33,7 @@ from distlab.runtime.memory import (OOM_EXIT_CODE, add_peaks_through_save, apply
                             record_oom, rss_now, start_save_phase)
 from distlab.rank.model_setup import prepare_model
 from distlab.rank.monitor import RunMonitor
+from distlab.runtime.noise import NoiseProbe
 from distlab.runtime.compiled import compile_record, dynamo_counts
 from distlab.runtime.profiling import StepProfiler, profile_record
 from distlab.records.run_outputs import write_outputs
@@ -55,14 +56,22 @@ def make_context(job: Job) -> RunContext:
                       local_rank=int(os.environ.get("LOCAL_RANK", 0)), job=job)
 
 
-def predicted_step_time(job: Job) -> dict:
+def predicted_step_time(job: Job, since_start: NoiseProbe) -> dict:
     """The step time rank 0 predicts before the first step from the job's probe and collectives
-    files (distlab.tools.step_time; the model's config.json for its shapes)."""
+    files (distlab.tools.step_time; the model's config.json for its shapes), and the cores other
+    processes kept busy since the rank started (`since_start`: what else shares the machine
+    with a run that leaves cores free). The job's other ranks are counted as using what rank 0
+    used: they do the same work."""
     from distlab.tools.step_time import predict_from_files
 
+    window = since_start.stop()
+    others = None
+    if window and window["machine_cpu_s"] is not None and window["wall_s"] > 0:
+        ranks = job.spec["world_size"] * window["own_cpu_s"]
+        others = max(0.0, window["machine_cpu_s"] - ranks) / window["wall_s"]
     config = os.path.join(job.model_source or "", "config.json")
     return predict_from_files(dict(thaw(job.spec)), config if os.path.isfile(config) else None, job.probe_json,
-                              job.collectives_json, job.hardware_json)
+                              job.collectives_json, job.hardware_json, others)
 
 
 def run_rank(job: Job, checkpoints_class=None) -> tuple[dict, list] | None:
@@ -70,6 +79,8 @@ def run_rank(job: Job, checkpoints_class=None) -> tuple[dict, list] | None:
 
     checkpoints_class: a TrainingCheckpoints subclass (the Ray launcher's reports to Ray)."""
     started = time.time()
+    since_start = NoiseProbe()  # what else used the machine before the first step: the prediction's neighbours
+    since_start.start()
     timeline = TIMELINE.after_imports()
     spec = job.spec
     if spec["device"] == "cpu":
@@ -107,7 +118,7 @@ def run_rank(job: Job, checkpoints_class=None) -> tuple[dict, list] | None:
         checkpoints.on_step_end(step)
 
     load_phase = load_phase_record(ctx.device, rss_before_model)  # process start -> first step
-    prediction = predicted_step_time(job) if ctx.is_main else None  # before the first step
+    prediction = predicted_step_time(job, since_start) if ctx.is_main else None  # before the first step
     timeline.mark("data, resume")
     wire_before = interface_counters() if spec.get("link") else None  # this host's link, around the steps
     result = train(ctx, strategy, train_data, start_step=start_step, stream=checkpoints.stream,

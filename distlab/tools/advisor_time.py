@@ -8,7 +8,7 @@ predicted with step_time's four terms from cited tables (no machine of the box i
   checkpointing) over the board's dense datasheet peak at the run's precision
   (distlab.configuration.hardware.GPU_PEAKS) times an achievable fraction that others measured
   (CONSTANTS). On unequal boards every rank gets the same micro-batch: the slowest sets the step.
-- communication: the bytes and calls of distlab.tools.step_time.collectives_per_step, each call
+- communication: the bytes and calls of distlab.tools.step_collectives.collectives_per_step, each call
   latency + size x nccl-tests' bus factor / the link's bus bandwidth (INTERCONNECTS);
   ZeRO-3/FSDP gather an adapter run's frozen base too. Exposed: DDP's
   buckets hide behind the backward except the last one; the others are counted whole.
@@ -27,7 +27,7 @@ from distlab.records.advice import label
 from distlab.records.metrics import flops_per_token
 from distlab.tools.collectives import BUSBW_FACTOR
 from distlab.configuration.hardware import gpu_peak
-from distlab.tools.step_time import collectives_per_step
+from distlab.tools.step_collectives import collectives_per_step
 
 GB = 1e9
 TORCHTITAN_BENCH = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md "

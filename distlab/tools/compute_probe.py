@@ -3,8 +3,11 @@ rank's thread count and dtype, so that the step-time model (distlab.tools.step_t
 from measured parts rather than a datasheet peak. One probe per machine and model; the kernel
 list comes from every experiment's spec (`step_time.kernels_needed`).
 
-Each kernel is timed after warm-up calls, as the median of repeated calls (at least
-MIN_REPEATS, until TIME_PER_KERNEL_S is spent), on fresh random inputs of its shape.
+The kernels are timed in ROUNDS interleaved rounds (each round times every kernel, for its share
+of TIME_PER_KERNEL_S), and each kernel's time is the median of all its calls: on a shared machine
+(a VM's cores, other tenants) the slowdown comes and goes over seconds, and timing each kernel in
+one stretch gave one kernel a quiet spell and the next a busy one (matmul rates of one probe
+spread 32-91 GFLOP/s). Interleaved, every kernel samples the same spells.
 
 Rule compute_probe runs it in a process of its own (`run_probe`, distlab.launchers.call), which on
 CPU forks from the run's warm-start server as ranks do: its kernels take ~1-2 s here, torch's and
@@ -13,28 +16,28 @@ transformers' imports ~5-7 s, paid once per probe key otherwise.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import statistics
+import struct
 import time
 
-MIN_REPEATS = 3
+ROUNDS = 5
 MAX_REPEATS = 40
-TIME_PER_KERNEL_S = 0.05
+TIME_PER_KERNEL_S = 0.05  # all rounds together
 WARMUP = 1
 
 
-def _timed(call, sync) -> tuple[float, int]:
-    for _ in range(WARMUP):
-        call()
-    sync()
+def _timed_round(call, sync, budget_s: float, max_calls: int) -> list[float]:
+    """One round of one kernel: at least one call, more while the round's budget lasts."""
     times, spent = [], 0.0
-    while len(times) < MIN_REPEATS or (spent < TIME_PER_KERNEL_S and len(times) < MAX_REPEATS):
+    while not times or (spent < budget_s and len(times) < max_calls):
         start = time.perf_counter()
         call()
         sync()
         times.append(time.perf_counter() - start)
         spent += times[-1]
-    return statistics.median(times), len(times)
+    return times
 
 
 def toy_model(config_json: dict):
@@ -139,66 +142,121 @@ def _kernel(kind: str, dims: list[int], dtype, device, config_json: dict | None 
     raise ValueError(f"unknown probe kernel {kind!r}")
 
 
-def _neighbours(call, count: int) -> list[int]:
-    """`count` forked copies of this process running `call` without end: on CPU a rank's kernels
-    share the machine's cores (SMT siblings, caches, memory bandwidth) with the other ranks and
-    the jobs Snakemake runs beside it, so each kernel is timed with every other core busy."""
-    pids = []
-    for _ in range(count):
-        pid = os.fork()
-        if pid == 0:  # the neighbour: the same kernel until it is killed
-            try:
-                while True:
-                    call()
-            finally:
-                os._exit(0)
-        pids.append(pid)
-    return pids
+class _Neighbours:
+    """On CPU, `count` forked copies of this process that run, without end, the kernel the probe
+    is timing: a rank's kernels share the machine's cores (SMT siblings, caches, memory bandwidth)
+    with the other ranks, which run the same step, and with the jobs Snakemake runs beside it.
+    Forked once; the kernel they run is switched through a shared index."""
 
+    def __init__(self, calls: list, threads: list[int], count: int):
+        self.shared = mmap.mmap(-1, 8)  # anonymous: MAP_SHARED, seen by the forked copies
+        self.pids = []
+        self.select(0)
+        for _ in range(count):
+            pid = os.fork()
+            if pid == 0:  # a neighbour: whichever kernel the index names, until it is killed
+                try:
+                    import torch
 
-def _stop(pids: list[int]) -> None:
-    import signal
+                    running = None
+                    while True:
+                        index = self.current()
+                        if index < 0:  # paused: the timed kernel has the machine to itself
+                            time.sleep(0.0005)
+                            continue
+                        if threads[index] != running:
+                            running = threads[index]
+                            torch.set_num_threads(running)
+                        calls[index]()
+                finally:
+                    os._exit(0)
+            self.pids.append(pid)
 
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+    def select(self, index: int) -> None:
+        self.shared[:8] = struct.pack("q", index)
+
+    def pause(self) -> None:
+        self.select(-1)
+
+    def current(self) -> int:
+        return struct.unpack("q", self.shared[:8])[0]
+
+    def stop(self) -> None:
+        import signal
+
+        for pid in self.pids:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        self.shared.close()
 
 
 def probe(kernels: list[dict], device: str = "cpu", config_json: dict | None = None) -> dict:
-    """{kernels: {"<key>|<dtype>|<threads>": {s, forward_s, repeats}}, how} for the distinct
-    kernels listed."""
+    """{kernels: {"<key>|<dtype>|<threads>": {s, forward_s, alone_s, forward_alone_s, repeats,
+    round_s}}, how} for the distinct kernels listed."""
     import torch
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     cores = len(os.sched_getaffinity(0))  # the cores this job may use: all of them (rule compute_probe)
     before = torch.get_num_threads()
-    rows = {}
+    distinct = {}
+    for k in kernels:
+        distinct.setdefault(f"{k['key']}|{k['dtype']}|{k['threads']}", k)
+    names = list(distinct)
+    built = [_kernel(distinct[n]["kind"], distinct[n]["dims"], getattr(torch, distinct[n]["dtype"]), device,
+                     config_json) for n in names]
+    threads = [max(1, distinct[n]["threads"]) for n in names]
+    # One rank's threads per neighbour, on every core the timed kernel leaves (a probe key has one thread count).
+    others = max(0, cores // max(threads) - 1) if device == "cpu" else 0
+    # Each kernel is timed beside its neighbours (the step as a full machine runs it) and, where
+    # there are any, alone (a 1-rank run the workflow left a core to): half of its budget each.
+    sides = ("beside", "alone") if others else ("beside",)
+    budget, calls = TIME_PER_KERNEL_S / ROUNDS / len(sides), max(1, MAX_REPEATS // ROUNDS // len(sides))
+    times = {(n, side, part): [] for n in names for side in sides for part in ("both", "forward")}
+    round_medians = {n: [] for n in names}
+    neighbours = _Neighbours([both for _, both in built], threads, others)
     try:
-        for k in kernels:
-            name = f"{k['key']}|{k['dtype']}|{k['threads']}"
-            if name in rows:
-                continue
-            if device == "cpu":
-                torch.set_num_threads(k["threads"])
-            forward, both = _kernel(k["kind"], k["dims"], getattr(torch, k["dtype"]), device, config_json)
-            others = max(0, cores // max(1, k["threads"]) - 1) if device == "cpu" else 0
-            neighbours = _neighbours(both, others)
-            try:
-                seconds, repeats = _timed(both, sync)
-                row = {"s": seconds, "repeats": repeats, "neighbours": others}
-                if forward is not None:
-                    with torch.no_grad():
-                        row["forward_s"] = _timed(forward, sync)[0]
-            finally:
-                _stop(neighbours)
-            rows[name] = row
+        for round_index in range(ROUNDS):
+            for i, name in enumerate(names):
+                forward, both = built[i]
+                if device == "cpu":
+                    torch.set_num_threads(threads[i])
+                for side in sides:
+                    if side == "beside":
+                        neighbours.select(i)
+                    else:
+                        neighbours.pause()
+                    if round_index == 0 and side == "beside":
+                        for _ in range(WARMUP):
+                            both()
+                        sync()
+                    got = _timed_round(both, sync, budget, calls)
+                    times[name, side, "both"] += got
+                    if side == "beside":
+                        round_medians[name].append(statistics.median(got))
+                    if forward is not None:
+                        with torch.no_grad():
+                            times[name, side, "forward"] += _timed_round(forward, sync, budget, calls)
     finally:
+        neighbours.stop()
         torch.set_num_threads(before)
-    return {"kernels": rows, "device": device,
-            "how": (f"each kernel at its shape, dtype and thread count: median of >= {MIN_REPEATS} calls (up to "
-                    f"{TIME_PER_KERNEL_S} s each) after {WARMUP} warm-up calls, random inputs; on CPU while "
-                    "forked copies run the same kernel on every other core (neighbours: the machine as a "
-                    "pipeline fills it); forward_s: the forward alone, without autograd")}
+    rows = {}
+    for name in names:
+        rows[name] = {"s": statistics.median(times[name, "beside", "both"]),
+                      "repeats": len(times[name, "beside", "both"]), "neighbours": others,
+                      "round_s": round_medians[name]}
+        if times[name, "beside", "forward"]:
+            rows[name]["forward_s"] = statistics.median(times[name, "beside", "forward"])
+        if "alone" in sides:
+            rows[name]["alone_s"] = statistics.median(times[name, "alone", "both"])
+            if times[name, "alone", "forward"]:
+                rows[name]["forward_alone_s"] = statistics.median(times[name, "alone", "forward"])
+    return {"kernels": rows, "device": device, "rounds": ROUNDS,
+            "how": (f"each kernel at its shape, dtype and thread count: {ROUNDS} interleaved rounds over every "
+                    f"kernel, each kernel called for {budget} s a round (at least once) after {WARMUP} warm-up "
+                    "call, the median of all its calls (round_s: each round's median); random inputs; on CPU "
+                    "while forked copies run the same kernel on every other core (neighbours: the other ranks of "
+                    "the step), and as long again with those copies paused (alone_s, forward_alone_s: the machine "
+                    "to itself); forward_s: the forward alone, without autograd")}
 
 
 def probe_key_file(model_config: str, key: str, model: str, out: str) -> None:

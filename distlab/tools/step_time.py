@@ -24,11 +24,7 @@ from __future__ import annotations
 
 import math
 
-# DDP's gradient buckets (torch.nn.parallel.DistributedDataParallel: bucket_cap_mb=25, the
-# first bucket 1 MiB: dist._DEFAULT_FIRST_BUCKET_BYTES).
-DDP_BUCKET_BYTES = 25 * 2**20
-DDP_FIRST_BUCKET_BYTES = 2**20
-GRAD_BYTES = 4  # fp32 gradients and optimizer state (DeepSpeed's 16-bit gradients: collectives_per_step)
+from distlab.tools.step_collectives import GRAD_BYTES, collective_seconds, collectives_per_step, wire_bytes_per_rank
 
 
 def compute_dtype(spec: dict) -> str:
@@ -134,16 +130,35 @@ def kernels_needed(key: str, shape: dict, counts: dict) -> list[dict]:
     return out
 
 
-def _time(probe: dict, kind: str, *dims, dtype: str, threads: int, part: str = "s") -> float:
+def _time(probe: dict, kind: str, *dims, dtype: str, threads: int, part: str = "s", neighbours: float = 1.0) -> float:
     row = probe["kernels"].get(f"{_key(kind, *dims)}|{dtype}|{threads}")
     if row is None:
         raise KeyError(f"compute probe has no {kind} {dims} in {dtype} at {threads} thread(s)")
-    return row[part]
+    return _beside(row, part, neighbours)
 
 
-def compute_term(spec: dict, shape: dict, counts: dict, probe: dict, ac_layers: int = 0) -> dict:
+def _beside(row: dict, part: str, neighbours: float) -> float:
+    """A kernel's time when a `neighbours` share of the other cores is busy: between its time
+    alone and beside copies of itself on every other core (where the probe had other cores)."""
+    alone = row.get({"s": "alone_s", "forward_s": "forward_alone_s"}[part])
+    return row[part] if alone is None else alone + neighbours * (row[part] - alone)
+
+
+def neighbour_share(spec: dict, usable_cores: int, others_cores: float | None) -> float:
+    """The share of the cores a run leaves free that others keep busy: 1 where its ranks fill the
+    machine (the other ranks are the neighbours) or nothing was measured; otherwise what other
+    processes used, measured by rank 0 from its start to the prediction (distlab.rank.worker)."""
+    free = usable_cores - spec["world_size"] * max(1, spec["cpu_threads_per_rank"])
+    if spec["device"] != "cpu" or free <= 0 or others_cores is None:
+        return 1.0
+    return min(1.0, max(0.0, others_cores / free))
+
+
+def compute_term(spec: dict, shape: dict, counts: dict, probe: dict, ac_layers: int = 0,
+                 neighbours: float = 1.0) -> dict:
     """Seconds of one rank's kernels per step (all micro-batches; a pipeline rank's own
-    micro-batch slots, without the bubble)."""
+    micro-batch slots, without the bubble), with a `neighbours` share of the other cores busy
+    (neighbour_share)."""
     lay = _layout(parse_probe_key(probe_key(spec)), shape, counts)
     t, dt, th = lay["tokens"], lay["dtype"], lay["threads"]
     frozen_base = spec["method"] in ("lora", "qlora")
@@ -151,26 +166,31 @@ def compute_term(spec: dict, shape: dict, counts: dict, probe: dict, ac_layers: 
     pp_micro = spec["pp"]["microbatches"] if spec["strategy"] == "pp" else 1
     layers = math.ceil(counts["layers"] / stages)
     layer_fwd = layer_bwd = 0.0
+
+    def at(kind, *dims):
+        return _time(probe, kind, *dims, dtype=dt, threads=th, neighbours=neighbours)
+
     for fan_in, fan_out in lay["linears"]:
-        layer_fwd += _time(probe, "mm", t, fan_in, fan_out, dtype=dt, threads=th)
-        layer_bwd += _time(probe, "mm", t, fan_out, fan_in, dtype=dt, threads=th)
+        layer_fwd += at("mm", t, fan_in, fan_out)
+        layer_bwd += at("mm", t, fan_out, fan_in)
         if not frozen_base:  # a frozen weight gets no weight-gradient matmul
-            layer_bwd += _time(probe, "mm", fan_out, t, fan_in, dtype=dt, threads=th)
+            layer_bwd += at("mm", fan_out, t, fan_in)
         if lay["nf4"]:
-            dequant = _time(probe, "dequant_nf4", fan_out, fan_in, dtype=dt, threads=th)
+            dequant = at("dequant_nf4", fan_out, fan_in)
             layer_fwd += dequant
             layer_bwd += dequant
     attn = probe["kernels"][f"{_key('sdpa', lay['rows'], lay['heads'], lay['seq'], lay['head_dim'])}|{dt}|{th}"]
     elem = probe["kernels"][f"{_key('elementwise', t, lay['hidden'], lay['intermediate'])}|{dt}|{th}"]
-    layer_fwd += attn["forward_s"] + elem["forward_s"]
-    layer_bwd += (attn["s"] - attn["forward_s"]) + (elem["s"] - elem["forward_s"])
+    fwd = {name: _beside(row, "forward_s", neighbours) for name, row in (("attn", attn), ("elem", elem))}
+    layer_fwd += fwd["attn"] + fwd["elem"]
+    layer_bwd += (_beside(attn, "s", neighbours) - fwd["attn"]) + (_beside(elem, "s", neighbours) - fwd["elem"])
     hi, ho = lay["head"]
-    head = (_time(probe, "mm", t, hi, ho, dtype=dt, threads=th) + _time(probe, "mm", t, ho, hi, dtype=dt, threads=th)
-            + (0.0 if frozen_base else _time(probe, "mm", ho, t, hi, dtype=dt, threads=th))
-            + _time(probe, "cross_entropy", t, lay["vocab"], dtype=dt, threads=th))
+    head = (at("mm", t, hi, ho) + at("mm", t, ho, hi)
+            + (0.0 if frozen_base else at("mm", ho, t, hi))
+            + at("cross_entropy", t, lay["vocab"]))
     # What the op graph costs beyond its kernels (dispatch, autograd, small ops), from the toy-width
     # model; a pipeline stage runs its share of the layers.
-    framework = _time(probe, "framework", lay["rows"], lay["seq"], dtype=dt, threads=th) * layers / counts["layers"]
+    framework = at("framework", lay["rows"], lay["seq"]) * layers / counts["layers"]
     # A pipeline's last stage alone runs the head; the step waits for it.
     per_micro = layers * (layer_fwd + layer_bwd) + ac_layers * layer_fwd + head + framework
     micro_steps = spec["grad_accum"] * pp_micro
@@ -183,149 +203,10 @@ def compute_term(spec: dict, shape: dict, counts: dict, probe: dict, ac_layers: 
                     f"{', 4-bit dequantisation' if spec['method'] == 'qlora' else ''} + attention + "
                     f"elementwise) + LM head and loss + the op graph's own cost (the model at toy width)"
                     f"{f' + {ac_layers} recomputed layer forward(s)' if ac_layers else ''}) at {t} tokens, {dt}, "
-                    f"{th or 'GPU'} thread(s): each kernel timed by the compute probe")}
-
-
-def collectives_per_step(spec: dict, shape: dict, counts: dict) -> list[dict]:
-    """The collectives one rank issues per optimizer step: {op, bytes, calls, phase}."""
-    world, strategy = spec["world_size"], spec["strategy"]
-    if world == 1:
-        return []
-    ga = spec["grad_accum"]
-    # DeepSpeed and FSDP2 hold (and gather) parameters in the 16-bit type of a mixed-precision run;
-    # DeepSpeed reduces its gradients in it too, FSDP2 in fp32 (reduce_dtype), DDP in fp32.
-    sixteen = spec["precision"] in ("bf16", "fp16") and strategy in ("deepspeed", "fsdp")
-    element = 2 if sixteen else GRAD_BYTES
-    grads = counts["trainable"] * (element if strategy == "deepspeed" else GRAD_BYTES)
-    params = counts["trainable"] * element  # ZeRO-1/2 gather the updated (trained) partitions
-    if strategy in ("ddp", "accelerate"):
-        buckets = _buckets(grads)
-        return [{"op": "all_reduce", "bytes": b, "calls": 1, "phase": "backward (gradient buckets)"} for b in buckets]
-    if strategy == "deepspeed":
-        stage = spec["deepspeed"]["zero_stage"]
-        if stage == 0:
-            return [{"op": "all_reduce", "bytes": grads, "calls": 1, "phase": "gradients"}]
-        buckets = math.ceil(counts["trainable"] / _zero_bucket(counts))
-        if stage in (1, 2):
-            # As counted in profiled steps over gloo: stage 1 all-reduces the gradients once at the
-            # step's boundary, stage 2 (which keeps only its partition) every micro-batch; both then
-            # gather the updated partitions.
-            return [{"op": "all_reduce", "bytes": grads / buckets, "calls": buckets * (ga if stage == 2 else 1),
-                     "phase": "gradients"},
-                    {"op": "all_gather", "bytes": params, "calls": 1, "phase": "updated parameters"}]
-        forward, backward = _zero3_gathers(spec, counts)
-        gathered = forward + backward
-        return [{"op": "all_gather", "bytes": sum(gathered) * element / max(1, len(gathered)),
-                 "calls": len(gathered) * ga,
-                 "phase": f"parameters, one collective each: {len(forward)} in forward, {len(backward)} again in "
-                          "backward"},
-                {"op": "reduce_scatter", "bytes": grads / buckets, "calls": buckets * ga, "phase": "gradients"}]
-    if strategy == "fsdp":
-        units = counts["layers"] + 1  # fully_shard per decoder layer, then the root
-        per_unit = counts["total"] * element / units  # a LoRA run's frozen base is sharded and gathered too
-        gathers = (2 if spec["fsdp"]["reshard_after_forward"] else 1) * units * ga
-        # Accumulating micro-batches skip the gradient sync (set_requires_gradient_sync): one
-        # reduce-scatter per unit and step.
-        return [{"op": "all_gather", "bytes": per_unit, "calls": gathers, "phase": "parameters"},
-                {"op": "reduce_scatter", "bytes": grads / units, "calls": units, "phase": "gradients"}]
-    if strategy == "tp":
-        activation = spec["micro_batch"] * spec["seq_len"] * shape["hidden_size"] * 4
-        # Each row-parallel linear's output all-reduced in forward, each column-parallel linear's
-        # input gradient in backward (DTensor reduces them one by one: counted in a profiled step).
-        split = [x[3] for x in counts["_linears"] if x[0] != "lm_head"]
-        per_layer = sum(1 for d in split if d is not None)
-        return [{"op": "all_reduce", "bytes": activation, "calls": per_layer * counts["layers"] * ga,
-                 "phase": "activations"}]
-    if strategy == "pp":
-        m = spec["pp"]["microbatches"]
-        activation = spec["micro_batch"] // m * spec["seq_len"] * shape["hidden_size"] * 4
-        # Per stage boundary and pipeline micro-batch, one send forward and one backward.
-        return [{"op": "p2p", "bytes": activation, "calls": 2 * m * ga * (world - 1), "phase": "activations"}]
-    raise ValueError(f"no communication model for strategy {strategy!r}")
-
-
-def _zero_bucket(counts: dict) -> int:
-    """ZeRO's gradient bucket in elements, as the DeepSpeed config distlab writes sets it."""
-    from distlab.strategies.deepspeed_config import gradient_bucket_size
-
-    largest = max((math.prod(shape) for shape, grad in counts["_shapes"] if grad), default=1)
-    return gradient_bucket_size(counts["per_layer"], largest, counts["trainable"])
-
-
-def _zero3_gathers(spec: dict, counts: dict) -> tuple[list[int], list[int]]:
-    """(elements of each parameter ZeRO-3 all-gathers in one micro-batch's forward, and again in
-    its backward), from the zero3_profile's settings (distlab.strategies.deepspeed_config) and the
-    experiment's own zero_config. A parameter at or under the persistence threshold stays whole on
-    every rank; each gathered parameter is one collective (as counted in a profiled step). Backward
-    walks the forward in reverse: the parameters used last in forward are still live while they fit
-    max_live_parameters and max_reuse_distance, the rest are gathered again; all are released
-    after each micro-batch."""
-    from distlab.strategies.deepspeed_settings import zero3_limits
-
-    ds = spec["deepspeed"]
-    limits = {**zero3_limits(ds.get("zero3_profile", "auto"), counts["per_layer"], counts.get("hidden_size")),
-              **(ds.get("zero_config") or {})}
-    threshold = limits.get("stage3_param_persistence_threshold", 100_000)  # DeepSpeed's default
-    forward = [math.prod(shape) for shape, _ in counts["_shapes"] if math.prod(shape) > threshold]
-    live = min(limits.get("stage3_max_live_parameters", 1_000_000_000),
-               limits.get("stage3_max_reuse_distance", 1_000_000_000))
-    kept, still_live = 0, 0
-    for numel in reversed(forward):  # parameters() lists them in forward order: embedding ... head
-        if still_live + numel > live:
-            break
-        still_live += numel
-        kept += 1
-    return forward, forward[:len(forward) - kept]
-
-
-def wire_bytes_per_rank(calls: list[dict], world: int) -> float:
-    """Bytes each rank sends for these calls with ring algorithms: nccl-tests' bus-bandwidth
-    factor of the op times its size (an all-reduce of B bytes sends 2(n-1)/n B per rank; an
-    all-gather or reduce-scatter (n-1)/n B)."""
-    return sum(c["bytes"] * c["calls"] * _wire_factor(c["op"], world) for c in calls)
-
-
-def _wire_factor(op: str, world: int) -> float:
-    if op == "p2p":  # each message is sent by one of the two ranks of its boundary
-        return 0.5
-    return 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
-
-
-def _buckets(grads: int) -> list[int]:
-    out, left = [], grads
-    first = min(DDP_FIRST_BUCKET_BYTES, left)
-    out.append(first)
-    left -= first
-    while left > 0:
-        out.append(min(DDP_BUCKET_BYTES, left))
-        left -= out[-1]
-    return out
-
-
-def collective_seconds(collectives: dict, op: str, size: float, world: int) -> float:
-    """Seconds of one `op` of `size` bytes from a collectives.json: log-interpolated between
-    the measured sizes, beyond them at the largest size's bus bandwidth, scaled to `world`
-    through nccl-tests' bus-bandwidth factor."""
-    if op == "p2p":  # b bytes one way take what an all-gather of 2b takes over two ranks (b each way)
-        return collective_seconds(collectives, "all_gather", 2 * size, 2)
-    rows = sorted(((r["size_bytes"], r) for r in collectives["results"] if r["op"] == op and r.get("status") == "ok"),
-                  key=lambda row: row[0])
-    if not rows:
-        raise KeyError(f"collectives.json has no measured {op}")
-    measured_world = collectives["world_size"]
-    factor = {"all_reduce": lambda n: 2 * (n - 1) / n}.get(op, lambda n: (n - 1) / n)
-    scale = factor(world) / factor(measured_world)
-    sizes = [s for s, _ in rows]
-    if size <= sizes[0]:
-        return rows[0][1]["time_s_median"] * scale
-    if size >= sizes[-1]:
-        top = rows[-1][1]
-        return top["time_s_median"] * size / top["size_bytes"] * scale
-    for (s0, r0), (s1, r1) in zip(rows, rows[1:]):
-        if s0 <= size <= s1:
-            w = math.log(size / s0) / math.log(s1 / s0)
-            return math.exp((1 - w) * math.log(r0["time_s_median"]) + w * math.log(r1["time_s_median"])) * scale
-    raise AssertionError("unreachable")
+                    f"{th or 'GPU'} thread(s): each kernel timed by the compute probe"
+                    + ("" if neighbours == 1 else f", {neighbours:.0%} of the way from its time alone to its time "
+                       "beside copies of itself on the other cores (the share of the free cores others kept busy "
+                       "as the run started)"))}
 
 
 def communication_term(spec: dict, shape: dict, counts: dict, collectives: dict | None, compute: dict,
@@ -339,7 +220,7 @@ def communication_term(spec: dict, shape: dict, counts: dict, collectives: dict 
     total = 0.0
     rows = []
     for c in calls:
-        seconds = c["calls"] * collective_seconds(collectives, c["op"], c["bytes"], world)
+        seconds = c["calls"] * collective_seconds(collectives, c["op"], c["bytes"], world, spec["device"])
         rows.append({**c, "seconds": seconds})
         total += seconds
     exposed, overlap_how = total, "not overlapped"
@@ -353,18 +234,20 @@ def communication_term(spec: dict, shape: dict, counts: dict, collectives: dict 
         overlap_how = ("not overlapped: every core computes for a rank, so the collectives' thread takes "
                        "turns with the computation")
     return {"seconds": exposed, "total_s": total, "bytes": sum(c["bytes"] * c["calls"] for c in calls),
-            "wire_bytes_per_rank": wire_bytes_per_rank(calls, world),
+            "wire_bytes_per_rank": wire_bytes_per_rank(calls, world, spec["device"]),
             "calls": rows,
             "how": f"each call at its message size from {collectives.get('_file', 'collectives.json')} (median "
                    "time, latency included; log-interpolated between measured sizes, past the largest at its "
                    f"bandwidth); {overlap_how}"}
 
 
-def optimizer_term(spec: dict, counts: dict, probe: dict) -> dict:
+def optimizer_term(spec: dict, counts: dict, probe: dict, neighbours: float = 1.0) -> dict:
     n = max(1, round(trainable_per_rank(spec, counts)))
     threads = spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else 0
-    adamw = _time(probe, "adamw", RATE_PARAMS, dtype="float32", threads=threads) * n / RATE_PARAMS
-    copy = _time(probe, "copy", RATE_BYTES, dtype="uint8", threads=threads) * n * GRAD_BYTES / RATE_BYTES
+    rate = {kind: _time(probe, kind, size, dtype=dtype, threads=threads, neighbours=neighbours)
+            for kind, size, dtype in (("adamw", RATE_PARAMS, "float32"), ("copy", RATE_BYTES, "uint8"))}
+    adamw = rate["adamw"] * n / RATE_PARAMS
+    copy = rate["copy"] * n * GRAD_BYTES / RATE_BYTES
     clip = copy if spec["max_grad_norm"] else 0.0
     ds = spec.get("deepspeed") or {}
     offload = 0.0
@@ -393,12 +276,14 @@ def bubble_term(spec: dict, compute: dict) -> dict:
 
 
 def predict(spec: dict, shape: dict, counts: dict, probe: dict, collectives: dict | None,
-            usable_cores: int, ac_layers: int = 0) -> dict:
-    """metrics.json's `prediction`: the step time and its four terms, each with how."""
-    compute = compute_term(spec, shape, counts, probe, ac_layers)
+            usable_cores: int, ac_layers: int = 0, others_cores: float | None = None) -> dict:
+    """metrics.json's `prediction`: the step time and its four terms, each with how. others_cores:
+    the cores other processes kept busy as the run started (None: not measured)."""
+    neighbours = neighbour_share(spec, usable_cores, others_cores)
+    compute = compute_term(spec, shape, counts, probe, ac_layers, neighbours)
     busy_cores = spec["world_size"] * max(1, spec["cpu_threads_per_rank"])
     comm = communication_term(spec, shape, counts, collectives, compute, usable_cores - busy_cores)
-    optim = optimizer_term(spec, counts, probe)
+    optim = optimizer_term(spec, counts, probe, neighbours)
     bubble = bubble_term(spec, compute)
     terms = {"compute": compute, "communication": comm, "optimizer": optim, "bubble": bubble}
     step = sum(t["seconds"] for t in terms.values())
@@ -408,9 +293,9 @@ def predict(spec: dict, shape: dict, counts: dict, probe: dict, collectives: dic
 
 
 def predict_from_files(spec: dict, model_config: str, probe_file: str | None, collectives_file: str | None,
-                       hardware_file: str) -> dict:
-    """The prediction a job records before its ranks start (distlab.jobs.launch.rule_job), or
-    why there is none."""
+                       hardware_file: str, others_cores: float | None = None) -> dict:
+    """The prediction rank 0 records before the first step (distlab.rank.worker), or why there
+    is none. others_cores: the cores other processes kept busy as the run started."""
     import json
     from pathlib import Path
 
@@ -431,8 +316,10 @@ def predict_from_files(spec: dict, model_config: str, probe_file: str | None, co
         collectives["_file"] = Path(collectives_file).name
     hardware = json.loads(Path(hardware_file).read_text())
     try:
-        found = predict(spec, shape, counts, probe, collectives, hardware["cpu"]["usable_cores"], ac_layers)
+        found = predict(spec, shape, counts, probe, collectives, hardware["cpu"]["usable_cores"], ac_layers,
+                        others_cores)
     except KeyError as missing:  # a kernel or collective the files lack: said, not guessed
         return {"status": "not predicted", "why": str(missing).strip("'\"")}
     return {**found, "inputs": {"probe": Path(probe_file).name, "collectives": collectives and collectives["_file"],
-                                "hardware": Path(hardware_file).name}}
+                                "hardware": Path(hardware_file).name, "others_cores_at_start": others_cores}}
+
