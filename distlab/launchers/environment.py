@@ -10,6 +10,12 @@ BASE_ENV = {
     "PYTHONUNBUFFERED": "1",
     "HF_HUB_OFFLINE": "1",  # nothing downloads at run time; a missing file is an error
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    # CUDA's availability asked through NVML, which does not initialise CUDA (a process that forks
+    # stays safe to fork). DeepSpeed's import sets it in its own process (os.environ.setdefault),
+    # and transformers' save_pretrained imports DeepSpeed through Accelerate: set here for every
+    # process distlab starts and for the warm-start server, a rank's value never differs from the
+    # server's by which library it imported first (distlab.launchers.warm_checks refuses that).
+    "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
 }
 
 
