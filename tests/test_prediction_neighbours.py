@@ -1,11 +1,11 @@
 """What rank 0 tells the step-time prediction about the machine before the first step: the cores
-other processes kept busy since the rank started (distlab.runtime.worker), which places a run that
+other processes kept busy since the rank started (distlab.rank.worker), which places a run that
 leaves cores free between its kernels alone and beside (distlab.tools.step_time.neighbour_share)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from distlab.runtime import worker
+from distlab.rank import worker
 
 
 class Window:
