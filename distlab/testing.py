@@ -84,7 +84,7 @@ def run_experiment(prepared: Path, run_dir: Path, spec: dict, checkpoint: bool =
     from distlab.jobs.launch import launch
     from distlab.records.run_outputs import read_run_record
 
-    data_dir = data_dir or prepared / f"data{spec['seq_len']}"
+    data_dir = data_dir or prepared / f"data{spec.seq_len}"
     job = Job(spec=spec, run_dir=str(run_dir), data_dir=str(data_dir),
               model_source=str(prepared / "model"), hardware_json=str(prepared / "hardware.json"),
               env_allowlist=["OMP_NUM_THREADS"],

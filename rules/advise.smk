@@ -26,7 +26,7 @@ rule advise:
     params:
         advisor=config["advisor"],
         defaults=config["defaults"],
-        cpu_ranks=max([1] + [spec["world_size"] for spec in DEFAULT_SPECS.values()]),
+        cpu_ranks=max([1] + [spec.world_size for spec in DEFAULT_SPECS.values()]),
         # The measured cards (`snakemake links`, `unequal`) as evidence, when they exist: their
         # content, not their files, so the default run never asks for those targets.
         evidence=measured_evidence(f"{RESULTS}/{MACHINE}"),

@@ -31,7 +31,7 @@ except ConfigError as error:
 
 # The opt-in stages (links, unequal: rules/links.smk) are trained only when their own target asks;
 # every default output (metrics, validations, collectives, Ray manifests, report) is of DEFAULT_SPECS.
-DEFAULT_SPECS = {exp_id: spec for exp_id, spec in SPECS.items() if spec["stage"] not in OPT_IN_STAGES}
+DEFAULT_SPECS = {exp_id: spec for exp_id, spec in SPECS.items() if spec.stage not in OPT_IN_STAGES}
 RESULTS = config["results_dir"]
 try:  # before Snakemake can delete any output: one workflow per results folder (distlab.configuration.results_lock)
     hold_for_workflow(RESULTS, workflow)
@@ -126,8 +126,8 @@ def experiment_spec(wildcards):
 def check_epochs_experiments():
     """Epochs experiments whose data is already prepared are checked now, like the others."""
     for spec in SPECS.values():
-        folder = f"{PREP}/data/{spec.get('dataset', 'default')}-seq{spec['seq_len']}"
-        if spec["steps"] is None and os.path.isfile(f"{folder}/distlab_data.json"):
+        folder = f"{PREP}/data/{spec.dataset}-seq{spec.seq_len}"
+        if spec.steps is None and os.path.isfile(f"{folder}/distlab_data.json"):
             try:
                 resolve_epochs(spec, folder)
             except ConfigError as error:
@@ -178,21 +178,21 @@ def stop_warm_start_server():
 
 def on_ray_cluster(spec):
     """Ranks that run on an existing Ray cluster use its cores and GPUs, not this machine's."""
-    return spec["launcher"] == "ray" and spec["ray"]["address"] is not None
+    return spec.launcher == "ray" and spec.ray["address"] is not None
 
 
 def rank_cores(spec):
     """Cores per rank: on CPU the device itself; on CUDA the host side of a rank."""
-    return spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else config["cuda_cpu_threads_per_rank"]
+    return spec.cpu_threads_per_rank if spec.device == "cpu" else config["cuda_cpu_threads_per_rank"]
 
 
 def experiment_threads(wildcards):
     spec = SPECS[wildcards.experiment]
     if on_ray_cluster(spec):
         return 1
-    if spec["device"] == "cpu" and spec["rank_cpu_threads"]:  # unequal CPU devices: their sum
-        return sum(spec["rank_cpu_threads"])
-    return spec["world_size"] * rank_cores(spec)
+    if spec.device == "cpu" and spec.rank_cpu_threads:  # unequal CPU devices: their sum
+        return sum(spec.rank_cpu_threads)
+    return spec.world_size * rank_cores(spec)
 
 
 def eval_threads(wildcards):
@@ -201,27 +201,27 @@ def eval_threads(wildcards):
     served = [
         spec
         for spec in SPECS.values()
-        if spec.get("dataset", "default") == wildcards.dataset
-        and str(spec["seq_len"]) == wildcards.seq_len
-        and model_suffix(spec.get("model", "default")) == wildcards.model_suffix
+        if spec.dataset == wildcards.dataset
+        and str(spec.seq_len) == wildcards.seq_len
+        and model_suffix(spec.model) == wildcards.model_suffix
     ]
     return max([rank_cores(spec) for spec in served], default=1)
 
 
 def experiment_gpus(wildcards):
     spec = SPECS[wildcards.experiment]
-    return spec["world_size"] if spec["device"] == "cuda" and not on_ray_cluster(spec) else 0
+    return spec.world_size if spec.device == "cuda" and not on_ray_cluster(spec) else 0
 
 
 def reshard_world_size(spec):
     """The other world size checkpoint validation loads at: 2 -> 1, 1 -> 2."""
-    return 1 if spec["world_size"] > 1 else 2
+    return 1 if spec.world_size > 1 else 2
 
 
 def validation_threads(wildcards):
     spec = SPECS[wildcards.experiment]
-    ranks = max(spec["world_size"], reshard_world_size(spec))
-    if spec["device"] == "cuda":
+    ranks = max(spec.world_size, reshard_world_size(spec))
+    if spec.device == "cuda":
         ranks = min(ranks, GPUS)  # as validation_gpus: a reshard that does not fit is not run
     return ranks * rank_cores(spec)
 
@@ -230,7 +230,7 @@ def validation_gpus(wildcards):
     """At most the GPUs present: where the reshard world size does not fit, validate.py
     records the reshard check as unsupported, with the reason."""
     spec = SPECS[wildcards.experiment]
-    return min(max(spec["world_size"], reshard_world_size(spec)), GPUS) if spec["device"] == "cuda" else 0
+    return min(max(spec.world_size, reshard_world_size(spec)), GPUS) if spec.device == "cuda" else 0
 
 
 def this_machine_validations():
@@ -297,13 +297,13 @@ JOB_MEM_MB_OVERHEAD = 1000  # the Snakemake script and the launcher process
 
 
 def rank_mem_mb(spec):
-    budget = spec.get("memory_budget_gib")
+    budget = spec.memory_budget_gib
     return int(budget * 1024) + 512 if budget else RANK_MEM_MB_DEFAULT
 
 
 def experiment_mem_mb(wildcards):
     spec = SPECS[wildcards.experiment]
-    return JOB_MEM_MB_OVERHEAD if on_ray_cluster(spec) else JOB_MEM_MB_OVERHEAD + spec["world_size"] * rank_mem_mb(spec)
+    return JOB_MEM_MB_OVERHEAD if on_ray_cluster(spec) else JOB_MEM_MB_OVERHEAD + spec.world_size * rank_mem_mb(spec)
 
 
 def one_process_model_mem_mb():
@@ -319,7 +319,7 @@ def collectives_mem_mb():
 
 def validation_mem_mb(wildcards):
     spec = SPECS[wildcards.experiment]
-    return JOB_MEM_MB_OVERHEAD + max(spec["world_size"], reshard_world_size(spec)) * rank_mem_mb(spec)
+    return JOB_MEM_MB_OVERHEAD + max(spec.world_size, reshard_world_size(spec)) * rank_mem_mb(spec)
 
 
 def experiment_runtime(wildcards, rule="train"):
@@ -329,7 +329,7 @@ def experiment_runtime(wildcards, rule="train"):
     if planned is not None:
         return planned
     spec = SPECS[wildcards.experiment]
-    steps = spec["steps"]
+    steps = spec.steps
     if steps is None:  # epochs: known once the data exists (a resource cannot wait on a checkpoint)
         folder = data_dir(wildcards)
         steps = resolve_epochs(spec, folder)["steps"] if os.path.isfile(f"{folder}/distlab_data.json") else 3600
@@ -355,7 +355,7 @@ def collectives_outputs():
 def advice_outputs():
     """The advisor sizes the causal LM (model block) from its config.json on disk (not a hub id):
     only when an experiment fine-tunes it (a text-to-image-only config builds no LM)."""
-    if config["model"]["hub_id"] or not any(spec["task"] == "causal-lm" for spec in SPECS.values()):
+    if config["model"]["hub_id"] or not any(spec.task == "causal-lm" for spec in SPECS.values()):
         return []
     return [f"{RESULTS}/{MACHINE}/advice.json"]
 
@@ -368,14 +368,14 @@ def sd_model_inputs():
 
 def sd_advice_outputs():
     """advice-sd.json, written by advise_sd when an experiment runs the text-to-image task (its card reads it)."""
-    if not any(spec["task"] == "text-to-image" for spec in SPECS.values()):
+    if not any(spec.task == "text-to-image" for spec in SPECS.values()):
         return []
     return [f"{RESULTS}/{MACHINE}/advice-sd.json"]
 
 
 def ray_experiment_specs():
     """Resolved specs of the experiments Ray Train runs (the KubeRay manifests run them)."""
-    return {exp_id: spec for exp_id, spec in DEFAULT_SPECS.items() if spec["launcher"] == "ray"}
+    return {exp_id: spec for exp_id, spec in DEFAULT_SPECS.items() if spec.launcher == "ray"}
 
 
 def kuberay_outputs():
@@ -384,7 +384,7 @@ def kuberay_outputs():
 
 # profiles/ray-head: the Ray head's address comes from RAY_ADDRESS; declaring it stops the
 # workflow before any job starts when it is missing.
-if any(spec["ray"]["address"] == "env" for spec in ray_experiment_specs().values()):
+if any(spec.ray["address"] == "env" for spec in ray_experiment_specs().values()):
 
     envvars:
         "RAY_ADDRESS",
@@ -392,7 +392,7 @@ if any(spec["ray"]["address"] == "env" for spec in ray_experiment_specs().values
 
 # -- the opt-in targets (rules/links.smk) -------------------------------------------------------
 def stage_specs(stage):
-    return {exp_id: spec for exp_id, spec in SPECS.items() if spec["stage"] == stage}
+    return {exp_id: spec for exp_id, spec in SPECS.items() if spec.stage == stage}
 
 
 def refuse_where_this_machine_cannot(specs, target):
@@ -435,9 +435,9 @@ def link_caps():
     from distlab.configuration.config_links import link_label
 
     return {
-        link_label(spec["link"]["bandwidth_mbit"]): spec["link"]["bandwidth_mbit"]
+        link_label(spec.link["bandwidth_mbit"]): spec.link["bandwidth_mbit"]
         for spec in stage_specs("links").values()
-        if spec["link"]
+        if spec.link
     }
 
 
@@ -472,13 +472,10 @@ def two_hosts_input(kind):
                     f"`snakemake two_hosts` cannot run on this machine: network namespaces cannot "
                     f"be made here: {refusal()}"
                 )
-            return f"{PREP}/data/{spec.get('dataset', 'default')}-seq{spec['seq_len']}"
+            return f"{PREP}/data/{spec.dataset}-seq{spec.seq_len}"
         if kind == "model":
-            return [model_config_path(spec.get("model", "default"))]
-        return (
-            f"{PREP}/eval/base-{spec.get('dataset', 'default')}-seq{spec['seq_len']}"
-            f"{model_suffix(spec.get('model', 'default'))}.json"
-        )
+            return [model_config_path(spec.model)]
+        return f"{PREP}/eval/base-{spec.dataset}-seq{spec.seq_len}" f"{model_suffix(spec.model)}.json"
 
     return path
 
@@ -487,7 +484,7 @@ def two_hosts_input(kind):
 # config.json is on disk is predicted before it trains, from the compute probe of its kernels'
 # shapes and the collectives benchmark of the links its ranks use.
 def predicted(spec):
-    return spec["task"] == "causal-lm" and model_config_path(spec.get("model", "default")) is not None
+    return spec.task == "causal-lm" and model_config_path(spec.model) is not None
 
 
 def prediction_inputs(wildcards):
@@ -499,13 +496,13 @@ def prediction_inputs(wildcards):
     spec = SPECS[wildcards.experiment]
     if not predicted(spec):
         return {}
-    found = {"probe": f"{RESULTS}/{MACHINE}/compute_probe/{spec.get('model', 'default')}/{probe_key(spec)}.json"}
-    if spec["world_size"] > 1:
+    found = {"probe": f"{RESULTS}/{MACHINE}/compute_probe/{spec.model}/{probe_key(spec)}.json"}
+    if spec.world_size > 1:
         from distlab.configuration.config_links import link_label
 
-        if spec["link"]:
+        if spec.link:
             found["collectives"] = ancient(
-                f"{RESULTS}/{MACHINE}/links/collectives-{link_label(spec['link']['bandwidth_mbit'])}.json"
+                f"{RESULTS}/{MACHINE}/links/collectives-{link_label(spec.link['bandwidth_mbit'])}.json"
             )
         elif collectives_outputs():
             found["collectives"] = ancient(collectives_outputs()[0])

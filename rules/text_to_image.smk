@@ -75,6 +75,6 @@ rule advise_sd:
     params:
         advisor=config["advisor"],
         resolution=config["text_to_image"]["resolution"],
-        cpu_ranks=max(spec["world_size"] for spec in SPECS.values()),
+        cpu_ranks=max(spec.world_size for spec in SPECS.values()),
     script:
         "../scripts/advise_sd.py"

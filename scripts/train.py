@@ -11,7 +11,7 @@ with logged(snakemake):
     run_dir = os.path.dirname(snakemake.output.metrics)
     job = rule_job(snakemake, run_dir)
     status = launch(job)
-    print(f"experiment {job.spec['id']}: {status}")
+    print(f"experiment {job.spec.id}: {status}")
     if status == "oom":
         # Recorded as a result (the model did not fit), not a pipeline failure.
         import shutil

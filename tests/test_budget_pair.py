@@ -64,7 +64,8 @@ def _pair(tmp_path, one_status: str, one_enforced: bool, three_enforced: bool, t
                    budget=_verdict(False, one_enforced, gib * 1024 * 1.2, gib), status=one_status)
     three = fake_run(tmp_path / "three", {**over, "world_size": 2, "deepspeed": {"zero_stage": 3}}, "deepspeed",
                      budget=_verdict(True, three_enforced, gib * 1024 * 0.8, gib))
-    one["spec"]["model"], three["spec"]["model"] = one_spec["model"], three_model or three_spec["model"]
+    one["spec"] = one["spec"].replace(model=one_spec["model"])
+    three["spec"] = three["spec"].replace(model=three_model or three_spec["model"])
     if one_status == "oom":
         one["oom"] = [{"rank": 0, "error_type": "MemoryError", "error": "passed the memory budget"}]
     return [one, three]

@@ -18,6 +18,7 @@ from distlab.rank.loop import IndexStream
 from distlab.records.run_outputs import read_run_record
 from distlab.jobs.validate import validate_run
 from test_hygiene import python_process, reaper, sigkill_leaves_nothing, wait_for_ranks  # noqa: F401 (a fixture)
+from distlab.records.spec import Spec
 
 
 TUNED = {"lr_schedule": "cosine", "lr_warmup_steps": 2, "max_grad_norm": 1.0}
@@ -47,7 +48,7 @@ def validate_copy(trained, prepared, tmp_path, damage):
 
 @pytest.mark.parametrize("sampler", ["distributed", "none"])
 def test_data_stream_restored_from_its_state_reads_on_where_it_stopped(sampler):
-    spec = {"sampler": sampler, "seed": 3, "micro_batch": 4}
+    spec = Spec({"sampler": sampler, "seed": 3, "micro_batch": 4})
     first = IndexStream(40, spec, dp_rank=1, dp_size=2)
     for _ in range(13):  # into the third epoch: epochs and positions both matter
         first.next()
@@ -152,7 +153,7 @@ def test_checkpoint_from_a_different_config_is_refused_naming_the_field(trained)
     with pytest.raises(ckpt.CheckpointMismatch, match=r"different experiment config.*field lr 0\.0003"):
         ckpt.check_compatible(meta, spec, meta["model"], "final")
     # Fields that leave the trajectory alone do not block a load.
-    ckpt.check_compatible(meta, dict(spec, lr=3e-4, checkpoint_every=5, untimed_steps=1), meta["model"], "final")
+    ckpt.check_compatible(meta, spec.replace(lr=3e-4, checkpoint_every=5, untimed_steps=1), meta["model"], "final")
 
 
 @pytest.mark.slow

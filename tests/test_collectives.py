@@ -3,6 +3,7 @@ batch; the benchmark itself runs on real gloo ranks in the report pipeline (test
 from __future__ import annotations
 
 import pytest
+from distlab.records.spec import Spec
 
 from distlab.records import collectives as readers
 from distlab.tools import collectives as coll
@@ -67,7 +68,7 @@ BENCH = {"world_size": None, "min_bytes": 1024, "max_bytes_cpu": 1 << 24, "max_b
 
 
 def test_collectives_at_one_gpu_measure_gloo_and_record_why_nccl_is_skipped():
-    specs = {"a": {"device": "cuda", "world_size": 1}}
+    specs = {"a": Spec({"device": "cuda", "world_size": 1})}
     one = coll.plan(BENCH, specs, gpu_count=1)
     assert one["device"] == "cpu" and one["gpus"] == 0 and one["world_size"] == 2
     assert "at least 2 GPUs; this machine has 1" in one["nccl_skipped"]
@@ -75,14 +76,14 @@ def test_collectives_at_one_gpu_measure_gloo_and_record_why_nccl_is_skipped():
     assert (two["device"], two["gpus"], two["nccl_skipped"]) == ("cuda", 2, None)
     capped = coll.plan(dict(BENCH, world_size=8), specs, gpu_count=4)
     assert capped["world_size"] == capped["gpus"] == 4
-    cpu = coll.plan(BENCH, {"a": {"device": "cpu", "world_size": 2}}, gpu_count=0)
+    cpu = coll.plan(BENCH, {"a": Spec({"device": "cpu", "world_size": 2})}, gpu_count=0)
     assert (cpu["device"], cpu["gpus"], cpu["nccl_skipped"]) == ("cpu", 0, None)
 
 
 def test_report_card_shows_the_skipped_nccl_reason():
     from distlab.report.build import collectives_card
 
-    reason = coll.plan(BENCH, {"a": {"device": "cuda", "world_size": 1}}, gpu_count=1)["nccl_skipped"]
+    reason = coll.plan(BENCH, {"a": Spec({"device": "cuda", "world_size": 1})}, gpu_count=1)["nccl_skipped"]
     ok = {"backend": "gloo", "device": "cpu", "op": "all_reduce", "status": "ok", "size_bytes": 1024,
           "time_s_median": 1e-4, "algbw_bytes_per_s": 1e7, "busbw_bytes_per_s": 1e7}
     bench = {"box": {"world_size": 2, "device": "cpu", "results": [ok] + coll.skipped_rows(reason),

@@ -6,6 +6,7 @@ import pytest
 
 from conftest import REPO, tiny_config
 from distlab.configuration.config import ConfigError, EXPERIMENT_DEFAULTS, experiment_id, load
+from distlab.records.spec import Spec
 
 
 def specs_of(cfg, gpus=0):
@@ -126,7 +127,7 @@ def test_schema_defaults_fill_missing_sections():
 
 
 def test_id_is_a_pure_function_of_the_spec():
-    spec = dict(EXPERIMENT_DEFAULTS, stage="ddp", launcher="torchrun")
+    spec = Spec(dict(EXPERIMENT_DEFAULTS, stage="ddp", launcher="torchrun"))
     assert experiment_id(spec) == experiment_id(copy.deepcopy(spec)) == "ddp-full-w1-mb4-ga1"
 
 

@@ -5,6 +5,7 @@ import pytest
 from distlab.records.job import Job
 
 from distlab.records.run_outputs import read_run_record
+from distlab.records.spec import Spec
 
 
 def test_base_eval_is_the_models_mean_loss_on_the_first_eval_blocks(prepared, tmp_path):
@@ -83,13 +84,13 @@ def test_an_eval_forward_takes_more_sequences_only_where_their_no_grad_forward_f
                                num_hidden_layers=layers)
 
     budget, default = llama(4096, 768, 2048, 12, 10), llama(4096, 256, 688, 4, 4)
-    spec = {"micro_batch": 1, "world_size": 2, "activation_checkpointing": "none"}
+    spec = Spec({"micro_batch": 1, "world_size": 2, "activation_checkpointing": "none"})
     k = eval_batch_size(spec, budget, (16, 128), True)
     assert k == 5  # the stage-3 budget model: 2 forwards a rank instead of 8
     # what k sequences hold without grad <= what one trained sequence keeps for backward
     assert k * 128 * (3 * 4096 + 3 * 2048 + 12 * 128) <= 128 * (2 * 4096 + 10 * (4 * 768 + 3 * 2048))
-    assert eval_batch_size(dict(spec, micro_batch=4), default, (16, 128), True) == 4  # default model: unchanged
-    assert eval_batch_size(dict(spec, activation_checkpointing="full"), budget, (16, 128), True) == 1
+    assert eval_batch_size(spec.replace(micro_batch=4), default, (16, 128), True) == 4  # default model: unchanged
+    assert eval_batch_size(spec.replace(activation_checkpointing="full"), budget, (16, 128), True) == 1
     assert eval_batch_size(spec, budget, (16, 128), False) == 1  # TP / PP ranks split the model
     assert eval_batch_size(spec, SimpleNamespace(vocab_size=4096), (16, 128), True) == 1  # unknown shape
     assert eval_batch_size(spec, budget, (4, 128), True) == 2  # never more than a rank's share

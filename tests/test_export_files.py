@@ -6,6 +6,7 @@ import filecmp
 import os
 
 import pytest
+from distlab.records.spec import Spec
 import torch
 
 from distlab.runtime.streamed import Skeleton, file_groups, open_weights, parameter_groups, streamed_logits
@@ -92,8 +93,8 @@ def test_the_streamed_merged_lora_export_equals_peft_merge_and_unload(tmp_path):
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:  # peft starts B at zero: a merge of zeros would prove nothing
                 param.normal_(std=0.1)
-    spec = {"method": "lora", "seed": 0, "lora": {"r": 4, "alpha": 8, "dropout": 0.0,
-                                                 "target_modules": ["q_proj", "down_proj"]}}
+    spec = Spec({"method": "lora", "seed": 0, "lora": {"r": 4, "alpha": 8, "dropout": 0.0,
+                                                      "target_modules": ["q_proj", "down_proj"]}})
     skeleton = Skeleton.for_run(str(tmp_path / "base"), spec)
     merged = MergedWeights(str(tmp_path / "base"), tmp_path / "merged", "5GB")
     adapters = AdapterWeights(tmp_path / "adapter")

@@ -7,6 +7,7 @@ import torch
 
 from conftest import resolve
 from distlab.strategies.base import FidelityError, RunContext, Strategy
+from distlab.records.spec import Spec
 
 
 class _Labelled(Strategy):
@@ -28,7 +29,7 @@ def _verify(spec: dict, model, ctx_device: str, name: str = "ddp", expected_wrap
 
 
 def test_a_run_labelled_cuda_whose_parameters_are_on_the_cpu_fails(monkeypatch):
-    spec = dict(resolve({"world_size": 1, "micro_batch": 8}), device="cuda")
+    spec = Spec(dict(resolve({"world_size": 1, "micro_batch": 8}), device="cuda"))
     with pytest.raises(FidelityError, match=r"parameters live on \['cpu'\]"):
         _verify(spec, torch.nn.Linear(4, 4), "cuda", monkeypatch=monkeypatch)
 

@@ -182,12 +182,12 @@ def _rank_main(job_path: str) -> None:
             result["unsplit_model"] = mislabel(name, lambda: fake.verify(fake.describe()))
         else:
             described = trained.describe()
-            trained.spec = dict(spec, pp=dict(spec["pp"], schedule="1f1b"))
+            trained.spec = spec.replace(pp=dict(spec["pp"], schedule="1f1b"))
             result["wrong_schedule"] = mislabel(name, lambda: trained.verify(described))
             trained.spec = spec
             described["stages"][1]["layers"] = []
             result["missing_layers"] = mislabel(name, lambda: trained.verify(described))
-        wrong_world = dict(spec, world_size=4)
+        wrong_world = spec.replace(world_size=4)
         trained.spec = wrong_world
         result["wrong_world_size"] = mislabel(name, lambda: trained.verify(trained.describe()))
         findings[name] = result

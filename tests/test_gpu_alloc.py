@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from distlab.jobs.gpu_alloc import GpuAllocationError, allocate, visible_devices
+from distlab.records.spec import Spec
 
 HOLDER = """
 import json, sys, time
@@ -81,7 +82,7 @@ def test_a_cuda_run_holds_its_gpus_while_the_ranks_run_and_records_them(tmp_path
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,6")  # fake devices: nothing here touches a GPU
     run_dir = tmp_path / "results" / "box" / "exp"
     run_dir.mkdir(parents=True)
-    with assigned_gpus({"device": "cuda", "world_size": 2}, str(run_dir)) as ids:
+    with assigned_gpus(Spec({"device": "cuda", "world_size": 2}), str(run_dir)) as ids:
         assert os.environ["CUDA_VISIBLE_DEVICES"] == ",".join(ids) and len(ids) == 2
         with pytest.raises(GpuAllocationError):  # a concurrent 2-GPU job must wait
             with allocate(2, str(tmp_path / "results" / ".gpu-locks"), devices=["2", "3", "6"], timeout=0.2):
@@ -94,7 +95,7 @@ def test_a_cuda_run_holds_its_gpus_while_the_ranks_run_and_records_them(tmp_path
 def test_a_cpu_run_takes_no_gpu(tmp_path):
     from distlab.jobs.launch import assigned_gpus
 
-    with assigned_gpus({"device": "cpu", "world_size": 2}, str(tmp_path)) as ids:
+    with assigned_gpus(Spec({"device": "cpu", "world_size": 2}), str(tmp_path)) as ids:
         assert ids is None
     assert not (tmp_path / "devices.json").exists()
 
@@ -128,11 +129,11 @@ def test_local_gpus_profile_dry_runs_the_workflow(tmp_path):
 def test_a_cuda_rank_gets_the_jobs_cores_split_over_its_ranks(monkeypatch):
     from distlab.launchers.environment import cuda_rank_threads, rank_environment
 
-    spec = {"device": "cuda", "world_size": 2, "cpu_threads_per_rank": 1}
+    spec = Spec({"device": "cuda", "world_size": 2, "cpu_threads_per_rank": 1})
     monkeypatch.setenv("DISTLAB_JOB_THREADS", "12")
     assert cuda_rank_threads(spec) == 6
     assert rank_environment(spec)["OMP_NUM_THREADS"] == "6"
     # On CPU a device stays cpu_threads_per_rank cores, whatever the job holds.
-    assert rank_environment(dict(spec, device="cpu"))["OMP_NUM_THREADS"] == "1"
+    assert rank_environment(spec.replace(device="cpu"))["OMP_NUM_THREADS"] == "1"
     monkeypatch.setenv("DISTLAB_JOB_THREADS", "1")
     assert cuda_rank_threads(spec) == 1

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+from distlab.records.spec import Spec
 from distlab.tools import collectives as coll
 from distlab.tools.gpu_summary import summary
 
@@ -30,7 +31,7 @@ def test_summary_prints_throughput_mfu_memory_oom_validations_and_nccl(tmp_path)
     write(box / "ddp-b" / "metrics.json", {"experiment": "ddp-b", "status": "oom", "memory_budget_gib": 2,
                                            "oom": [{"error": "CUDA out of memory. Tried to allocate 64 MiB"}]})
     reason = coll.plan({"world_size": None, "min_bytes": 1, "max_bytes_cpu": 4, "max_bytes_cuda": 4, "factor": 2,
-                        "iters": 3, "warmup": 0}, {"a": {"device": "cuda", "world_size": 1}}, 1)["nccl_skipped"]
+                        "iters": 3, "warmup": 0}, {"a": Spec({"device": "cuda", "world_size": 1})}, 1)["nccl_skipped"]
     write(box / "collectives.json", {"world_size": 2, "nccl": {"status": "skipped", "reason": reason},
                                      "results": coll.skipped_rows(reason)})
     text = "\n".join(summary(tmp_path))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import types
 
 import pytest
+from distlab.records.spec import Spec
 import torch
 
 from distlab.configuration import hardware as hw
@@ -61,14 +62,14 @@ def test_rank_peak_follows_the_runs_precision_and_probes_an_unknown_board(monkey
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 PCIe")
     monkeypatch.setattr(hw, "tf32_matmuls", lambda torch: False)
     cuda0 = types.SimpleNamespace(type="cuda", index=0)
-    peak, how = hw.peak_flops_per_rank(cuda0, {"precision": "fp32"}, {})
+    peak, how = hw.peak_flops_per_rank(cuda0, Spec({"precision": "fp32"}), {})
     assert peak == 51e12 and "dense fp32 peak of NVIDIA H100 PCIe" in how
-    peak, how = hw.peak_flops_per_rank(cuda0, {"precision": "bf16"}, {})
+    peak, how = hw.peak_flops_per_rank(cuda0, Spec({"precision": "bf16"}), {})
     assert peak == 756.5e12
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA Future GPU")
     monkeypatch.setattr(hw, "measure_cuda_matmul_peak", lambda device, precision: {
         "flops_per_s": 123e12, "repeats": 10, "matrix": 4096})
-    peak, how = hw.peak_flops_per_rank(cuda0, {"precision": "bf16"}, {})
+    peak, how = hw.peak_flops_per_rank(cuda0, Spec({"precision": "bf16"}), {})
     assert peak == 123e12 and how.startswith("measured: NVIDIA Future GPU not in the datasheet table")
 
 

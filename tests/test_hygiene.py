@@ -12,6 +12,7 @@ import pytest
 from conftest import REPO, resolve
 
 from distlab.records.job import Job, ValidationJob
+from distlab.records.spec import Spec
 
 
 def alive(pid: int) -> bool:
@@ -92,7 +93,7 @@ def test_a_timeout_kills_every_rank_of_the_launch(tmp_path, reaper, monkeypatch)
         time.sleep(600)
     """))
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{REPO}")
-    spec = {"world_size": 2, "device": "cpu", "cpu_threads_per_rank": 1, "launcher": "torchrun"}
+    spec = Spec({"world_size": 2, "device": "cpu", "cpu_threads_per_rank": 1, "launcher": "torchrun"})
     with pytest.raises(RuntimeError, match="sleepy ranks were killed with their launcher after the 20 s timeout"):
         start_ranks(spec, "sleepy_rank", [str(tmp_path)], tmp_path / "job.json", str(tmp_path / "launch.log"),
                     timeout=20, what="sleepy ranks")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from distlab.rank import worker
+from distlab.records.spec import Spec
 
 
 class Window:
@@ -20,7 +21,8 @@ def test_rank_zero_counts_what_other_processes_used_since_it_started_besides_its
     monkeypatch.setattr("distlab.tools.step_time.predict_from_files", lambda *args: seen.append(args[-1]) or {})
 
     def job(world):
-        return SimpleNamespace(spec={"world_size": world}, model_source=None, probe_json=None, collectives_json=None,
+        return SimpleNamespace(spec=Spec({"world_size": world}), model_source=None, probe_json=None,
+                               collectives_json=None,
                                hardware_json=None)
 
     worker.predicted_step_time(job(1), Window())

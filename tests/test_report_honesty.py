@@ -3,6 +3,7 @@ goal's status says what was checked (passed / failed / not run / compared, not e
 from __future__ import annotations
 
 from card_runs import fake_run
+from distlab.records.spec import Spec
 
 
 def test_a_comm_time_that_was_not_measured_prints_as_not_measured_never_zero(tmp_path):
@@ -20,7 +21,8 @@ def test_fsdp_through_accelerate_reports_no_comm_time_rather_than_zero():
     from distlab.strategies.base import RunContext
 
     strategy = AccelerateStrategy.__new__(AccelerateStrategy)
-    strategy.ctx, strategy.hook, strategy.fsdp = RunContext(spec={}, run_dir="", device=None, world_size=2), None, True
+    context = RunContext(spec=Spec({}), run_dir="", device=None, world_size=2)
+    strategy.ctx, strategy.hook, strategy.fsdp = context, None, True
     assert strategy.take_comm_seconds() is None and strategy.comm_unmeasured_reason
 
 
@@ -139,7 +141,8 @@ def test_fsdp_through_accelerate_is_on_the_stage4_card_and_does_not_turn_it_red(
                    comm_median_s=None, as_built={"wrappers_found": ["FSDPModule (fully_shard)"], "device": "cuda:0",
                                                "outer_wrapper": "FSDPLlamaForCausalLM",
                                                "accelerate": {"fsdp_sharded_modules": 3}})
-    run["spec"]["fsdp"]["via"], run["spec"]["device"] = "accelerate", "cuda"  # a GPU path: config refuses it on CPU
+    # A GPU path: config refuses it on CPU.
+    run["spec"] = run["spec"].replace(fsdp=dict(run["spec"].fsdp, via="accelerate"), device="cuda")
     card = stage4_fsdp.build([run])
     assert card.goals[0].status != "failed" and run["experiment"] in card.goals[0].evidence
     (variants,) = [t for t in card.tables if t.title == "FSDP variants"]

@@ -1,10 +1,11 @@
 """Why DistributedSampler: disjoint shards that cover the epoch, and what happens without it."""
 from distlab.rank.loop import IndexStream
 from distlab.rank.run_summary import coverage
+from distlab.records.spec import Spec
 
 
 def _spec(sampler, micro_batch=4):
-    return {"sampler": sampler, "seed": 7, "micro_batch": micro_batch}
+    return Spec({"sampler": sampler, "seed": 7, "micro_batch": micro_batch})
 
 
 def _run(sampler, world, steps, n=101):

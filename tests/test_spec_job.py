@@ -77,3 +77,40 @@ def test_a_spec_missing_a_field_every_reader_needs_is_refused_at_the_door():
         Spec.checked({k: v for k, v in spec.items() if k != "strategy"}, "here")
     assert Spec.checked(spec, "here") == spec
 
+
+
+def test_code_reads_a_spec_by_typed_field_and_a_misspelt_one_fails_naming_it():
+    spec = resolve({"strategy": "deepspeed", "world_size": 2, "deepspeed": {"zero_stage": 3}})
+    assert (spec.world_size, spec.strategy, spec.deepspeed.zero_stage) == (2, "deepspeed", 3)
+    assert spec.block("deepspeed") is not None and spec.length["from"] == "steps"
+    assert spec.dataset == "default"  # an experiment that picks no dataset trains on `data:`
+    with pytest.raises(AttributeError, match="'wrold_size'"):
+        spec.wrold_size  # noqa: B018 (the read is the test)
+    with pytest.raises(AttributeError, match="'zero'.*zero_stage"):
+        spec.deepspeed.zero  # noqa: B018
+    with pytest.raises(TypeError, match="frozen"):
+        spec.deepspeed["zero_stage"] = 2
+
+
+def test_the_typed_spec_fields_are_the_schemas_experiment_keys():
+    from distlab.configuration.schema import schema_read_only
+    from distlab.records.spec import SPEC_FIELDS
+    from distlab.strategies.settings import registered
+
+    keys = set(schema_read_only()["$defs"]["experiment"]["properties"])
+    strategy_blocks = {name for name, settings in registered().items() if settings.schema is not None}
+    resolved = {"id", "stage", "length", "text_to_image"}  # filled by config expansion and the tasks
+    assert keys - strategy_blocks == SPEC_FIELDS - resolved
+
+
+def test_distlab_reads_no_spec_as_a_dict_beyond_its_doors():
+    # The doors that still read by key: config expansion filling a draft, a job file's raw
+    # spec, a strategy's block named by a variable. Everything else reads typed fields.
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "distlab"
+    reads = [f"{path.relative_to(root)}:{n}" for path in root.rglob("*.py")
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             for _ in re.findall(r"spec\[|spec\.get\(", line)]
+    assert len(reads) <= 30, reads

@@ -8,6 +8,7 @@ import pytest
 
 from distlab.records import predictions
 from distlab.tools import step_time as S
+from distlab.records.spec import Spec
 
 # A two-layer model with two linears per layer (one column-, one row-parallel) and a head.
 LAYER = [((16, 8), True), ((8, 16), True), ((8,), True)]  # (shape, trains): attn, mlp, norm
@@ -18,14 +19,14 @@ GRADS = 1048 * 4  # fp32 gradient bytes
 SHAPE = {"num_attention_heads": 2, "head_dim": 4, "hidden_size": 8, "intermediate_size": 16, "vocab_size": 32}
 
 
-def spec(**over) -> dict:
+def spec(**over) -> Spec:
     base = {"strategy": "ddp", "world_size": 1, "micro_batch": 2, "grad_accum": 1, "seq_len": 4, "method": "full",
             "precision": "fp32", "device": "cpu", "cpu_threads_per_rank": 1, "max_grad_norm": 1.0,
             "pp": {"schedule": "gpipe", "microbatches": 2}, "deepspeed": {"zero_stage": 0, "offload_optimizer": "none",
                                                                          "offload_param": "none"},
             "fsdp": {"reshard_after_forward": True, "cpu_offload": False}}
     base.update(over)
-    return base
+    return Spec(base)
 
 
 def probe_for(s: dict, seconds_of) -> dict:

@@ -4,6 +4,7 @@ with a setting of its own added by its files alone, and the mechanisms every str
 import json
 
 import pytest
+from distlab.records.spec import Spec
 
 from conftest import REPO
 from distlab.configuration.config import ConfigError, load
@@ -35,7 +36,7 @@ def test_the_schema_names_exactly_the_strategies_with_settings_files_and_ranks_f
     # Ranks never read the schema to find their class.
     monkeypatch.setattr(config_module, "load_schema", lambda: pytest.fail("a rank read config/schema.yaml"))
     monkeypatch.setattr(schema_module, "schema_read_only", lambda: pytest.fail("a rank read config/schema.yaml"))
-    assert strategies.strategy_for({"strategy": "fsdp", "fsdp": {"via": "accelerate"}}).name == "accelerate"
+    assert strategies.strategy_for(Spec({"strategy": "fsdp", "fsdp": {"via": "accelerate"}})).name == "accelerate"
 
 
 MINE_MODULE = """
@@ -125,7 +126,7 @@ def test_a_new_strategy_with_a_setting_is_its_two_files(tmp_path, monkeypatch):
     monkeypatch.setattr(strategies, "__path__", [*strategies.__path__, str(tmp_path / "strategies")])
     added = ("distlab.strategies.mine", "distlab.strategies.mine_settings")
     try:
-        assert strategies.strategy_for({"strategy": "mine"}).__name__ == "MineStrategy"
+        assert strategies.strategy_for(Spec({"strategy": "mine"})).__name__ == "MineStrategy"
         config, specs = load(ddp_config({"strategy": "mine", "world_size": 2}), gpu_count=0)
         (spec,) = specs.values()
         assert spec["mine"] == {"chunks": 2}  # its default
@@ -149,10 +150,10 @@ def test_a_new_strategy_with_a_setting_is_its_two_files(tmp_path, monkeypatch):
         assert as_mine["native_checkpoint_bytes"] > as_ddp["native_checkpoint_bytes"]
         assert (expected_layout(spec), offloads_parameters(spec)) == ("dtensor", True)
         facts = {"layers_held": 2, "checkpointed": [1]}  # stage-local numbering: not layer 0 of the model
-        assert check_checkpointing(facts, {**spec, "activation_checkpointing": "selective",
-                                           "activation_checkpointing_every": 2}) is None
-        assert check_checkpointing(facts, {**spec, "strategy": "ddp", "activation_checkpointing": "selective",
-                                           "activation_checkpointing_every": 2})
+        assert check_checkpointing(facts, spec.replace(activation_checkpointing="selective",
+                                                               activation_checkpointing_every=2)) is None
+        assert check_checkpointing(facts, spec.replace(strategy="ddp", activation_checkpointing="selective",
+                                                               activation_checkpointing_every=2))
         # The task it refuses, said in its settings: the task's code names no strategy.
         with pytest.raises(ConfigError, match=r"'stages.ddp.experiments\[0\].strategy': task text-to-image cannot "
                                               r"run mine: mine cuts decoder layers; a UNet's skip connections"):

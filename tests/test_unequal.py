@@ -43,7 +43,7 @@ GRADIENT_SCRIPT = textwrap.dedent("""
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:
-        uniform_spec = dict(spec, micro_batch=sum(strategy.rank_batches), rank_micro_batch=None)
+        uniform_spec = spec.replace(micro_batch=sum(strategy.rank_batches), rank_micro_batch=None)
         whole = IndexStream(len(blocks), uniform_spec, 0, 1).next()
         model = load_model(prepared + "/model")
         model(input_ids=blocks[whole], labels=labels[whole]).loss.backward()

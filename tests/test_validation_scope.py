@@ -4,6 +4,7 @@ from __future__ import annotations
 import yaml
 
 from conftest import REPO
+from distlab.records.spec import Spec
 
 
 def test_default_validation_covers_each_zero_stage_offload_and_fsdp_variant_once():
@@ -39,7 +40,7 @@ def test_while_rank_0_checks_the_export_the_other_ranks_import_the_model_code():
         calls = []
         task = SimpleNamespace(check_export=lambda v: calls.append(("export", v.rank)),
                                import_code=lambda source, lora: calls.append(("import", source, lora)))
-        validator = SimpleNamespace(rank=rank, task=task, spec={"method": "lora"},
+        validator = SimpleNamespace(rank=rank, task=task, spec=Spec({"method": "lora"}),
                                     guarded=lambda name, check: (calls.append(name), check()))
         check_export_meanwhile_import(validator, ValidationJob(spec={}, run_dir="run", plan=plan, model_source="base"))
         return calls

@@ -222,7 +222,7 @@ def save_checkpoint(dest, strategy, ctx, job: Job, signature: dict, steps_done: 
             info["export_seconds"] = time.perf_counter() - t0
 
         def finish():
-            meta = {"format_version": FORMAT_VERSION, "experiment": ctx.spec["id"], "strategy": strategy.name,
+            meta = {"format_version": FORMAT_VERSION, "experiment": ctx.spec.id, "strategy": strategy.name,
                     "world_size": dist.get_world_size(), "steps_done": steps_done,
                     "spec": spec_fingerprint(ctx.spec), "model": signature, "save": info}
             if base is not None:
@@ -296,7 +296,7 @@ def maybe_inject_fault(spec: dict, steps_done: int) -> None:
     if not target:
         return
     experiment, rank, step = target.rsplit(":", 2)
-    if experiment == spec["id"] and int(rank) == dist.get_rank() and int(step) == steps_done:
+    if experiment == spec.id and int(rank) == dist.get_rank() and int(step) == steps_done:
         print(f"{FAULT_ENV}: killing rank {rank} after step {steps_done}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 

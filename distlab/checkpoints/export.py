@@ -41,7 +41,7 @@ def eval_batch(data_dir):
 
 
 def settings(spec: dict) -> dict:
-    return {**DEFAULTS, **(spec.get("export") or {})}
+    return {**DEFAULTS, **(spec.export or {})}
 
 
 def save_tokenizer(model_source: str, folder: Path) -> str:
@@ -129,9 +129,9 @@ def write_export(skeleton, groups, job: Job, spec: dict, folder: Path, batch, tr
     from distlab.runtime.streamed import streamed_logits
 
     fault = os.environ.get(SAVE_FAULT_ENV, "")
-    if fault == spec["id"]:
+    if fault == spec.id:
         raise RuntimeError(f"{SAVE_FAULT_ENV}: injected failure of the final save's export")
-    if fault == f"{spec['id']}:oom":
+    if fault == f"{spec.id}:oom":
         from distlab.runtime.memory import OOM_EXIT_CODE, record_oom
 
         record_oom(job.run_dir, MemoryError(f"{SAVE_FAULT_ENV}: injected out-of-memory in the final save's export"))

@@ -72,6 +72,6 @@ def replay_samples(stream, records: list) -> list:
     stream.restore({"epoch": 0, "position": 0})
     out = []
     for rec in records:
-        samples = [i for _ in range(stream.spec["grad_accum"]) for i in stream.next()]
+        samples = [i for _ in range(stream.spec.grad_accum) for i in stream.next()]
         out.append({**rec, "samples": samples})
     return out

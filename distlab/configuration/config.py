@@ -23,7 +23,7 @@ from distlab.configuration import schema as schema_file
 from distlab.configuration.config_links import check_unequal_and_link, link_label, machine_refusal, with_link_caps
 from distlab.configuration.input_checks import ConfigError
 from distlab.configuration.schema import load_schema  # also this module's name for it: validate_schema reads it here
-from distlab.records.spec import Spec
+from distlab.records.spec import Spec, SpecDraft
 from distlab.configuration.training_tools import adapts, check_training_tools
 from distlab.strategies import strategy_key
 from distlab.strategies.settings import registered, schema_mismatch, settings_for, strategy_defaults
@@ -151,34 +151,34 @@ def variant(spec: dict) -> str:
 
 
 def experiment_id(spec: dict) -> str:
-    parts = [spec["strategy"]]
+    parts = [spec.strategy]
     extra = variant(spec)
     if extra:
         parts.append(extra)
-    sized = spec.get("rank_micro_batch")
-    batch = spec["micro_batch"] if sized is None else sized if sized == "auto" else "x".join(map(str, sized))
-    parts += [spec["method"], f"w{spec['world_size']}", f"mb{batch}", f"ga{spec['grad_accum']}"]
-    if spec.get("compile"):
+    sized = spec.rank_micro_batch
+    batch = spec.micro_batch if sized is None else sized if sized == "auto" else "x".join(map(str, sized))
+    parts += [spec.method, f"w{spec.world_size}", f"mb{batch}", f"ga{spec.grad_accum}"]
+    if spec.compile:
         parts.append("compiled")
-    if spec["launcher"] == "ray":
+    if spec.launcher == "ray":
         parts.append("ray")
-    if spec.get("rank_cpu_threads"):
-        parts.append("threads" + "x".join(map(str, spec["rank_cpu_threads"])))
-    if spec.get("rank_cpu_budget"):
-        parts.append("cores" + "x".join(f"{c:g}" for c in spec["rank_cpu_budget"]))
-    if spec.get("link"):
-        parts.append("link" + link_label(spec["link"]["bandwidth_mbit"]))
+    if spec.rank_cpu_threads:
+        parts.append("threads" + "x".join(map(str, spec.rank_cpu_threads)))
+    if spec.rank_cpu_budget:
+        parts.append("cores" + "x".join(f"{c:g}" for c in spec.rank_cpu_budget))
+    if spec.link:
+        parts.append("link" + link_label(spec.link["bandwidth_mbit"]))
     task_part = task_for(spec).id_part()
     if task_part:
         parts.append(task_part)
-    if spec.get("tag"):
-        parts.append(spec["tag"])
+    if spec.tag:
+        parts.append(spec.tag)
     return "-".join(parts)
 
 
 def resolve_launcher(spec: dict) -> str:
-    if spec["launcher"] != "auto":
-        return spec["launcher"]
+    if spec.launcher != "auto":
+        return spec.launcher
     return registered()[strategy_key(spec)].launcher
 
 
@@ -206,14 +206,14 @@ def expand_experiments(config: dict, gpu_count: int | None = None) -> dict[str, 
             continue
         for index, override in with_link_caps(block, base):
             override = finetune_config.layer(override, f"stages.{stage}.experiments[{index}]")
-            spec = _deep_merge(finetune_config.over(base, override), override)
+            spec = SpecDraft(_deep_merge(finetune_config.over(base, override), override))
             spec["stage"] = stage
             spec["launcher"] = resolve_launcher(spec)
-            if spec["launcher"] == "ray":
+            if spec.launcher == "ray":
                 for key in ("address", "storage_path"):  # the cluster-wide `ray:` block fills what is unset
-                    if spec["ray"][key] is None:
+                    if spec.ray[key] is None:
                         spec["ray"][key] = config.get("ray", {}).get(key)
-            if spec["device"] == "auto":
+            if spec.device == "auto":
                 spec["device"] = "cuda" if gpu_count > 0 else "cpu"
             task_for(spec).resolve(spec, config)  # the task's settings this run depends on
             where = f"stages.{stage}.experiments[{index}]"
@@ -244,44 +244,44 @@ def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> No
     strategy.check_task(task, spec, fail)
     task.check_experiment(spec, config, fail)
     finetune_config.resolve_length(spec)  # epochs: steps stay None until the data exists (rules/common.smk)
-    if spec["steps"] is not None:
+    if spec.steps is not None:
         finetune_config.check_length(spec, fail)
     finetune_config.check_finetune(spec, fail)
     check_training_tools(spec, fail)  # method qlora, compile, profile: where each cannot run, and why
-    model = spec.get("model", "default")
+    model = spec.model
     if model != "default" and model not in config.get("model", {}).get("extra", {}):
         fail("model", f"no model named '{model}': the default or one of model.extra "
              f"({', '.join(sorted(config.get('model', {}).get('extra', {}))) or 'none declared'})")
     max_pos = model_max_positions(config, spec)
-    if max_pos is not None and spec["seq_len"] > max_pos:
-        fail("seq_len", f"sequence length {spec['seq_len']} exceeds the model's max_position_embeddings ({max_pos})")
-    if spec["device"] == "cuda" and gpu_count < spec["world_size"] and spec["launcher"] != "ray":
-        fail("device", f"cuda with world_size {spec['world_size']} needs that many GPUs; {gpu_count} found")
+    if max_pos is not None and spec.seq_len > max_pos:
+        fail("seq_len", f"sequence length {spec.seq_len} exceeds the model's max_position_embeddings ({max_pos})")
+    if spec.device == "cuda" and gpu_count < spec.world_size and spec.launcher != "ray":
+        fail("device", f"cuda with world_size {spec.world_size} needs that many GPUs; {gpu_count} found")
     families.check(spec, config, fail, strategy)  # a model-splitting strategy x a model.path folder's family
     strategy.check(spec, config, fail, model_shape(config, spec))  # the strategy's own refusals
-    if spec["export"]["merge"] and not adapts(spec):
+    if spec.export["merge"] and not adapts(spec):
         fail("export.merge", "merging applies to LoRA adapters; a full fine-tune's export is the whole model already")
-    if spec["precision"] == "fp16" and spec["device"] == "cpu":
+    if spec.precision == "fp16" and spec.device == "cpu":
         fail("precision", "fp16 autocast is not supported on CPU; use fp32 or bf16")
-    if spec["launcher"] == "ray" and not strategy.ray_train:
+    if spec.launcher == "ray" and not strategy.ray_train:
         ray_ones = [name for name, s in registered().items() if s.ray_train]
-        fail("launcher", f"Ray Train sets up the process group for {', '.join(ray_ones)}, not {spec['strategy']}")
-    ray = spec["ray"]
-    if spec["launcher"] != "ray" and (ray["min_workers"] is not None or ray["max_failures"]):
+        fail("launcher", f"Ray Train sets up the process group for {', '.join(ray_ones)}, not {spec.strategy}")
+    ray = spec.ray
+    if spec.launcher != "ray" and (ray["min_workers"] is not None or ray["max_failures"]):
         fail("ray", "min_workers and max_failures are Ray Train settings; they need launcher: ray")
-    if ray["min_workers"] is not None and ray["min_workers"] > spec["world_size"]:
-        fail("ray.min_workers", f"elastic lower bound {ray['min_workers']} exceeds world_size {spec['world_size']} "
+    if ray["min_workers"] is not None and ray["min_workers"] > spec.world_size:
+        fail("ray.min_workers", f"elastic lower bound {ray['min_workers']} exceeds world_size {spec.world_size} "
              "(the upper bound)")
-    if spec["launcher"] == "ray" \
-            and (ray["max_failures"] or (ray["min_workers"] or spec["world_size"]) < spec["world_size"]) \
-            and not spec["checkpoint_every"]:
+    if spec.launcher == "ray" \
+            and (ray["max_failures"] or (ray["min_workers"] or spec.world_size) < spec.world_size) \
+            and not spec.checkpoint_every:
         fail("checkpoint_every", "a Ray run that recovers from failures or resizes resumes from its last "
              "checkpoint; set checkpoint_every > 0")
-    if spec["launcher"] == "ray" and accelerate_runs(spec):
+    if spec.launcher == "ray" and accelerate_runs(spec):
         fail("launcher", "FSDP through Accelerate starts from accelerate launch (or torchrun), not Ray Train")
-    if spec["launcher"] == "accelerate" and not accelerate_runs(spec):
+    if spec.launcher == "accelerate" and not accelerate_runs(spec):
         fail("launcher", f"accelerate launch starts the accelerate strategy (and fsdp with via: accelerate), "
-             f"not {spec['strategy']}; use torchrun")
+             f"not {spec.strategy}; use torchrun")
     check_unequal_and_link(spec, fail)
 
 

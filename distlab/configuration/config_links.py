@@ -28,40 +28,40 @@ def with_link_caps(block: dict, base: dict) -> list[tuple[int, dict]]:
 
 def check_unequal_and_link(spec: dict, fail) -> None:
     """Per-rank batches and threads (unequal devices), and links between namespaced ranks."""
-    world = spec["world_size"]
-    sized, threads, budget = spec["rank_micro_batch"], spec["rank_cpu_threads"], spec["rank_cpu_budget"]
-    if (sized, threads, budget) != (None, None, None) and spec["launcher"] != "torchrun":
+    world = spec.world_size
+    sized, threads, budget = spec.rank_micro_batch, spec.rank_cpu_threads, spec.rank_cpu_budget
+    if (sized, threads, budget) != (None, None, None) and spec.launcher != "torchrun":
         fail("launcher", "per-rank batches, threads and CPU budgets are set by distlab's torchrun ranks; use "
              "launcher torchrun")
     if sized is not None:
-        if spec["strategy"] != "ddp":
+        if spec.strategy != "ddp":
             fail("rank_micro_batch", f"per-rank micro-batches are a DDP feature (each rank's loss weighted by its "
-                 f"share of the batch); {spec['strategy']} splits batches its own way")
-        if spec["sampler"] != "distributed":
+                 f"share of the batch); {spec.strategy} splits batches its own way")
+        if spec.sampler != "distributed":
             fail("rank_micro_batch", "per-rank micro-batches split one global batch; they need sampler distributed")
         if sized != "auto" and len(sized) != world:
             fail("rank_micro_batch", f"{len(sized)} entries for world_size {world}: one micro-batch per rank")
-        if sized != "auto" and sum(sized) != spec["micro_batch"] * world:
+        if sized != "auto" and sum(sized) != spec.micro_batch * world:
             fail("rank_micro_batch", f"the ranks' micro-batches sum to {sum(sized)}, but micro_batch x world_size "
-                 f"= {spec['micro_batch'] * world}: keep the global batch of the uniform run")
+                 f"= {spec.micro_batch * world}: keep the global batch of the uniform run")
     if threads is not None:
-        if spec["device"] != "cpu":
+        if spec.device != "cpu":
             fail("rank_cpu_threads", "per-rank thread counts make unequal CPU devices; device must be cpu")
         if len(threads) != world:
             fail("rank_cpu_threads", f"{len(threads)} entries for world_size {world}: one thread count per rank")
     if budget is not None:
-        if spec["device"] != "cpu":
+        if spec.device != "cpu":
             fail("rank_cpu_budget", "per-rank CPU budgets make unequal CPU devices; device must be cpu")
         if len(budget) != world:
             fail("rank_cpu_budget", f"{len(budget)} entries for world_size {world}: one budget per rank")
-    if spec["link"] is None:
+    if spec.link is None:
         return
     if world < 2:
         fail("link", "a 1-rank run sends nothing over a link; give it world_size 2 or more, or no link")
-    if spec["launcher"] != "torchrun":
-        fail("link", f"a link runs one torchrun agent per host namespace; launcher {spec['launcher']} is not "
+    if spec.launcher != "torchrun":
+        fail("link", f"a link runs one torchrun agent per host namespace; launcher {spec.launcher} is not "
              "supported (Ray across two namespaced hosts: `snakemake two_hosts`)")
-    if spec["device"] != "cpu":
+    if spec.device != "cpu":
         fail("link", "NCCL moves GPU data over PCIe/NVLink/shared memory, which no network namespace shapes: "
              "links are for CPU ranks (gloo over TCP)")
 
@@ -71,12 +71,12 @@ def machine_refusal(spec: dict) -> tuple[str, str] | None:
     namespaces for a link, cpu cgroups for CPU budgets: root), else None. The default stages
     are refused when the config loads; the opt-in ones when their target asks for them
     (rules/common.smk stage_metrics), so that a config naming them still runs elsewhere."""
-    if spec["link"] is not None:
+    if spec.link is not None:
         from distlab.configuration.netns import refusal
 
         if refusal():
             return "link", f"network namespaces cannot be made here: {refusal()}"
-    if spec["rank_cpu_budget"] is not None:
+    if spec.rank_cpu_budget is not None:
         from distlab.configuration.cpu_budget import refusal as no_cpu_budget
 
         if no_cpu_budget():

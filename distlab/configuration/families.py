@@ -100,10 +100,10 @@ def check(spec: dict, config: dict, fail, strategy) -> None:
     settings): fail('strategy', why) for a family it cannot split. Only a strategy that splits
     the model by the family's plans is checked, and only for a local `model.path` folder."""
     folder = config.get("model", {}).get("path")
-    if not strategy.splits_by_family_plan or spec.get("model", "default") != "default":
+    if not strategy.splits_by_family_plan or spec.model != "default":
         return  # a strategy that runs the model whole, or a model.extra entry (a built Llama)
     if not folder or not (Path(folder) / "config.json").is_file():
         return  # the built Llama (checked in config.py) or a hub id (read when the job loads it)
-    why = refusal(folder, strategy, spec["world_size"])
+    why = refusal(folder, strategy, spec.world_size)
     if why:
         fail("strategy", why)

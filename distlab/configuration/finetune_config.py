@@ -12,6 +12,7 @@ import math
 import warnings
 
 from distlab.configuration.input_checks import ConfigError
+from distlab.records.spec import Spec, SpecDraft
 from distlab.strategies.settings import data_parallel
 
 LENGTH_KEYS = ("steps", "epochs", "max_tokens")
@@ -58,11 +59,11 @@ def over(base: dict, keys: dict) -> dict:
 
 def data_parallel_size(spec: dict) -> int:
     """Ranks that read different samples: tensor- and pipeline-parallel ranks read the same ones."""
-    return spec["world_size"] if data_parallel(spec) else 1
+    return spec.world_size if data_parallel(spec) else 1
 
 
 def resolve_length(spec: dict, train_blocks: int | None = None) -> dict:
-    """Fill spec['steps'] (optimizer steps) from epochs or max_tokens, and spec['length'] with how.
+    """Fill spec.steps (optimizer steps) from epochs or max_tokens, and spec.length with how.
 
     max_tokens: steps = ceil(max_tokens / tokens per step), known from the spec alone.
     epochs: one epoch is what IndexStream draws per data-parallel rank before it reshuffles,
@@ -71,37 +72,37 @@ def resolve_length(spec: dict, train_blocks: int | None = None) -> dict:
     rounding: the last step may read into the next epoch. Needs the prepared data's block
     count (`train_blocks`); None leaves steps None until the data exists (rules/common.smk)."""
     dp = data_parallel_size(spec)
-    tokens_per_step = spec["micro_batch"] * spec["grad_accum"] * dp * spec["seq_len"]
-    if spec.get("max_tokens") is not None:
-        spec["steps"] = max(1, math.ceil(spec["max_tokens"] / tokens_per_step))
-        spec["length"] = {"from": "max_tokens", "max_tokens": spec["max_tokens"], "tokens_per_step": tokens_per_step,
-                          "steps": spec["steps"],
+    tokens_per_step = spec.micro_batch * spec.grad_accum * dp * spec.seq_len
+    if spec.max_tokens is not None:
+        spec["steps"] = max(1, math.ceil(spec.max_tokens / tokens_per_step))
+        spec["length"] = {"from": "max_tokens", "max_tokens": spec.max_tokens, "tokens_per_step": tokens_per_step,
+                          "steps": spec.steps,
                           "how": "steps = ceil(max_tokens / (micro_batch x grad_accum x data-parallel ranks x "
                                  "seq_len)); tokens read, masked prompt tokens included"}
-    elif spec.get("epochs") is not None:
+    elif spec.epochs is not None:
         if train_blocks is None:
             spec["steps"] = None
-            spec["length"] = {"from": "epochs", "epochs": spec["epochs"],
+            spec["length"] = {"from": "epochs", "epochs": spec.epochs,
                               "how": "resolved to steps from the prepared data's train blocks once it exists"}
             return spec
-        per_rank = train_blocks // dp if spec["sampler"] == "distributed" else train_blocks
-        micro_per_epoch = per_rank // spec["micro_batch"]
+        per_rank = train_blocks // dp if spec.sampler == "distributed" else train_blocks
+        micro_per_epoch = per_rank // spec.micro_batch
         if micro_per_epoch < 1:
             raise ConfigError(f"{train_blocks} train blocks over {dp} data-parallel rank(s) do not fill one "
-                              f"micro-batch of {spec['micro_batch']}: an epoch would be empty")
-        spec["steps"] = max(1, math.ceil(spec["epochs"] * micro_per_epoch / spec["grad_accum"]))
-        spec["length"] = {"from": "epochs", "epochs": spec["epochs"], "train_blocks": train_blocks,
+                              f"micro-batch of {spec.micro_batch}: an epoch would be empty")
+        spec["steps"] = max(1, math.ceil(spec.epochs * micro_per_epoch / spec.grad_accum))
+        spec["length"] = {"from": "epochs", "epochs": spec.epochs, "train_blocks": train_blocks,
                           "micro_batches_per_epoch_per_rank": micro_per_epoch,
-                          "steps_per_epoch": micro_per_epoch / spec["grad_accum"], "steps": spec["steps"],
+                          "steps_per_epoch": micro_per_epoch / spec.grad_accum, "steps": spec.steps,
                           "tokens_per_step": tokens_per_step,
                           "how": "epoch = floor(train blocks / data-parallel ranks) // micro_batch micro-batches per "
                                  "rank; steps = ceil(epochs x that / grad_accum) (the last step may read into the "
                                  "next epoch)"}
     else:
-        spec["length"] = {"from": "steps", "steps": spec["steps"]}
-    if spec.get("lr_warmup_ratio") is not None:
-        spec["lr_warmup_steps"] = math.ceil(spec["lr_warmup_ratio"] * spec["steps"])
-    elif spec.get("lr_warmup_steps") is None:
+        spec["length"] = {"from": "steps", "steps": spec.steps}
+    if spec.lr_warmup_ratio is not None:
+        spec["lr_warmup_steps"] = math.ceil(spec.lr_warmup_ratio * spec.steps)
+    elif spec.lr_warmup_steps is None:
         spec["lr_warmup_steps"] = 0
     return spec
 
@@ -115,32 +116,32 @@ def resolve_epochs(spec: dict, data_dir) -> dict:
     blocks = json.loads((Path(data_dir) / "distlab_data.json").read_text())["splits"]["train"]["blocks"]
 
     def fail(field, message):
-        raise ConfigError(f"config field '{field}' of experiment '{spec['id']}' ({spec['epochs']} epochs of "
+        raise ConfigError(f"config field '{field}' of experiment '{spec.id}' ({spec.epochs} epochs of "
                           f"{blocks} train blocks in {data_dir}): {message}")
 
     try:
-        spec = resolve_length(dict(spec), blocks)
+        spec = resolve_length(SpecDraft(spec), blocks)
     except ConfigError as error:
         fail("epochs", str(error))
     check_length(spec, fail)
-    return spec
+    return Spec(spec)
 
 
 def check_length(spec: dict, fail) -> None:
     """Checks that need the resolved steps (config time; for epochs once the data exists)."""
-    steps = spec["steps"]
-    if spec["untimed_steps"] >= steps:
-        fail("untimed_steps", f"untimed steps ({spec['untimed_steps']}) must be fewer than steps ({steps}) "
+    steps = spec.steps
+    if spec.untimed_steps >= steps:
+        fail("untimed_steps", f"untimed steps ({spec.untimed_steps}) must be fewer than steps ({steps}) "
              "or no step is left to time")
-    timed = steps - spec["untimed_steps"]
-    if spec["repeats"] > 1 and timed < 2 * spec["repeats"]:
-        fail("repeats", f"{spec['repeats']} repeat windows need at least {2 * spec['repeats']} timed steps "
+    timed = steps - spec.untimed_steps
+    if spec.repeats > 1 and timed < 2 * spec.repeats:
+        fail("repeats", f"{spec.repeats} repeat windows need at least {2 * spec.repeats} timed steps "
              f"(steps - untimed_steps = {timed}); raise steps or lower repeats")
-    if spec["lr_warmup_steps"] > steps:
-        fail("lr_warmup_steps", f"learning-rate warm-up of {spec['lr_warmup_steps']} steps is longer than the run "
+    if spec.lr_warmup_steps > steps:
+        fail("lr_warmup_steps", f"learning-rate warm-up of {spec.lr_warmup_steps} steps is longer than the run "
              f"({steps} steps)")
-    if spec["eval_every"] > steps:
-        fail("eval_every", f"eval_every {spec['eval_every']} is more than the run's {steps} steps: no eval point "
+    if spec.eval_every > steps:
+        fail("eval_every", f"eval_every {spec.eval_every} is more than the run's {steps} steps: no eval point "
              "would fall inside it")
 
 
@@ -148,5 +149,5 @@ def check_finetune(spec: dict, fail) -> None:
     """Relations between the fine-tuning keys that need no resolved length. (Activation
     checkpointing needs none: every strategy took it in the tests, the model's support is
     checked when it loads, distlab.runtime.activations.enable_checkpointing.)"""
-    if spec["checkpoint_select"] == "best" and not spec["eval_every"]:
+    if spec.checkpoint_select == "best" and not spec.eval_every:
         fail("checkpoint_select", "best needs held-out evaluations during training to choose from; set eval_every")

@@ -171,7 +171,7 @@ def peak_flops_per_rank(device, spec: dict, hardware: dict) -> tuple[float | Non
         import torch
 
         name = torch.cuda.get_device_name(device)
-        precision = matmul_precision(spec["precision"], tf32_matmuls(torch))
+        precision = matmul_precision(spec.precision, tf32_matmuls(torch))
         peak, source = gpu_peak(name, precision)
         if peak:
             return peak, f"dense {precision} peak of {name} ({source})"
@@ -182,7 +182,7 @@ def peak_flops_per_rank(device, spec: dict, hardware: dict) -> tuple[float | Non
     probe = hardware.get("cpu_peak", {}).get("per_thread")
     if not probe:
         return None, "no CPU probe in hardware.json"
-    threads = spec["cpu_threads_per_rank"]
+    threads = spec.cpu_threads_per_rank
     return probe["flops_per_s"] * threads, (f"measured fp32 matmul peak of one thread x {threads} "
                                             "thread(s) per rank (hardware rule)")
 

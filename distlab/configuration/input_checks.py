@@ -200,10 +200,10 @@ def check_ray_heads(specs: dict[str, dict]) -> None:
     the workflow only)."""
     probed = set()
     for exp_id, spec in specs.items():
-        if spec["launcher"] != "ray" or spec["ray"]["address"] is None:
+        if spec.launcher != "ray" or spec.ray["address"] is None:
             continue
-        field = f"stages.{spec['stage']}.experiments ({exp_id}).ray.address"
-        address = ray_head(spec["ray"]["address"], field)
+        field = f"stages.{spec.stage}.experiments ({exp_id}).ray.address"
+        address = ray_head(spec.ray["address"], field)
         if address not in probed:
             probe_ray_head(address, field)
             check_ray_token_auth(address, field)

@@ -37,7 +37,7 @@ def autocast(spec: dict, device):
 
     import torch
 
-    dtype = low_precision_dtype(spec["precision"])
+    dtype = low_precision_dtype(spec.precision)
     return contextlib.nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
 
 
@@ -51,7 +51,7 @@ def frozen_base_precision(method: str | None, precision: str | None) -> str:
 
 def frozen_base_dtype(spec: dict):
     """frozen_base_precision as a torch dtype, for the spec's method and precision."""
-    return torch_dtype(frozen_base_precision(spec.get("method"), spec.get("precision")))
+    return torch_dtype(frozen_base_precision(spec.method, spec.precision))
 
 
 def deepspeed_precision(precision: str) -> dict:

@@ -38,41 +38,41 @@ ZERO3_COMPILE_REFUSAL = (
 def adapts(spec: dict) -> bool:
     """Whether the run trains adapters on a frozen base (LoRA, QLoRA): its checkpoint holds the
     adapters only and its export is the PEFT adapter folder."""
-    return spec["method"] in ("lora", "qlora")
+    return spec.method in ("lora", "qlora")
 
 
 def check_training_tools(spec: dict, fail) -> None:
     """The refusals of method qlora, compile and profile (fail(field, message) raises)."""
     key = strategy_key(spec)
-    if spec["method"] == "qlora":
-        if key in QLORA_REFUSED and (key != "deepspeed" or spec["deepspeed"]["zero_stage"] == 3):
-            fail("method", f"qlora under strategy {spec['strategy']}: {QLORA_REFUSED[key]}")
+    if spec.method == "qlora":
+        if key in QLORA_REFUSED and (key != "deepspeed" or spec.deepspeed["zero_stage"] == 3):
+            fail("method", f"qlora under strategy {spec.strategy}: {QLORA_REFUSED[key]}")
         if importlib.util.find_spec("bitsandbytes") is None:
             fail("method", "qlora holds the base in 4 bits through bitsandbytes, which this Python does not have: "
                  "pip install 'bitsandbytes>=0.50,<0.52' (0.50 brings the CPU backend)")
-        if spec["precision"] == "fp16":
+        if spec.precision == "fp16":
             fail("precision", "qlora computes in bf16 (precision bf16) or fp32; fp16 is not offered")
-        if spec["export"]["merge"]:
+        if spec.export["merge"]:
             fail("export.merge", "a QLoRA run's base is 4-bit: merge its adapters into the full-precision base "
                  "yourself (PeftModel.from_pretrained on it, then merge_and_unload); the export is the adapter "
                  "folder")
-    if spec["compile"]:
-        if spec["task"] != "causal-lm":
-            fail("compile", f"regional compilation compiles a causal LM's decoder layers; task {spec['task']} "
+    if spec.compile:
+        if spec.task != "causal-lm":
+            fail("compile", f"regional compilation compiles a causal LM's decoder layers; task {spec.task} "
                  "has none")
-        if key == "deepspeed" and spec["deepspeed"]["zero_stage"] == 3:
+        if key == "deepspeed" and spec.deepspeed["zero_stage"] == 3:
             fail("compile", f"compile under strategy deepspeed with zero_stage 3: {ZERO3_COMPILE_REFUSAL}")
-        if spec["method"] == "qlora":
+        if spec.method == "qlora":
             fail("compile", "not checked here: distlab has not verified bitsandbytes' 4-bit matmul (a custom "
                  "autograd function over packed Params4bit) inside compiled layers against the eager losses, so it "
                  "refuses rather than run unchecked")
-        if spec["untimed_steps"] < 1:
+        if spec.untimed_steps < 1:
             fail("untimed_steps", "compile: true compiles during the first step; at least one untimed step keeps "
                  "compile time out of the steady-state step time")
-    profile = spec.get("profile")
+    profile = spec.profile
     if profile:
         first, last = profile["steps"]
         if first > last:
             fail("profile.steps", f"[{first}, {last}]: the first step profiled comes after the last")
-        if spec["steps"] is not None and last >= spec["steps"]:
-            fail("profile.steps", f"step {last} is past the run's last step ({spec['steps'] - 1}; steps count from 0)")
+        if spec.steps is not None and last >= spec.steps:
+            fail("profile.steps", f"step {last} is past the run's last step ({spec.steps - 1}; steps count from 0)")

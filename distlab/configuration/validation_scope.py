@@ -19,7 +19,7 @@ def validated_experiments(config: dict, specs: dict[str, dict]) -> list[str]:
     # A run held to memory_budget_gib may end as oom and save nothing (its validation would
     # have nothing to check), so a format is represented by an unbudgeted run where one exists.
     for exp_id, spec in sorted(specs.items(), key=lambda item: item[1].get("memory_budget_gib") is not None):
-        key = (spec.get("task"), spec["strategy"], spec["method"], spec["launcher"], strategy_key(spec))
+        key = (spec.task, spec.strategy, spec.method, spec.launcher, strategy_key(spec))
         if scope in ("per_format", "sharded"):
             key += (checkpoint_format(spec),)
         if key not in seen:

@@ -71,9 +71,9 @@ def write_oom_metrics(job: Job) -> bool:
         return False
     hardware = json.loads(Path(job.hardware_json).read_text())
     spec = job.spec
-    metrics = {"schema_version": METRICS_SCHEMA_VERSION, "experiment": spec["id"], "stage": spec["stage"],
+    metrics = {"schema_version": METRICS_SCHEMA_VERSION, "experiment": spec.id, "stage": spec.stage,
                "machine": hardware["machine"], "status": "oom", "spec": spec, "oom": records,
-               "memory_budget_gib": spec["memory_budget_gib"], "versions": library_versions()}
+               "memory_budget_gib": spec.memory_budget_gib, "versions": library_versions()}
     written = run_dir / "metrics.json"
     if written.is_file():  # this launch's figures, written before its final save (launch removed older ones)
         trained = read_run_record(written).to_dict()
@@ -95,7 +95,7 @@ def assigned_gpus(spec, run_dir: str | None = None, lock_dir: str | None = None)
     run_dir. Training (run_dir), validation (both) and the collective benchmark (lock_dir, no run
     folder) hold them here; without lock_dir the locks sit beside run_dir's machine folder."""
     # On an existing Ray cluster, Ray places the ranks and assigns their GPUs.
-    if spec["device"] != "cuda" or (spec.get("launcher") == "ray" and spec.get("ray", {}).get("address")):
+    if spec.device != "cuda" or (spec.launcher == "ray" and spec.ray.address):
         yield None
         return
     from distlab.jobs.gpu_alloc import allocate, lock_dir_for
@@ -103,7 +103,7 @@ def assigned_gpus(spec, run_dir: str | None = None, lock_dir: str | None = None)
     # run_dir is <results>/<machine>/<experiment>
     lock_dir = lock_dir or lock_dir_for(Path(run_dir).resolve().parent.parent)
     previous = os.environ.get("CUDA_VISIBLE_DEVICES")
-    with allocate(spec["world_size"], lock_dir) as ids:
+    with allocate(spec.world_size, lock_dir) as ids:
         if run_dir:  # a run's record (the collective benchmark has no run folder)
             Path(run_dir, "devices.json").write_text(json.dumps(
                 {"cuda_visible_devices": ids, "inherited": previous, "lock_dir": portable(lock_dir),
@@ -120,12 +120,12 @@ def assigned_gpus(spec, run_dir: str | None = None, lock_dir: str | None = None)
 
 def launch(job: Job, log_path: str | None = None, timeout: float | None = None) -> str:
     """Run the experiment; returns its status ('ok' or 'oom'). Any other failure raises."""
-    if job.spec["steps"] is None:  # epochs: the prepared data's train blocks decide, before any rank starts
+    if job.spec.steps is None:  # epochs: the prepared data's train blocks decide, before any rank starts
         from distlab.configuration.finetune_config import resolve_epochs
 
         job = replace(job, spec=resolve_epochs(job.spec, job.data_dir))
-    run_launcher = get_launcher(job.spec["launcher"])
-    refuse_if_running(job_file(job.run_dir), f"experiment {job.spec['id']}")
+    run_launcher = get_launcher(job.spec.launcher)
+    refuse_if_running(job_file(job.run_dir), f"experiment {job.spec.id}")
     job_path = write_job(job)
     for stale in [*Path(job.run_dir).glob("oom-rank*.json"), Path(job.run_dir) / "metrics.json"]:
         stale.unlink(missing_ok=True)  # only this launch's records may be read back below
@@ -139,7 +139,7 @@ def launch(job: Job, log_path: str | None = None, timeout: float | None = None) 
                     {"cuda_visible_devices": [], "how": "no GPU of this machine held: a CPU run, or Ray "
                      "assigned the devices on its cluster (metrics.json ray block)"}))
             run_launcher(job, job_path, log_path, timeout)
-            if job.spec.get("launches", 1) > 1 and (Path(job.run_dir) / "metrics.json").is_file():
+            if job.spec.launches > 1 and (Path(job.run_dir) / "metrics.json").is_file():
                 from distlab.jobs.launches import repeat_launches
 
                 repeat_launches(job, run_launcher, log_path, timeout)  # the GPUs held for these too

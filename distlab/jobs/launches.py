@@ -35,7 +35,7 @@ def repeat_launches(job: Job, run_launcher, log_path: str | None, timeout: float
     run_dir = Path(job.run_dir)
     first = read_run_record(run_dir / "metrics.json").to_dict()
     launches = [summary_of(first)]
-    for k in range(2, job.spec["launches"] + 1):
+    for k in range(2, job.spec.launches + 1):
         folder = run_dir / f"launch-{k}"
         shutil.rmtree(folder, ignore_errors=True)
         again = replace(job, run_dir=str(folder), checkpoint_dir=None, timing_only=True, base_eval_json=None)
@@ -46,7 +46,7 @@ def repeat_launches(job: Job, run_launcher, log_path: str | None, timeout: float
         metrics = read_run_record(folder / "metrics.json").to_dict()
         gap = max(abs(a - b) for a, b in zip(first["loss"]["per_step"], metrics["loss"]["per_step"]))
         if gap > LOSS_TOLERANCE:
-            raise RuntimeError(f"launch {k} of {job.spec['id']} reached other losses (max gap {gap:.2e} > "
+            raise RuntimeError(f"launch {k} of {job.spec.id} reached other losses (max gap {gap:.2e} > "
                                f"{LOSS_TOLERANCE}): not the same work as launch 1")
         launches.append(summary_of(metrics))
         shutil.rmtree(folder)

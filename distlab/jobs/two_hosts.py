@@ -96,10 +96,10 @@ def run_two_hosts(job: Job, bandwidth_mbit: float | None, log_path: str, timeout
         print(f"two hosts: {event}", flush=True)
 
     saved = dict(os.environ)
-    with LinkedHosts(2, bandwidth_mbit) as hosts, RayNodes(head_cpus=job.spec["cpu_threads_per_rank"],
+    with LinkedHosts(2, bandwidth_mbit) as hosts, RayNodes(head_cpus=job.spec.cpu_threads_per_rank,
                                                            hosts=hosts) as cluster:
         note("head started", host=HOST_NAMES[0], address=cluster.address)
-        cluster.add_node(HOST_NAMES[1], cpus=job.spec["cpu_threads_per_rank"], host=1)
+        cluster.add_node(HOST_NAMES[1], cpus=job.spec.cpu_threads_per_rank, host=1)
         note("node joined", host=HOST_NAMES[1])
         # The driver (started inside home-pc) reaches the head with the cluster's token; gloo
         # of the Ray workers binds to each host's link interface.
@@ -127,7 +127,7 @@ def run_two_hosts(job: Job, bandwidth_mbit: float | None, log_path: str, timeout
             cluster.stop_node(HOST_NAMES[1])
             note("node left", host=HOST_NAMES[1])
             wait_for_world(run_dir, 1, trainer.is_alive, "a checkpoint of the 1-worker group")
-            cluster.add_node(HOST_NAMES[1], cpus=job.spec["cpu_threads_per_rank"], host=1)
+            cluster.add_node(HOST_NAMES[1], cpus=job.spec.cpu_threads_per_rank, host=1)
             note("node rejoined", host=HOST_NAMES[1])
             wait_for_world(run_dir, 2, trainer.is_alive, "the group to grow back to 2 workers")
             note("group grew back")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from distlab.configuration.training_tools import adapts
 from distlab.records.job import ValidationJob, replace
+from distlab.records.spec import Spec
 from distlab.records.validation import (FAILED, MERGE_TOLERANCE, PARITY_TOLERANCE, PASSED,  # noqa: F401 (theirs too)
                                        RELOAD_TOLERANCE, UNSUPPORTED, VALIDATION_SCHEMA_VERSION)
 
@@ -62,8 +63,8 @@ def validate_run(run_dir, model_source: str, data_dir: str, out_path, log_path=N
 
     run_dir = Path(run_dir)
     metrics = read_run_record(run_dir / "metrics.json").to_dict()
-    spec = metrics["spec"]
-    result = {"schema_version": VALIDATION_SCHEMA_VERSION, "experiment": spec["id"], "passed": False,
+    spec = Spec(metrics["spec"])
+    result = {"schema_version": VALIDATION_SCHEMA_VERSION, "experiment": spec.id, "passed": False,
               "status": None, "checks": {}}
     root = run_dir / "checkpoint"
     if metrics.get("status") != "ok":
@@ -124,8 +125,8 @@ def validate_run(run_dir, model_source: str, data_dir: str, out_path, log_path=N
 
 def reshard_target(spec: dict) -> tuple[int, str | None]:
     """The other world size (2 -> 1, 1 -> 2) and why it cannot run here, if it cannot."""
-    other = 1 if spec["world_size"] > 1 else 2
-    if spec["device"] == "cuda":
+    other = 1 if spec.world_size > 1 else 2
+    if spec.device == "cuda":
         import torch
 
         if torch.cuda.device_count() < other:
@@ -138,8 +139,8 @@ def launch_plans(spec: dict, other: int | None) -> list[list[list]]:
     launch serves both world sizes: the larger world runs first, then rank 0 goes on alone in a
     one-rank group. Accelerate's launcher fixes the process count from its config file, so it
     gets one launch per world size."""
-    phases = [["same", spec["world_size"]]] + ([["reshard", other]] if other else [])
-    if spec["launcher"] == "accelerate":
+    phases = [["same", spec.world_size]] + ([["reshard", other]] if other else [])
+    if spec.launcher == "accelerate":
         return [[phase] for phase in phases]
     return [sorted(phases, key=lambda p: -p[1])]
 

@@ -36,20 +36,20 @@ def cuda_rank_threads(spec: dict) -> int:
     CPU Adam, the validation's CPU logits). Outside Snakemake: cpu_threads_per_rank."""
     job_threads = os.environ.get("DISTLAB_JOB_THREADS")
     if not job_threads:
-        return spec["cpu_threads_per_rank"]
-    return max(1, int(job_threads) // spec["world_size"])
+        return spec.cpu_threads_per_rank
+    return max(1, int(job_threads) // spec.world_size)
 
 
 def rank_environment(spec: dict) -> dict:
     env = dict(os.environ)
     env.update(BASE_ENV)
     # CPU: a "device" is cpu_threads_per_rank cores; CUDA: the job's cores split over its ranks.
-    env["OMP_NUM_THREADS"] = str(spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else cuda_rank_threads(spec))
-    if spec["device"] == "cpu":
+    env["OMP_NUM_THREADS"] = str(spec.cpu_threads_per_rank if spec.device == "cpu" else cuda_rank_threads(spec))
+    if spec.device == "cpu":
         env.update(CPU_ENV)
     # Warm starts are for CPU ranks in this machine's own namespaces: a GPU rank's start is a small
     # part of its run, and a link's rank runs in a host namespace the server's copy would not be in.
-    if spec["device"] != "cpu" or spec.get("link"):
+    if spec.device != "cpu" or spec.link:
         env.pop(warm_start.SOCKET_ENV, None)
     return env
 

@@ -67,7 +67,7 @@ def run_on_link(hosts: LinkedHosts, module: str, args: list[str], env: dict, log
 
 def run(job: Job, job_path: str, log_path: str | None, timeout: float | None) -> None:
     spec = job.spec
-    with LinkedHosts(spec["world_size"], spec["link"]["bandwidth_mbit"]) as hosts:
+    with LinkedHosts(spec.world_size, spec.link["bandwidth_mbit"]) as hosts:
         record = run_on_link(hosts, "distlab.rank.worker", ["--job", job_path], rank_environment(spec), log_path,
                              timeout, marker=job_path)
     (run_files_dir(job.run_dir) / "link.json").write_text(json.dumps(record, indent=1))

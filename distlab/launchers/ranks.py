@@ -26,14 +26,14 @@ from distlab.records.run_layout import run_files_dir
 
 
 def rank_command(spec: dict, module: str, args: list[str], marker: str, run_dir=None) -> tuple[list[str], dict]:
-    """The command and environment that start spec["world_size"] ranks of `module`: accelerate
+    """The command and environment that start spec.world_size ranks of `module`: accelerate
     launch for an experiment Accelerate launched (its config file, written from the spec into
     run_dir's run_files/, is the one the launch reads), else torchrun (a Ray-launched experiment's
     validation too: the same process group)."""
-    if spec.get("launcher") == "accelerate":
+    if spec.launcher == "accelerate":
         config = write_accelerate_config(spec, run_files_dir(run_dir), marker)
         return accelerate_command(str(config), module, *args), launch_environment(spec)
-    return torchrun_command(spec["world_size"], module, *args), single_node_environment(spec)
+    return torchrun_command(spec.world_size, module, *args), single_node_environment(spec)
 
 
 def start_ranks(spec: dict, module: str, args: list[str], marker: str | Path, log_path: str | None,
@@ -49,12 +49,12 @@ def start_ranks(spec: dict, module: str, args: list[str], marker: str | Path, lo
 def run(job: Job, job_path: str, log_path: str | None, timeout: float | None) -> None:
     """The torchrun and accelerate launchers: the experiment's ranks of distlab.rank.worker."""
     spec = job.spec
-    if spec.get("link"):  # one agent per host namespace instead (torchrun only: distlab.configuration.config_links)
+    if spec.link:  # one agent per host namespace instead (torchrun only: distlab.configuration.config_links)
         from distlab.launchers import linked
 
         linked.run(job, job_path, log_path, timeout)
         return
-    if spec.get("rank_cpu_budget"):  # the ranks' cpu cgroups: empty ones of earlier runs go first
+    if spec.rank_cpu_budget:  # the ranks' cpu cgroups: empty ones of earlier runs go first
         from distlab.configuration.cpu_budget import sweep
 
         sweep()
@@ -62,5 +62,5 @@ def run(job: Job, job_path: str, log_path: str | None, timeout: float | None) ->
         start_ranks(spec, "distlab.rank.worker", ["--job", job_path], job_path, log_path, timeout,
                     run_dir=job.run_dir)
     finally:
-        if spec.get("rank_cpu_budget"):
+        if spec.rank_cpu_budget:
             sweep()

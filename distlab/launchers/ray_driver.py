@@ -39,7 +39,7 @@ PRIVATE_TEMP_DIR_ENV = "DISTLAB_RAY_TEMP_DIR"
 
 def resolve_address(spec: dict) -> str | None:
     """None = start a local Ray instance for this job; "env" = $RAY_ADDRESS (must be set)."""
-    address = spec["ray"]["address"]
+    address = spec.ray["address"]
     if address == "env":
         address = os.environ.get("RAY_ADDRESS")
         if not address:

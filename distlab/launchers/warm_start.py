@@ -222,9 +222,9 @@ def rank_imports(spec: dict, rank: int, training: bool = True) -> list[str]:
     from distlab.launchers import RANK_LIBRARIES
     from distlab.strategies.settings import registered
 
-    imports = [*registered()[spec["strategy"]].rank_libraries, *RANK_LIBRARIES.get(spec.get("launcher"), ()),
-               *METHOD_LIBRARIES.get(spec["method"], ())]
-    if training and rank == 0 and "mlflow" in spec.get("tracking", []):
+    imports = [*registered()[spec.strategy].rank_libraries, *RANK_LIBRARIES.get(spec.launcher, ()),
+               *METHOD_LIBRARIES.get(spec.method, ())]
+    if training and rank == 0 and "mlflow" in spec.tracking:
         imports.append("mlflow")
     return list(dict.fromkeys(imports))
 
@@ -244,10 +244,12 @@ def flavours() -> tuple[str, ...]:
 
 def job_rank_imports(training: bool = True) -> list[str]:
     """rank_imports of the rank this process is: its job file (--job) and RANK."""
+    from distlab.records.spec import Spec
+
     try:
         path = sys.argv[sys.argv.index("--job") + 1]
         with open(path) as fh:
-            spec = json.load(fh)["spec"]
+            spec = Spec(json.load(fh)["spec"])
         return rank_imports(spec, int(os.environ.get("RANK", 0)), training)
     except (ValueError, IndexError, OSError, KeyError):
         return []  # the entry module reports a missing or broken job file itself

@@ -29,17 +29,17 @@ class IndexStream:
 
     def __init__(self, n_samples: int, spec: dict, dp_rank: int, dp_size: int, rank_batches: list[int] | None = None):
         self.spec = spec
-        self.batch_size, self.slice = spec["micro_batch"], None
+        self.batch_size, self.slice = spec.micro_batch, None
         if rank_batches:
             self.batch_size = sum(rank_batches)
             start = sum(rank_batches[:dp_rank])
             self.slice = slice(start, start + rank_batches[dp_rank])
             dp_rank, dp_size = 0, 1
-        if spec["sampler"] == "distributed":
+        if spec.sampler == "distributed":
             self.sampler = DistributedSampler(range(n_samples), num_replicas=dp_size, rank=dp_rank,
-                                              shuffle=True, seed=spec["seed"], drop_last=True)
+                                              shuffle=True, seed=spec.seed, drop_last=True)
         else:
-            generator = torch.Generator().manual_seed(spec["seed"])
+            generator = torch.Generator().manual_seed(spec.seed)
             self.sampler = RandomSampler(range(n_samples), generator=generator)
         self.epoch = 0
         self.position = 0  # micro-batches drawn in the current epoch
@@ -54,7 +54,7 @@ class IndexStream:
         if not isinstance(self.sampler, DistributedSampler):
             # RandomSampler draws each epoch's permutation from one generator: replay the
             # finished epochs so the generator stands where it stood.
-            self.sampler.generator.manual_seed(self.spec["seed"])
+            self.sampler.generator.manual_seed(self.spec.seed)
             for _ in range(state["epoch"]):
                 for _ in self.sampler:
                     pass
@@ -113,7 +113,7 @@ def train(ctx: RunContext, strategy: Strategy, train_data, start_step: int = 0,
     strategy clips (max_grad_norm) and the LR schedule is stepped once per optimizer step.
     """
     spec = ctx.spec
-    n_micro = spec["grad_accum"]
+    n_micro = spec.grad_accum
     if stream is None:
         stream = IndexStream(len(train_data), spec, strategy.data_parallel_rank, strategy.data_parallel_size,
                              getattr(strategy, "rank_batches", None))
@@ -123,10 +123,10 @@ def train(ctx: RunContext, strategy: Strategy, train_data, start_step: int = 0,
     train_mode = strategy.train_mode()  # dropout on: from_pretrained hands over eval mode
     strategy.take_comm_seconds()
     noise = NoiseProbe()  # what else the machine did while the timed steps ran (distlab.runtime.noise)
-    for step in range(start_step, spec["steps"]):
+    for step in range(start_step, spec.steps):
         if cuda:
             torch.cuda.synchronize(ctx.device)
-        if step == max(start_step, spec["untimed_steps"]):
+        if step == max(start_step, spec.untimed_steps):
             noise.start()
         if profiler is not None:
             profiler.before_step(step)
@@ -144,7 +144,7 @@ def train(ctx: RunContext, strategy: Strategy, train_data, start_step: int = 0,
             if share is not None:  # pipeline stages without the loss return None
                 shares.append(share)
         del batches
-        if step == spec["steps"] - 1:
+        if step == spec.steps - 1:
             # Counted while gradients and optimizer state both exist: the peak model state.
             state_bytes = strategy.state_bytes()
         grad_norm = strategy.optimizer_step()  # clips to max_grad_norm; the norm is pre-clip

@@ -31,7 +31,7 @@ def prepare_model(strategy, model_source: str, spec: dict) -> PreparedModel:
     from distlab.runtime.lora import parameter_counts
     from distlab.errors import FidelityError
 
-    torch.manual_seed(spec["seed"])
+    torch.manual_seed(spec.seed)
     model = strategy.load_model(model_source)
     # RoPE's inv_freq and other buffers as the plain model has them, whatever the loading path
     # or the transformers release did to them (distlab.runtime.buffers).
@@ -50,7 +50,7 @@ def prepare_model(strategy, model_source: str, spec: dict) -> PreparedModel:
     enable_checkpointing(model, spec)
     signature = ckpt.model_signature(model)  # before a wrapper shards the parameters
     compiled = None
-    if spec.get("compile"):  # before the wrapper, as torchtitan does: it stays eager around the layers
+    if spec.compile:  # before the wrapper, as torchtitan does: it stays eager around the layers
         from distlab.runtime.compiled import compile_decoder_layers
 
         compiled = compile_decoder_layers(model)
@@ -75,7 +75,7 @@ def verify_tools(model, spec: dict, described: dict, compiled: dict | None) -> N
     when it differs from the spec (a qlora label without a 4-bit layer, layers not compiled)."""
     from distlab.errors import FidelityError
 
-    if spec["method"] == "qlora":
+    if spec.method == "qlora":
         from distlab.runtime.qlora import check_quantized, quantization_facts
 
         facts = quantization_facts(model)

@@ -55,16 +55,16 @@ class RunMonitor:
         self.start_step = start_step
         # Throughput in the task's unit: tokens (causal LM) or images (text-to-image).
         self.unit = strategy.task.unit
-        self.units_per_step = (spec["micro_batch"] * spec["grad_accum"] * data_parallel_size(spec)
+        self.units_per_step = (spec.micro_batch * spec.grad_accum * data_parallel_size(spec)
                                * strategy.task.units_per_sample(spec))
-        self.every_s = spec["progress_every_s"]
+        self.every_s = spec.progress_every_s
         self.main = dist.get_rank() == 0
         self.started = self.last_flush = time.perf_counter()
         self.last_flush_step = start_step
         self.pending: list[tuple[int, dict]] = []
-        self.trackers = Trackers(job, start_step) if self.main and spec["tracking"] else None
+        self.trackers = Trackers(job, start_step) if self.main and spec.tracking else None
         self.eval_tokens = None
-        if spec["eval_every"]:
+        if spec.eval_every:
             from distlab.runtime.evaluation import eval_positions, eval_tokens
 
             self.eval_tokens = (*eval_tokens(job.data_dir), eval_positions(job.data_dir))
@@ -74,7 +74,7 @@ class RunMonitor:
             for record in records[:start_step]:  # a resumed launch's trackers hold the whole curve
                 self.pending.append((record["step"], step_values(self.row(record))))
         if self.main:
-            print(f"progress: training steps {start_step}..{spec['steps'] - 1} of {spec['steps']}, "
+            print(f"progress: training steps {start_step}..{spec.steps - 1} of {spec.steps}, "
                   f"{self.units_per_step:,} {self.unit}s per step", flush=True)
 
     def row(self, record: dict) -> dict:
@@ -90,7 +90,7 @@ class RunMonitor:
     def after_step(self, step: int) -> None:
         record = self.records[-1]
         record["memory_bytes"] = memory_now(self.ctx.device)
-        last = step == self.spec["steps"] - 1
+        last = step == self.spec.steps - 1
         due = self.main and (last or (self.every_s > 0 and time.perf_counter() - self.last_flush >= self.every_s))
         loss = record["loss"]
         mine = torch.tensor([math.nan if loss is None else loss, loss is not None, record["step_time_s"],
@@ -103,7 +103,7 @@ class RunMonitor:
                             "step_time_s": float(table[:, 2].max()), "memory_bytes": int(table[:, 3].max())}
         flush = bool(table[0, 4])
         done = step + 1
-        if self.eval_tokens is not None and (done % self.spec["eval_every"] == 0 or last):
+        if self.eval_tokens is not None and (done % self.spec.eval_every == 0 or last):
             self._eval_point(record, done)
         if self.trackers is not None:
             self.pending.append((step, step_values(self.row(record))))
@@ -121,7 +121,7 @@ class RunMonitor:
         if self.main:
             print(f"eval: after {done} steps held-out loss {point['loss']:.4f} perplexity {point['perplexity']:.2f} "
                   f"({point['tokens']} tokens)", flush=True)
-        if self.spec["checkpoint_select"] == BEST and (self.best is None or point["loss"] < self.best["loss"]):
+        if self.spec.checkpoint_select == BEST and (self.best is None or point["loss"] < self.best["loss"]):
             self.best = point
             self._save_best(done)
 
@@ -142,10 +142,10 @@ class RunMonitor:
         steps = step + 1 - self.last_flush_step
         rate = self.units_per_step * steps / (now - self.last_flush) if now > self.last_flush else 0.0
         done_here = step + 1 - self.start_step
-        eta = (now - self.started) / done_here * (self.spec["steps"] - step - 1)
+        eta = (now - self.started) / done_here * (self.spec.steps - step - 1)
         loss = "n/a" if glob["loss"] is None else f"{glob['loss']:.4f}"
         norm = "" if rec.get("grad_norm") is None else f" grad_norm {rec['grad_norm']:.3g}"
-        print(f"progress: step {step + 1}/{self.spec['steps']} ({(step + 1) / self.spec['steps']:.0%}) loss {loss} "
+        print(f"progress: step {step + 1}/{self.spec.steps} ({(step + 1) / self.spec.steps:.0%}) loss {loss} "
               f"lr {rec['lr']:.3g}{norm} {self.unit}s/s {rate:,.0f} elapsed {clock(now - self.started)} ETA "
               f"{clock(eta)}",
               flush=True)
@@ -158,7 +158,7 @@ class RunMonitor:
         """Collective. After the last step: the trackers closed, the best checkpoint moved into
         checkpoint/best/; returns what metrics.json records (meaningful on rank 0)."""
         out = {"eval_points": [r["eval"] for r in self.records if r.get("eval")]}
-        if self.spec["checkpoint_select"] == BEST:
+        if self.spec.checkpoint_select == BEST:
             out["selected"] = self._select_best()
         if self.trackers is not None:
             self.trackers.log(self.pending)

@@ -26,16 +26,16 @@ HEAD_RESOURCE = "node:__internal_head__"  # the resource Ray gives its head node
 
 def scaling(spec: dict) -> tuple[int | tuple[int, int], dict]:
     """num_workers (fixed, or (min, max) when elastic) and what each worker reserves."""
-    low = spec["ray"]["min_workers"]
-    counts = spec["world_size"] if low in (None, spec["world_size"]) else (low, spec["world_size"])
-    resources = {"CPU": spec["cpu_threads_per_rank"], **({"GPU": 1} if spec["device"] == "cuda" else {})}
+    low = spec.ray["min_workers"]
+    counts = spec.world_size if low in (None, spec.world_size) else (low, spec.world_size)
+    resources = {"CPU": spec.cpu_threads_per_rank, **({"GPU": 1} if spec.device == "cuda" else {})}
     return counts, resources
 
 
 def worker_environment(spec: dict) -> dict:
     """What each Ray worker process gets (Ray workers inherit the raylet's env, not ours)."""
-    env = dict(BASE_ENV, OMP_NUM_THREADS=str(spec["cpu_threads_per_rank"]))
-    if spec["device"] == "cpu":
+    env = dict(BASE_ENV, OMP_NUM_THREADS=str(spec.cpu_threads_per_rank))
+    if spec.device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
     # The fault-injection test hook reaches the workers too; so does the link interface gloo
     # must use on namespaced hosts (distlab/jobs/two_hosts.py).
@@ -78,10 +78,10 @@ def ray_cluster(spec: dict):
         ray.init(address=address)
         # Not the address itself: shared results name no machine of the cluster (ray_record).
         cluster = {"mode": "existing cluster",
-                   "address_from": "RAY_ADDRESS" if spec["ray"]["address"] == "env" else "ray.address"}
+                   "address_from": "RAY_ADDRESS" if spec.ray["address"] == "env" else "ray.address"}
     else:
-        cpus = spec["world_size"] * spec["cpu_threads_per_rank"]
-        gpus = spec["world_size"] if spec["device"] == "cuda" else 0
+        cpus = spec.world_size * spec.cpu_threads_per_rank
+        gpus = spec.world_size if spec.device == "cuda" else 0
         # The temp dir (and its token) were made by run_ray, which removes them afterwards.
         ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False,
                  _temp_dir=os.environ[PRIVATE_TEMP_DIR_ENV])
@@ -120,12 +120,12 @@ def fit(job: Job) -> dict:
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     run_log = _run_log_class().options(scheduling_strategy=here).remote()
     counts, resources = scaling(spec)
-    scaling_config = ScalingConfig(num_workers=counts, use_gpu=spec["device"] == "cuda",
+    scaling_config = ScalingConfig(num_workers=counts, use_gpu=spec.device == "cuda",
                                    resources_per_worker=resources,
-                                   elastic_resize_monitor_interval_s=spec["ray"]["resize_interval_s"])
-    storage = spec["ray"]["storage_path"] or os.path.abspath(os.path.join(job.run_dir, "ray"))
-    run_config = RunConfig(name=spec["id"], storage_path=storage,
-                           failure_config=FailureConfig(max_failures=spec["ray"]["max_failures"]),
+                                   elastic_resize_monitor_interval_s=spec.ray["resize_interval_s"])
+    storage = spec.ray["storage_path"] or os.path.abspath(os.path.join(job.run_dir, "ray"))
+    run_config = RunConfig(name=spec.id, storage_path=storage,
+                           failure_config=FailureConfig(max_failures=spec.ray["max_failures"]),
                            checkpoint_config=CheckpointConfig(num_to_keep=2),
                            worker_runtime_env={"env_vars": worker_environment(spec)})
     from distlab.rank.ray_worker import train_worker
@@ -144,9 +144,9 @@ def fit(job: Job) -> dict:
     events = ray.get(run_log.all.remote())
     scaling_record = {"num_workers": counts, "elastic": isinstance(counts, tuple), "use_gpu": scaling_config.use_gpu,
                       "resources_per_worker": resources,
-                      "resize_interval_s": spec["ray"]["resize_interval_s"]}
+                      "resize_interval_s": spec.ray["resize_interval_s"]}
     return {"result": result, "error": error, "events": events, "fit_seconds": fit_seconds, "scaling": scaling_record,
-            "max_failures": spec["ray"]["max_failures"], "storage_path": storage, "nodes": cluster_nodes()}
+            "max_failures": spec.ray["max_failures"], "storage_path": storage, "nodes": cluster_nodes()}
 
 
 def write_results(job: Job, outcome: dict, cluster: dict) -> None:
@@ -157,17 +157,17 @@ def write_results(job: Job, outcome: dict, cluster: dict) -> None:
     metrics, steps = returned["metrics"], returned["steps"]
     group_spec = metrics["spec"]
     record = ray_record(outcome, cluster, job.host_names)
-    record["final_group"] = {"world_size": group_spec["world_size"], "untimed_steps": group_spec["untimed_steps"],
+    record["final_group"] = {"world_size": group_spec.world_size, "untimed_steps": group_spec.untimed_steps,
                              "start_step": record["attempts"][-1]["start_step"] if record["attempts"] else 0}
     # steps.jsonl keeps the rows of the world size the timing is about; the loss curve spans all.
-    record["earlier_groups_steps"] = earlier_rows(record["attempts"], steps, spec["steps"])
+    record["earlier_groups_steps"] = earlier_rows(record["attempts"], steps, spec.steps)
     losses = [row["loss"] for row in record["earlier_groups_steps"] + steps]
     metrics.update(spec=spec, ray=record, loss={"first": losses[0], "last": losses[-1], "per_step": losses})
     if record["world_size_changes"]:
         metrics["timing"]["how"] += ("; after an elastic resize only the last worker group's steps are timed "
                                      "(steps.jsonl); earlier groups' rows are in ray.earlier_groups_steps")
     write_outputs(job.run_dir, (metrics, steps))
-    if spec["ray"]["storage_path"] is None:
+    if spec.ray["storage_path"] is None:
         # Ray's copies of the periodic checkpoints: needed only while the run could still resume.
         shutil.rmtree(outcome["storage_path"], ignore_errors=True)
 

@@ -59,11 +59,11 @@ def _ray_checkpoints_class():
             if same_world:
                 self.records[:] = info["records"]
             else:
-                for _ in range(steps * self.spec["grad_accum"]):
+                for _ in range(steps * self.spec.grad_accum):
                     self.stream.next()
                 # This group times only its own steps: keep at least one after its warm-up. The
                 # loop and the run summary read the context's spec after this resume.
-                untimed = min(self.spec["untimed_steps"], max(0, self.spec["steps"] - steps - 1))
+                untimed = min(self.spec.untimed_steps, max(0, self.spec.steps - steps - 1))
                 self.ctx.spec = self.spec = self.spec.replace(untimed_steps=untimed)
             self.report["resumed_from_steps"] = steps
             self._log_start(steps, {"from_world_size": meta["world_size"], "earlier_losses": earlier})
@@ -95,7 +95,7 @@ def _ray_checkpoints_class():
                 if dist.get_rank() == 0:
                     ray.get(self.run_log.add.remote({"event": "checkpoint", "time": time.time(), "steps_done": done,
                                                      "world_size": dist.get_world_size()}))
-            if fault and fault.rsplit(":", 2) == [self.spec["id"], str(dist.get_rank()), str(done)] \
+            if fault and fault.rsplit(":", 2) == [self.spec.id, str(dist.get_rank()), str(done)] \
                     and not ray.get(self.run_log.count.remote("fault_injected")):
                 ray.get(self.run_log.add.remote({"event": "fault_injected", "time": time.time(),
                                                  "rank": dist.get_rank(), "steps_done": done, "signal": "SIGKILL",
@@ -134,7 +134,7 @@ def train_worker(config: dict):
     job = config["job"]
     spec = job.spec.replace(world_size=ray.train.get_context().get_world_size())
     job = replace(job, spec=spec)
-    if spec["device"] == "cuda":
+    if spec.device == "cuda":
         import ray.train.torch
 
         # Ray gives each worker its GPU and may share CUDA_VISIBLE_DEVICES between the

@@ -67,8 +67,8 @@ def optimization(spec: dict, all_records: list[list[dict]]) -> dict:
 
     first = all_records[0]
     return {"lr_per_step": [r.get("lr") for r in first], "grad_norm_per_step": [r.get("grad_norm") for r in first],
-            "lr_schedule": scheduler_name(spec), "lr_warmup_steps": spec["lr_warmup_steps"],
-            "max_grad_norm": spec["max_grad_norm"],
+            "lr_schedule": scheduler_name(spec), "lr_warmup_steps": spec.lr_warmup_steps,
+            "max_grad_norm": spec.max_grad_norm,
             "how": "lr read from the optimizer's param_groups before each step (transformers.get_scheduler, "
                    "stepped once per optimizer step); grad_norm = global L2 norm of the gradients before clipping "
                    "(distlab.runtime.clipping; DeepSpeed ZeRO 1-3: engine.get_global_grad_norm)"}
@@ -90,7 +90,7 @@ def summarize_run(job: Job, ctx, strategy, prepared, ranks: dict, n_samples: int
     flops = prepared.flops
     all_records, all_memory, comm = ranks["records"], ranks["memory"], ranks["comm"]
     hardware = json.loads(Path(job.hardware_json).read_text())
-    warm = spec["untimed_steps"]
+    warm = spec.untimed_steps
     # A step ends when the slowest rank finishes: the step time is the max over ranks.
     step_times = [max(recs[i]["step_time_s"] for recs in all_records) for i in range(len(all_records[0]))]
     losses = []
@@ -104,7 +104,7 @@ def summarize_run(job: Job, ctx, strategy, prepared, ranks: dict, n_samples: int
     dp = strategy.data_parallel_size
     task = strategy.task
     unit = task.unit  # what throughput and MFU count: tokens (causal LM), images (text-to-image)
-    samples_per_step = spec["micro_batch"] * spec["grad_accum"] * dp
+    samples_per_step = spec.micro_batch * spec.grad_accum * dp
     units_per_step = samples_per_step * task.units_per_sample(spec)
     units_per_s = units_per_step / timed["median"]
     peak, peak_how = peak_flops_per_rank(ctx.device, spec, hardware)
@@ -113,8 +113,8 @@ def summarize_run(job: Job, ctx, strategy, prepared, ranks: dict, n_samples: int
     comm_per_step = [max(c[i] for c in comm) if measured else None for i in range(len(step_times))]
     return {
         "schema_version": M.METRICS_SCHEMA_VERSION,
-        "experiment": spec["id"],
-        "stage": spec["stage"],
+        "experiment": spec.id,
+        "stage": spec.stage,
         "machine": hardware["machine"],
         "status": "ok",
         "spec": spec,
@@ -130,7 +130,7 @@ def summarize_run(job: Job, ctx, strategy, prepared, ranks: dict, n_samples: int
             "comm_inflight_s_per_step": M.summarize(comm_per_step[warm:] if measured else []),
             "comm_how": ("all-reduce launch-to-completion time per step (overlaps backward); from a DDP comm hook "
                          "or the strategy's own counter") if measured else
-                        f"not measured for strategy {spec['strategy']}: " + getattr(
+                        f"not measured for strategy {spec.strategy}: " + getattr(
                             strategy, "comm_unmeasured_reason", "its collectives are not timed without changing them"),
         },
         "timing_per_rank": per_rank_timing(all_records, comm, warm),

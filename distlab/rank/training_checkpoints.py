@@ -28,7 +28,7 @@ class TrainingCheckpoints:
         self.spec = spec = ctx.spec
         self.enabled = bool(job.checkpoint_dir)
         self.resume_root = Path(job.run_dir) / "resume"
-        self.parity_step = spec["steps"] - ckpt.PARITY_STEPS if spec["steps"] > ckpt.PARITY_STEPS else None
+        self.parity_step = spec.steps - ckpt.PARITY_STEPS if spec.steps > ckpt.PARITY_STEPS else None
         self.stream = IndexStream(n_samples, spec, strategy.data_parallel_rank, strategy.data_parallel_size,
                                   getattr(strategy, "rank_batches", None))
         self.records: list = []
@@ -107,13 +107,13 @@ class TrainingCheckpoints:
     def prune(self) -> None:
         """Rank 0 removes all but the newest `checkpoint_keep` periodic checkpoints."""
         if dist.get_rank() == 0:
-            prune_periodic(self.resume_root, self.spec.get("checkpoint_keep", 1), self.parity_step)
+            prune_periodic(self.resume_root, self.spec.checkpoint_keep, self.parity_step)
 
     def on_step_end(self, step: int) -> None:
         done = step + 1
-        every = self.spec["checkpoint_every"]
+        every = self.spec.checkpoint_every
         due = done == self.parity_step or (every and done % every == 0)
-        if self.enabled and self.unsupported is None and due and done < self.spec["steps"]:
+        if self.enabled and self.unsupported is None and due and done < self.spec.steps:
             path = self.resume_root / f"step-{done:06d}"
             try:
                 info = ckpt.save_checkpoint(path, self.strategy, self.ctx, self.job, self.signature, done,
@@ -139,7 +139,7 @@ class TrainingCheckpoints:
         root = Path(self.job.checkpoint_dir)
         try:
             info = ckpt.save_checkpoint(root / "final", self.strategy, self.ctx, self.job, self.signature,
-                                        self.spec["steps"], self.stream, self.records, export=True, base=self.base)
+                                        self.spec.steps, self.stream, self.records, export=True, base=self.base)
         except NotImplementedError as exc:
             if dist.get_rank() == 0:
                 root.mkdir(parents=True, exist_ok=True)

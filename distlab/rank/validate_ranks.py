@@ -44,8 +44,8 @@ class ValidationRank:
         from distlab.rank.worker import make_context
 
         self.job, self.spec = job, job.spec.replace(world_size=job.plan[0][1])
-        if self.spec["device"] == "cpu":
-            torch.set_num_threads(self.spec["cpu_threads_per_rank"])
+        if self.spec.device == "cpu":
+            torch.set_num_threads(self.spec.cpu_threads_per_rank)
         self.ctx = make_context(job)
         self.ctx.spec = self.spec
         self.strategy_cls = strategy_for(self.spec)
@@ -161,7 +161,7 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
     strategy = None  # the parity check builds its own; free this one first
     gc.collect()
     if not job.parity:
-        validator.record("resume_parity", {"status": UNSUPPORTED, "reason": f"steps ({spec['steps']}) <= "
+        validator.record("resume_parity", {"status": UNSUPPORTED, "reason": f"steps ({spec.steps}) <= "
                                        f"{ckpt.PARITY_STEPS}: no mid-run checkpoint to resume from"})
         return
 
@@ -184,7 +184,7 @@ def check_at_saved_world_size(validator: ValidationRank, world_size: int) -> Non
         expected = job.expected_losses[start:]
         loss_diff = max(abs(a - b) for a, b in zip(losses, expected))
         logit_diff = (logits - validator.saved_logits()).abs().max().item()
-        tolerance = PARITY_TOLERANCE[spec["precision"]]
+        tolerance = PARITY_TOLERANCE[spec.precision]
         # The LR schedule resumes where it stood: the same rates, exactly (older runs recorded none).
         lrs = [rec["lr"] for rec in records[0]]
         expected_lrs = (job.expected_lrs or [None] * len(job.expected_losses))[start:]

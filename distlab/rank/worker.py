@@ -67,7 +67,7 @@ def predicted_step_time(job: Job, since_start: NoiseProbe) -> dict:
     window = since_start.stop()
     others = None
     if window and window["machine_cpu_s"] is not None and window["wall_s"] > 0:
-        ranks = job.spec["world_size"] * window["own_cpu_s"]
+        ranks = job.spec.world_size * window["own_cpu_s"]
         others = max(0.0, window["machine_cpu_s"] - ranks) / window["wall_s"]
     config = os.path.join(job.model_source or "", "config.json")
     return predict_from_files(dict(thaw(job.spec)), config if os.path.isfile(config) else None, job.probe_json,
@@ -83,7 +83,7 @@ def run_rank(job: Job, checkpoints_class=None) -> tuple[dict, list] | None:
     since_start.start()
     timeline = TIMELINE.after_imports()
     spec = job.spec
-    if spec["device"] == "cpu":
+    if spec.device == "cpu":
         # On CPU a "device" is cpu_threads_per_rank cores, the same for every world size
         # (rank_cpu_threads: unequal CPU devices, one count per rank).
         torch.set_num_threads(rank_threads(spec, int(os.environ.get("RANK", 0))))
@@ -120,7 +120,7 @@ def run_rank(job: Job, checkpoints_class=None) -> tuple[dict, list] | None:
     load_phase = load_phase_record(ctx.device, rss_before_model)  # process start -> first step
     prediction = predicted_step_time(job, since_start) if ctx.is_main else None  # before the first step
     timeline.mark("data, resume")
-    wire_before = interface_counters() if spec.get("link") else None  # this host's link, around the steps
+    wire_before = interface_counters() if spec.link else None  # this host's link, around the steps
     result = train(ctx, strategy, train_data, start_step=start_step, stream=checkpoints.stream,
                    on_step_end=on_step_end, records=checkpoints.records, micro_context=probe, profiler=profiler)
     timeline.mark("steps")
@@ -139,7 +139,7 @@ def run_rank(job: Job, checkpoints_class=None) -> tuple[dict, list] | None:
     timeline.mark("gather records")
     reset_for_save = start_save_phase(ctx.device)  # the final evaluation, save and export measured alone
     # Collective: the trained model on the held-out data (a timing-only launch, spec launches, skips it).
-    last_point = next((p for p in during["eval_points"] if p["steps_done"] == spec["steps"]), None)
+    last_point = next((p for p in during["eval_points"] if p["steps_done"] == spec.steps), None)
     evaluation = None if job.timing_only else evaluate_run(strategy, job, last_point)
     timeline.mark("held-out eval")
     out = summarize_run(job, ctx, strategy, prepared, ranks, len(train_data), started) if ctx.is_main else None
@@ -153,8 +153,8 @@ def run_rank(job: Job, checkpoints_class=None) -> tuple[dict, list] | None:
         out[0]["tracking"] = during.get("tracking")
         out[0]["prediction"] = prediction
         out[0]["profile"] = profile_record(profiles)
-        if spec.get("compile"):
-            out[0]["timing"]["compile"] = compile_record(out[1], start_step, spec["untimed_steps"], dynamo_counts())
+        if spec.compile:
+            out[0]["timing"]["compile"] = compile_record(out[1], start_step, spec.untimed_steps, dynamo_counts())
         # The run's figures are on disk before the final save: a save that fails (or runs out of
         # memory, distlab.jobs.launch.write_oom_metrics) cannot take them with it.
         out[0]["checkpoint"] = {"status": "saving" if checkpoints.enabled else "off",
@@ -190,7 +190,7 @@ def main(argv=None) -> None:
     private_files()  # what this rank writes under results/ is not world-readable (distlab.records.sharing)
     job = read_job(args.job)
     # Only the rank that writes to MLflow imports it (DeepSpeed's import would otherwise pull it in).
-    hide_mlflow(uses_it=int(os.environ.get("RANK", 0)) == 0 and "mlflow" in job.spec["tracking"])
+    hide_mlflow(uses_it=int(os.environ.get("RANK", 0)) == 0 and "mlflow" in job.spec.tracking)
     try:
         summary = run_rank(job)
     except Exception as error:  # noqa: BLE001 - only allocation failures are handled; the rest re-raise

@@ -97,9 +97,9 @@ def estimated_runtime_minutes(spec, steps: int | None = None) -> int:
     """The runtime a train job is given when the config sets none: process start and data
     loading plus a generous second per step per repeat, per launch (`steps`: the spec's, or
     the epochs' resolved count)."""
-    steps = steps if steps is not None else spec.get("steps")
+    steps = steps if steps is not None else spec.steps
     steps = 3600 if steps is None else steps  # epochs not yet resolved: an hour of steps
-    return (10 + (steps * spec.get("repeats", 1)) // 60) * spec.get("launches", 1)
+    return (10 + (steps * spec.repeats) // 60) * spec.launches
 
 
 def collective_timeout(job: Job | None, spec) -> timedelta:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from distlab.report.inputs import job_wall_seconds, readable
 from distlab.records.run_layout import KUBERAY_CHECKS, run_files_dir
+from distlab.records.spec import Spec
 from distlab.records.run_outputs import (MAX_RESULTS_FILE_BYTES, ResultsError, parse_json, read_json_object,
                                          read_run_record, task_of, throughput_unit)
 
@@ -170,6 +171,7 @@ def load_run(path: str | Path, named_folder: bool = True, declared: frozenset[st
     in <machine>/<experiment>/ (False: the two_hosts target's own fixed folder, still its machine's)."""
     path = Path(path)
     run = read_run_record(path).to_dict()  # the one reader of metrics.json
+    run["spec"] = Spec(run["spec"])  # read by field (spec.world_size), frozen
     check_schema(run, "metrics", path)
     folders = (("machine", path.parent.parent.name), ("experiment", path.parent.name))
     for field, folder in folders if named_folder else folders[:1]:
@@ -346,16 +348,16 @@ def summary_row(run: dict) -> dict:
     return {
         "machine": run["machine"], "stage": run["stage"], "task": task_of(spec),
         "experiment": run["experiment"],
-        "status": run.get("status"), "strategy": spec["strategy"],
+        "status": run.get("status"), "strategy": spec.strategy,
         # Its own settings block (`deepspeed: {zero_stage, ...}`), whatever the strategy: read by name.
-        "strategy_settings": json.dumps(spec[spec["strategy"]], sort_keys=True) if spec.get(spec["strategy"]) else None,
-        "launcher": spec["launcher"],
-        "method": spec["method"], "model": spec.get("model", "default"),
-        "memory_budget_gib": spec.get("memory_budget_gib"),
-        "device": spec["device"], "world_size": spec["world_size"],
-        "micro_batch": spec["micro_batch"], "grad_accum": spec["grad_accum"], "seq_len": spec["seq_len"],
-        "sampler": spec["sampler"], "precision": spec["precision"], "steps": spec["steps"],
-        "untimed_steps": spec.get("untimed_steps", spec.get("warmup_steps")), "repeats": spec.get("repeats", 1),
+        "strategy_settings": json.dumps(spec[spec.strategy], sort_keys=True) if spec.get(spec.strategy) else None,
+        "launcher": spec.launcher,
+        "method": spec.method, "model": spec.model,
+        "memory_budget_gib": spec.memory_budget_gib,
+        "device": spec.device, "world_size": spec.world_size,
+        "micro_batch": spec.micro_batch, "grad_accum": spec.grad_accum, "seq_len": spec.seq_len,
+        "sampler": spec.sampler, "precision": spec.precision, "steps": spec.steps,
+        "untimed_steps": spec.get("untimed_steps", spec.warmup_steps), "repeats": spec.repeats,
         "actual_wrapper": _get(run, "as_built", "outer_wrapper"),
         "actual_world_size": _get(run, "as_built", "world_size"),
         "step_time_median_s": step.get("median"), "step_time_p25_s": step.get("p25"),

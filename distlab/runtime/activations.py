@@ -30,14 +30,14 @@ def checkpointed_layers(mode: str, every: int, n_layers: int) -> list[int]:
 def enable_checkpointing(model, spec: dict) -> None:
     """Turn on the spec's activation checkpointing (a no-op for none). The model must train in
     training mode: transformers' layers checkpoint only when `self.training`."""
-    mode = spec["activation_checkpointing"]
+    mode = spec.activation_checkpointing
     if mode == "none":
         return
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft's wrapper
     if not getattr(hf, "supports_gradient_checkpointing", False):
         raise ValueError(f"activation_checkpointing {mode}: {type(hf).__name__} does not support it (transformers' "
                          "supports_gradient_checkpointing is False)")
-    every = 1 if mode == "full" else spec["activation_checkpointing_every"]
+    every = 1 if mode == "full" else spec.activation_checkpointing_every
     kwargs = {"use_reentrant": False}
     if hasattr(hf, "activation_checkpointing_enable"):
         hf.activation_checkpointing_enable(kwargs, every_n_layers=every)
@@ -57,15 +57,15 @@ def checkpointing_facts(model, spec: dict) -> dict:
 
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     active = [i for i, m in enumerate(layers) if m.gradient_checkpointing and m.training]
-    return {"mode": spec["activation_checkpointing"], "layers_held": len(layers), "checkpointed": active,
+    return {"mode": spec.activation_checkpointing, "layers_held": len(layers), "checkpointed": active,
             "how": "GradientCheckpointingLayer flags and training mode of the layers this rank holds"}
 
 
 def check_checkpointing(facts: dict, spec: dict) -> str | None:
     """Why the model's checkpointing is not the spec's (None: it is). A pipeline stage holds a
     run of the layers, numbered in the whole model: there only full and none are exact."""
-    mode, held, chosen = spec["activation_checkpointing"], facts["layers_held"], facts["checkpointed"]
-    wanted = checkpointed_layers(mode, spec["activation_checkpointing_every"], held)
+    mode, held, chosen = spec.activation_checkpointing, facts["layers_held"], facts["checkpointed"]
+    wanted = checkpointed_layers(mode, spec.activation_checkpointing_every, held)
     if settings_for(spec).holds_layer_run and mode == "selective":
         wrong = len(chosen) > held
     else:
@@ -89,7 +89,7 @@ class ActivationProbe:
     recompute saves through torch's own, inner hooks), so what is packed is its forward's."""
 
     def __init__(self, spec: dict, rank: int, start_step: int):
-        self.step = start_step if start_step < spec["untimed_steps"] else None
+        self.step = start_step if start_step < spec.untimed_steps else None
         self.rank = rank
         self.result = {"bytes": None, "how": "not measured: the run started past its untimed steps (resumed)"}
 

@@ -148,8 +148,8 @@ def evaluate_forward(strategy, ids, labels, positions=None) -> dict | None:
         error = next((p[2] for p in parts if p[2]), None)
     if dist.get_rank() != 0:
         return None
-    where = (f"the training model itself ({spec['strategy']}, on {strategy.ctx.device.type}, "
-             f"{spec['precision']}; Strategy.forward_logits, {batch} sequences a forward"
+    where = (f"the training model itself ({spec.strategy}, on {strategy.ctx.device.type}, "
+             f"{spec.precision}; Strategy.forward_logits, {batch} sequences a forward"
              + (f", batches split over {size} data-parallel ranks)" if size > 1 else ")"))
     return {"status": "failed", "reason": error} if error else summarize_loss(total, count, len(ids), where)
 
@@ -167,15 +167,15 @@ def eval_batch_size(spec: dict, config, shape, data_parallel: bool) -> int:
     FSDP gathers its parameters whatever the batch, so fewer forwards cost fewer gathers (the
     stage-3 budget run: 8 forwards a rank at micro-batch 1 -> 2). Kept at the micro-batch with
     activation checkpointing (training keeps far less) and where ranks split the model (TP, PP)."""
-    micro = spec["micro_batch"]
+    micro = spec.micro_batch
     fields = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers")
-    if not data_parallel or spec["activation_checkpointing"] != "none" or \
+    if not data_parallel or spec.activation_checkpointing != "none" or \
             not all(isinstance(getattr(config, f, None), int) for f in fields):
         return micro
     blocks, seq = shape[0], shape[1]
     v, h, i, a, layers = (getattr(config, f) for f in fields)
     no_grad, training = seq * (3 * v + 3 * i + a * seq), seq * (2 * v + layers * (4 * h + 3 * i))
-    per_rank = -(-blocks // max(1, spec["world_size"]))
+    per_rank = -(-blocks // max(1, spec.world_size))
     return max(micro, min(micro * (training // no_grad), per_rank))
 
 

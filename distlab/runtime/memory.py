@@ -197,7 +197,7 @@ def apply_memory_budget(ctx) -> dict | None:
     global _WATCHDOG
     if ctx.device.type == "cpu":
         host_allocator.apply(ctx.job.model_source if ctx.job is not None else None)
-    gib = ctx.spec["memory_budget_gib"]
+    gib = ctx.spec.memory_budget_gib
     if gib is None:
         return None
     budget = int(gib * GIB)

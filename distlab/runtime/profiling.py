@@ -36,7 +36,7 @@ class StepProfiler:
     so an out-of-memory error in the model's load is in it too)."""
 
     def __init__(self, spec: dict, run_dir, rank: int, device: torch.device):
-        self.steps = tuple(spec["profile"]["steps"]) if spec.get("profile") else None
+        self.steps = tuple(spec.profile["steps"]) if spec.profile else None
         self.folder, self.rank, self.cuda = profile_dir(run_dir), rank, device.type == "cuda"
         self.profiler = None
         self.step_range = None  # the open `step <N>` range of the trace

@@ -21,7 +21,7 @@ def compute_dtype(spec: dict):
     the run's precision (bf16 or fp32; fp16 is refused at config time)."""
     from distlab.configuration.precision import torch_dtype
 
-    return torch_dtype(spec["precision"])
+    return torch_dtype(spec.precision)
 
 
 def quantization_config(spec: dict):
@@ -54,7 +54,7 @@ def apply_qlora(model, spec: dict):
     from distlab.runtime.lora import apply_lora
 
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    return apply_lora(model, spec["lora"], spec["seed"])
+    return apply_lora(model, spec.lora, spec.seed)
 
 
 def quantization_facts(model) -> dict:
@@ -98,7 +98,7 @@ def trained_groups(strategy, spec: dict, source: str):
     distlab.runtime.streamed): the strategy's own for full fine-tuning and LoRA; for QLoRA the
     trained adapters with the full-precision base weights read from the model folder, the model
     the export is loaded as."""
-    if spec["method"] != "qlora":
+    if spec.method != "qlora":
         return strategy.state_groups()
     return _adapters_on_full_precision_base(strategy, spec, source)
 

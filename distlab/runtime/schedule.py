@@ -6,9 +6,9 @@ from __future__ import annotations
 
 def scheduler_name(spec: dict) -> str:
     """transformers' name for the spec's schedule: a warmed-up constant is constant_with_warmup."""
-    if spec["lr_schedule"] == "constant":
-        return "constant_with_warmup" if spec["lr_warmup_steps"] else "constant"
-    return spec["lr_schedule"]
+    if spec.lr_schedule == "constant":
+        return "constant_with_warmup" if spec.lr_warmup_steps else "constant"
+    return spec.lr_schedule
 
 
 def lr_scheduler(spec: dict, optimizer):
@@ -16,8 +16,8 @@ def lr_scheduler(spec: dict, optimizer):
     constant, linear or cosine decay to 0 at step `steps`."""
     from transformers import get_scheduler
 
-    return get_scheduler(scheduler_name(spec), optimizer, num_warmup_steps=spec["lr_warmup_steps"],
-                         num_training_steps=spec["steps"])
+    return get_scheduler(scheduler_name(spec), optimizer, num_warmup_steps=spec.lr_warmup_steps,
+                         num_training_steps=spec.steps)
 
 
 def expected_rates(spec: dict) -> list[float]:
@@ -25,10 +25,10 @@ def expected_rates(spec: dict) -> list[float]:
     checks: what the loop recorded must be this)."""
     import torch
 
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=spec["lr"])
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=spec.lr)
     scheduler = lr_scheduler(spec, optimizer)
     rates = []
-    for _ in range(spec["steps"]):
+    for _ in range(spec.steps):
         rates.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()

@@ -82,7 +82,7 @@ class Skeleton:
             # apply_lora seeds and draws the adapters' initial values: the caller's RNG (the
             # trainer state of a run that goes on) must not move.
             with torch.random.fork_rng(devices=[]):
-                model, _ = apply_lora(model, spec["lora"], spec["seed"])
+                model, _ = apply_lora(model, spec.lora, spec.seed)
         skeleton = cls(model)
         skeleton.fixed = set()  # every value, the adapters' included, comes with the groups
         return skeleton

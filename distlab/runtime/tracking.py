@@ -115,7 +115,7 @@ class Trackers:
         from distlab.records.sharing import portable
 
         params = flat_params(portable(spec))  # what it says in metrics.json: no local absolute path
-        if "tensorboard" in spec["tracking"]:
+        if "tensorboard" in spec.tracking:
             from torch.utils.tensorboard import SummaryWriter
             from torch.utils.tensorboard.summary import hparams
 
@@ -126,7 +126,7 @@ class Trackers:
             for summary in hparams(params, {}):  # the spec in TensorBoard's HPARAMS tab
                 self.writer.file_writer.add_summary(summary)
             self.where["tensorboard"] = str(logdir)
-        if "mlflow" in spec["tracking"]:
+        if "mlflow" in spec.tracking:
             from mlflow.entities import Param
             from mlflow.tracking import MlflowClient
 
@@ -137,9 +137,9 @@ class Trackers:
                 found = self.client.get_experiment_by_name(name)
                 experiment = found.experiment_id if found else self.client.create_experiment(
                     name, artifact_location=f"{ARTIFACTS}{name}")
-                self._close_stale_runs(experiment, spec["id"])
-                self.run_id = self.client.create_run(experiment, run_name=spec["id"], tags={
-                    **ANONYMOUS_TAGS, "distlab.experiment": spec["id"], "distlab.machine": self.machine,
+                self._close_stale_runs(experiment, spec.id)
+                self.run_id = self.client.create_run(experiment, run_name=spec.id, tags={
+                    **ANONYMOUS_TAGS, "distlab.experiment": spec.id, "distlab.machine": self.machine,
                     "distlab.resumed_from_step": str(start_step)}).info.run_id
             items = [Param(k, str(v)) for k, v in params.items()]
             for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters per batch

@@ -33,17 +33,17 @@ PROBE_PASSES, PROBE_SECONDS = 3, 0.3
 
 def rank_threads(spec: dict, rank: int) -> int:
     """This rank's CPU threads: its rank_cpu_threads entry, else cpu_threads_per_rank."""
-    per_rank = spec.get("rank_cpu_threads")
-    return per_rank[rank] if per_rank else spec["cpu_threads_per_rank"]
+    per_rank = spec.rank_cpu_threads
+    return per_rank[rank] if per_rank else spec.cpu_threads_per_rank
 
 
 def enter_cpu_budget(spec: dict, rank: int) -> dict | None:
     """Cap this rank's CPU time at its rank_cpu_budget entry (distlab.configuration.cpu_budget); None when unset."""
-    if not spec.get("rank_cpu_budget"):
+    if not spec.rank_cpu_budget:
         return None
     from distlab.configuration.cpu_budget import enter
 
-    return dict(enter(spec["rank_cpu_budget"][rank]), rank=rank)
+    return dict(enter(spec.rank_cpu_budget[rank]), rank=rank)
 
 
 def leave_cpu_budget(record: dict | None) -> None:
@@ -59,7 +59,7 @@ def free_bytes(spec: dict, device) -> tuple[int, str]:
 
     from distlab.runtime.memory import GIB, rss_now
 
-    budget = spec.get("memory_budget_gib")
+    budget = spec.memory_budget_gib
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         if budget:
@@ -80,9 +80,9 @@ def probe(model, spec: dict, device) -> dict:
     afterwards: training starts from the same state as without the probe."""
     import torch
 
-    batch = spec["micro_batch"]
-    generator = torch.Generator().manual_seed(spec["seed"])
-    ids = torch.randint(0, model.config.vocab_size, (batch, spec["seq_len"]), generator=generator).to(device)
+    batch = spec.micro_batch
+    generator = torch.Generator().manual_seed(spec.seed)
+    ids = torch.randint(0, model.config.vocab_size, (batch, spec.seq_len), generator=generator).to(device)
     def step():
         model(input_ids=ids, labels=ids).loss.backward()
         if device.type == "cuda":
@@ -119,7 +119,7 @@ def memory_capacity(model, spec: dict, free: int) -> int:
 def rank_batches(model, spec: dict, device) -> tuple[list[int] | None, dict | None]:
     """(each rank's micro-batch, how it was chosen) for rank_micro_batch; (None, None) when unset.
     Collective for auto (every rank probes, all see every probe and compute the same split)."""
-    choice = spec.get("rank_micro_batch")
+    choice = spec.rank_micro_batch
     if choice is None:
         return None, None
     if choice != "auto":
@@ -130,7 +130,7 @@ def rank_batches(model, spec: dict, device) -> tuple[list[int] | None, dict | No
     mine["capacity_samples"] = memory_capacity(model, spec, mine["free_bytes"])
     probes = [None] * dist.get_world_size()
     dist.all_gather_object(probes, mine)
-    total = spec["micro_batch"] * len(probes)
+    total = spec.micro_batch * len(probes)
     sizes = split_batch(total, [1 / p["seconds_per_sample"] for p in probes],
                         [p["capacity_samples"] for p in probes])
     return sizes, {"how": ("auto: the global batch micro_batch x world_size split in proportion to each rank's "

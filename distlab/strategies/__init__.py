@@ -18,8 +18,8 @@ def strategy_names() -> list[str]:
 
 def strategy_key(spec: dict) -> str:
     """Which module runs a spec: FSDP requested through Accelerate is Accelerate's to run."""
-    settings = registered().get(spec["strategy"])
-    return settings.runs_as(spec) if settings else spec["strategy"]
+    settings = registered().get(spec.strategy)
+    return settings.runs_as(spec) if settings else spec.strategy
 
 
 def strategy_for(spec: dict):

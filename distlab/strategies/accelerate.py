@@ -31,9 +31,9 @@ def expected_distributed_types(spec: dict) -> set[str]:
     """What Accelerate must report for this experiment to be what its label says."""
     if uses_accelerate_fsdp(spec):
         return {"FSDP"}
-    multi = "MULTI_CPU" if spec["device"] == "cpu" else "MULTI_GPU"
+    multi = "MULTI_CPU" if spec.device == "cpu" else "MULTI_GPU"
     # One process: `accelerate launch` starts it bare (NO); torchrun's one rank reads as MULTI_*.
-    return {multi} if spec["world_size"] > 1 else {"NO", multi}
+    return {multi} if spec.world_size > 1 else {"NO", multi}
 
 
 class AccelerateStrategy(Strategy):
@@ -55,13 +55,13 @@ class AccelerateStrategy(Strategy):
 
         if self.ctx.device.type == "cuda":
             torch.cuda.set_device(self.ctx.device)
-        accumulation = GradientAccumulationPlugin(num_steps=self.spec["grad_accum"], sync_with_dataloader=False)
+        accumulation = GradientAccumulationPlugin(num_steps=self.spec.grad_accum, sync_with_dataloader=False)
         kwargs = {}
         if self.fsdp:
             kwargs["fsdp_plugin"] = self._fsdp_plugin()
         # cpu=True is what makes Accelerate join the launcher's CPU ranks (see module doc).
         self.accelerator = Accelerator(cpu=self.ctx.device.type == "cpu",
-                                       mixed_precision=ACCELERATE_MIXED_PRECISION[self.spec["precision"]],
+                                       mixed_precision=ACCELERATE_MIXED_PRECISION[self.spec.precision],
                                        gradient_accumulation_plugin=accumulation,
                                        kwargs_handlers=[InitProcessGroupKwargs(timeout=self.collective_timeout)],
                                        **kwargs)
@@ -80,7 +80,7 @@ class AccelerateStrategy(Strategy):
     def _fsdp_plugin(self):
         from accelerate.utils import FullyShardedDataParallelPlugin
 
-        fsdp = self.spec["fsdp"]
+        fsdp = self.spec.fsdp
         # transformer_cls_names_to_wrap is filled in wrap(), from the loaded model.
         return FullyShardedDataParallelPlugin(
             fsdp_version=2, reshard_after_forward=bool(fsdp["reshard_after_forward"]),
@@ -133,8 +133,8 @@ class AccelerateStrategy(Strategy):
     def clip_gradients(self):
         """accelerator.clip_grad_norm_ (unscales fp16 gradients first; FSDP-aware) when clipping;
         the same global norm measured without it when max_grad_norm is 0."""
-        if self.spec["max_grad_norm"] > 0:
-            return self.accelerator.clip_grad_norm_(self.trainable(self.model), self.spec["max_grad_norm"])
+        if self.spec.max_grad_norm > 0:
+            return self.accelerator.clip_grad_norm_(self.trainable(self.model), self.spec.max_grad_norm)
         return super().clip_gradients()
 
     def scheduled_optimizer(self):
@@ -210,7 +210,7 @@ class AccelerateStrategy(Strategy):
     def _launch_config(self) -> dict | None:
         """The config file `accelerate launch` read (spec launcher accelerate), with what the
         ranks saw of it: Accelerate exports the file's mixed_precision to every rank."""
-        if self.spec["launcher"] != "accelerate":
+        if self.spec.launcher != "accelerate":
             return None
         import yaml
 
@@ -227,12 +227,12 @@ class AccelerateStrategy(Strategy):
     def verify(self, described: dict) -> None:
         super().verify(described)
         spec, acc = self.spec, described["accelerate"]
-        if acc["num_processes"] != spec["world_size"]:
-            raise FidelityError(f"spec world_size {spec['world_size']} but Accelerate runs {acc['num_processes']} "
+        if acc["num_processes"] != spec.world_size:
+            raise FidelityError(f"spec world_size {spec.world_size} but Accelerate runs {acc['num_processes']} "
                                 f"process(es)")
         allowed = expected_distributed_types(spec)
         if acc["distributed_type"] not in allowed:
-            raise FidelityError(f"Accelerate reports {acc['distributed_type']}; experiment {spec['id']} needs "
+            raise FidelityError(f"Accelerate reports {acc['distributed_type']}; experiment {spec.id} needs "
                                 f"{' or '.join(sorted(allowed))}")
         wrapped = described["wrapped_by"]
         if self.fsdp and wrapped != "FSDPModule (fully_shard)":
@@ -243,12 +243,12 @@ class AccelerateStrategy(Strategy):
                                 f"DistributedDataParallel; found {wrapped}")
         launched = acc["launched_with"]
         if launched is not None:
-            if launched["num_processes"] != spec["world_size"]:
+            if launched["num_processes"] != spec.world_size:
                 raise FidelityError(f"{CONFIG_NAME} asks for {launched['num_processes']} processes, "
-                                    f"spec world_size is {spec['world_size']}")
-            if launched["mixed_precision"] != ACCELERATE_MIXED_PRECISION[spec["precision"]]:
+                                    f"spec world_size is {spec.world_size}")
+            if launched["mixed_precision"] != ACCELERATE_MIXED_PRECISION[spec.precision]:
                 raise FidelityError(f"{CONFIG_NAME} says mixed_precision {launched['mixed_precision']}, spec "
-                                    f"precision is {spec['precision']}")
+                                    f"precision is {spec.precision}")
             if launched["mixed_precision"] != launched["rank_env_mixed_precision"]:
                 raise FidelityError(f"{CONFIG_NAME} says mixed_precision {launched['mixed_precision']} but "
                                     f"accelerate launch gave the ranks {launched['rank_env_mixed_precision']}: "
@@ -264,7 +264,7 @@ class AccelerateStrategy(Strategy):
             return super().forward_logits(input_ids, every_rank, extra)
         from distlab.strategies.fsdp import resharding_after_forward
 
-        with resharding_after_forward(self.model, bool(self.spec["fsdp"]["reshard_after_forward"])):
+        with resharding_after_forward(self.model, bool(self.spec.fsdp["reshard_after_forward"])):
             return super().forward_logits(input_ids, every_rank, extra)
 
     def save_checkpoint(self, path: str) -> None:
@@ -284,7 +284,7 @@ class AccelerateStrategy(Strategy):
             (Path(path) / "format.json").write_text(json.dumps({
                 "format": "accelerate-save_state", "strategy": self.name,
                 "distributed_type": self.accelerator.distributed_type.value,
-                "world_size": dist.get_world_size(), "method": self.spec["method"]}))
+                "world_size": dist.get_world_size(), "method": self.spec.method}))
 
         on_every_rank(name_format if dist.get_rank() == 0 else None, "the format file (rank 0)")
 

@@ -94,7 +94,7 @@ class Strategy:
         more than its part (distlab.rank.model_setup). QLoRA: the base in 4-bit NF4 on this
         rank's device (distlab.runtime.qlora; refused at config time for the strategies that
         override this, distlab.configuration.training_tools, but DeepSpeed's ZeRO 0-2)."""
-        if self.spec["method"] == "qlora":
+        if self.spec.method == "qlora":
             return self.task.load_quantized(model_source, self.spec, self.ctx.device)
         return self.task.load_model(model_source, dtype=frozen_base_dtype(self.spec))
 
@@ -104,7 +104,7 @@ class Strategy:
         return contextlib.nullcontext()
 
     def build_optimizer(self, params):
-        return torch.optim.AdamW(params, lr=self.spec["lr"], weight_decay=self.spec["weight_decay"])
+        return torch.optim.AdamW(params, lr=self.spec.lr, weight_decay=self.spec.weight_decay)
 
     def trainable(self, model):
         return [p for p in model.parameters() if p.requires_grad]
@@ -185,7 +185,7 @@ class Strategy:
         (distlab.runtime.clipping: plain tensors, DTensor shards and pipeline stages alike)."""
         from distlab.runtime.clipping import clip_to
 
-        return clip_to(self.trainable(self.model), self.spec["max_grad_norm"], self.stage_group())
+        return clip_to(self.trainable(self.model), self.spec.max_grad_norm, self.stage_group())
 
     def take_comm_seconds(self) -> float | None:
         """Collective time since the last call, or None where this strategy does not
@@ -239,17 +239,17 @@ class Strategy:
     def verify(self, described: dict) -> None:
         """Fail the run when what happened differs from the spec."""
         spec = self.spec
-        if described["world_size"] != spec["world_size"]:
-            raise FidelityError(f"spec world_size {spec['world_size']} but the process group has "
+        if described["world_size"] != spec.world_size:
+            raise FidelityError(f"spec world_size {spec.world_size} but the process group has "
                                 f"{described['world_size']} ranks")
         if self.expected_wrappers and not described["wrappers_found"]:
             raise FidelityError(f"strategy {self.name} expected one of {self.expected_wrappers} to wrap the model; "
                                 f"found outer wrapper {described['outer_wrapper']}")
-        if described["device"].split(":")[0] != spec["device"]:
-            raise FidelityError(f"spec device {spec['device']} but the model is on {described['device']}")
+        if described["device"].split(":")[0] != spec.device:
+            raise FidelityError(f"spec device {spec.device} but the model is on {described['device']}")
         if "parameter_dtypes" in described:
-            problem = parameter_dtype_mismatch(spec["precision"], described["parameter_dtypes"],
-                                               described.get("optimizer_master_dtypes"), spec.get("method"))
+            problem = parameter_dtype_mismatch(spec.precision, described["parameter_dtypes"],
+                                               described.get("optimizer_master_dtypes"), spec.method)
             if problem:
                 raise FidelityError(problem)
         if described.get("activation_checkpointing"):
@@ -260,14 +260,14 @@ class Strategy:
                 raise FidelityError(problem)
         if "parameter_devices" not in described:
             return
-        allowed = {spec["device"]} | ({"cpu"} if offloads_parameters(spec) else set())
+        allowed = {spec.device} | ({"cpu"} if offloads_parameters(spec) else set())
         stray = sorted(set(described["parameter_devices"]) - allowed)
         if stray:
-            raise FidelityError(f"spec device {spec['device']} but parameters live on {stray} "
+            raise FidelityError(f"spec device {spec.device} but parameters live on {stray} "
                                 f"({described['parameter_devices']})")
         layout = expected_layout(spec)
         if layout and not described["parameter_layout"].get(layout):
-            raise FidelityError(f"strategy {spec['strategy']} should hold its parameters as {layout}, but the model "
+            raise FidelityError(f"strategy {spec.strategy} should hold its parameters as {layout}, but the model "
                                 f"holds {described['parameter_layout']} (outer wrapper {described['outer_wrapper']})")
 
     # -- the trained model, whole: evaluation, export, recorded logits -----------------
@@ -430,7 +430,7 @@ class ModelParallel:
 
 def local_device(spec: dict) -> torch.device:
     """cuda:<LOCAL_RANK> or cpu, exactly as the spec says: never a silent fallback."""
-    if spec["device"] == "cuda":
+    if spec.device == "cuda":
         if not torch.cuda.is_available():
             raise FidelityError("spec device cuda but torch.cuda.is_available() is False")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

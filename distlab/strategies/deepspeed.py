@@ -81,10 +81,10 @@ class DeepSpeedStrategy(Strategy):
         so each parameter is partitioned (and offloaded where configured) as it is built, and
         each rank reads only its partitions from the safetensors (the task's load_partitioned,
         handed strategies.deepspeed_load): no rank holds or reads the whole model."""
-        dtype = torch_dtype(self.spec["precision"])
-        if self.spec["method"] == "qlora":  # ZeRO 0-2 in fp32 only (distlab.configuration.training_tools)
+        dtype = torch_dtype(self.spec.precision)
+        if self.spec.method == "qlora":  # ZeRO 0-2 in fp32 only (distlab.configuration.training_tools)
             return super().load_model(model_source)
-        if self.spec["deepspeed"]["zero_stage"] != 3:
+        if self.spec.deepspeed["zero_stage"] != 3:
             return self.task.load_model(model_source, dtype=dtype)
         if self.ctx.device.type == "cpu":
             skip_inference_shm_op()
@@ -96,7 +96,7 @@ class DeepSpeedStrategy(Strategy):
         model, self.load_report = self.task.load_partitioned(
             model_source, deepspeed_config(self.spec, dist.get_world_size(),
                                            hidden_size=self.task.hidden_size(model_source)),
-            dtype, nvme_params=self.spec["deepspeed"]["offload_param"] == "nvme", zero=deepspeed_load)
+            dtype, nvme_params=self.spec.deepspeed["offload_param"] == "nvme", zero=deepspeed_load)
         self.partitioned_at_load = all(hasattr(p, "ds_id") for p in model.parameters())
         return model
 
@@ -106,12 +106,12 @@ class DeepSpeedStrategy(Strategy):
         world = dist.get_world_size()
         layer_params = sum(full_numel(p) for p in decoder_layers(model)[0].parameters())
         trainable = [full_numel(p) for p in self.trainable(model)]
-        config = deepspeed_config(self.spec, world, layer_params if self.spec["deepspeed"]["zero_stage"] == 3 else None,
+        config = deepspeed_config(self.spec, world, layer_params if self.spec.deepspeed["zero_stage"] == 3 else None,
                                   gradient_bucket_size(layer_params, max(trainable), sum(trainable)),
                                   hidden_size=getattr(model.config, "hidden_size", None))
         # Checkpoint validation reloads at another world size in the same run folder: its
         # config (another train_batch_size) goes beside the experiment's, never over it.
-        name = CONFIG_NAME if world == self.spec["world_size"] else f"deepspeed_config-world{world}.json"
+        name = CONFIG_NAME if world == self.spec.world_size else f"deepspeed_config-world{world}.json"
         if dist.get_rank() == 0:
             write_config(config, run_files_dir(self.ctx.run_dir), name)
         dist.barrier()
@@ -148,7 +148,7 @@ class DeepSpeedStrategy(Strategy):
         # bf16/fp16 are DeepSpeed's (low-precision module + fp32 master), not autocast.
         share = self.task.loss(engine, batch, num_items)
         engine.backward(for_backward(share, self.gradient_divisor(n_micro)))
-        if engine.global_steps == self.spec["steps"] - 1:
+        if engine.global_steps == self.spec.steps - 1:
             self._record_peak_state()
         if micro_index < n_micro - 1:
             engine.step()  # not a boundary: DeepSpeed only counts the micro-step
@@ -216,14 +216,14 @@ class DeepSpeedStrategy(Strategy):
             "partitioned_at_load": getattr(self, "partitioned_at_load", False),
             "load": getattr(self, "load_report", None),
             "comm_time": "not measured: DeepSpeed's comms logger blocks on every collective to time it",
-            "estimator": estimator_bytes(self.spec["deepspeed"], self.total_params, self.largest_layer_params,
+            "estimator": estimator_bytes(self.spec.deepspeed, self.total_params, self.largest_layer_params,
                                          dist.get_world_size(), zero_init=getattr(self, "partitioned_at_load", False)),
         }
         return out
 
     def verify(self, described: dict) -> None:
         super().verify(described)
-        ds, want = described["deepspeed"], self.spec["deepspeed"]
+        ds, want = described["deepspeed"], self.spec.deepspeed
         if ds["zero_stage"] != want["zero_stage"]:
             raise FidelityError(f"spec ZeRO stage {want['zero_stage']} but the engine runs stage {ds['zero_stage']}")
         for key in ("offload_optimizer", "offload_param"):
@@ -233,12 +233,12 @@ class DeepSpeedStrategy(Strategy):
             raise FidelityError("ZeRO-3: the model was not built under deepspeed.zero.Init "
                                 "(every rank loaded it whole)")
         spec = self.spec
-        if (ds["micro_batch"], ds["gradient_accumulation_steps"]) != (spec["micro_batch"], spec["grad_accum"]):
-            raise FidelityError(f"spec micro_batch {spec['micro_batch']} x grad_accum {spec['grad_accum']} but the "
+        if (ds["micro_batch"], ds["gradient_accumulation_steps"]) != (spec.micro_batch, spec.grad_accum):
+            raise FidelityError(f"spec micro_batch {spec.micro_batch} x grad_accum {spec.grad_accum} but the "
                                 f"engine uses {ds['micro_batch']} x {ds['gradient_accumulation_steps']}")
-        wanted = deepspeed_precision(spec["precision"])
+        wanted = deepspeed_precision(spec.precision)
         if ds["bf16"] != wanted["bf16"]["enabled"] or ds["fp16"] != wanted["fp16"]["enabled"]:
-            raise FidelityError(f"spec precision {spec['precision']} but the engine has bf16={ds['bf16']} "
+            raise FidelityError(f"spec precision {spec.precision} but the engine has bf16={ds['bf16']} "
                                 f"fp16={ds['fp16']}")
         torch_adam = ds["basic_optimizer"] in ("AdamW", "Adam")
         if torch_adam != uses_torch_adam(spec):

@@ -17,7 +17,7 @@ ADAM_EPS = 1e-8
 
 
 def uses_torch_adam(spec: dict) -> bool:
-    return spec["deepspeed"]["optimizer_impl"] == "torch"
+    return spec.deepspeed["optimizer_impl"] == "torch"
 
 
 # DeepSpeed's default gradient bucket, and the floor below which small models pay in latency.
@@ -45,8 +45,8 @@ def deepspeed_config(spec: dict, world_size: int, layer_params: int | None = Non
     the gathered-parameter settings of its zero3_profile also from the model's decoder-layer
     size `layer_params` and `hidden_size`, zero3_limits; at ZeRO 1-3 the gradient buckets from
     `bucket_elements`, gradient_bucket_size)."""
-    ds = spec["deepspeed"]
-    cuda = spec["device"] == "cuda"
+    ds = spec.deepspeed
+    cuda = spec.device == "cuda"
     zero: dict = {"stage": ds["zero_stage"]}
     if bucket_elements and ds["zero_stage"] >= 1:
         zero["reduce_bucket_size"] = bucket_elements
@@ -64,18 +64,18 @@ def deepspeed_config(spec: dict, world_size: int, layer_params: int | None = Non
                 block["nvme_path"] = ds["nvme_path"]
             zero[key] = block
     config = {
-        "train_micro_batch_size_per_gpu": spec["micro_batch"],
-        "gradient_accumulation_steps": spec["grad_accum"],
-        "train_batch_size": spec["micro_batch"] * spec["grad_accum"] * world_size,
+        "train_micro_batch_size_per_gpu": spec.micro_batch,
+        "gradient_accumulation_steps": spec.grad_accum,
+        "train_batch_size": spec.micro_batch * spec.grad_accum * world_size,
         "optimizer": {"type": "AdamW", "params": {
-            "lr": spec["lr"], "weight_decay": spec["weight_decay"], "betas": ADAM_BETAS, "eps": ADAM_EPS,
+            "lr": spec.lr, "weight_decay": spec.weight_decay, "betas": ADAM_BETAS, "eps": ADAM_EPS,
             # torch: torch.optim.AdamW, the implementation DDP runs (nothing to compile).
             # deepspeed: FusedAdam, or DeepSpeedCPUAdam when offloading (JIT-built ops).
             "torch_adam": uses_torch_adam(spec)}},
         # The spec's max_grad_norm (0 = off), the global norm other strategies clip to (distlab.runtime.clipping).
-        "gradient_clipping": float(spec["max_grad_norm"]),
+        "gradient_clipping": float(spec.max_grad_norm),
         "zero_optimization": zero,
-        **deepspeed_precision(spec["precision"]),
+        **deepspeed_precision(spec.precision),
         "steps_per_print": 2**31 - 1,  # the loop logs; keep the rank logs quiet
         "wall_clock_breakdown": False,
     }

@@ -101,7 +101,7 @@ class DeepSpeedSettings(StrategySettings):
                     "zero3-offopt-offparam": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}}
 
     def variant(self, spec):
-        ds = spec["deepspeed"]
+        ds = spec.deepspeed
         parts = [f"z{ds['zero_stage']}"]
         if ds["offload_optimizer"] != "none":
             parts.append(f"offopt{'' if ds['offload_optimizer'] == 'cpu' else '.nvme'}")
@@ -114,7 +114,7 @@ class DeepSpeedSettings(StrategySettings):
         return "-".join(parts)
 
     def check(self, spec, config, fail, shape):
-        ds = spec["deepspeed"]
+        ds = spec.deepspeed
         if ds["offload_param"] != "none" and ds["zero_stage"] != 3:
             fail("deepspeed.offload_param", "parameter offload needs zero_stage 3")
         if ds["offload_optimizer"] != "none" and ds["zero_stage"] == 0:
@@ -127,25 +127,25 @@ class DeepSpeedSettings(StrategySettings):
 
     def check_task(self, task, spec, fail):
         super().check_task(task, spec, fail)
-        if spec["deepspeed"]["offload_param"] == "nvme" and "nvme_parameter_offload" in task.lacks:
+        if spec.deepspeed["offload_param"] == "nvme" and "nvme_parameter_offload" in task.lacks:
             fail("deepspeed.offload_param", f"task {task.name}: {task.lacks['nvme_parameter_offload']}; NVMe "
                                             "parameter offload is not wired up for it")
 
     def parameter_layout(self, spec):
-        return "deepspeed_partition" if spec.get("deepspeed", {}).get("zero_stage") == 3 else None
+        return "deepspeed_partition" if spec.deepspeed.zero_stage == 3 else None
 
     def offloads_parameters(self, spec):
-        return spec.get("deepspeed", {}).get("offload_param", "none") != "none"
+        return spec.deepspeed.offload_param != "none"
 
     def shards_checkpoint(self, spec):
-        return spec["deepspeed"]["zero_stage"] >= 1
+        return spec.deepspeed["zero_stage"] >= 1
 
     def checkpoint_format(self, spec):
-        ds = spec["deepspeed"]
-        return (spec["precision"], ds["zero_stage"], ds["offload_optimizer"], ds["offload_param"])
+        ds = spec.deepspeed
+        return (spec.precision, ds["zero_stage"], ds["offload_optimizer"], ds["offload_param"])
 
     def advisor_row(self, spec):
-        ds = spec["deepspeed"]
+        ds = spec.deepspeed
         stage = ds["zero_stage"]
         if stage < 3:
             return ["ddp", "zero1", "zero2"][stage]

@@ -52,16 +52,16 @@ class FSDPStrategy(Strategy):
         from distlab.strategies.fsdp_load import materialize_sharded
 
         device = self.ctx.device
-        fs = self.spec["fsdp"]
+        fs = self.spec.fsdp
         self.mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         # On CPU ranks too: FSDP2 casts the gathered parameters itself (torch 2.6+ over gloo,
         # checked at 1 and 2 ranks), so CPU runs the policy the GPU runs. fp16 is refused on CPU
         # by the config (no fp16 autocast there).
-        self.mixed_precision = is_mixed(self.spec["precision"])
+        self.mixed_precision = is_mixed(self.spec.precision)
         kwargs = {"mesh": self.mesh, "reshard_after_forward": fs["reshard_after_forward"]}
         if self.mixed_precision:
             # Compute in low precision, reduce gradients in fp32 (the usual FSDP recipe).
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=low_precision_dtype(self.spec["precision"]),
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=low_precision_dtype(self.spec.precision),
                                                        reduce_dtype=torch.float32)
         # pin_memory needs a CUDA runtime; on CPU ranks the "offload" target is the device itself.
         kwargs["offload_policy"] = (CPUOffloadPolicy(pin_memory=device.type == "cuda") if fs["cpu_offload"]
@@ -104,7 +104,7 @@ class FSDPStrategy(Strategy):
         out["sharded_load"] = getattr(self, "load_report", None)
         out["mixed_precision"] = "MixedPrecisionPolicy" if self.mixed_precision else "none (fp32)"
         out["mixed_precision_policy"] = mixed_precision_policy(self.layers + [self.model])
-        offload = self.spec["fsdp"]["cpu_offload"]
+        offload = self.spec.fsdp["cpu_offload"]
         out["cpu_offload"] = offload
         out["param_shard_devices"] = sorted({str(p.to_local().device) for p in self.model.parameters()
                                              if isinstance(p, DTensor)})
@@ -115,23 +115,23 @@ class FSDPStrategy(Strategy):
 
     def verify(self, described: dict) -> None:
         super().verify(described)
-        check_sharded(described, self.spec["world_size"])
+        check_sharded(described, self.spec.world_size)
         if described["fsdp_layers"] != len(self.layers) or not self.layers:
             raise FidelityError(f"FSDP: {described['fsdp_layers']} of {len(self.layers)} decoder layers are "
                                 "fully_shard units")
-        wanted = ["cpu"] if self.spec["fsdp"]["cpu_offload"] else [str(self.ctx.device)]
+        wanted = ["cpu"] if self.spec.fsdp["cpu_offload"] else [str(self.ctx.device)]
         if described["param_shard_devices"] != wanted:
             raise FidelityError(f"FSDP shards live on {described['param_shard_devices']}, expected {wanted} "
-                                f"(cpu_offload {self.spec['fsdp']['cpu_offload']})")
+                                f"(cpu_offload {self.spec.fsdp['cpu_offload']})")
         policy = described["mixed_precision_policy"]
-        wanted = str(low_precision_dtype(self.spec["precision"])) if self.mixed_precision else "None"
+        wanted = str(low_precision_dtype(self.spec.precision)) if self.mixed_precision else "None"
         if policy is not None and policy["param_dtype"] != wanted:
             raise FidelityError(f"FSDP units compute in {policy['param_dtype']}; spec precision "
-                                f"{self.spec['precision']}")
+                                f"{self.spec.precision}")
         resharded = described["reshard_after_forward"]
-        if resharded is not None and resharded != self.spec["fsdp"]["reshard_after_forward"]:
+        if resharded is not None and resharded != self.spec.fsdp["reshard_after_forward"]:
             raise FidelityError(f"FSDP layers reshard after forward: {resharded}; spec asks for "
-                                f"{self.spec['fsdp']['reshard_after_forward']}")
+                                f"{self.spec.fsdp['reshard_after_forward']}")
 
     # -- the whole model and checkpoints -------------------------------------------------
     collective_forward = True  # every rank joins the all-gathers of each layer's forward
@@ -141,7 +141,7 @@ class FSDPStrategy(Strategy):
         return contextlib.nullcontext() if self.mixed_precision else super().eval_context()
 
     def forward_logits(self, input_ids, every_rank=False, extra=None):
-        with resharding_after_forward(self.model, self.spec["fsdp"]["reshard_after_forward"]):
+        with resharding_after_forward(self.model, self.spec.fsdp["reshard_after_forward"]):
             return super().forward_logits(input_ids, every_rank, extra)
 
     def save_checkpoint(self, path: str) -> None:

@@ -21,12 +21,12 @@ class FSDPSettings(StrategySettings):
         return "accelerate" if self.accelerate_plugin(spec) else self.name
 
     def accelerate_plugin(self, spec):
-        return "FSDP" if spec.get("fsdp", {}).get("via") == "accelerate" else None
+        return "FSDP" if spec.fsdp.via == "accelerate" else None
 
     def accelerate_config(self, spec):
         if not self.accelerate_plugin(spec):
             return {}
-        fsdp = spec["fsdp"]
+        fsdp = spec.fsdp
         return {"fsdp_config": {
             "fsdp_version": 2,
             # The decoder layer class is found from the loaded model by the strategy
@@ -43,10 +43,10 @@ class FSDPSettings(StrategySettings):
         return None if self.accelerate_plugin(spec) else "dtensor"
 
     def offloads_parameters(self, spec):
-        return bool(spec.get("fsdp", {}).get("cpu_offload"))
+        return bool(spec.fsdp.cpu_offload)
 
     def variant(self, spec):
-        fs = spec["fsdp"]
+        fs = spec.fsdp
         # "fullshard", not "full": the method part of the id is already "full"/"lora".
         parts = ["fullshard" if fs["reshard_after_forward"] else "gradop"]
         if fs["cpu_offload"]:
@@ -56,7 +56,7 @@ class FSDPSettings(StrategySettings):
         return "-".join(parts)
 
     def check(self, spec, config, fail, shape):
-        if spec["fsdp"]["via"] == "accelerate" and spec["device"] != "cuda":
+        if spec.fsdp["via"] == "accelerate" and spec.device != "cuda":
             fail("fsdp.via", "FSDP through Accelerate is a CUDA path (on CPU Accelerate wraps DDP instead); "
                  "use via: native")
 
@@ -64,11 +64,11 @@ class FSDPSettings(StrategySettings):
         return True
 
     def checkpoint_format(self, spec):
-        fs = spec["fsdp"]
-        return (spec["precision"], fs["reshard_after_forward"], fs["cpu_offload"])
+        fs = spec.fsdp
+        return (spec.precision, fs["reshard_after_forward"], fs["cpu_offload"])
 
     def advisor_row(self, spec):
-        return "zero3-offopt-offparam" if spec["fsdp"]["cpu_offload"] else "zero3"
+        return "zero3-offopt-offparam" if spec.fsdp["cpu_offload"] else "zero3"
 
     def module_precision(self, workload):
         return workload.get("device") == "cuda"  # MixedPrecisionPolicy on CUDA; autocast on CPU

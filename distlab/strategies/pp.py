@@ -93,7 +93,7 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
         return empty_model(model_source)
 
     def wrap(self, model) -> None:
-        if self.spec["method"] != "full":
+        if self.spec.method != "full":
             raise NotImplementedError("pipeline parallel runs full fine-tuning only")
         rank, world = dist.get_rank(), dist.get_world_size()
         self.bounds = split_layers(len(decoder_layers(model)), world)
@@ -104,11 +104,11 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
         self.loaded_bytes = load_held_weights(model, self.ctx.device)
         self.stage_module = StageModule(model, first_layer, self.first, self.last)
         self.model = model  # the pruned HF model: parameter names stay Hugging Face names
-        self.n_pipe = self.spec["pp"]["microbatches"]
+        self.n_pipe = self.spec.pp["microbatches"]
         self.stage = PipelineStage(self.stage_module, rank, world, self.ctx.device)
         # scale_grads=False: each piece's loss below is its summed token loss over the step's
         # token count (distlab.runtime.accumulation), so the accumulated gradients need no rescaling.
-        self.schedule = SCHEDULES[self.spec["pp"]["schedule"]](self.stage, self.n_pipe, loss_fn=self._loss,
+        self.schedule = SCHEDULES[self.spec.pp["schedule"]](self.stage, self.n_pipe, loss_fn=self._loss,
                                                                scale_grads=False)
         self.optimizer = self.build_optimizer(self.trainable(model))
         self._num_items = None  # the step's label-token count, set per micro-batch
@@ -166,18 +166,18 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
         return None  # point-to-point time is inside the measured idle fraction, not timed apart
 
     def facts_after_training(self) -> None:
-        if len(self._timings) > self.spec["untimed_steps"]:
+        if len(self._timings) > self.spec.untimed_steps:
             self._write_bubble()
 
     def _write_bubble(self) -> None:
         from distlab.records.metrics import summarize
 
-        warm = self.spec["untimed_steps"]
+        warm = self.spec.untimed_steps
         timed = self._timings[warm:]
         idle = [1 - t["stage_compute_s"] / t["schedule_wall_s"] for t in timed if t["schedule_wall_s"] > 0]
         record = {
             "rank": dist.get_rank(), "stage": dist.get_rank(), "stages": dist.get_world_size(),
-            "microbatches": self.n_pipe, "schedule": self.spec["pp"]["schedule"],
+            "microbatches": self.n_pipe, "schedule": self.spec.pp["schedule"],
             "idle_fraction": summarize(idle),
             "formula_bubble": bubble_formula(dist.get_world_size(), self.n_pipe),
             "per_step": self._timings,
@@ -211,10 +211,10 @@ class PipelineParallelStrategy(ModelParallel, Strategy):
 
     def verify(self, described: dict) -> None:
         super().verify(described)
-        if described["pipeline_stages"] != self.spec["world_size"]:
+        if described["pipeline_stages"] != self.spec.world_size:
             raise FidelityError(f"pipeline has {described['pipeline_stages']} stages, spec world_size "
-                                f"{self.spec['world_size']}")
-        wanted = SCHEDULES[self.spec["pp"]["schedule"]].__name__
+                                f"{self.spec.world_size}")
+        wanted = SCHEDULES[self.spec.pp["schedule"]].__name__
         if described["schedule"] != wanted:
             raise FidelityError(f"pipeline schedule {described['schedule']}, spec asks for {wanted}")
         held = [i for stage in described["stages"] for i in stage["layers"]]

@@ -20,27 +20,27 @@ class PPSettings(ModelParallelSettings):
     needs_of_task = {"layer_stack": "pipeline parallel cuts a sequence of decoder layers passing one hidden state"}
 
     def variant(self, spec):
-        return f"{spec['pp']['schedule']}-m{spec['pp']['microbatches']}"
+        return f"{spec.pp['schedule']}-m{spec.pp['microbatches']}"
 
     def check_shape(self, spec, fail, shape):
         layers = shape.get("num_hidden_layers")
-        if layers is not None and layers < spec["world_size"]:
-            fail("world_size", f"pipeline of {spec['world_size']} stages needs at least that many decoder "
+        if layers is not None and layers < spec.world_size:
+            fail("world_size", f"pipeline of {spec.world_size} stages needs at least that many decoder "
                  f"layers; the model has {layers}")
-        if spec["world_size"] > 1 and shape.get("tie_word_embeddings"):
+        if spec.world_size > 1 and shape.get("tie_word_embeddings"):
             fail("world_size", "pipeline stages cannot share the tied input/output embedding of this model "
                  "(tie_word_embeddings true); use world_size 1 or an untied model")
-        if spec["micro_batch"] % spec["pp"]["microbatches"]:
-            fail("pp.microbatches", f"micro_batch {spec['micro_batch']} must divide into "
-                 f"{spec['pp']['microbatches']} pipeline micro-batches")
+        if spec.micro_batch % spec.pp["microbatches"]:
+            fail("pp.microbatches", f"micro_batch {spec.micro_batch} must divide into "
+                 f"{spec.pp['microbatches']} pipeline micro-batches")
 
     def check(self, spec, config, fail, shape):
         super().check(spec, config, fail, shape)
         from distlab.configuration.data_checks import datasets_of, packing_mode
 
-        data = datasets_of(config["data"]).get(spec.get("dataset", "default"))
+        data = datasets_of(config["data"]).get(spec.dataset)
         if data and packing_mode(data) == "documents":
-            fail("dataset", f"dataset {spec.get('dataset', 'default')!r} packs rows as documents (packing: documents, "
+            fail("dataset", f"dataset {spec.dataset!r} packs rows as documents (packing: documents, "
                  "the default for chat/instruction rows), whose position ids keep each row's attention to itself; "
                  "pipeline stages pass only hidden states on, so the later stages would attend across rows. "
                  "Set packing: none (one row per sequence) or blocks on that dataset for pipeline parallel")

@@ -112,7 +112,7 @@ class StrategySettings:
     def checkpoint_format(self, spec: dict) -> tuple:
         """What of the spec changes the checkpoint a run writes, beyond strategy x method x
         launcher (world size and batch shape do not)."""
-        return (spec["precision"],)
+        return (spec.precision,)
 
     def advisor_row(self, spec: dict) -> str | None:
         """The advisor row (distlab.records.advice.ROW_ORDER, or a formula of its own) a run's spec
@@ -150,8 +150,8 @@ class ModelParallelSettings(StrategySettings):
     splits_by_family_plan = True
 
     def check(self, spec, config, fail, shape):
-        if spec["method"] != "full":
-            fail("method", f"{spec['strategy']} runs full fine-tuning only (LoRA would wrap the split layers)")
+        if spec.method != "full":
+            fail("method", f"{spec.strategy} runs full fine-tuning only (LoRA would wrap the split layers)")
         self.check_shape(spec, fail, shape)
 
     def check_shape(self, spec: dict, fail, shape: dict) -> None:
@@ -192,7 +192,7 @@ def _discover(path: tuple[str, ...]) -> dict[str, StrategySettings]:
 
 
 def settings_for(spec: dict) -> StrategySettings:
-    return registered()[spec["strategy"]]
+    return registered()[spec.strategy]
 
 
 def advisor_rows() -> dict[str, tuple[str, dict]]:
@@ -203,7 +203,7 @@ def advisor_rows() -> dict[str, tuple[str, dict]]:
 
 def data_parallel(spec: dict) -> bool:
     """Whether the spec's ranks read different samples (a strategy no longer registered: yes)."""
-    known = registered().get(spec["strategy"])
+    known = registered().get(spec.strategy)
     return known.data_parallel if known else True
 
 

@@ -58,7 +58,7 @@ class TensorParallelStrategy(ModelParallel, Strategy):
         return empty_model(model_source)
 
     def wrap(self, model) -> None:
-        if self.spec["method"] != "full":
+        if self.spec.method != "full":
             raise NotImplementedError("tensor parallel runs full fine-tuning only (LoRA wraps the split linears)")
         check_heads(model.config, dist.get_world_size())
         on_meta = any(p.device.type == "meta" for p in model.parameters())
@@ -103,9 +103,9 @@ class TensorParallelStrategy(ModelParallel, Strategy):
         if described["split_linears"] != expected:
             raise FidelityError(f"tensor parallel: {described['split_linears']} linear layers are split, the plan "
                                 f"asks for {expected}")
-        if described["tp_degree"] != self.spec["world_size"]:
+        if described["tp_degree"] != self.spec.world_size:
             raise FidelityError(f"tensor parallel degree {described['tp_degree']} but spec world_size "
-                                f"{self.spec['world_size']}")
+                                f"{self.spec.world_size}")
 
     # Every rank computes every layer on its slices (forward_logits) and joins each split
     # weight's gather (full_tensor, Strategy.state_groups).

@@ -20,8 +20,8 @@ class TPSettings(ModelParallelSettings):
         heads = shape.get("num_attention_heads")
         kv_heads = shape.get("num_key_value_heads", heads)
         for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
-            if count is not None and count % spec["world_size"]:
-                fail("world_size", f"tensor parallel degree {spec['world_size']} does not divide the model's "
+            if count is not None and count % spec.world_size:
+                fail("world_size", f"tensor parallel degree {spec.world_size} does not divide the model's "
                      f"{name} ({count})")
 
     def family_refusal(self, model_config, world_size):

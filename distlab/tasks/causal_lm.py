@@ -55,10 +55,10 @@ class CausalLM(Task):
 
     # -- config time ----------------------------------------------------------------------
     def data_dir(self, spec, prep):
-        return f"{prep}/data/{spec.get('dataset', 'default')}-seq{spec['seq_len']}"
+        return f"{prep}/data/{spec.dataset}-seq{spec.seq_len}"
 
     def model_file(self, spec, config, prep):
-        return self.model_config_path(config, spec.get("model", "default"), prep)
+        return self.model_config_path(config, spec.model, prep)
 
     @staticmethod
     def model_config_path(config: dict, name: str, prep: str) -> str | None:
@@ -72,11 +72,11 @@ class CausalLM(Task):
         return f"{prep}/model{model_suffix(name)}/config.json"
 
     def base_eval_path(self, spec, prep):
-        return (f"{prep}/eval/base-{spec.get('dataset', 'default')}-seq{spec['seq_len']}"
-                f"{model_suffix(spec.get('model', 'default'))}.json")
+        return (f"{prep}/eval/base-{spec.dataset}-seq{spec.seq_len}"
+                f"{model_suffix(spec.model)}.json")
 
     def units_per_sample(self, spec):
-        return spec["seq_len"]
+        return spec.seq_len
 
     # -- rank time ------------------------------------------------------------------------
     import_code = lazy("distlab.runtime.model:import_model_code")
@@ -97,21 +97,21 @@ class CausalLM(Task):
         return zero.load_partitioned(source, ds_config, dtype, nvme_params=nvme_params)
 
     def apply_lora(self, model, spec):
-        if spec["method"] == "qlora":  # the base is 4-bit: peft's k-bit preparation first
+        if spec.method == "qlora":  # the base is 4-bit: peft's k-bit preparation first
             from distlab.runtime.qlora import apply_qlora
 
             return apply_qlora(model, spec)
         from distlab.runtime.lora import apply_lora
 
-        return apply_lora(model, spec["lora"], spec["seed"])
+        return apply_lora(model, spec.lora, spec.seed)
 
     def flops(self, model, spec, count):
         from distlab.records.metrics import model_flops_per_token
 
-        return model_flops_per_token(model, spec["seq_len"], count=count)
+        return model_flops_per_token(model, spec.seq_len, count=count)
 
     def train_data(self, job, spec, device, split="train"):
-        return TokenBlocks(job.data_dir, split, spec["seq_len"])
+        return TokenBlocks(job.data_dir, split, spec.seq_len)
 
     def loss(self, model, batch, num_items=None):
         # The summed token loss from the logits, by the same function as the held-out

@@ -125,15 +125,15 @@ def check_export(validator) -> dict:
         # The gathered weights are the model that trained: its own forward (sharded, on its
         # device, training precision) against the streamed one. Checked where both are CPU fp32.
         out["training_model_max_abs_logit_diff"] = training
-        if spec["method"] == "qlora":
+        if spec.method == "qlora":
             out["training_model_note"] = ("recorded, not checked: the training model's base is 4-bit NF4; the "
                                           "streamed forward runs the full-precision base the export is loaded on")
-        elif spec["device"] == "cpu" and spec["precision"] == "fp32":
+        elif spec.device == "cpu" and spec.precision == "fp32":
             out["training_model_tolerance"] = RELOAD_TOLERANCE
             ok = ok and training <= RELOAD_TOLERANCE
         else:
-            out["training_model_note"] = (f"recorded, not checked: the training model ran on {spec['device']} in "
-                                          f"{spec['precision']}, the streamed forward on the CPU in fp32")
+            out["training_model_note"] = (f"recorded, not checked: the training model ran on {spec.device} in "
+                                          f"{spec.precision}, the streamed forward on the CPU in fp32")
     return {"status": PASSED if ok else FAILED, **out}
 
 

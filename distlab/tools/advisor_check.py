@@ -3,6 +3,7 @@ estimate for the run's own spec, and the estimate against the run's measured per
 and saved activations (check_against_runs, used by the report and the tests)."""
 from __future__ import annotations
 
+from distlab.records.spec import Spec
 from distlab.runtime.activations import activation_bytes
 from distlab.tools.advisor import strategy_state
 from distlab.runtime.parameter_counts import workload_counts
@@ -15,26 +16,26 @@ TOLERANCE = 0.15
 def estimate_key(spec: dict) -> str | None:
     """Which advisor row a run's spec corresponds to (None: no formula for it); tp and pp have
     formulas of their own and no advisor row (the strategy's settings file)."""
-    settings = registered().get(spec["strategy"])
+    settings = registered().get(spec.strategy)
     return settings.advisor_row(spec) if settings else None
 
 
 def spec_settings(spec: dict) -> dict:
     """What a strategy's memory formula reads: its settings block and grad_accum."""
-    settings = spec.get(spec["strategy"]) if spec["strategy"] in registered() else None
-    return {**(settings or {}), "grad_accum": spec.get("grad_accum", 1)}
+    settings = spec.block(spec.strategy) if spec.strategy in registered() else None
+    return {**(settings or {}), "grad_accum": spec.grad_accum}
 
 
 def estimate_spec(shape: dict, spec: dict) -> dict | None:
     """The estimate for one run's own spec (its strategy, settings, world size, method,
     precision): per-rank model state in bytes; None for strategies without a formula."""
-    lora = spec["method"] in ("lora", "qlora")
+    lora = spec.method in ("lora", "qlora")
     counts = workload_counts(shape, spec)
-    state = strategy_state(spec["strategy"], counts, spec["world_size"], spec["precision"], lora,
+    state = strategy_state(spec.strategy, counts, spec.world_size, spec.precision, lora,
                            spec_settings(spec))
     if state is None:
         return None
-    act = activation_bytes(shape, spec, counts, strategy=spec["strategy"])
+    act = activation_bytes(shape, spec, counts, strategy=spec.strategy)
     device_state = state["params"] + state["grads"] + state["optimizer"] + state["gathered"]
     return {**state, "model_state_bytes": device_state, "activation_bytes": act, "total_bytes": device_state + act}
 
@@ -50,10 +51,9 @@ def check_against_runs(advice: dict, runs: list[dict], tolerance: float = TOLERA
     for run in runs:
         # The advice sizes the base causal LM: a run on a model.extra model, or of another task
         # (the text-to-image UNet: advise_sd), is checked by none of its rows.
-        if run.get("status") != "ok" or not run.get("memory") or run["spec"].get("model", "default") != "default" \
-                or run["spec"].get("task", "causal-lm") != "causal-lm":
+        spec = Spec(run["spec"])
+        if run.get("status") != "ok" or not run.get("memory") or spec.model != "default" or spec.task != "causal-lm":
             continue
-        spec = run["spec"]
         held = (run["memory"].get("model_state_bytes_per_rank") or [None])[0]
         est = estimate_spec(shape, spec) if held else None
         if est is None:
@@ -92,6 +92,6 @@ def activation_check(shape: dict, spec: dict, run: dict) -> dict:
     if not data_parallel(spec) or not measured:
         return {"estimated_activations_MiB": None, "measured_activations_MiB": None}
     counts = workload_counts(shape, spec)
-    est = activation_bytes(shape, spec, counts, strategy=spec["strategy"], part="held_bytes")
+    est = activation_bytes(shape, spec, counts, strategy=spec.strategy, part="held_bytes")
     return {"estimated_activations_MiB": round(est / 2**20, 3), "measured_activations_MiB": round(measured / 2**20, 3),
             "activations measured/estimated": round(measured / est, 3)}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from distlab.records.advice import label
 from distlab.records.metrics import flops_per_token
+from distlab.records.spec import Spec
 from distlab.tools.collectives import BUSBW_FACTOR
 from distlab.configuration.hardware import gpu_peak
 from distlab.tools.step_collectives import collectives_per_step
@@ -181,12 +182,12 @@ ROW_SPECS = {
 }
 
 
-def step_spec(key: str, workload: dict, n: int) -> dict:
+def step_spec(key: str, workload: dict, n: int) -> Spec:
     strategy, ds = ROW_SPECS[key]
-    return {"world_size": n, "strategy": strategy, "grad_accum": workload.get("grad_accum", 1),
+    return Spec({"world_size": n, "strategy": strategy, "grad_accum": workload.get("grad_accum", 1),
             "micro_batch": workload["micro_batch"], "seq_len": workload["seq_len"], "precision": workload["precision"],
             "method": workload["method"], "deepspeed": {"zero_stage": 0, **ds},
-            "fsdp": {"reshard_after_forward": True, "cpu_offload": False}, "pp": {"microbatches": 1}}
+            "fsdp": {"reshard_after_forward": True, "cpu_offload": False}, "pp": {"microbatches": 1}})
 
 
 def compute_flops(shape: dict, counts: dict, workload: dict, checkpointing: str) -> dict:
@@ -255,7 +256,7 @@ def predict_row(key: str, shape: dict, counts: dict, workload: dict, devices: li
     comm = {"seconds": exposed, "total_s": total, "bytes": sum(r["bytes"] * r["calls"] for r in rows), "calls": rows,
             "how": f"{sum(r['calls'] for r in rows)} call(s), {sum(r['bytes'] * r['calls'] for r in rows) / 1e9:.2f} "
                    f"GB over {link['label']} ({overlap})"}
-    ds = spec["deepspeed"]
+    ds = spec.deepspeed
     sharded = key != "ddp"
     trained = counts["trainable"] / (n if sharded else 1)
     adam_bytes = CONSTANTS["adamw_bytes_per_param"]["value"] * trained
@@ -273,7 +274,7 @@ def predict_row(key: str, shape: dict, counts: dict, workload: dict, devices: li
         parts["adamw"] = adam_bytes / membw
     if ds.get("offload_param"):
         module = 2 if workload["precision"] in ("bf16", "fp16") else 4
-        parts["parameter_fetches"] = 2 * spec["grad_accum"] * counts["total"] * module / n / host
+        parts["parameter_fetches"] = 2 * spec.grad_accum * counts["total"] * module / n / host
     optim = {"seconds": sum(parts.values()), "parts": parts,
              "how": ("CPU Adam over host memory + copies over the host link" if ds.get("offload_optimizer") else
                      "AdamW bytes over the board's memory bandwidth")

@@ -25,6 +25,7 @@ import statistics
 import time
 
 from distlab.records.collectives import OPS
+from distlab.records.spec import Spec
 
 SCHEMA_VERSION = 1
 BUSBW_FACTOR = {
@@ -42,8 +43,8 @@ def plan(bench: dict, specs: dict, gpu_count: int) -> dict:
     1-rank all-reduce moves no bytes): gloo is measured on CPU ranks and NCCL is recorded as
     skipped, with the reason, in collectives.json and the report.
     """
-    cuda = any(spec["device"] == "cuda" for spec in specs.values())
-    world = bench["world_size"] or max([2] + [spec["world_size"] for spec in specs.values()])
+    cuda = any(spec.device == "cuda" for spec in specs.values())
+    world = bench["world_size"] or max([2] + [spec.world_size for spec in specs.values()])
     nccl_skipped = None
     if cuda and gpu_count < 2:
         nccl_skipped = (f"NCCL collectives need at least 2 GPUs; this machine has {gpu_count} (a 1-rank "
@@ -66,11 +67,11 @@ def command_args(plan: dict, out: str, machine: str) -> list[str]:
     return args + (["--nccl-skipped", plan["nccl_skipped"]] if plan.get("nccl_skipped") else [])
 
 
-def rank_spec(plan: dict) -> dict:
+def rank_spec(plan: dict) -> Spec:
     """The benchmark's ranks as the rank service starts them (distlab.launchers.ranks):
     torchrun, one thread each (the rule's `threads` is one core per rank)."""
-    return {"world_size": plan["world_size"], "device": plan["device"], "cpu_threads_per_rank": 1,
-            "launcher": "torchrun"}
+    return Spec({"world_size": plan["world_size"], "device": plan["device"], "cpu_threads_per_rank": 1,
+                 "launcher": "torchrun"})
 
 
 def run_benchmark(plan: dict, out: str, machine: str, timeout: float | None = None) -> None:

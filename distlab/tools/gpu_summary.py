@@ -116,7 +116,7 @@ def planned(configfiles: list[str], gpus: int) -> dict:
         merged = _deep_merge(merged, yaml.safe_load(Path(path).read_text()) or {})
     config, specs = load(merged, gpu_count=gpus)
     return {"experiments": list(specs), "validated": validated_experiments(config, specs),
-            "budgeted": [i for i, spec in specs.items() if spec.get("memory_budget_gib") is not None]}
+            "budgeted": [i for i, spec in specs.items() if spec.memory_budget_gib is not None]}
 
 
 def run_status(run: Path, budgeted: bool) -> tuple[str | None, list[str]]:

@@ -227,14 +227,14 @@ def check(manifest: dict, specs: dict[str, dict]) -> dict[str, dict]:
            f"{group['rayStartParams'].get('num-gpus', 0)}")
     cpus = float(group["rayStartParams"]["num-cpus"])
     for spec in ray_specs(specs):
-        if spec["device"] == "cuda":
+        if spec.device == "cuda":
             slots, unit = high * gpus, "GPUs"
         else:
-            slots = high * int(cpus // spec["cpu_threads_per_rank"])
-            unit = f"CPU slots of {spec['cpu_threads_per_rank']} cores"
-        needed = spec["ray"]["min_workers"] or spec["world_size"]
-        ok = spec["world_size"] <= slots and (spec["device"] != "cuda" or gpus > 0)
-        record(f"fits:{spec['id']}", ok,
-               f"{spec['world_size']} ranks on {spec['device']} (at least {needed}); the workers offer {slots} {unit} "
+            slots = high * int(cpus // spec.cpu_threads_per_rank)
+            unit = f"CPU slots of {spec.cpu_threads_per_rank} cores"
+        needed = spec.ray["min_workers"] or spec.world_size
+        ok = spec.world_size <= slots and (spec.device != "cuda" or gpus > 0)
+        record(f"fits:{spec.id}", ok,
+               f"{spec.world_size} ranks on {spec.device} (at least {needed}); the workers offer {slots} {unit} "
                f"at maxReplicas {high}")
     return checks

@@ -17,13 +17,13 @@ GRAD_BYTES = 4  # fp32 gradients and optimizer state (DeepSpeed's 16-bit gradien
 
 def collectives_per_step(spec: dict, shape: dict, counts: dict) -> list[dict]:
     """The collectives one rank issues per optimizer step: {op, bytes, calls, phase}."""
-    world, strategy = spec["world_size"], spec["strategy"]
+    world, strategy = spec.world_size, spec.strategy
     if world == 1:
         return []
-    ga = spec["grad_accum"]
+    ga = spec.grad_accum
     # DeepSpeed and FSDP2 hold (and gather) parameters in the 16-bit type of a mixed-precision run;
     # DeepSpeed reduces its gradients in it too, FSDP2 in fp32 (reduce_dtype), DDP in fp32.
-    sixteen = spec["precision"] in ("bf16", "fp16") and strategy in ("deepspeed", "fsdp")
+    sixteen = spec.precision in ("bf16", "fp16") and strategy in ("deepspeed", "fsdp")
     element = 2 if sixteen else GRAD_BYTES
     grads = counts["trainable"] * (element if strategy == "deepspeed" else GRAD_BYTES)
     params = counts["trainable"] * element  # ZeRO-1/2 gather the updated (trained) partitions
@@ -31,7 +31,7 @@ def collectives_per_step(spec: dict, shape: dict, counts: dict) -> list[dict]:
         buckets = _buckets(grads)
         return [{"op": "all_reduce", "bytes": b, "calls": 1, "phase": "backward (gradient buckets)"} for b in buckets]
     if strategy == "deepspeed":
-        stage = spec["deepspeed"]["zero_stage"]
+        stage = spec.deepspeed["zero_stage"]
         if stage == 0:
             return [{"op": "all_reduce", "bytes": grads, "calls": 1, "phase": "gradients"}]
         buckets = math.ceil(counts["trainable"] / _zero_bucket(counts))
@@ -52,13 +52,13 @@ def collectives_per_step(spec: dict, shape: dict, counts: dict) -> list[dict]:
     if strategy == "fsdp":
         units = counts["layers"] + 1  # fully_shard per decoder layer, then the root
         per_unit = counts["total"] * element / units  # a LoRA run's frozen base is sharded and gathered too
-        gathers = (2 if spec["fsdp"]["reshard_after_forward"] else 1) * units * ga
+        gathers = (2 if spec.fsdp["reshard_after_forward"] else 1) * units * ga
         # Accumulating micro-batches skip the gradient sync (set_requires_gradient_sync): one
         # reduce-scatter per unit and step.
         return [{"op": "all_gather", "bytes": per_unit, "calls": gathers, "phase": "parameters"},
                 {"op": "reduce_scatter", "bytes": grads / units, "calls": units, "phase": "gradients"}]
     if strategy == "tp":
-        activation = spec["micro_batch"] * spec["seq_len"] * shape["hidden_size"] * 4
+        activation = spec.micro_batch * spec.seq_len * shape["hidden_size"] * 4
         # Each row-parallel linear's output all-reduced in forward, each column-parallel linear's
         # input gradient in backward (DTensor reduces them one by one: counted in a profiled step).
         split = [x[3] for x in counts["_linears"] if x[0] != "lm_head"]
@@ -66,8 +66,8 @@ def collectives_per_step(spec: dict, shape: dict, counts: dict) -> list[dict]:
         return [{"op": "all_reduce", "bytes": activation, "calls": per_layer * counts["layers"] * ga,
                  "phase": "activations"}]
     if strategy == "pp":
-        m = spec["pp"]["microbatches"]
-        activation = spec["micro_batch"] // m * spec["seq_len"] * shape["hidden_size"] * 4
+        m = spec.pp["microbatches"]
+        activation = spec.micro_batch // m * spec.seq_len * shape["hidden_size"] * 4
         # Per stage boundary and pipeline micro-batch, one send forward and one backward.
         return [{"op": "p2p", "bytes": activation, "calls": 2 * m * ga * (world - 1), "phase": "activations"}]
     raise ValueError(f"no communication model for strategy {strategy!r}")
@@ -91,7 +91,7 @@ def _zero3_gathers(spec: dict, counts: dict) -> tuple[list[int], list[int]]:
     after each micro-batch."""
     from distlab.strategies.deepspeed_settings import zero3_limits
 
-    ds = spec["deepspeed"]
+    ds = spec.deepspeed
     limits = {**zero3_limits(ds.get("zero3_profile", "auto"), counts["per_layer"], counts.get("hidden_size")),
               **(ds.get("zero_config") or {})}
     threshold = limits.get("stage3_param_persistence_threshold", 100_000)  # DeepSpeed's default

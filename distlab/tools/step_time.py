@@ -28,7 +28,7 @@ from distlab.tools.step_collectives import GRAD_BYTES, collective_seconds, colle
 
 
 def compute_dtype(spec: dict) -> str:
-    return {"bf16": "bfloat16", "fp16": "float16"}.get(spec["precision"], "float32")
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(spec.precision, "float32")
 
 
 # The optimizer's and the copies' rates are measured at one size each and scaled by the
@@ -42,11 +42,11 @@ def probe_key(spec: dict) -> str:
     threads, its micro-batch rows x sequence, the tensor-parallel degree that splits its linears,
     and QLoRA's 4-bit weights. Experiments of one key share one probe; another learning rate or
     strategy of the same shapes needs no new probe."""
-    world, strategy = spec["world_size"], spec["strategy"]
-    rows = spec["micro_batch"] // spec["pp"]["microbatches"] if strategy == "pp" else spec["micro_batch"]
-    threads = spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else 0
-    return (f"{spec['device']}-{compute_dtype(spec)}-t{threads}-r{rows}x{spec['seq_len']}"
-            f"-tp{world if strategy == 'tp' else 1}" + ("-nf4" if spec["method"] == "qlora" else ""))
+    world, strategy = spec.world_size, spec.strategy
+    rows = spec.micro_batch // spec.pp["microbatches"] if strategy == "pp" else spec.micro_batch
+    threads = spec.cpu_threads_per_rank if spec.device == "cpu" else 0
+    return (f"{spec.device}-{compute_dtype(spec)}-t{threads}-r{rows}x{spec.seq_len}"
+            f"-tp{world if strategy == 'tp' else 1}" + ("-nf4" if spec.method == "qlora" else ""))
 
 
 def parse_probe_key(key: str) -> dict:
@@ -85,8 +85,8 @@ def _layout(key: dict, shape: dict, counts: dict) -> dict:
 
 def trainable_per_rank(spec: dict, counts: dict) -> float:
     """Parameters each rank's optimizer steps."""
-    world, strategy = spec["world_size"], spec["strategy"]
-    sharded = strategy == "fsdp" or (strategy == "deepspeed" and spec["deepspeed"]["zero_stage"] >= 1)
+    world, strategy = spec.world_size, spec.strategy
+    sharded = strategy == "fsdp" or (strategy == "deepspeed" and spec.deepspeed["zero_stage"] >= 1)
     split = strategy in ("tp", "pp")
     return counts["trainable"] / world if (sharded or split) else counts["trainable"]
 
@@ -98,10 +98,10 @@ def model_parts(spec: dict, config_json: dict) -> tuple[dict, dict, int]:
     from distlab.runtime.parameter_counts import model_shape, workload_counts
 
     shape = model_shape(config_json)
-    counts = workload_counts(shape, {"method": spec["method"], "lora": spec["lora"]})
-    held = math.ceil(counts["layers"] / (spec["world_size"] if spec["strategy"] == "pp" else 1))
-    mode = spec["activation_checkpointing"]
-    ac_layers = 0 if mode == "none" else len(checkpointed_layers(mode, spec["activation_checkpointing_every"], held))
+    counts = workload_counts(shape, {"method": spec.method, "lora": spec.lora})
+    held = math.ceil(counts["layers"] / (spec.world_size if spec.strategy == "pp" else 1))
+    mode = spec.activation_checkpointing
+    ac_layers = 0 if mode == "none" else len(checkpointed_layers(mode, spec.activation_checkpointing_every, held))
     return shape, counts, ac_layers
 
 
@@ -148,8 +148,8 @@ def neighbour_share(spec: dict, usable_cores: int, others_cores: float | None) -
     """The share of the cores a run leaves free that others keep busy: 1 where its ranks fill the
     machine (the other ranks are the neighbours) or nothing was measured; otherwise what other
     processes used, measured by rank 0 from its start to the prediction (distlab.rank.worker)."""
-    free = usable_cores - spec["world_size"] * max(1, spec["cpu_threads_per_rank"])
-    if spec["device"] != "cpu" or free <= 0 or others_cores is None:
+    free = usable_cores - spec.world_size * max(1, spec.cpu_threads_per_rank)
+    if spec.device != "cpu" or free <= 0 or others_cores is None:
         return 1.0
     return min(1.0, max(0.0, others_cores / free))
 
@@ -161,9 +161,9 @@ def compute_term(spec: dict, shape: dict, counts: dict, probe: dict, ac_layers: 
     (neighbour_share)."""
     lay = _layout(parse_probe_key(probe_key(spec)), shape, counts)
     t, dt, th = lay["tokens"], lay["dtype"], lay["threads"]
-    frozen_base = spec["method"] in ("lora", "qlora")
-    stages = spec["world_size"] if spec["strategy"] == "pp" else 1
-    pp_micro = spec["pp"]["microbatches"] if spec["strategy"] == "pp" else 1
+    frozen_base = spec.method in ("lora", "qlora")
+    stages = spec.world_size if spec.strategy == "pp" else 1
+    pp_micro = spec.pp["microbatches"] if spec.strategy == "pp" else 1
     layers = math.ceil(counts["layers"] / stages)
     layer_fwd = layer_bwd = 0.0
 
@@ -193,14 +193,14 @@ def compute_term(spec: dict, shape: dict, counts: dict, probe: dict, ac_layers: 
     framework = at("framework", lay["rows"], lay["seq"]) * layers / counts["layers"]
     # A pipeline's last stage alone runs the head; the step waits for it.
     per_micro = layers * (layer_fwd + layer_bwd) + ac_layers * layer_fwd + head + framework
-    micro_steps = spec["grad_accum"] * pp_micro
+    micro_steps = spec.grad_accum * pp_micro
     return {"seconds": per_micro * micro_steps,
             "parts": {"layers": layers * (layer_fwd + layer_bwd) * micro_steps,
                       "recompute": ac_layers * layer_fwd * micro_steps, "head_and_loss": head * micro_steps,
                       "framework": framework * micro_steps},
             "how": (f"{micro_steps} micro-step(s) x ({layers} layer(s) x (matmuls forward, input-gradient"
                     f"{'' if frozen_base else ', weight-gradient'}"
-                    f"{', 4-bit dequantisation' if spec['method'] == 'qlora' else ''} + attention + "
+                    f"{', 4-bit dequantisation' if spec.method == 'qlora' else ''} + attention + "
                     f"elementwise) + LM head and loss + the op graph's own cost (the model at toy width)"
                     f"{f' + {ac_layers} recomputed layer forward(s)' if ac_layers else ''}) at {t} tokens, {dt}, "
                     f"{th or 'GPU'} thread(s): each kernel timed by the compute probe"
@@ -216,16 +216,16 @@ def communication_term(spec: dict, shape: dict, counts: dict, collectives: dict 
         return {"seconds": 0.0, "total_s": 0.0, "bytes": 0, "calls": [], "how": "one rank: no collectives"}
     if collectives is None:
         raise ValueError("a multi-rank prediction needs the machine's collectives.json")
-    world = spec["world_size"]
+    world = spec.world_size
     total = 0.0
     rows = []
     for c in calls:
-        seconds = c["calls"] * collective_seconds(collectives, c["op"], c["bytes"], world, spec["device"])
+        seconds = c["calls"] * collective_seconds(collectives, c["op"], c["bytes"], world, spec.device)
         rows.append({**c, "seconds": seconds})
         total += seconds
     exposed, overlap_how = total, "not overlapped"
-    on_gpu = spec["device"] == "cuda"
-    if spec["strategy"] in ("ddp", "accelerate") and (on_gpu or free_cores >= 1):
+    on_gpu = spec.device == "cuda"
+    if spec.strategy in ("ddp", "accelerate") and (on_gpu or free_cores >= 1):
         last = rows[-1]["seconds"]
         backward = compute["parts"]["layers"] * 2 / 3  # the backward holds ~2/3 of the layers' kernels
         exposed = max(last, total - backward)
@@ -234,7 +234,7 @@ def communication_term(spec: dict, shape: dict, counts: dict, collectives: dict 
         overlap_how = ("not overlapped: every core computes for a rank, so the collectives' thread takes "
                        "turns with the computation")
     return {"seconds": exposed, "total_s": total, "bytes": sum(c["bytes"] * c["calls"] for c in calls),
-            "wire_bytes_per_rank": wire_bytes_per_rank(calls, world, spec["device"]),
+            "wire_bytes_per_rank": wire_bytes_per_rank(calls, world, spec.device),
             "calls": rows,
             "how": f"each call at its message size from {collectives.get('_file', 'collectives.json')} (median "
                    "time, latency included; log-interpolated between measured sizes, past the largest at its "
@@ -243,21 +243,21 @@ def communication_term(spec: dict, shape: dict, counts: dict, collectives: dict 
 
 def optimizer_term(spec: dict, counts: dict, probe: dict, neighbours: float = 1.0) -> dict:
     n = max(1, round(trainable_per_rank(spec, counts)))
-    threads = spec["cpu_threads_per_rank"] if spec["device"] == "cpu" else 0
+    threads = spec.cpu_threads_per_rank if spec.device == "cpu" else 0
     rate = {kind: _time(probe, kind, size, dtype=dtype, threads=threads, neighbours=neighbours)
             for kind, size, dtype in (("adamw", RATE_PARAMS, "float32"), ("copy", RATE_BYTES, "uint8"))}
     adamw = rate["adamw"] * n / RATE_PARAMS
     copy = rate["copy"] * n * GRAD_BYTES / RATE_BYTES
-    clip = copy if spec["max_grad_norm"] else 0.0
-    ds = spec.get("deepspeed") or {}
+    clip = copy if spec.max_grad_norm else 0.0
+    ds = spec.deepspeed or {}
     offload = 0.0
     copies = 0
-    if spec["strategy"] == "deepspeed" and ds.get("offload_optimizer") in ("cpu", "nvme"):
+    if spec.strategy == "deepspeed" and ds.get("offload_optimizer") in ("cpu", "nvme"):
         copies += 2  # gradients to the host, updated parameters back
-    if spec["strategy"] == "deepspeed" and ds.get("offload_param") in ("cpu", "nvme"):
-        copies += 2 * spec["grad_accum"]  # each micro-batch's forward and backward fetch the partition
-    if spec["strategy"] == "fsdp" and (spec.get("fsdp") or {}).get("cpu_offload"):
-        copies += 2 + 2 * spec["grad_accum"]
+    if spec.strategy == "deepspeed" and ds.get("offload_param") in ("cpu", "nvme"):
+        copies += 2 * spec.grad_accum  # each micro-batch's forward and backward fetch the partition
+    if spec.strategy == "fsdp" and (spec.fsdp or {}).get("cpu_offload"):
+        copies += 2 + 2 * spec.grad_accum
     offload = copies * copy
     return {"seconds": adamw + clip + offload, "parts": {"adamw": adamw, "clip": clip, "offload_copies": offload},
             "how": f"AdamW over {n} parameters and copies of their {GRAD_BYTES * n} gradient bytes, at the rates "
@@ -267,12 +267,12 @@ def optimizer_term(spec: dict, counts: dict, probe: dict, neighbours: float = 1.
 
 
 def bubble_term(spec: dict, compute: dict) -> dict:
-    if spec["strategy"] != "pp":
+    if spec.strategy != "pp":
         return {"seconds": 0.0, "how": "no pipeline"}
-    m, p = spec["pp"]["microbatches"], spec["world_size"]
-    slot = compute["seconds"] / (m * spec["grad_accum"])
-    return {"seconds": (p - 1) * slot * spec["grad_accum"],
-            "how": f"{spec['pp']['schedule']}: (stages - 1) = {p - 1} idle micro-batch slot(s) of {slot:.4f} s"}
+    m, p = spec.pp["microbatches"], spec.world_size
+    slot = compute["seconds"] / (m * spec.grad_accum)
+    return {"seconds": (p - 1) * slot * spec.grad_accum,
+            "how": f"{spec.pp['schedule']}: (stages - 1) = {p - 1} idle micro-batch slot(s) of {slot:.4f} s"}
 
 
 def predict(spec: dict, shape: dict, counts: dict, probe: dict, collectives: dict | None,
@@ -281,7 +281,7 @@ def predict(spec: dict, shape: dict, counts: dict, probe: dict, collectives: dic
     the cores other processes kept busy as the run started (None: not measured)."""
     neighbours = neighbour_share(spec, usable_cores, others_cores)
     compute = compute_term(spec, shape, counts, probe, ac_layers, neighbours)
-    busy_cores = spec["world_size"] * max(1, spec["cpu_threads_per_rank"])
+    busy_cores = spec.world_size * max(1, spec.cpu_threads_per_rank)
     comm = communication_term(spec, shape, counts, collectives, compute, usable_cores - busy_cores)
     optim = optimizer_term(spec, counts, probe, neighbours)
     bubble = bubble_term(spec, compute)
@@ -307,7 +307,7 @@ def predict_from_files(spec: dict, model_config: str, probe_file: str | None, co
     if unequal:
         return {"status": "not predicted", "why": f"ranks of unequal speed or batch ({', '.join(unequal)}): the model "
                                                  "times one rank's kernels for every rank"}
-    if spec["world_size"] > 1 and collectives_file is None:
+    if spec.world_size > 1 and collectives_file is None:
         return {"status": "not predicted", "why": "no collectives.json (collectives.enabled is false)"}
     shape, counts, ac_layers = model_parts(spec, json.loads(Path(model_config).read_text()))
     probe = json.loads(Path(probe_file).read_text())

@@ -13,9 +13,9 @@ INTERCONNECTS = {"1 Gbit Ethernet": 1, "10 Gbit Ethernet": 10, "PCIe 4.0 x16": 2
 
 
 def strategy_label(spec: dict) -> str:
-    if spec["strategy"] == "deepspeed":
-        return f"ZeRO-{spec['deepspeed']['zero_stage']}"
-    return {"ddp": "DDP", "fsdp": "FSDP", "tp": "TP", "pp": "PP"}.get(spec["strategy"], spec["strategy"])
+    if spec.strategy == "deepspeed":
+        return f"ZeRO-{spec.deepspeed['zero_stage']}"
+    return {"ddp": "DDP", "fsdp": "FSDP", "tp": "TP", "pp": "PP"}.get(spec.strategy, spec.strategy)
 
 
 def cap_of(run: dict) -> float | None:

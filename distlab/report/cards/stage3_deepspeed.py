@@ -32,7 +32,7 @@ def budget_goal(runs: list[dict]) -> Goal:
     single, sharded = [], []
     for run in budgeted:
         spec = run["spec"]
-        if spec["world_size"] == 1:
+        if spec.world_size == 1:
             if run.get("status") == "oom":
                 single.append((run, "ran out of memory under the enforced budget (status oom)", True))
             elif run.get("status") == "ok":
@@ -42,7 +42,7 @@ def budget_goal(runs: list[dict]) -> Goal:
                     single.append((run, f"needed {verdict['measured_bytes'] / MIB:.1f} MiB "
                                         f"({verdict['measured_what']}) > budget {verdict['bytes'] / MIB:.1f} MiB, "
                                         f"{how}", verdict["enforced"]))
-        elif run.get("status") == "ok" and spec["deepspeed"]["zero_stage"] == 3 and spec["strategy"] == "deepspeed":
+        elif run.get("status") == "ok" and spec.deepspeed["zero_stage"] == 3 and spec.strategy == "deepspeed":
             verdicts = [m.get("budget") for m in run["memory"]["per_rank"]]
             if verdicts and all(v and v["fits"] for v in verdicts):
                 worst = max(v["measured_bytes"] for v in verdicts)

@@ -22,9 +22,9 @@ def devices(run: dict) -> str:
     spec = run["spec"]
     budget = run["as_built"].get("cpu_budget")
     cores = [b["cores"] for b in budget] if budget else None
-    threads = spec.get("rank_cpu_threads") or [spec["cpu_threads_per_rank"]] * spec["world_size"]
+    threads = spec.rank_cpu_threads or [spec.cpu_threads_per_rank] * spec.world_size
     return " / ".join(f"rank {r}: {threads[r]} thread(s)" + (f", {cores[r]:g} core(s) of CPU time" if cores else "")
-                      for r in range(spec["world_size"]))
+                      for r in range(spec.world_size))
 
 
 def sizes(run: dict) -> list[int]:

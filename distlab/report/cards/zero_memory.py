@@ -71,13 +71,13 @@ def memory_rows(ds_runs: list[dict]) -> list[dict]:
         state = largest_rank_state(run)
         measured = state_bytes_with_offload(state)
         total = sum(measured.values())
-        expected = zero_formula_parts(psi, world, stage, spec["precision"])
+        expected = zero_formula_parts(psi, world, stage, spec.precision)
         formula = sum(expected.values())
         estimator = as_built["deepspeed"].get("estimator") or {}
         off = sum(state.get(f"offloaded_{k}", 0) for k in ("params", "grads", "optimizer"))
         device_held = total - off
         est = estimator.get("device_bytes")
-        if off and spec["device"] == "cpu":
+        if off and spec.device == "cpu":
             est = None  # offloaded and "device" state share host memory: no device figure to compare
             estimator = dict(estimator, device_bytes=None,
                              why="n/a: on a CPU run offloaded and device state share host memory")
@@ -86,10 +86,10 @@ def memory_rows(ds_runs: list[dict]) -> list[dict]:
             "machine": run["machine"], "experiment": run["experiment"], "ZeRO stage": stage, "ranks": world,
             "offload (opt/param)":
                 f"{as_built['deepspeed']['offload_optimizer']}/{as_built['deepspeed']['offload_param']}",
-            "precision": spec["precision"], "params (Psi)": psi,
+            "precision": spec.precision, "params (Psi)": psi,
             "measured state (MiB/rank)": round(total / MIB, 3),
             "of it offloaded (MiB)": round(off / MIB, 3),
-            "formula": formula_text(stage, spec["precision"]),
+            "formula": formula_text(stage, spec.precision),
             "formula (MiB)": round(formula / MIB, 3),
             "gap vs formula": f"{gap:+.1%}",
             "DeepSpeed estimator, device (MiB)": round(est / MIB, 3) if est is not None else "n/a",

@@ -53,7 +53,7 @@ class TextToImage(Task):
         # What a run depends on beyond the model and data folders (their files are its inputs).
         spec["text_to_image"] = {key: copy.deepcopy(block[key])
                                  for key in ("resolution", "center_crop", "random_flip", "interpolation", "samples")}
-        if spec["lora"]["target_modules"] is None:
+        if spec.lora["target_modules"] is None:
             spec["lora"]["target_modules"] = list(LORA_TARGETS)
 
     def check_config(self, config):
@@ -69,28 +69,28 @@ class TextToImage(Task):
         # What its UNet lacks (`lacks`: no transformers tp plan, skip connections across pipeline
         # cuts, a ZeRO-3 load not wired to NVMe) is weighed by each strategy's settings
         # (needs_of_task, check_task), checked by distlab.configuration.config before this.
-        if spec["method"] != "lora":
+        if spec.method != "lora":
             fail("method", "task text-to-image trains LoRA adapters on the UNet (diffusers' "
                            "train_text_to_image_lora.py); set method: lora")
         for key in ("dataset", "model"):
-            if spec.get(key, "default") != "default":
+            if getattr(spec, key) != "default":
                 fail(key, f"'{key}' picks a causal-LM {'data.extra' if key == 'dataset' else 'model.extra'} entry; "
                           "task text-to-image reads text_to_image.data and text_to_image.model")
         for key in ("epochs", "max_tokens"):
-            if spec.get(key) is not None:
+            if getattr(spec, key) is not None:
                 fail(key, f"{key} is counted in a causal LM's token blocks; give task text-to-image its length "
                           "in steps")
-        if spec["activation_checkpointing"] != "none":
+        if spec.activation_checkpointing != "none":
             fail("activation_checkpointing", "distlab turns it on through transformers' layers; the diffusers UNet's "
                                              "own switch (enable_gradient_checkpointing) is not wired up")
-        if spec["eval_every"] or spec["checkpoint_select"] != "last":
-            fail("eval_every" if spec["eval_every"] else "checkpoint_select",
+        if spec.eval_every or spec.checkpoint_select != "last":
+            fail("eval_every" if spec.eval_every else "checkpoint_select",
                  "held-out points during training measure a causal LM's token loss; task text-to-image evaluates "
                  "its UNet once, after the last step")
-        if spec.get("rank_micro_batch") is not None:
+        if spec.rank_micro_batch is not None:
             fail("rank_micro_batch", "per-rank micro-batches weight each rank's loss by its share of the label "
                                      "tokens (distlab.runtime.unequal); task text-to-image has no label tokens")
-        if spec["launcher"] == "ray":
+        if spec.launcher == "ray":
             fail("launcher", "task text-to-image runs under torchrun and accelerate launch; its runs "
                              "under Ray Train have not been built or checked")
 

@@ -153,7 +153,7 @@ class FrozenEncoders:
 
 def frozen_dtype(spec: dict):
     """The example casts the frozen VAE and text encoder to the mixed-precision dtype."""
-    return torch_dtype(spec["precision"])
+    return torch_dtype(spec.precision)
 
 
 def load_split(data_dir, split: str):
@@ -170,7 +170,7 @@ class ImageCaptions:
         from distlab.errors import FidelityError
 
         self.rows = load_split(data_dir, split)
-        self.settings, self.seed = spec["text_to_image"], spec["seed"]
+        self.settings, self.seed = spec.text_to_image, spec.seed
         self.frozen = FrozenEncoders(source, frozen_dtype(spec), device)
         described = self.frozen.describe()
         bad = [name for name in ("vae", "text_encoder")

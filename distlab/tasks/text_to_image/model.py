@@ -41,7 +41,7 @@ def lora_config(spec: dict):
     adapters), the spec's rank, alpha, dropout and targets (resolved: to_q, to_k, to_v, to_out.0)."""
     from peft import LoraConfig
 
-    lora = spec["lora"]
+    lora = spec.lora
     return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
                       init_lora_weights="gaussian", target_modules=list(lora["target_modules"]))
 
@@ -49,7 +49,7 @@ def lora_config(spec: dict):
 def add_lora(unet, spec: dict):
     """(unet with a LoRA adapter, target names); seeded so every rank starts from the same adapters."""
     unet.requires_grad_(False)
-    torch.manual_seed(spec["seed"])
+    torch.manual_seed(spec.seed)
     try:
         unet.add_adapter(lora_config(spec))
     except ValueError as exc:  # peft: a target that matches no module
@@ -59,7 +59,7 @@ def add_lora(unet, spec: dict):
     if not trainable or stray:
         raise RuntimeError(f"LoRA left UNet parameters trainable: {stray[:5]}" if stray
                            else "LoRA produced no trainable UNet parameter")
-    return unet, list(spec["lora"]["target_modules"])
+    return unet, list(spec.lora["target_modules"])
 
 
 # -- ZeRO-3: build partitioned, read each rank's partition ------------------------------------
@@ -152,7 +152,7 @@ def flops_per_image(model, spec: dict, count: bool) -> dict:
 
     from distlab.records.metrics import _cpu_attention_flops
 
-    shapes = step_shapes(model.distlab_source, model.config, spec["text_to_image"]["resolution"])
+    shapes = step_shapes(model.distlab_source, model.config, spec.text_to_image["resolution"])
     try:
         with torch.random.fork_rng(devices=[]):  # the copy's LoRA init must not move the run's RNG
             with init_empty_weights(include_buffers=False):

@@ -59,7 +59,7 @@ def evaluate_run_unet(unet, job: Job) -> dict:
     from distlab.records.run_layout import run_files_dir
     from distlab.tasks.text_to_image.samples import sample_grid
 
-    settings = job.spec["text_to_image"]
+    settings = job.spec.text_to_image
     out = heldout_loss(unet, job.model_source, job.data_dir, settings)
     out["samples"] = sample_grid(unet, job.model_source, settings, run_files_dir(job.run_dir))
     return out
@@ -68,7 +68,7 @@ def evaluate_run_unet(unet, job: Job) -> dict:
 def fixed_outputs(unet, job: Job) -> torch.Tensor:
     """The UNet's prediction on the first FIXED_BATCH held-out images (fixed noise, timesteps)."""
     frozen = FrozenEncoders(job.model_source)
-    return unet_outputs(unet, heldout_inputs(job.data_dir, frozen, job.spec["text_to_image"], FIXED_BATCH))
+    return unet_outputs(unet, heldout_inputs(job.data_dir, frozen, job.spec.text_to_image, FIXED_BATCH))
 
 
 def write_export(unet, source: str, spec: dict, folder) -> dict:
@@ -108,7 +108,7 @@ def check_export(validator) -> dict:
                                                    requires_safety_checker=False, torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     pipe.load_lora_weights(str(folder))
-    settings = job.spec["text_to_image"]
+    settings = job.spec.text_to_image
     frozen = FrozenEncoders(job.model_source)
     outputs = unet_outputs(pipe.unet, heldout_inputs(job.data_dir, frozen, settings, FIXED_BATCH))
     diff = (outputs - validator.saved_logits()).abs().max().item()
@@ -162,7 +162,7 @@ def evaluate_trained(strategy, job: Job) -> dict | None:
     """Collective: the held-out loss (and sample grid) of the consolidated UNet, on rank 0."""
     import torch.distributed as dist
 
-    if job.spec.get("memory_budget_gib") is not None:
+    if job.spec.memory_budget_gib is not None:
         # Rank 0's whole-UNet copy would count against the per-rank budget this run measures.
         return {"status": "not evaluated", "reason": "memory_budget_gib is set: the whole-UNet evaluation on rank "
                 "0 would count against the per-rank budget this run measures"} if dist.get_rank() == 0 else None
