@@ -6,12 +6,14 @@ import copy
 
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Goal
 from distlab.report.cards.parity import GOAL_LESSON, lesson_goal
+from distlab.records.spec import Spec
 
 
 def run(experiment: str, stage: str, strategy: str, losses: list[float], validation: dict | None = None) -> dict:
     return {"experiment": experiment, "stage": stage, "machine": "box", "status": "ok",
-            "spec": {"strategy": strategy, "sampler": "distributed", "seed": 0, "dataset": "default", "seq_len": 32,
-                     "precision": "fp32", "lr": 1e-3, "weight_decay": 0.0, "method": "full", "steps": 4},
+            "spec": Spec({"strategy": strategy, "sampler": "distributed", "seed": 0, "dataset": "default",
+                          "seq_len": 32, "precision": "fp32", "lr": 1e-3, "weight_decay": 0.0, "method": "full",
+                          "steps": 4}),
             "throughput": {"samples_per_step": 8}, "parameters": {"total": 100},
             "loss": {"per_step": losses}, "_validation": validation}
 

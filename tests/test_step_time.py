@@ -223,7 +223,7 @@ def test_the_report_names_the_term_furthest_from_what_the_run_measured():
     prediction = {"status": "predicted", "step_time_s": 1.0,
                   "terms": {"compute": {"seconds": 0.5}, "communication": {"seconds": 0.5, "total_s": 0.5},
                             "optimizer": {"seconds": 0.0}, "bubble": {"seconds": 0.0}}}
-    run = {"status": "ok", "experiment": "x", "prediction": prediction, "spec": {},
+    run = {"status": "ok", "experiment": "x", "prediction": prediction, "spec": Spec({}),
            "timing": {"step_time_s": {"median": 1.5}, "comm_inflight_s_per_step": {"median": 1.0}},
            "noise": {"busy": False}}
     (row,) = predictions.check_step_times([run])

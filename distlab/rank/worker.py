@@ -24,7 +24,6 @@ import torch.distributed as dist
 from distlab.runtime.activations import ActivationProbe
 from distlab.configuration.training_tools import adapts
 from distlab.runtime.evaluation import evaluate_run
-from distlab.records.spec import thaw
 from distlab.records.job import Job, read_job
 from distlab.launchers.links import interface_counters
 from distlab.rank.loop import gather, train
@@ -70,7 +69,7 @@ def predicted_step_time(job: Job, since_start: NoiseProbe) -> dict:
         ranks = job.spec.world_size * window["own_cpu_s"]
         others = max(0.0, window["machine_cpu_s"] - ranks) / window["wall_s"]
     config = os.path.join(job.model_source or "", "config.json")
-    return predict_from_files(dict(thaw(job.spec)), config if os.path.isfile(config) else None, job.probe_json,
+    return predict_from_files(job.spec, config if os.path.isfile(config) else None, job.probe_json,
                               job.collectives_json, job.hardware_json, others)
 
 

@@ -40,7 +40,7 @@ def check_step_times(runs: list[dict], tolerance: float | None = None) -> list[d
         prediction = run["prediction"]
         median = run["timing"]["step_time_s"]["median"]
         scored = score(prediction, median, (run.get("noise") or {}).get("busy"),
-                       tolerance or (LINK_TOLERANCE if run["spec"].get("link") else TOLERANCE))
+                       tolerance or (LINK_TOLERANCE if run["spec"].link else TOLERANCE))
         row = {"experiment": run["experiment"], "verdict": scored["verdict"]}
         if prediction.get("status") != "predicted":
             rows.append({**row, "why": scored.get("why")})

@@ -74,7 +74,7 @@ def headline(runs: list[dict], advice: dict) -> list[str]:
         text = (f"Run {a['recommendation_label']} on {machine}: {a['reasons'][0]}." if a else
                 f"{machine}: no advice (rule `advise` did not run for it).")
         timed = [r for r in runs if r["machine"] == machine and r.get("_throughput")
-                 and r["spec"]["sampler"] == "distributed" and r["spec"].get("model", "default") == "default"]
+                 and r["spec"].sampler == "distributed" and r["spec"].get("model", "default") == "default"]
         groups = {}
         for run in timed:
             s = run["spec"]

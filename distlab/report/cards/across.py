@@ -25,11 +25,11 @@ def ranking_card(runs: list[dict]) -> Card:
 
     card = Card(91, "Strategy ranking across all runs")
     # Tokens/s only: a text-to-image run's images/s is ranked on its own card.
-    ok = [r for r in runs if r.get("_throughput") and r["spec"]["sampler"] == "distributed" and unit_of(r) == "token"]
+    ok = [r for r in runs if r.get("_throughput") and r["spec"].sampler == "distributed" and unit_of(r) == "token"]
     if not ok:
         card.notes.append("No successful run yet.")
         return card
-    skipped = [r["experiment"] for r in runs if r.get("_throughput") and r["spec"]["sampler"] != "distributed"]
+    skipped = [r["experiment"] for r in runs if r.get("_throughput") and r["spec"].sampler != "distributed"]
     if skipped:
         card.notes.append(f"Left out: {', '.join(sorted(set(skipped)))} (no DistributedSampler: its ranks read the "
                           "same samples, so its tokens/s counts duplicates).")
@@ -147,7 +147,7 @@ def break_even_notes(machine: str, result: dict, runs: list[dict]) -> list[str]:
             f"beat 1 once the global batch exceeds B* = a*N/(c*(N-1)) = {b_star:.1f} samples (upper bound: DDP "
             "overlaps the all-reduce with backward).")
     peers = [r for r in runs if r["machine"] == machine and r.get("status") == "ok" and r["stage"] == "ddp"
-             and unit_of(r) == "token" and r["as_built"]["world_size"] == n and r["spec"]["sampler"] == "distributed"
+             and unit_of(r) == "token" and r["as_built"]["world_size"] == n and r["spec"].sampler == "distributed"
              and r["throughput"]["samples_per_step"] == one["throughput"]["samples_per_step"]]
     if peers:
         speed = peers[0]["throughput"]["tokens_per_s"] / one["throughput"]["tokens_per_s"]

@@ -50,7 +50,7 @@ def row(run: dict, validation: dict, unreadable: list | None = None) -> dict:
     checks = validation.get("checks", {})
     sizes = checks.get("size_and_time") or {}
     return {
-        "machine": run["machine"], "experiment": run["experiment"], "strategy": run["spec"]["strategy"],
+        "machine": run["machine"], "experiment": run["experiment"], "strategy": run["spec"].strategy,
         "validated": validation.get("status"),
         "reload max |dlogit|": _cell(checks.get("reload"), lambda c: f"{c['max_abs_logit_diff']:.1e}", unreadable),
         "reshard": _cell(checks.get("reshard"), lambda c: f"{c['from_world_size']}->{c['to_world_size']} ranks "

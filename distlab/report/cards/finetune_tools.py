@@ -34,7 +34,7 @@ def state_mib(run: dict, part: str | None = None) -> float | None:
 
 
 def qlora_goal(card, runs: list[dict]) -> None:
-    qlora = [r for r in runs if r.get("status") == "ok" and r["spec"].get("method") == "qlora"]
+    qlora = [r for r in runs if r.get("status") == "ok" and r["spec"].method == "qlora"]
     if not qlora:
         card.goals.append(Goal("bonus", GOAL_QLORA, NOT_RUN, "no run set method: qlora"))
         return
@@ -66,7 +66,7 @@ def qlora_goal(card, runs: list[dict]) -> None:
 
 
 def compile_goal(card, runs: list[dict]) -> None:
-    compiled = [r for r in runs if r.get("status") == "ok" and r["spec"].get("compile")]
+    compiled = [r for r in runs if r.get("status") == "ok" and r["spec"].compile]
     if not compiled:
         card.goals.append(Goal("bonus", GOAL_COMPILE, NOT_RUN,
                                "no run set compile: true (compiling the layers costs about half a minute per run on "

@@ -19,7 +19,7 @@ def strategy_label(spec: dict) -> str:
 
 
 def cap_of(run: dict) -> float | None:
-    return run["spec"]["link"]["bandwidth_mbit"]
+    return run["spec"].link["bandwidth_mbit"]
 
 
 def cap_order(cap: float | None) -> float:
@@ -32,7 +32,7 @@ def wire_bytes_per_step(run: dict) -> float | None:
     traffic = run["as_built"].get("link_traffic")
     if not traffic:
         return None
-    return sum(t["tx_bytes"] for t in traffic) / len(traffic) / run["spec"]["steps"]
+    return sum(t["tx_bytes"] for t in traffic) / len(traffic) / run["spec"].steps
 
 
 def step_s(run: dict) -> float:
@@ -45,7 +45,7 @@ def transfer_free_step(at: dict) -> tuple[float | None, float | None]:
     capped = [(run, wire_bytes_per_step(run)) for cap, run in at.items() if cap and wire_bytes_per_step(run)]
     if not capped:
         return None, None
-    rest = sorted(step_s(run) - wire * 8 / (run["spec"]["link"]["bandwidth_mbit"] * 1e6) for run, wire in capped)
+    rest = sorted(step_s(run) - wire * 8 / (run["spec"].link["bandwidth_mbit"] * 1e6) for run, wire in capped)
     return rest[len(rest) // 2], sorted(w for _, w in capped)[len(capped) // 2]
 
 
@@ -129,7 +129,7 @@ def build(runs: list[dict], collectives: dict) -> tuple[Card, dict]:
     import pandas as pd
 
     card = Card(7, "Links: the same strategies over a 100 Mbit/s home network, 1 and 10 Gbit/s, and no cap")
-    linked = [r for r in runs if r.get("status") == "ok" and r["spec"].get("link")]
+    linked = [r for r in runs if r.get("status") == "ok" and r["spec"].link]
     singles = [r for r in runs if r.get("status") == "ok" and r["as_built"]["world_size"] == 1]
     evidence = {"how": "distlab/report/cards/links.py", "strategies": {}}
     if not linked or not singles:

@@ -51,7 +51,7 @@ def parity_rows(runs: list[dict], everyone: list[dict], label: str) -> list[dict
         if twin is not None:
             gap, steps = loss_gap(run, twin)
             rows.append({label: run["experiment"], "DDP run": twin["experiment"], "steps compared": steps,
-                         "max |loss diff|": f"{gap:.2e}", "precision": run["spec"]["precision"]})
+                         "max |loss diff|": f"{gap:.2e}", "precision": run["spec"].precision})
     return rows
 
 
@@ -79,7 +79,7 @@ def lesson_goal(stage: str, runs: list[dict], compare_with_ddp: bool) -> Goal:
     (compare_with_ddp: the sharding and model-parallel stages, whose runs must train what DDP
     trains) or failed its checkpoint validation; the overview then shows the stage failed."""
     mine = [r for r in runs if r.get("stage") == stage]
-    rows = parity_rows([r for r in mine if r.get("status") == "ok" and r["spec"]["strategy"] != "ddp"], runs,
+    rows = parity_rows([r for r in mine if r.get("status") == "ok" and r["spec"].strategy != "ddp"], runs,
                        "run") if compare_with_ddp else []
     off = [f"{r['run']} vs {r['DDP run']} by {r['max |loss diff|']}" for r in rows
            if not float(r["max |loss diff|"]) <= PARITY_TOLERANCE]

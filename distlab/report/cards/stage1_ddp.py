@@ -54,7 +54,7 @@ def speedup_goal(groups: dict) -> Goal:
 
 def build(runs: list[dict]) -> Card:
     card = Card(1, "Stage 1 - PyTorch DDP with torchrun")
-    ddp = [r for r in ok_runs(runs, "ddp") if r["spec"]["strategy"] == "ddp"]
+    ddp = [r for r in ok_runs(runs, "ddp") if r["spec"].strategy == "ddp"]
     multi = [r for r in ddp if r["as_built"]["world_size"] >= 2
              and r["as_built"]["outer_wrapper"] == "DistributedDataParallel"]
     if multi:
@@ -107,7 +107,7 @@ def build(runs: list[dict]) -> Card:
                                "needs a 1-rank and a 2+-rank DDP run with the same global batch"))
 
     for run in ddp:
-        if run["spec"]["sampler"] == "none":
+        if run["spec"].sampler == "none":
             cov = run["data"]
             card.notes.append(
                 f"Without DistributedSampler ({run['experiment']}): {cov['duplicate_reads']} of {cov['reads']} "

@@ -33,19 +33,19 @@ def _counts(run) -> dict:
 
 def accelerate_runs(runs: list[dict]) -> list[dict]:
     """Successful stage-2 runs that the Accelerate strategy really ran."""
-    return [r for r in ok_runs(runs, STAGE) if r["spec"]["strategy"] == "accelerate" and _accelerate_record(r)]
+    return [r for r in ok_runs(runs, STAGE) if r["spec"].strategy == "accelerate" and _accelerate_record(r)]
 
 
 def stepped_as_asked(run) -> str | None:
     """Why the run's own counters disagree with its spec, or None when they agree."""
     # A run resumed from a checkpoint counted only the steps it trained after the resume.
     resumed = (run.get("checkpoint") or {}).get("resumed_from_steps") or 0
-    counts, steps = _counts(run), run["spec"]["steps"] - resumed
+    counts, steps = _counts(run), run["spec"].steps - resumed
     if counts.get("optimizer_steps_taken") != steps:
         return f"{counts.get('optimizer_steps_taken')} optimizer steps taken of {steps}"
     if counts.get("gradient_syncs") != steps:
         return f"{counts.get('gradient_syncs')} gradient syncs for {steps} optimizer steps"
-    if counts.get("micro_batches") != steps * run["spec"]["grad_accum"]:
+    if counts.get("micro_batches") != steps * run["spec"].grad_accum:
         return f"{counts.get('micro_batches')} micro-batches for {steps} steps x ga {run['spec']['grad_accum']}"
     return None
 
@@ -55,10 +55,10 @@ def config_pairs(runs: list[dict]) -> list[tuple[dict, dict]]:
     everything else that differed between them was the Accelerate config file."""
     pairs = []
     for one in runs:
-        if one["spec"]["world_size"] != 1 or not _accelerate_record(one).get("launched_with"):
+        if one["spec"].world_size != 1 or not _accelerate_record(one).get("launched_with"):
             continue
         for multi in runs:
-            if multi["machine"] != one["machine"] or multi["spec"]["world_size"] < 2:
+            if multi["machine"] != one["machine"] or multi["spec"].world_size < 2:
                 continue
             if not _accelerate_record(multi).get("launched_with"):
                 continue
@@ -88,7 +88,7 @@ def accumulation_groups(runs: list[dict]) -> dict:
 
 def lora_goal(runs: list[dict], accel: list[dict]) -> Goal:
     text = "Accelerate LoRA fine-tune ran"
-    lora = [r for r in accel if r["spec"]["method"] == "lora"]
+    lora = [r for r in accel if r["spec"].method == "lora"]
     good = [r for r in lora if stepped_as_asked(r) is None and math.isfinite(r["loss"]["last"] or math.nan)]
     if good:
         run = max(good, key=lambda r: r["as_built"]["world_size"])
@@ -100,7 +100,7 @@ def lora_goal(runs: list[dict], accel: list[dict]) -> Goal:
                     f"({params['trainable_fraction']:.1%}, targets {', '.join(run.get('lora_targets') or [])}); "
                     f"{_counts(run)['optimizer_steps_taken']} optimizer steps, loss {run['loss']['first']:.3f} -> "
                     f"{run['loss']['last']:.3f}", [metrics_link(r) for r in good])
-    tried = [r for r in runs if r["stage"] == STAGE and r["spec"]["method"] == "lora"]
+    tried = [r for r in runs if r["stage"] == STAGE and r["spec"].method == "lora"]
     if lora:
         return Goal("minimal", text, FAILED, "; ".join(f"{r['experiment']}: {stepped_as_asked(r)}" for r in lora),
                     [metrics_link(r) for r in lora])
@@ -121,7 +121,7 @@ def switch_goal(card: Card, pairs) -> None:
     rows, verdicts = [], []
     for one, multi in pairs:
         real = (one["as_built"]["world_size"], multi["as_built"]["world_size"])
-        ok = real == (1, multi["spec"]["world_size"])
+        ok = real == (1, multi["spec"].world_size)
         verdicts.append(ok)
         for run in (one, multi):
             facts, launched = _accelerate_record(run), _accelerate_record(run)["launched_with"]

@@ -50,7 +50,7 @@ def run_row(run) -> dict:
     base, tuned = heldout(run)
     flops = run.get("flops") or {}
     built = run["as_built"]
-    return {"machine": run["machine"], "experiment": run["experiment"], "strategy": run["spec"]["strategy"],
+    return {"machine": run["machine"], "experiment": run["experiment"], "strategy": run["spec"].strategy,
             "processes": built["world_size"], "wrapped by": built.get("wrapped_by") or built.get("outer_wrapper"),
             "find_unused_parameters": built.get("find_unused_parameters", "-"),
             "images/s (spread)": f"{median:.1f} ({low:.1f}-{high:.1f})",
@@ -67,7 +67,7 @@ def run_row(run) -> dict:
 
 def scaling_goal(card: Card, accel: list[dict]) -> None:
     text = "Stable Diffusion LoRA with Accelerate, 1 vs 2 processes by the config file alone (images/s)"
-    pairs = [(one, multi) for one, multi in config_pairs(accel) if multi["spec"]["world_size"] == 2]
+    pairs = [(one, multi) for one, multi in config_pairs(accel) if multi["spec"].world_size == 2]
     if not pairs:
         card.goals.append(Goal("minimal", text, NOT_RUN, "needs two text-to-image Accelerate runs whose specs differ "
                                                          "only in world_size (1 and 2)"))
@@ -175,7 +175,7 @@ def build(runs: list[dict]) -> Card:
 
     card = Card(2, "Stage 2 - Stable Diffusion LoRA with Accelerate (text-to-image)")
     ok = [r for r in runs if r.get("status") == "ok" and r.get("_throughput")]
-    accel = [r for r in ok if r["spec"]["strategy"] == "accelerate" and _accelerate_record(r)]
+    accel = [r for r in ok if r["spec"].strategy == "accelerate" and _accelerate_record(r)]
     scaling_goal(card, accel)
     grid_goal(card, ok)
     heldout_goal(card, ok)

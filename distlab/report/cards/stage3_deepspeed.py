@@ -19,7 +19,7 @@ GOAL_OFFLOAD = "Offload slowdown measured (same model and batch, with and withou
 
 def deepspeed_runs(runs: list[dict]) -> list[dict]:
     """Successful runs a DeepSpeed engine really ran (the label alone is not trusted)."""
-    return [r for r in ok_runs(runs, "deepspeed") if r["spec"]["strategy"] == "deepspeed"
+    return [r for r in ok_runs(runs, "deepspeed") if r["spec"].strategy == "deepspeed"
             and (r.get("as_built") or {}).get("deepspeed", {}).get("engine") == "DeepSpeedEngine"]
 
 
@@ -28,7 +28,7 @@ def budget_goal(runs: list[dict]) -> Goal:
     under the same budget, on the same model. The budget is enforced per rank process
     (distlab.runtime.memory: CUDA allocator fraction, CPU RSS watchdog); a run recorded before CPU
     enforcement is only compared, and says so. Passed only where both verdicts are enforced."""
-    budgeted = [r for r in runs if r["stage"] == "deepspeed" and r["spec"].get("memory_budget_gib")]
+    budgeted = [r for r in runs if r["stage"] == "deepspeed" and r["spec"].memory_budget_gib]
     single, sharded = [], []
     for run in budgeted:
         spec = run["spec"]
@@ -112,7 +112,7 @@ def offload_goal(plain: dict, off: dict) -> Goal:
     links = [metrics_link(plain), metrics_link(off)]
     if slow < 1:
         where = " (on CPU ranks both keep their state in host memory: the two should tie)" \
-            if off["spec"]["device"] == "cpu" else ""
+            if off["spec"].device == "cpu" else ""
         return Goal("bonus", GOAL_OFFLOAD, DOUBTFUL,
                     f"{text}: offload FASTER than none, which offload cannot be{where}; {noise_cause([plain, off])}",
                     links)

@@ -29,7 +29,7 @@ PARITY_BAND = 1.15
 def fsdp_runs(runs: list[dict]) -> list[dict]:
     """Successful FSDP runs (native or through Accelerate, spec fsdp.via) that fully_shard really
     wrapped: native runs record "FSDPModule", Accelerate's "FSDPModule (fully_shard)"."""
-    return [r for r in ok_runs(runs, "fsdp") if r["spec"]["strategy"] == "fsdp"
+    return [r for r in ok_runs(runs, "fsdp") if r["spec"].strategy == "fsdp"
             and any(w.startswith("FSDPModule") for w in (r.get("as_built") or {}).get("wrappers_found", []))]
 
 
@@ -60,18 +60,18 @@ def comparable_key(run: dict) -> tuple:
 
 
 def is_full_shard(run: dict) -> bool:
-    fs = run["spec"]["fsdp"]
+    fs = run["spec"].fsdp
     return fs["reshard_after_forward"] and not fs["cpu_offload"] and fs["via"] == "native"
 
 
 def is_plain_zero3(run: dict) -> bool:
-    ds = run["spec"]["deepspeed"]
-    return (run["spec"]["strategy"] == "deepspeed" and ds["zero_stage"] == 3 and ds["offload_optimizer"] == "none"
+    ds = run["spec"].deepspeed
+    return (run["spec"].strategy == "deepspeed" and ds["zero_stage"] == 3 and ds["offload_optimizer"] == "none"
             and ds["offload_param"] == "none")
 
 
 def zero3_label(run: dict) -> str:
-    profile = run["spec"]["deepspeed"].get("zero3_profile", "auto")
+    profile = run["spec"].deepspeed.get("zero3_profile", "auto")
     return "DeepSpeed ZeRO-3" + (" (memory-lean)" if profile == "lean" else "")
 
 
@@ -218,7 +218,7 @@ def build(runs: list[dict]) -> Card:
         card.figures.append(Figure("ZeRO-3 vs FSDP: throughput and per-rank model state", to_png_b64(fig), how))
         f, matched = pairs[0]
         card.goals.append(parity_goal(f, matched[0]))
-        lean = [z for z in matched if z["spec"]["deepspeed"].get("zero3_profile") == "lean"]
+        lean = [z for z in matched if z["spec"].deepspeed.get("zero3_profile") == "lean"]
         if lean and matched[0] is not lean[0]:
             card.notes.append(trade_note(matched[0], lean[0]))
     else:
@@ -233,7 +233,7 @@ def build(runs: list[dict]) -> Card:
         rows = []
         for run in fsdp:
             r = row(run, "FSDP")
-            a, fs = run["as_built"], run["spec"]["fsdp"]
+            a, fs = run["as_built"], run["spec"].fsdp
             r["run"] = ("full shard" if fs["reshard_after_forward"] else "no reshard (grad-op)") + \
                 (" + CPU offload" if fs["cpu_offload"] else "") + \
                 (" via Accelerate" if fs["via"] == "accelerate" else "")

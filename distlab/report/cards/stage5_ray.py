@@ -18,7 +18,7 @@ DOCS_CLAIM = 0.025  # the roadmap's figure for Ray Train's overhead over plain t
 
 
 def ray_runs(runs):
-    return [r for r in runs if r.get("status") == "ok" and r["spec"]["launcher"] == "ray" and "ray" in r]
+    return [r for r in runs if r.get("status") == "ok" and r["spec"].launcher == "ray" and "ray" in r]
 
 
 def twin_key(run):
@@ -33,7 +33,7 @@ def benchmark_seconds(run) -> float | None:
 
 def overhead_rows(runs):
     """Each Ray run next to the torchrun run of the same spec on the same machine."""
-    torchrun = {twin_key(r): r for r in runs if r.get("status") == "ok" and r["spec"]["launcher"] == "torchrun"}
+    torchrun = {twin_key(r): r for r in runs if r.get("status") == "ok" and r["spec"].launcher == "torchrun"}
     rows = []
     for run in ray_runs(runs):
         twin = torchrun.get(twin_key(run))
@@ -70,7 +70,7 @@ def elastic_figure(runs):
     fig, ax = figure()
     for run in runs:
         spans = run["ray"]["attempts"]
-        steps = run["spec"]["steps"]
+        steps = run["spec"].steps
         for attempt, nxt in zip(spans, spans[1:] + [None]):
             end = nxt["start_step"] if nxt else steps
             ax.plot([attempt["start_step"], end], [attempt["world_size"]] * 2, linewidth=2,
@@ -87,7 +87,7 @@ def elastic_figure(runs):
 def build(runs: list[dict]) -> Card:
     card = Card(5, "Stage 5 - Ray Train on a Ray cluster")
     ray = ray_runs(runs)
-    tried = [r for r in runs if r["spec"]["launcher"] == "ray"]
+    tried = [r for r in runs if r["spec"].launcher == "ray"]
     multi = [r for r in ray if (r["ray"]["world_size"] or 0) >= 2]
     if multi:
         best = max(multi, key=lambda r: (r["ray"]["distinct_nodes"], r["ray"]["world_size"]))

@@ -22,7 +22,7 @@ LOSS_TOLERANCE = 1e-3
 
 
 def parallel_runs(runs: list[dict], strategy: str, wrapper: str) -> list[dict]:
-    return [r for r in ok_runs(runs, "parallel") if r["spec"]["strategy"] == strategy
+    return [r for r in ok_runs(runs, "parallel") if r["spec"].strategy == strategy
             and wrapper in (r.get("as_built") or {}).get("wrappers_found", [])]
 
 
@@ -76,7 +76,7 @@ def build(runs: list[dict]) -> Card:
                                f"{a['heads_per_rank']} attention heads per rank", [metrics_link(tp[0])]))
     else:
         card.goals.append(Goal("minimal", "Tensor-parallel training ran with attention and MLP split",
-                               FAILED if any(r["spec"]["strategy"] == "tp" for r in tried) else NOT_RUN,
+                               FAILED if any(r["spec"].strategy == "tp" for r in tried) else NOT_RUN,
                                "no successful tensor-parallel run"))
     schedules = sorted({r["as_built"]["schedule"] for r in pp})
     if pp:
@@ -87,7 +87,7 @@ def build(runs: list[dict]) -> Card:
                                [metrics_link(r) for r in pp]))
     else:
         card.goals.append(Goal("minimal", "Pipeline-parallel training ran, stages split by layers",
-                               FAILED if any(r["spec"]["strategy"] == "pp" for r in tried) else NOT_RUN,
+                               FAILED if any(r["spec"].strategy == "pp" for r in tried) else NOT_RUN,
                                "no successful pipeline-parallel run"))
 
     rows: list[dict] = []

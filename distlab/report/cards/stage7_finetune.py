@@ -99,7 +99,7 @@ def activation_goal(card: Card, runs: list[dict]) -> None:
 
 def schedule_goal(card: Card, runs: list[dict]) -> None:
     scheduled = [r for r in runs if r.get("status") == "ok" and (r.get("optimization") or {}).get("lr_per_step")
-                 and (r["spec"].get("lr_schedule", "constant") != "constant" or r["spec"].get("max_grad_norm"))]
+                 and (r["spec"].get("lr_schedule", "constant") != "constant" or r["spec"].max_grad_norm)]
     if not scheduled:
         card.goals.append(Goal("bonus", GOAL_SCHEDULE, NOT_RUN, "no run with a decaying schedule or clipping"))
         return
@@ -110,7 +110,7 @@ def schedule_goal(card: Card, runs: list[dict]) -> None:
         opt = run["optimization"]
         ax.plot(opt["lr_per_step"], label=run["experiment"], linewidth=1.1)
         ax2.plot(opt["grad_norm_per_step"], label=run["experiment"], linewidth=1.1)
-    clip = sorted({r["spec"]["max_grad_norm"] for r in scheduled if r["spec"].get("max_grad_norm")})
+    clip = sorted({r["spec"].max_grad_norm for r in scheduled if r["spec"].max_grad_norm})
     for value in clip:
         ax2.axhline(value, color="grey", linestyle="--", linewidth=0.8)
     label_axes(ax, "optimizer step", "learning rate", "Learning rate per step")
@@ -119,7 +119,7 @@ def schedule_goal(card: Card, runs: list[dict]) -> None:
                                "lr read from the optimizer before each step (transformers.get_scheduler); grad norm: "
                                "global L2 norm before clipping (distlab.runtime.clipping)"))
     clipped = sum(1 for r in scheduled for n in r["optimization"]["grad_norm_per_step"]
-                  if n is not None and r["spec"].get("max_grad_norm") and n > r["spec"]["max_grad_norm"])
+                  if n is not None and r["spec"].max_grad_norm and n > r["spec"].max_grad_norm)
     card.goals.append(Goal("bonus", GOAL_SCHEDULE, PASSED,
                            f"{len(scheduled)} run(s); {clipped} step(s) clipped (pre-clip norm above max_grad_norm)",
                            [metrics_link(r) for r in scheduled]))

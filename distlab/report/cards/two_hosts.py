@@ -32,7 +32,7 @@ def build(run: dict | None, record: dict) -> Card:
                            "; ".join(f"{c['from']}->{c['to']} workers at step {c['step']} (resumed from a "
                                      f"checkpoint: {c['resumed_from_checkpoint']})" for c in ray["world_size_changes"])
                            or "the worker group never changed size", [metrics_link(run)]))
-    steps = run["spec"]["steps"]
+    steps = run["spec"].steps
     rows, part = [], {h["name"]: {"worker groups": 0, "steps trained": 0} for h in hosts}
     for i, (attempt, nxt) in enumerate(zip(attempts, attempts[1:] + [None])):
         end = nxt["start_step"] if nxt else steps

@@ -29,7 +29,7 @@ def devices(run: dict) -> str:
 
 def sizes(run: dict) -> list[int]:
     sized = run["as_built"].get("rank_micro_batch")
-    return sized["sizes"] if sized else [run["spec"]["micro_batch"]] * run["spec"]["world_size"]
+    return sized["sizes"] if sized else [run["spec"].micro_batch] * run["spec"].world_size
 
 
 def waits(run: dict) -> list[float | None]:
@@ -59,12 +59,12 @@ def build(runs: list[dict]) -> tuple[Card, dict]:
     rows, verdicts = [], []
     fig, ax = figure()
     for group in pairs.values():
-        uniform = next((r for r in group if r["spec"]["rank_micro_batch"] is None), None)
+        uniform = next((r for r in group if r["spec"].rank_micro_batch is None), None)
         if uniform is None:
             continue
         base = uniform["throughput"]["tokens_per_s"]
         labels, values = [], []
-        for run in sorted(group, key=lambda r: r["spec"]["rank_micro_batch"] is not None):
+        for run in sorted(group, key=lambda r: r["spec"].rank_micro_batch is not None):
             tps = run["throughput"]["tokens_per_s"]
             one = singles.get(run["throughput"]["samples_per_step"])
             parity = "-" if one is None else \

@@ -51,10 +51,10 @@ def gap_note(run, measured: dict, expected: dict) -> str:
     parts = [f"{k} {measured[k] / MIB:.2f} vs {expected[k] / MIB:.2f} MiB" for k in expected
              if abs(measured[k] - expected[k]) > GAP_LIMIT * max(expected[k], 1)]
     why = []
-    if run["spec"]["deepspeed"]["zero_stage"] == 1 and run["spec"]["grad_accum"] == 1:
+    if run["spec"].deepspeed["zero_stage"] == 1 and run["spec"].grad_accum == 1:
         why.append("with grad_accum 1 DeepSpeed's ZeRO-1 reduces and frees the whole gradients inside the "
                    "boundary backward, so no snapshot after a backward holds them")
-    if run["spec"]["deepspeed"]["offload_optimizer"] != "none" and measured["grads"] > expected["grads"]:
+    if run["spec"].deepspeed["offload_optimizer"] != "none" and measured["grads"] > expected["grads"]:
         why.append("ZeRO-Offload keeps a second fp32 copy of the gradient partition in host memory for the "
                    "CPU optimizer step")
     return "; ".join(parts + why)
@@ -63,8 +63,8 @@ def gap_note(run, measured: dict, expected: dict) -> str:
 def memory_rows(ds_runs: list[dict]) -> list[dict]:
     rows = []
     # The formulas assume every parameter trains; LoRA runs hold frozen weights outside them.
-    ds_runs = [r for r in ds_runs if r["spec"]["method"] == "full"]
-    for run in sorted(ds_runs, key=lambda r: (r["machine"], r["spec"]["deepspeed"]["zero_stage"], r["experiment"])):
+    ds_runs = [r for r in ds_runs if r["spec"].method == "full"]
+    for run in sorted(ds_runs, key=lambda r: (r["machine"], r["spec"].deepspeed["zero_stage"], r["experiment"])):
         spec, as_built = run["spec"], run["as_built"]
         stage, world = as_built["deepspeed"]["zero_stage"], as_built["world_size"]
         psi = run["parameters"]["trainable"]
