@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+
+from distlab.records.spec import Spec
 import yaml
 
 from distlab.tools import advisor, advisor_check
@@ -148,6 +150,25 @@ def test_estimate_check_says_where_it_was_wrong():
     held.update(optimizer=8 * psi, params=6 * psi, grads=2 * psi)
     (row,) = advisor_check.check_against_runs(advice, [run])
     assert row["measured/estimated"] == 1 and row["verdict"] == "WRONG" and row["where"].startswith("params:")
+
+
+def test_the_report_holds_each_run_to_the_estimate_it_recorded_and_checks_none_without_one():
+    from distlab.records.memory_check import check_memory_estimates
+
+    advice = plan([24], method="full", micro_batch=1, seq_len=128, precision="fp32")
+    psi = advisor.parameter_counts(advice["model"]["shape"])["total"]
+    spec = Spec({"strategy": "ddp", "world_size": 1, "method": "full", "micro_batch": 1, "seq_len": 128,
+                 "precision": "fp32", "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": None}})
+    recorded = advisor_check.estimate_record(advice["model"]["shape"], spec)  # what rank 0 writes
+    assert recorded["row"] == "ddp" and recorded["params"] == 4 * psi and recorded["held_activation_bytes"] > 0
+    held = {"params": 4 * psi, "grads": 4 * psi, "grad_buckets": 4 * psi, "optimizer": 8 * psi}
+    run = {"machine": "m", "experiment": "e", "status": "ok", "spec": spec, "memory_estimate": recorded,
+           "memory": {"model_state_bytes_per_rank": [held], "per_rank": [{"activations": {"bytes": 1}}]}}
+    (row,) = check_memory_estimates([run])
+    assert row["verdict"] == "right" and row["estimate"] == "ddp" and row["measured_activations_MiB"] is not None
+    # Recomputed for the same spec (the tests' path) or recorded (the report's): the same rows.
+    assert advisor_check.check_against_runs(advice, [run]) == [row]
+    assert check_memory_estimates([{**run, "memory_estimate": None}]) == []  # nothing recorded: not checked
 
 
 # preset -> (recommendation, devices, estimated GiB per device of the recommended row). The

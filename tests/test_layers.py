@@ -44,12 +44,7 @@ APART = [("strategies", "tasks")]  # a strategy names no task, a task no strateg
 
 # Imports against the order, not yet fixed: "file -> module": why it is still there and what
 # would take it off. The list only shrinks: an entry that no longer matches such an import fails.
-KNOWN_UPWARD = {
-    "distlab/report/build.py -> distlab.tools.advisor_check":
-        "the advisor card holds the advisor's memory estimate to each run by recomputing it for the run's spec at "
-        "report time (parameter counts on torch's meta device); to go, a rule (or rank 0, as it records its "
-        "step-time prediction) should record the estimate, and the card compare recorded figures",
-}
+KNOWN_UPWARD: dict[str, str] = {}
 
 LAYER_OF = {unit: name for name, _, units in LAYERS for unit in units}
 ORDER = {unit: i for i, unit in enumerate(unit for _, _, units in LAYERS for unit in units)}

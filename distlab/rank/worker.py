@@ -15,6 +15,7 @@ if __name__ == "__main__":  # first, before the heavy imports: a warm start skip
     enter("distlab.rank.worker", job="training")
 
 import argparse
+import json
 import os
 import time
 
@@ -73,6 +74,20 @@ def predicted_step_time(job: Job, since_start: NoiseProbe) -> dict:
                               job.collectives_json, job.hardware_json, others)
 
 
+def estimated_memory(job: Job) -> dict | None:
+    """The advisor's memory estimate for this run's own spec, recorded by rank 0 before the
+    first step (distlab.tools.advisor_check.estimate_record; the report's advisor card holds it
+    to what the run measured): causal-LM runs whose model's config.json is on disk."""
+    from distlab.runtime.parameter_counts import model_shape
+    from distlab.tools.advisor_check import estimate_record
+
+    config = os.path.join(job.model_source or "", "config.json")
+    if job.spec.task != "causal-lm" or not os.path.isfile(config):
+        return None
+    with open(config) as fh:
+        return estimate_record(model_shape(json.load(fh)), job.spec)
+
+
 def run_rank(job: Job, checkpoints_class=None) -> tuple[dict, list] | None:
     """Everything one rank does; returns (metrics, step rows) on rank 0, None elsewhere.
 
@@ -118,6 +133,7 @@ def run_rank(job: Job, checkpoints_class=None) -> tuple[dict, list] | None:
 
     load_phase = load_phase_record(ctx.device, rss_before_model)  # process start -> first step
     prediction = predicted_step_time(job, since_start) if ctx.is_main else None  # before the first step
+    memory_estimate = estimated_memory(job) if ctx.is_main else None
     timeline.mark("data, resume")
     wire_before = interface_counters() if spec.link else None  # this host's link, around the steps
     result = train(ctx, strategy, train_data, start_step=start_step, stream=checkpoints.stream,
@@ -151,6 +167,7 @@ def run_rank(job: Job, checkpoints_class=None) -> tuple[dict, list] | None:
             out[0]["eval"] = None
         out[0]["tracking"] = during.get("tracking")
         out[0]["prediction"] = prediction
+        out[0]["memory_estimate"] = memory_estimate
         out[0]["profile"] = profile_record(profiles)
         if spec.compile:
             out[0]["timing"]["compile"] = compile_record(out[1], start_step, spec.untimed_steps, dynamo_counts())

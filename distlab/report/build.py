@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 
 from distlab.records.memory_phases import human, unit_for
-from distlab.tools import advisor_check
+from distlab.records.memory_check import TOLERANCE as MEMORY_TOLERANCE, check_memory_estimates, recorded_row
 from distlab.report.cards import (COMPARED, DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Goal, Table, all_cards, is_busy)
 from distlab.report.cards.across import (card_noting_missing, collectives_card, loss_card, machines_card,
                                          ranking_card)
@@ -87,7 +87,7 @@ def headline(runs: list[dict], advice: dict) -> list[str]:
                      f"{precision}), tokens/s: " + ", ".join(
                          f"{r['experiment']} {r['_throughput']['median']:.0f}" + (" (BUSY)" if is_busy(r) else "")
                          for r in same[:6]) + (f" and {len(same) - 6} more" if len(same) > 6 else "") + ".")
-            picked = [r for r in same if a and advisor_check.estimate_key(r["spec"]) == a["recommendation"]]
+            picked = [r for r in same if a and recorded_row(r) == a["recommendation"]]
             if picked and same[0] is not picked[0]:
                 text += (f" The fastest here, {same[0]['experiment']}, ran "
                          f"{same[0]['_throughput']['median'] / picked[0]['_throughput']['median']:.2f}x "
@@ -96,10 +96,10 @@ def headline(runs: list[dict], advice: dict) -> list[str]:
                          + ("; the spreads overlap, so this machine does not tell them apart."
                             if not clear_winner(same[0], picked[0]) else "."))
         if a:
-            checked = advisor_check.check_against_runs(a, [r for r in runs if r["machine"] == machine])
+            checked = check_memory_estimates([r for r in runs if r["machine"] == machine])
             if checked:
                 right = sum(c["verdict"] == "right" for c in checked)
-                text += (f" The advisor's memory estimate was right (within {advisor_check.TOLERANCE:.0%}) for "
+                text += (f" The advisor's memory estimate was right (within {MEMORY_TOLERANCE:.0%}) for "
                          f"{right} of {len(checked)} run(s) measured here.")
         lines.append(text)
     return lines
@@ -170,7 +170,7 @@ def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
             card.tables.append(Table(f"Published references beside the prediction ({link['label']})",
                                      pd.DataFrame(refs), "measured by others on the named hardware, not on this "
                                      "machine; predicted/published = this box's prediction over their figure"))
-    checked = advisor_check.check_against_runs(a, runs)
+    checked = check_memory_estimates(runs)  # the estimate each run recorded before its first step
     if checked:
         wrong = [c for c in checked if c["verdict"] != "right"]
         key = ["experiment", "verdict", "measured/estimated", "where"]
@@ -180,7 +180,7 @@ def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
                                  "model state = params + grads (DDP's buckets included) + optimizer bytes "
                                  "the rank held at the last step, offloaded ones too, counted from its "
                                  "tensors; right = the total and each of params, grads and optimizer within "
-                                 f"{advisor_check.TOLERANCE:.0%} ('where' names a part that is not). Activations: "
+                                 f"{MEMORY_TOLERANCE:.0%} ('where' names a part that is not). Activations: "
                                  "the bytes autograd held at the end of one micro-batch's forward on rank 0 "
                                  "(saved-tensor hooks) vs distlab.runtime.activations' estimate (data-parallel "
                                  "strategies; peak RSS, which includes the interpreter and libraries, is not "
@@ -189,11 +189,11 @@ def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
                           + (": " + "; ".join(f"{c['experiment']} ({c['where'] or 'total'})" for c in wrong)
                              if wrong else "."))
     step_time_table(card, machine, runs)
-    other = sorted(r["experiment"] for r in runs if r.get("status") == "ok"
-                   and r["spec"].get("model", "default") != "default")
-    if other:
-        card.notes.append(f"Not checked against the estimate: {', '.join(other)} (another model than the "
-                          "base model the advice sizes: model.extra).")
+    unchecked = sorted(r["experiment"] for r in runs if r.get("status") == "ok" and not r.get("memory_estimate")
+                       and r["spec"].task == "causal-lm")
+    if unchecked:
+        card.notes.append(f"Not checked against the estimate: {', '.join(unchecked)} (no estimate recorded before "
+                          "the first step: a strategy without a formula, or a run of an older distlab).")
 
 
 def step_time_table(card: Card, machine: str, runs: list[dict]) -> None:
