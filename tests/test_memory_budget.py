@@ -38,12 +38,14 @@ def test_a_cpu_run_past_its_budget_ends_as_oom_and_one_within_it_finishes(prepar
 def test_the_budget_verdict_covers_the_final_save_and_export():
     """The export runs after the training peak is recorded: its peak joins the verdict, so a
     rank that fit through training but not through the save is not reported as fitting."""
-    from distlab.runtime.memory import add_peaks_through_save
+    from distlab.runtime.memory import with_peaks_through_save
 
     verdict = {"bytes": 100, "enforced": False, "measured_bytes": 90, "measured_what": "peak RSS", "fits": True}
     memory = {"per_rank": [{"budget": dict(verdict), "training_phase": {"rss_peak_bytes": 90}},
                            {"budget": dict(verdict), "training_phase": {"rss_peak_bytes": 90}}]}
-    add_peaks_through_save(memory, [{"rss_peak_bytes": 95}, {"rss_peak_bytes": 120}])
+    through_save = with_peaks_through_save(memory, [{"rss_peak_bytes": 95}, {"rss_peak_bytes": 120}])
+    assert memory["per_rank"][1]["budget"] == verdict  # the record before the save is left as it was
+    memory = through_save
     first, second = (record["budget"] for record in memory["per_rank"])
     assert first["fits"] and first["measured_bytes"] == 95
     assert not second["fits"] and second["measured_bytes"] == 120

@@ -28,9 +28,9 @@ from distlab.runtime.evaluation import evaluate_run
 from distlab.records.job import Job, read_job
 from distlab.launchers.links import interface_counters
 from distlab.rank.loop import gather, train
-from distlab.runtime.memory import (OOM_EXIT_CODE, add_peaks_through_save, apply_memory_budget, budget_verdict,
-                            gather_peaks_through_save, is_out_of_memory, load_phase_record, memory_record,
-                            record_oom, rss_now, start_save_phase)
+from distlab.runtime.memory import (OOM_EXIT_CODE, apply_memory_budget, budget_verdict, gather_peaks_through_save,
+                                    is_out_of_memory, load_phase_record, memory_record, record_oom, rss_now,
+                                    start_save_phase, with_peaks_through_save)
 from distlab.rank.model_setup import prepare_model
 from distlab.rank.monitor import RunMonitor
 from distlab.runtime.noise import NoiseProbe
@@ -88,103 +88,129 @@ def estimated_memory(job: Job) -> dict | None:
         return estimate_record(model_shape(json.load(fh)), job.spec)
 
 
-def run_rank(job: Job, checkpoints_class=None) -> tuple[dict, list] | None:
-    """Everything one rank does; returns (metrics, step rows) on rank 0, None elsewhere.
+class RankRun:
+    """One rank's run, as torchtitan's Trainer reads: built once (the constructor: process group,
+    model, data, checkpoints, and rank 0's predictions of step time and memory, made before the
+    first step so the report can score them), trained (`train`), then finished (`finish`: the
+    held-out evaluation, the record built at once, the final save).
 
     checkpoints_class: a TrainingCheckpoints subclass (the Ray launcher's reports to Ray)."""
-    started = time.time()
-    since_start = NoiseProbe()  # what else used the machine before the first step: the prediction's neighbours
-    since_start.start()
-    timeline = TIMELINE.after_imports()
-    spec = job.spec
-    if spec.device == "cpu":
-        # On CPU a "device" is cpu_threads_per_rank cores, the same for every world size
-        # (rank_cpu_threads: unequal CPU devices, one count per rank).
-        torch.set_num_threads(rank_threads(spec, int(os.environ.get("RANK", 0))))
-    ctx = make_context(job)
-    budget = apply_memory_budget(ctx)
-    strategy = strategy_for(spec)(ctx)
-    strategy.init_distributed()
-    ctx.rank, ctx.world_size = dist.get_rank(), dist.get_world_size()
-    timeline.mark("process group")
-    profiler = StepProfiler(spec, job.run_dir, ctx.rank, ctx.device)  # profile: {steps: [a, b]}
-    profiler.start()  # CUDA memory history from here, so an out-of-memory load is in it too
 
-    strategy.task.import_code(job.model_source, adapts(spec))
-    cpu_budget = enter_cpu_budget(spec, ctx.rank)  # rank_cpu_budget: a slower CPU device, load to last step
-    rss_before_model = rss_now()  # interpreter + libraries + process group: what a rank costs before its model
-    prepared = prepare_model(strategy, job.model_source, spec)
-    timeline.mark("model load, wrap, verify")
-    if cpu_budget is not None:  # what the kernel enforces on every rank, read back
-        prepared.described["cpu_budget"] = gather(cpu_budget)
-    train_data = strategy.task.train_data(job, spec, ctx.device)  # the task's samples and their batches
-    prepared.described["task"] = train_data.describe()
+    def __init__(self, job: Job, checkpoints_class=None):
+        self.job, self.started = job, time.time()
+        since_start = NoiseProbe()  # what else used the machine before the first step: the prediction's neighbours
+        since_start.start()
+        self.timeline = TIMELINE.after_imports()
+        spec = job.spec
+        if spec.device == "cpu":
+            # On CPU a "device" is cpu_threads_per_rank cores, the same for every world size
+            # (rank_cpu_threads: unequal CPU devices, one count per rank).
+            torch.set_num_threads(rank_threads(spec, int(os.environ.get("RANK", 0))))
+        self.ctx = ctx = make_context(job)
+        self.budget = apply_memory_budget(ctx)
+        self.strategy = strategy = strategy_for(spec)(ctx)
+        strategy.init_distributed()
+        ctx.rank, ctx.world_size = dist.get_rank(), dist.get_world_size()
+        self.timeline.mark("process group")
+        self.profiler = StepProfiler(spec, job.run_dir, ctx.rank, ctx.device)  # profile: {steps: [a, b]}
+        self.profiler.start()  # CUDA memory history from here, so an out-of-memory load is in it too
 
-    checkpoints = (checkpoints_class or TrainingCheckpoints)(job, ctx, strategy, prepared.signature,
-                                                             len(train_data))
-    start_step = checkpoints.resume()
-    # Progress, trackers and eval points between steps; the activation-memory probe on an untimed step.
-    monitor = RunMonitor(job, ctx, strategy, checkpoints.records, start_step, checkpoints)
-    probe = ActivationProbe(spec, ctx.rank, start_step)
+        strategy.task.import_code(job.model_source, adapts(spec))
+        self.cpu_budget = enter_cpu_budget(spec, ctx.rank)  # rank_cpu_budget: a slower CPU device, load to last step
+        rss_before_model = rss_now()  # interpreter + libraries + process group: what a rank costs before its model
+        self.prepared = prepare_model(strategy, job.model_source, spec)
+        self.timeline.mark("model load, wrap, verify")
+        if self.cpu_budget is not None:  # what the kernel enforces on every rank, read back
+            self.prepared.described["cpu_budget"] = gather(self.cpu_budget)
+        self.train_data = strategy.task.train_data(job, spec, ctx.device)  # the task's samples and their batches
+        self.prepared.described["task"] = self.train_data.describe()
 
-    def on_step_end(step: int) -> None:
-        monitor.after_step(step)  # first: a checkpoint saved at this step holds its eval point
-        checkpoints.on_step_end(step)
+        self.checkpoints = (checkpoints_class or TrainingCheckpoints)(job, ctx, strategy, self.prepared.signature,
+                                                                      len(self.train_data))
+        self.start_step = self.checkpoints.resume()
+        # Progress, trackers and eval points between steps; the activation-memory probe on an untimed step.
+        self.monitor = RunMonitor(job, ctx, strategy, self.checkpoints.records, self.start_step, self.checkpoints)
+        self.probe = ActivationProbe(spec, ctx.rank, self.start_step)
+        self.load_phase = load_phase_record(ctx.device, rss_before_model)  # process start -> first step
+        self.predicted = {"prediction": predicted_step_time(job, since_start),
+                          "memory_estimate": estimated_memory(job)} if ctx.is_main else {}
+        self.timeline.mark("data, resume")
 
-    load_phase = load_phase_record(ctx.device, rss_before_model)  # process start -> first step
-    prediction = predicted_step_time(job, since_start) if ctx.is_main else None  # before the first step
-    memory_estimate = estimated_memory(job) if ctx.is_main else None
-    timeline.mark("data, resume")
-    wire_before = interface_counters() if spec.link else None  # this host's link, around the steps
-    result = train(ctx, strategy, train_data, start_step=start_step, stream=checkpoints.stream,
-                   on_step_end=on_step_end, records=checkpoints.records, micro_context=probe, profiler=profiler)
-    timeline.mark("steps")
-    profiles = gather(profiler.record)
-    during = monitor.finish()
-    leave_cpu_budget(cpu_budget)
-    if wire_before is not None:  # bytes this rank's host sent and received during its steps
-        wire = interface_counters()
-        prepared.described["link_traffic"] = gather({k: wire[k] - wire_before[k] for k in wire})
-    prepared.described.update(strategy.facts_after_training() or {}, train_mode=result["train_mode"])
-    memory = memory_record(ctx, load_phase)
-    memory["activations"] = probe.result
-    memory["budget"] = budget_verdict(budget, memory, result["state_bytes"])
+    def on_step_end(self, step: int) -> None:
+        self.monitor.after_step(step)  # first: a checkpoint saved at this step holds its eval point
+        self.checkpoints.on_step_end(step)
 
-    ranks = gather_ranks(result, memory)
-    timeline.mark("gather records")
-    reset_for_save = start_save_phase(ctx.device)  # the final evaluation, save and export measured alone
-    # Collective: the trained model on the held-out data (a timing-only launch, spec launches, skips it).
-    last_point = next((p for p in during["eval_points"] if p["steps_done"] == spec.steps), None)
-    evaluation = None if job.timing_only else evaluate_run(strategy, job, last_point)
-    timeline.mark("held-out eval")
-    out = summarize_run(job, ctx, strategy, prepared, ranks, len(train_data), started) if ctx.is_main else None
-    if out is not None:
-        if evaluation is not None:
-            out[0]["eval"] = {**evaluation, "during_training": during["eval_points"]}
-            if "selected" in during:
-                out[0]["eval"]["selected"] = during["selected"]
-        else:
-            out[0]["eval"] = None
-        out[0]["tracking"] = during.get("tracking")
-        out[0]["prediction"] = prediction
-        out[0]["memory_estimate"] = memory_estimate
-        out[0]["profile"] = profile_record(profiles)
+    def train(self) -> None:
+        """The steps, then what every rank measured of them, gathered (a collective)."""
+        spec, ctx, prepared = self.job.spec, self.ctx, self.prepared
+        wire_before = interface_counters() if spec.link else None  # this host's link, around the steps
+        result = train(ctx, self.strategy, self.train_data, start_step=self.start_step,
+                       stream=self.checkpoints.stream, on_step_end=self.on_step_end, records=self.checkpoints.records,
+                       micro_context=self.probe, profiler=self.profiler)
+        self.timeline.mark("steps")
+        self.profiles = gather(self.profiler.record)
+        self.during = self.monitor.finish()
+        leave_cpu_budget(self.cpu_budget)
+        if wire_before is not None:  # bytes this rank's host sent and received during its steps
+            wire = interface_counters()
+            prepared.described["link_traffic"] = gather({k: wire[k] - wire_before[k] for k in wire})
+        prepared.described.update(self.strategy.facts_after_training() or {}, train_mode=result["train_mode"])
+        memory = memory_record(ctx, self.load_phase)
+        memory["activations"] = self.probe.result
+        memory["budget"] = budget_verdict(self.budget, memory, result["state_bytes"])
+        self.ranks = gather_ranks(result, memory)
+        self.timeline.mark("gather records")
+
+    def finish(self) -> tuple[dict, list] | None:
+        """The held-out evaluation, the record, the final save; rank 0 returns (metrics, step
+        rows), the others None. The record is on disk before the final save, so a save that fails
+        (or runs out of memory, distlab.jobs.launch.write_oom_metrics) cannot take the figures
+        with it; the save's outcome and peaks then make the record that replaces it."""
+        job, ctx = self.job, self.ctx
+        reset_for_save = start_save_phase(ctx.device)  # the final evaluation, save and export measured alone
+        # Collective: the trained model on the held-out data (a timing-only launch, spec launches, skips it).
+        last_point = next((p for p in self.during["eval_points"] if p["steps_done"] == job.spec.steps), None)
+        evaluation = None if job.timing_only else evaluate_run(self.strategy, job, last_point)
+        self.timeline.mark("held-out eval")
+        summary = None
+        if ctx.is_main:
+            summary = summarize_run(job, ctx, self.strategy, self.prepared, self.ranks, len(self.train_data),
+                                    self.started)
+            saving = {"status": "saving" if self.checkpoints.enabled else "off",
+                      "note": "metrics.json was written before the final save; this record replaces it"}
+            write_outputs(job.run_dir, self.record(summary, evaluation, saving))
+        saved = self.checkpoints.save_final()
+        self.timeline.mark("final save and export")
+        peaks = gather_peaks_through_save(ctx.device, reset_for_save)  # collective
+        if summary is None:
+            return None
+        return self.record(summary, evaluation, saved or {"status": "off", "reason": "the job names no checkpoint "
+                                                                                     "folder"}, peaks)
+
+    def record(self, summary: tuple[dict, list], evaluation: dict | None, checkpoint: dict,
+               peaks: list | None = None) -> tuple[dict, list]:
+        """metrics.json's dict and the step rows, built at once: what the ranks measured
+        (summarize_run), rank 0's predictions, the held-out evaluation, the trackers, profiler
+        traces, compile time, the checkpoint and, after the save, each rank's peaks through it."""
+        metrics, steps = summary
+        spec = self.job.spec
+        timing = metrics["timing"]
         if spec.compile:
-            out[0]["timing"]["compile"] = compile_record(out[1], start_step, spec.untimed_steps, dynamo_counts())
-        # The run's figures are on disk before the final save: a save that fails (or runs out of
-        # memory, distlab.jobs.launch.write_oom_metrics) cannot take them with it.
-        out[0]["checkpoint"] = {"status": "saving" if checkpoints.enabled else "off",
-                                "note": "metrics.json was written before the final save; this record replaces it"}
-        out[0]["timeline"] = timeline.record()
-        write_outputs(job.run_dir, out)
-    saved = checkpoints.save_final()
-    timeline.mark("final save and export")
-    peaks_through_save = gather_peaks_through_save(ctx.device, reset_for_save)  # collective
-    if out is not None:
-        out[0]["checkpoint"] = saved or {"status": "off", "reason": "the job names no checkpoint folder"}
-        out[0]["timeline"] = timeline.record()
-        add_peaks_through_save(out[0]["memory"], peaks_through_save)
-    return out
+            timing = {**timing, "compile": compile_record(steps, self.start_step, spec.untimed_steps, dynamo_counts())}
+        if evaluation is not None:
+            evaluation = {**evaluation, "during_training": self.during["eval_points"],
+                          **({"selected": self.during["selected"]} if "selected" in self.during else {})}
+        return {**metrics, **self.predicted, "timing": timing,
+                "memory": metrics["memory"] if peaks is None else with_peaks_through_save(metrics["memory"], peaks),
+                "eval": evaluation, "tracking": self.during.get("tracking"), "profile": profile_record(self.profiles),
+                "checkpoint": checkpoint, "timeline": self.timeline.record()}, steps
+
+
+def run_rank(job: Job, checkpoints_class=None) -> tuple[dict, list] | None:
+    """Everything one rank does; returns (metrics, step rows) on rank 0, None elsewhere."""
+    run = RankRun(job, checkpoints_class)
+    run.train()
+    return run.finish()
 
 
 def main(argv=None) -> None:

@@ -39,6 +39,8 @@ high-water marks, and must agree on what "the rank's memory" is.
 """
 from __future__ import annotations
 
+import copy
+
 import json
 import os
 import re
@@ -254,11 +256,12 @@ def gather_peaks_through_save(device, reset_for_save: bool | None = None) -> lis
     return peaks
 
 
-def add_peaks_through_save(memory: dict, peaks: list) -> None:
-    """The run summary's per-rank memory records gain the save-phase peak and the lifetime
-    peak (the largest phase peak: load, training, save); a budget's verdict then covers the
-    save and export too (they run after the training peak was recorded, under the same
-    enforced budget)."""
+def with_peaks_through_save(memory: dict, peaks: list) -> dict:
+    """The run summary's memory record (a new one) whose per-rank records gain the save-phase
+    peak and the lifetime peak (the largest phase peak: load, training, save); a budget's verdict
+    then covers the save and export too (they run after the training peak was recorded, under
+    the same enforced budget)."""
+    memory = copy.deepcopy(memory)
     for record, save_phase in zip(memory["per_rank"], peaks):
         record["save_phase"] = save_phase
         phases = [v for v in rank_phase_peaks(record).values() if v is not None]
@@ -270,6 +273,7 @@ def add_peaks_through_save(memory: dict, peaks: list) -> None:
         verdict["measured_bytes"] = max(verdict["measured_bytes"], lifetime)
         verdict["measured_what"] += ", through the final save and export"
         verdict["fits"] = verdict["measured_bytes"] <= verdict["bytes"]
+    return memory
 
 
 def _chain(error: BaseException):
