@@ -9,6 +9,8 @@ import copy
 import json
 from pathlib import Path
 
+from distlab.records.spec import Spec
+
 # Small enough that a 2-rank run costs a few seconds of process start, not of training.
 TINY_MODEL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "intermediate_size": 128, "max_position_embeddings": 128, "tie_word_embeddings": False, "seed": 0}
@@ -77,7 +79,7 @@ def build_instruction_data(prepared: Path, out_dir: Path, seq_len: int = 32, **o
     return out_dir
 
 
-def run_experiment(prepared: Path, run_dir: Path, spec: dict, checkpoint: bool = True, data_dir=None) -> dict:
+def run_experiment(prepared: Path, run_dir: Path, spec: Spec, checkpoint: bool = True, data_dir=None) -> dict:
     """Run one experiment through distlab.jobs.launch (real ranks) on the workspace's data (or
     data_dir's); returns its metrics (as the one reader, run_outputs.read_run_record, reads them)."""
     from distlab.records.job import Job

@@ -128,7 +128,7 @@ def test_training_validation_and_the_collective_benchmark_start_ranks_through_on
         ("collective benchmark ranks", True)]
     assert "accelerate.commands.launch" in started[1][0] and "accelerate.commands.launch" in started[2][0]
     for cmd, env, marker, _, _ in started:
-        assert cmd[1:3] == ["-m", "distlab.launchers.loopback"] and env["GLOO_SOCKET_IFNAME"]
+        assert cmd[1:4] == ["-m", "distlab.launchers.entry", "distlab.launchers.loopback"] and env["GLOO_SOCKET_IFNAME"]
         assert env["OMP_NUM_THREADS"] == "1" and env["CUDA_VISIBLE_DEVICES"] == ""
         assert marker in cmd
 

@@ -59,7 +59,7 @@ def stand_in(server: str, job: Path, identity: str, out: Path,
     env = dict(warm_start_environment(), **{warm_start.SOCKET_ENV: server, "DISTLAB_LAUNCH": identity,
                                             "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    rank = f"{prefix} {sys.executable} -m distlab.rank.worker --job {job}"
+    rank = f"{prefix} {sys.executable} -m distlab.launchers.entry distlab.rank.worker --job {job}"
     # The agent dies with this process (a pytest killed by a timeout once left a stand-in training
     # for 20 minutes on a core of its own); the rank dies with the agent (its die_with_parent).
     from distlab.launchers.process import die_with_parent

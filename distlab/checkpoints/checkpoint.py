@@ -40,6 +40,7 @@ import signal
 import time
 from pathlib import Path
 
+from distlab.records.spec import Spec
 from distlab.records.checkpoint_files import (FORMAT_VERSION, META, dir_bytes, fsync_tree, read_meta,  # noqa: F401
                                              replace_dir, verify_manifest, write_manifest)
 from distlab.errors import BaseMismatch, CheckpointCorrupt, CheckpointError, CheckpointMismatch
@@ -155,7 +156,7 @@ def check_base(meta: dict, base: dict | None, where) -> None:
                              f"this run's base is {named(base)}: refusing to load them onto another base")
 
 
-def spec_fingerprint(spec: dict) -> dict:
+def spec_fingerprint(spec: Spec) -> dict:
     return {k: v for k, v in spec.items() if k not in NON_TRAJECTORY_FIELDS}
 
 
@@ -170,7 +171,7 @@ def _differences(saved: dict, now: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def check_compatible(meta: dict, spec: dict, signature: dict, where, allow_world_size: bool = False) -> None:
+def check_compatible(meta: dict, spec: Spec, signature: dict, where, allow_world_size: bool = False) -> None:
     """Raise CheckpointMismatch naming what differs: model config, parameter shapes or spec field."""
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointMismatch(f"checkpoint {where}: format_version {meta.get('format_version')!r}, this "
@@ -241,7 +242,7 @@ def save_checkpoint(dest, strategy, ctx, job: Job, signature: dict, steps_done: 
     return info
 
 
-def check_loadable(src, spec: dict, signature: dict, verify: bool = True, allow_world_size: bool = False,
+def check_loadable(src, spec: Spec, signature: dict, verify: bool = True, allow_world_size: bool = False,
                    base: dict | None = None, trainer_world_size: int | None = None) -> dict:
     """The checks load_checkpoint makes before it changes any state: manifest, identity (LoRA:
     `base`, this run's base_identity, against the one saved) and, for the trainer state, the
@@ -288,7 +289,7 @@ def load_checkpoint(src, strategy, ctx, signature: dict, stream=None, verify: bo
     return out
 
 
-def maybe_inject_fault(spec: dict, steps_done: int) -> None:
+def maybe_inject_fault(spec: Spec, steps_done: int) -> None:
     """Test hook (FAULT_ENV): SIGKILL this rank, as a crashed node would die."""
     import torch.distributed as dist
 

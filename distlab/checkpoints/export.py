@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from distlab.records.spec import Spec
 from distlab.configuration.training_tools import adapts
 from distlab.records.job import Job
 
@@ -40,7 +41,7 @@ def eval_batch(data_dir):
     return load_blocks(data_dir, "eval")[:EVAL_BATCH, :EVAL_TOKENS]
 
 
-def settings(spec: dict) -> dict:
+def settings(spec: Spec) -> dict:
     return {**DEFAULTS, **(spec.export or {})}
 
 
@@ -119,7 +120,7 @@ class AdapterWeights:
         skeleton.model.save_pretrained(str(self.folder), state_dict=self.adapters, safe_serialization=True)
 
 
-def write_export(skeleton, groups, job: Job, spec: dict, folder: Path, batch, training_logits) -> dict:
+def write_export(skeleton, groups, job: Job, spec: Spec, folder: Path, batch, training_logits) -> dict:
     """Rank 0: consume the collective `groups` into the export under `folder` while the
     streamed forward computes the recorded logits; returns what was written."""
     import os
@@ -172,7 +173,7 @@ def write_export(skeleton, groups, job: Job, spec: dict, folder: Path, batch, tr
     return info
 
 
-def export_pass(strategy, job: Job, spec: dict, folder: Path) -> tuple[dict | None, str | None]:
+def export_pass(strategy, job: Job, spec: Spec, folder: Path) -> tuple[dict | None, str | None]:
     """Collective: the training model's own logits, then one pass of strategy.state_groups()
     that rank 0 turns into the export and the recorded logits. Every rank drains the groups
     even when rank 0's part failed, so no peer is left in a gather. Returns (info on rank 0,

@@ -23,7 +23,7 @@ from distlab.configuration import schema as schema_file
 from distlab.configuration.config_links import check_unequal_and_link, link_label, machine_refusal, with_link_caps
 from distlab.configuration.input_checks import ConfigError
 from distlab.configuration.schema import load_schema  # also this module's name for it: validate_schema reads it here
-from distlab.records.spec import Spec, SpecDraft
+from distlab.records.spec import Spec, SpecDraft, SpecFields
 from distlab.configuration.training_tools import adapts, check_training_tools
 from distlab.strategies import strategy_key
 from distlab.strategies.settings import registered, schema_mismatch, settings_for, strategy_defaults
@@ -145,12 +145,12 @@ def _fill_defaults(instance, schema):
             _fill_defaults(instance[key], sub)
 
 
-def variant(spec: dict) -> str:
+def variant(spec: SpecFields) -> str:
     """The strategy-specific part of an experiment id (e.g. `z3-offopt`)."""
     return settings_for(spec).variant(spec)
 
 
-def experiment_id(spec: dict) -> str:
+def experiment_id(spec: SpecFields) -> str:
     parts = [spec.strategy]
     extra = variant(spec)
     if extra:
@@ -176,13 +176,13 @@ def experiment_id(spec: dict) -> str:
     return "-".join(parts)
 
 
-def resolve_launcher(spec: dict) -> str:
+def resolve_launcher(spec: SpecFields) -> str:
     if spec.launcher != "auto":
         return spec.launcher
     return registered()[strategy_key(spec)].launcher
 
 
-def accelerate_runs(spec: dict) -> bool:
+def accelerate_runs(spec: SpecFields) -> bool:
     """Experiments the Accelerate strategy runs: its own, and FSDP requested through it."""
     return strategy_key(spec) == "accelerate"
 
@@ -232,7 +232,7 @@ def expand_experiments(config: dict, gpu_count: int | None = None) -> dict[str, 
     return specs
 
 
-def check_experiment(spec: dict, config: dict, where: str, gpu_count: int) -> None:
+def check_experiment(spec: SpecFields, config: dict, where: str, gpu_count: int) -> None:
     """Semantic checks the schema cannot express; each error names the field."""
 
     def fail(field, message):
@@ -291,7 +291,7 @@ def built_model(config: dict, name: str) -> dict:
     return _deep_merge(model.get("build", {}), model.get("extra", {})[name].get("build", {}))
 
 
-def model_shape(config: dict, spec: dict | None = None) -> dict:
+def model_shape(config: dict, spec: SpecFields | None = None) -> dict:
     """The shape of the model an experiment fine-tunes (spec None or no `model` key: the base
     model): a model.extra entry's build, the base model's config.json when a local path is
     given, else `model.build`."""
@@ -310,7 +310,7 @@ def model_shape(config: dict, spec: dict | None = None) -> dict:
     return model.get("build", {})
 
 
-def model_max_positions(config: dict, spec: dict | None = None):
+def model_max_positions(config: dict, spec: SpecFields | None = None):
     return model_shape(config, spec).get("max_position_embeddings")
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from distlab.records.spec import SpecFields
+
 
 def link_label(mbit: float | None) -> str:
     """100 -> '100m', 1000 -> '1g', 2500 -> '2.5g', None -> 'free' (namespaced, uncapped)."""
@@ -26,7 +28,7 @@ def with_link_caps(block: dict, base: dict) -> list[tuple[int, dict]]:
     return out
 
 
-def check_unequal_and_link(spec: dict, fail) -> None:
+def check_unequal_and_link(spec: SpecFields, fail) -> None:
     """Per-rank batches and threads (unequal devices), and links between namespaced ranks."""
     world = spec.world_size
     sized, threads, budget = spec.rank_micro_batch, spec.rank_cpu_threads, spec.rank_cpu_budget
@@ -66,7 +68,7 @@ def check_unequal_and_link(spec: dict, fail) -> None:
              "links are for CPU ranks (gloo over TCP)")
 
 
-def machine_refusal(spec: dict) -> tuple[str, str] | None:
+def machine_refusal(spec: SpecFields) -> tuple[str, str] | None:
     """(field, why) when this machine cannot give the experiment what it asks (network
     namespaces for a link, cpu cgroups for CPU budgets: root), else None. The default stages
     are refused when the config loads; the opt-in ones when their target asks for them

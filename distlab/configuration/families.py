@@ -33,6 +33,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from distlab.records.spec import SpecFields
+
 #: Hugging Face tp-plan style -> the torch.distributed.tensor.parallel style it means
 #: (transformers/distributed/tensor_parallel.py registers the same layouts for its own classes).
 #: "replicate" keeps the full weight on every rank: nothing to parallelize.
@@ -95,7 +97,7 @@ def refusal(folder: str, strategy, world_size: int) -> str | None:
     return f"strategy '{strategy.name}' cannot run model type '{model_type}' ({model_class}): {why}"
 
 
-def check(spec: dict, config: dict, fail, strategy) -> None:
+def check(spec: SpecFields, config: dict, fail, strategy) -> None:
     """Config-time gate (distlab.configuration.config.check_experiment) for the spec's strategy (its
     settings): fail('strategy', why) for a family it cannot split. Only a strategy that splits
     the model by the family's plans is checked, and only for a local `model.path` folder."""

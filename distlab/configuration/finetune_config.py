@@ -12,7 +12,7 @@ import math
 import warnings
 
 from distlab.configuration.input_checks import ConfigError
-from distlab.records.spec import Spec, SpecDraft
+from distlab.records.spec import Spec, SpecDraft, SpecFields
 from distlab.strategies.settings import data_parallel
 
 LENGTH_KEYS = ("steps", "epochs", "max_tokens")
@@ -57,12 +57,12 @@ def over(base: dict, keys: dict) -> dict:
     return out
 
 
-def data_parallel_size(spec: dict) -> int:
+def data_parallel_size(spec: SpecFields) -> int:
     """Ranks that read different samples: tensor- and pipeline-parallel ranks read the same ones."""
     return spec.world_size if data_parallel(spec) else 1
 
 
-def resolve_length(spec: dict, train_blocks: int | None = None) -> dict:
+def resolve_length(spec: SpecFields, train_blocks: int | None = None) -> dict:
     """Fill spec.steps (optimizer steps) from epochs or max_tokens, and spec.length with how.
 
     max_tokens: steps = ceil(max_tokens / tokens per step), known from the spec alone.
@@ -107,7 +107,7 @@ def resolve_length(spec: dict, train_blocks: int | None = None) -> dict:
     return spec
 
 
-def resolve_epochs(spec: dict, data_dir) -> dict:
+def resolve_epochs(spec: SpecFields, data_dir) -> dict:
     """An epochs experiment's spec with its steps from the prepared data (distlab_data.json's
     train blocks), checked like a steps experiment at config time; errors name the field."""
     import json
@@ -127,7 +127,7 @@ def resolve_epochs(spec: dict, data_dir) -> dict:
     return Spec(spec)
 
 
-def check_length(spec: dict, fail) -> None:
+def check_length(spec: SpecFields, fail) -> None:
     """Checks that need the resolved steps (config time; for epochs once the data exists)."""
     steps = spec.steps
     if spec.untimed_steps >= steps:
@@ -145,7 +145,7 @@ def check_length(spec: dict, fail) -> None:
              "would fall inside it")
 
 
-def check_finetune(spec: dict, fail) -> None:
+def check_finetune(spec: SpecFields, fail) -> None:
     """Relations between the fine-tuning keys that need no resolved length. (Activation
     checkpointing needs none: every strategy took it in the tests, the model's support is
     checked when it loads, distlab.runtime.activations.enable_checkpointing.)"""

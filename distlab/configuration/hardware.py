@@ -11,6 +11,8 @@ import re
 import socket
 import statistics
 
+from distlab.records.spec import SpecFields
+
 # Peak dense FLOP/s per board variant and matmul precision, from NVIDIA's datasheets
 # (datasheets give sparse tensor figures for Ampere and later: dense = half of those).
 # Keys are the exact names torch / NVML report; a name not listed gets a measured matmul
@@ -162,7 +164,7 @@ def measure_cuda_matmul_peak(device, precision: str, size: int = 4096, repeats: 
             "flops_per_s": 2 * size**3 / median}
 
 
-def peak_flops_per_rank(device, spec: dict, hardware: dict) -> tuple[float | None, str]:
+def peak_flops_per_rank(device, spec: SpecFields, hardware: dict) -> tuple[float | None, str]:
     """MFU denominator of one rank and how it was found. CUDA: the datasheet peak of this
     rank's board at the precision its matmuls run in (bf16/fp16 autocast; fp32 as TF32 or
     not, as torch is set), or a measured matmul probe where the board is not in the table.

@@ -5,6 +5,8 @@ by the functions that return a torch dtype (the config layer and the launchers s
 """
 from __future__ import annotations
 
+from distlab.records.spec import SpecFields
+
 #: The 16-bit precisions a run may compute in (mixed precision, fp32 masters).
 LOW_PRECISIONS = ("bf16", "fp16")
 #: Every precision a spec may name (the schemas' precision enums: distlab.configuration.axes).
@@ -31,7 +33,7 @@ def low_precision_dtype(precision: str):
     return torch_dtype(precision) if is_mixed(precision) else None
 
 
-def autocast(spec: dict, device):
+def autocast(spec: SpecFields, device):
     """torch.autocast in the run's 16-bit dtype around a forward (a null context for fp32)."""
     import contextlib
 
@@ -49,7 +51,7 @@ def frozen_base_precision(method: str | None, precision: str | None) -> str:
     return "bf16" if method == "lora" and precision == "bf16" else "fp32"
 
 
-def frozen_base_dtype(spec: dict):
+def frozen_base_dtype(spec: SpecFields):
     """frozen_base_precision as a torch dtype, for the spec's method and precision."""
     return torch_dtype(frozen_base_precision(spec.method, spec.precision))
 

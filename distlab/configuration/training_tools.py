@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from distlab.records.spec import SpecFields
 from distlab.strategies import strategy_key
 
 # Where QLoRA's 4-bit base cannot go, and why (strategy_key: FSDP through Accelerate is "accelerate").
@@ -35,13 +36,13 @@ ZERO3_COMPILE_REFUSAL = (
     "distlab does not wire. Stages 0-2 compile")
 
 
-def adapts(spec: dict) -> bool:
+def adapts(spec: SpecFields) -> bool:
     """Whether the run trains adapters on a frozen base (LoRA, QLoRA): its checkpoint holds the
     adapters only and its export is the PEFT adapter folder."""
     return spec.method in ("lora", "qlora")
 
 
-def check_training_tools(spec: dict, fail) -> None:
+def check_training_tools(spec: SpecFields, fail) -> None:
     """The refusals of method qlora, compile and profile (fail(field, message) raises)."""
     key = strategy_key(spec)
     if spec.method == "qlora":

@@ -2,6 +2,7 @@
 checkpoints the same format. Light like distlab.configuration.config: the Snakefile imports it."""
 from __future__ import annotations
 
+from distlab.records.spec import SpecFields
 from distlab.strategies import strategy_key
 from distlab.strategies.settings import settings_for
 
@@ -28,12 +29,12 @@ def validated_experiments(config: dict, specs: dict[str, dict]) -> list[str]:
     return [exp_id for exp_id in specs if exp_id in chosen]
 
 
-def shards_checkpoint(spec: dict) -> bool:
+def shards_checkpoint(spec: SpecFields) -> bool:
     """Whether the run's checkpoint holds per-rank shards (validation scope 'sharded')."""
     return settings_for(spec).shards_checkpoint(spec)
 
 
-def checkpoint_format(spec: dict) -> tuple:
+def checkpoint_format(spec: SpecFields) -> tuple:
     """What changes the checkpoint a run writes (ZeRO stage and offload, FSDP variant, precision)
     beyond strategy x method x launcher; world size and batch shape do not (each strategy's
     settings file says which of its settings do)."""

@@ -76,10 +76,10 @@ def write_oom_metrics(job: Job) -> bool:
                "memory_budget_gib": spec.memory_budget_gib, "versions": library_versions()}
     written = run_dir / "metrics.json"
     if written.is_file():  # this launch's figures, written before its final save (launch removed older ones)
-        trained = read_run_record(written).to_dict()
-        metrics = {**trained, **metrics, "oom_phase": "final save",
-                   "checkpoint": {"status": "failed", "error": "out of memory during the final save: "
-                                  + "; ".join(f"rank {r['rank']}: {r['error']}" for r in records)}}
+        metrics = read_run_record(written).updated(
+            **metrics, oom_phase="final save",
+            checkpoint={"status": "failed", "error": "out of memory during the final save: "
+                        + "; ".join(f"rank {r['rank']}: {r['error']}" for r in records)})
     else:
         (run_dir / "steps.jsonl").write_text("")
     write_metrics(run_dir, metrics)

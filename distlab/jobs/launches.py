@@ -16,24 +16,24 @@ from pathlib import Path
 
 from distlab.records.job import Job, replace
 from distlab.records.run_layout import run_files_dir
-from distlab.records.run_outputs import read_run_record, throughput_unit, write_metrics
+from distlab.records.run_outputs import RunRecord, read_run_record, write_metrics
+from distlab.records.spec import thaw
 
 # Float summation order only (the same seed, data and world size): identical here to ~1e-6.
 LOSS_TOLERANCE = 1e-5
 
 
-def summary_of(metrics: dict) -> dict:
+def summary_of(record: RunRecord) -> dict:
     """What one launch measured, its throughput in the unit the run counts (its task's: tokens/s,
     images/s), named as the run's throughput names it."""
-    unit = throughput_unit(metrics)
-    return {"unit": unit, f"{unit}s_per_s": metrics["throughput"][f"{unit}s_per_s"],
-            "median_step_s": metrics["timing"]["step_time_s"]["median"],
-            "loss_last": metrics["loss"]["last"], "noise": metrics.get("noise")}
+    return {"unit": record.unit, f"{record.unit}s_per_s": record.units_per_s,
+            "median_step_s": record.timing.step_time_s.median, "loss_last": record.loss.last,
+            "noise": thaw(record.noise)}
 
 
 def repeat_launches(job: Job, run_launcher, log_path: str | None, timeout: float | None) -> list[dict]:
     run_dir = Path(job.run_dir)
-    first = read_run_record(run_dir / "metrics.json").to_dict()
+    first = read_run_record(run_dir / "metrics.json")
     launches = [summary_of(first)]
     for k in range(2, job.spec.launches + 1):
         folder = run_dir / f"launch-{k}"
@@ -43,13 +43,12 @@ def repeat_launches(job: Job, run_launcher, log_path: str | None, timeout: float
         job_path = folder / "job.json"
         again.write(job_path)
         run_launcher(again, str(job_path.resolve()), log_path, timeout)
-        metrics = read_run_record(folder / "metrics.json").to_dict()
-        gap = max(abs(a - b) for a, b in zip(first["loss"]["per_step"], metrics["loss"]["per_step"]))
+        again_record = read_run_record(folder / "metrics.json")
+        gap = max(abs(a - b) for a, b in zip(first.loss.per_step, again_record.loss.per_step))
         if gap > LOSS_TOLERANCE:
             raise RuntimeError(f"launch {k} of {job.spec.id} reached other losses (max gap {gap:.2e} > "
                                f"{LOSS_TOLERANCE}): not the same work as launch 1")
-        launches.append(summary_of(metrics))
+        launches.append(summary_of(again_record))
         shutil.rmtree(folder)
-    first["launches"] = launches
-    write_metrics(run_dir, first)
+    write_metrics(run_dir, first.updated(launches=launches))
     return launches

@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from distlab.records.spec import Spec
 from distlab.configuration.training_tools import adapts
 from distlab.records.job import ValidationJob, replace
-from distlab.records.spec import Spec
 from distlab.records.validation import (FAILED, MERGE_TOLERANCE, PARITY_TOLERANCE, PASSED,  # noqa: F401 (theirs too)
                                        RELOAD_TOLERANCE, UNSUPPORTED, VALIDATION_SCHEMA_VERSION)
 
-def phase_checks(phase: str, spec: dict) -> list[str]:
+def phase_checks(phase: str, spec: Spec) -> list[str]:
     """The checks a phase records (export runs once, on rank 0, before any phase)."""
     if phase == "reshard":
         return ["reshard"]
@@ -36,12 +36,12 @@ def broken_checks(checks: dict, names: list[str]) -> dict:
             if n not in checks or checks[n].get("exception")}
 
 
-def required_checks(spec: dict) -> list[str]:
+def required_checks(spec: Spec) -> list[str]:
     names = ["manifest", "compatibility", "reload", "resume_parity", "export"]
     return names + (["lora_base_frozen"] if adapts(spec) else [])
 
 
-def verdict(result: dict, spec: dict) -> dict:
+def verdict(result: dict, spec: Spec) -> dict:
     """passed: every required check passed and no check failed (resharding may be unsupported)."""
     checks = result["checks"]
     failed = [n for n, c in checks.items() if c["status"] == FAILED]
@@ -62,14 +62,14 @@ def validate_run(run_dir, model_source: str, data_dir: str, out_path, log_path=N
     from distlab.records.run_outputs import read_run_record
 
     run_dir = Path(run_dir)
-    metrics = read_run_record(run_dir / "metrics.json").to_dict()
-    spec = Spec(metrics["spec"])
+    record = read_run_record(run_dir / "metrics.json")
+    spec = record.spec
     result = {"schema_version": VALIDATION_SCHEMA_VERSION, "experiment": spec.id, "passed": False,
               "status": None, "checks": {}}
     root = run_dir / "checkpoint"
-    if metrics.get("status") != "ok":
+    if record.status != "ok":
         result.update(status="nothing to validate",
-                      reason=f"the run ended with status {metrics.get('status')!r}; it saved no checkpoint")
+                      reason=f"the run ended with status {record.status!r}; it saved no checkpoint")
         return _write(out_path, result)
     failed_save = root / "FAILED.json"  # distlab.rank.training_checkpoints.FAILED
     if failed_save.is_file():
@@ -97,8 +97,8 @@ def validate_run(run_dir, model_source: str, data_dir: str, out_path, log_path=N
     work.mkdir(exist_ok=True)
     job = ValidationJob(spec=spec, run_dir=str(run_dir), model_source=model_source, data_dir=data_dir,
                         final=str(final), parity=str(parity[-1]) if parity else None,
-                        expected_losses=metrics["loss"]["per_step"],
-                        expected_lrs=(metrics.get("optimization") or {}).get("lr_per_step"))
+                        expected_losses=record.loss.per_step,
+                        expected_lrs=(record.optimization or {}).get("lr_per_step"))
     other, why_not = reshard_target(spec)
     plans = launch_plans(spec, other if why_not is None else None)
     for index, plan in enumerate(plans):
@@ -123,7 +123,7 @@ def validate_run(run_dir, model_source: str, data_dir: str, out_path, log_path=N
     return _write(out_path, verdict(result, spec))
 
 
-def reshard_target(spec: dict) -> tuple[int, str | None]:
+def reshard_target(spec: Spec) -> tuple[int, str | None]:
     """The other world size (2 -> 1, 1 -> 2) and why it cannot run here, if it cannot."""
     other = 1 if spec.world_size > 1 else 2
     if spec.device == "cuda":
@@ -134,7 +134,7 @@ def reshard_target(spec: dict) -> tuple[int, str | None]:
     return other, None
 
 
-def launch_plans(spec: dict, other: int | None) -> list[list[list]]:
+def launch_plans(spec: Spec, other: int | None) -> list[list[list]]:
     """[[phase, world size], ...] per launch. A process start costs seconds of imports, so one
     launch serves both world sizes: the larger world runs first, then rank 0 goes on alone in a
     one-rank group. Accelerate's launcher fixes the process count from its config file, so it

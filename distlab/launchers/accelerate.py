@@ -19,11 +19,12 @@ the run when it is not the one the experiment needs.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import yaml
 
+from distlab.records.spec import Spec
+from distlab.launchers.entry import entry_command, entry_target
 from distlab.launchers.environment import single_node_environment
 from distlab.configuration.precision import ACCELERATE_MIXED_PRECISION
 from distlab.records.sharing import portable
@@ -31,7 +32,7 @@ from distlab.strategies.accelerate_settings import CONFIG_NAME
 from distlab.strategies.settings import settings_for
 
 
-def config_distributed_type(spec: dict) -> str:
+def config_distributed_type(spec: Spec) -> str:
     """The distributed_type written to the config file (what selects Accelerate's launcher)."""
     plugin = settings_for(spec).accelerate_plugin(spec)  # FSDP through Accelerate
     if plugin:
@@ -42,7 +43,7 @@ def config_distributed_type(spec: dict) -> str:
     return "MULTI_GPU"
 
 
-def accelerate_config(spec: dict) -> dict:
+def accelerate_config(spec: Spec) -> dict:
     """The Accelerate config file's content for one experiment (one machine)."""
     config = {
         "compute_environment": "LOCAL_MACHINE",
@@ -71,11 +72,11 @@ def accelerate_command(config_path: str, module: str, *args: str) -> list[str]:
     """`accelerate launch --config_file ... -m <module> <args>` (module form of the CLI)."""
     # Through distlab.launchers.loopback: the torchrun agent inside accelerate launch binds its
     # rendezvous store to 127.0.0.1 only.
-    return [sys.executable, "-m", "distlab.launchers.loopback", "accelerate.commands.launch", "--config_file",
-            str(config_path), "-m", module, *args]
+    return entry_command("distlab.launchers.loopback", "accelerate.commands.launch", "--config_file",
+                         str(config_path), *entry_target(module, *args))
 
 
-def rerun_environment(spec: dict) -> dict:
+def rerun_environment(spec: Spec) -> dict:
     """What a by-hand launch of the saved file needs in its environment. On CPU: the
     torchrun-based launcher does not pass the file's use_cpu to the ranks (accelerate 1.15
     exports ACCELERATE_USE_CPU only from its single-process launcher), so a script that builds a
@@ -84,7 +85,7 @@ def rerun_environment(spec: dict) -> dict:
     return {"ACCELERATE_USE_CPU": "true"} if spec.device == "cpu" else {}
 
 
-def write_accelerate_config(spec: dict, folder: str | os.PathLike, job_path: str) -> Path:
+def write_accelerate_config(spec: Spec, folder: str | os.PathLike, job_path: str) -> Path:
     path = Path(folder) / CONFIG_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
     env = "".join(f"{name}={value} " for name, value in rerun_environment(spec).items())
@@ -104,7 +105,7 @@ def write_accelerate_config(spec: dict, folder: str | os.PathLike, job_path: str
     return path
 
 
-def launch_environment(spec: dict) -> dict:
+def launch_environment(spec: Spec) -> dict:
     env = single_node_environment(spec)
     for name in [n for n in env if n.startswith("ACCELERATE_")]:
         del env[name]  # the config file, not an inherited variable, decides

@@ -9,15 +9,12 @@ with the job, and its whole tree is killed on an error or a signal (distlab.laun
 """
 from __future__ import annotations
 
-if __name__ == "__main__":  # first, before the heavy imports: a warm start skips them
-    from distlab.launchers.process import enter
-
-    enter("distlab.launchers.call", same_launch=False)  # its parent check is run_tree's (preexec)
-
 import importlib
 import json
 import os
 import sys
+
+from distlab.launchers.entry import entry_command
 
 
 def call_in_own_process(target: str, marker: str, device: str = "cpu", **kwargs) -> None:
@@ -36,7 +33,7 @@ def call_in_own_process(target: str, marker: str, device: str = "cpu", **kwargs)
         env.update(CPU_ENV)
     else:
         env.pop(SOCKET_ENV, None)
-    command = [sys.executable, "-m", "distlab.launchers.call", target, json.dumps(kwargs)]
+    command = entry_command("distlab.launchers.call", target, json.dumps(kwargs))
     run_ranks(command, env, None, None, marker=os.path.abspath(marker), what=target)
 
 

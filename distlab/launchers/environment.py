@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+from distlab.records.spec import Spec
 from distlab.launchers import warm_start
 
 BASE_ENV = {
@@ -29,7 +30,7 @@ FAULT_ENV = "DISTLAB_FAULT_KILL"
 CPU_ENV = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
 
 
-def cuda_rank_threads(spec: dict) -> int:
+def cuda_rank_threads(spec: Spec) -> int:
     """CPU threads of one CUDA rank: the job's cores (DISTLAB_JOB_THREADS, Snakemake's
     `threads` of the job, set by distlab.jobs.rule_log) split evenly over its ranks, at least 1.
     torchrun's default of 1 thread starves the host-side work of a GPU rank (ZeRO offload's
@@ -40,7 +41,7 @@ def cuda_rank_threads(spec: dict) -> int:
     return max(1, int(job_threads) // spec.world_size)
 
 
-def rank_environment(spec: dict) -> dict:
+def rank_environment(spec: Spec) -> dict:
     env = dict(os.environ)
     env.update(BASE_ENV)
     # CPU: a "device" is cpu_threads_per_rank cores; CUDA: the job's cores split over its ranks.
@@ -63,7 +64,7 @@ def warm_start_environment() -> dict:
     return env
 
 
-def single_node_environment(spec: dict) -> dict:
+def single_node_environment(spec: Spec) -> dict:
     """A rank's environment for a launch on this machine alone (torchrun, accelerate launch):
     its gloo/NCCL sockets on the loopback interface (distlab.launchers.loopback)."""
     from distlab.launchers import loopback

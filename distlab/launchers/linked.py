@@ -18,6 +18,7 @@ import json
 import sys
 import time
 
+from distlab.launchers.entry import entry_target
 from distlab.records.job import Job
 from distlab.launchers.environment import rank_environment
 from distlab.launchers.process import launch_failure, launch_line, run_trees
@@ -33,7 +34,7 @@ def node_command(hosts: LinkedHosts, node_rank: int, module: str, *args: str) ->
     return hosts.inside(node_rank, [
         sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts.n_hosts}", "--nproc-per-node=1",
         f"--node-rank={node_rank}", "--rdzv-backend=static", f"--master-addr={hosts.address(0)}",
-        f"--master-port={MASTER_PORT}", "--max-restarts=0", "-m", module, *args])
+        f"--master-port={MASTER_PORT}", "--max-restarts=0", *entry_target(module, *args)])
 
 
 def link_environment(env: dict) -> dict:

@@ -75,9 +75,6 @@ def install() -> None:
 
 
 def main() -> None:
-    from distlab.launchers.process import enter
-
-    enter("distlab.launchers.loopback", same_launch=False)  # its parent check is run_tree's (preexec)
     module = sys.argv[1]
     sys.argv = [module] + sys.argv[2:]
     install()

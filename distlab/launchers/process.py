@@ -69,9 +69,10 @@ def die_with_parent(parent: int | None = None, parent_names: str | None = None, 
 
 
 def enter(module: str, same_launch: bool = True, job: str | None = None) -> None:
-    """The first statement of every entry module distlab starts (`python -m <module>`), before its
-    heavy imports: the parent check (die_with_parent; same_launch: the module is a rank, whose
-    parent is its launch's agent), then a warm start where this run offers one
+    """What distlab.launchers.entry runs before an entry module's heavy imports (every process
+    distlab starts that a warm start may fork: `python -m distlab.launchers.entry <module>`): the
+    parent check (die_with_parent; same_launch: the module is a rank, whose parent is its
+    launch's agent), then a warm start where this run offers one
     (distlab.launchers.warm_start.hand_over: this process then ends with its forked copy).
     job: "training" or "validation" for a rank of a --job file (what else it imports follows
     from its spec: warm_start.rank_imports)."""

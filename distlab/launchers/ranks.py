@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from distlab.records.spec import Spec
 from distlab.records.job import Job
 from distlab.launchers.accelerate import accelerate_command, launch_environment, write_accelerate_config
 from distlab.launchers.environment import single_node_environment
@@ -25,7 +26,7 @@ from distlab.launchers.torchrun import torchrun_command
 from distlab.records.run_layout import run_files_dir
 
 
-def rank_command(spec: dict, module: str, args: list[str], marker: str, run_dir=None) -> tuple[list[str], dict]:
+def rank_command(spec: Spec, module: str, args: list[str], marker: str, run_dir=None) -> tuple[list[str], dict]:
     """The command and environment that start spec.world_size ranks of `module`: accelerate
     launch for an experiment Accelerate launched (its config file, written from the spec into
     run_dir's run_files/, is the one the launch reads), else torchrun (a Ray-launched experiment's
@@ -36,7 +37,7 @@ def rank_command(spec: dict, module: str, args: list[str], marker: str, run_dir=
     return torchrun_command(spec.world_size, module, *args), single_node_environment(spec)
 
 
-def start_ranks(spec: dict, module: str, args: list[str], marker: str | Path, log_path: str | None,
+def start_ranks(spec: Spec, module: str, args: list[str], marker: str | Path, log_path: str | None,
                 timeout: float | None, run_dir=None, what: str = "training ranks", check: bool = True) -> int | None:
     """Run `module`'s ranks (rank_command) to completion. marker: the launch's job file (or the
     output it writes), whose path names every process of the launch (distlab.launchers.process).

@@ -29,6 +29,7 @@ import shutil
 import sys
 import tempfile
 
+from distlab.records.spec import Spec
 from distlab.records.job import Job
 from distlab.launchers.environment import rank_environment
 from distlab.launchers.process import run_ranks
@@ -37,7 +38,7 @@ from distlab.launchers.ray_nodes import token_auth_environment
 PRIVATE_TEMP_DIR_ENV = "DISTLAB_RAY_TEMP_DIR"
 
 
-def resolve_address(spec: dict) -> str | None:
+def resolve_address(spec: Spec) -> str | None:
     """None = start a local Ray instance for this job; "env" = $RAY_ADDRESS (must be set)."""
     address = spec.ray["address"]
     if address == "env":

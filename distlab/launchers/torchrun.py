@@ -8,19 +8,19 @@ one; distlab.launchers.loopback); `--max-restarts=0`: a failed rank fails the jo
 """
 from __future__ import annotations
 
-import sys
 
 from distlab.launchers import loopback
+from distlab.launchers.entry import entry_command, entry_target
 
 
 def _loopback_torchrun(world_size: int, *target: str) -> list[str]:
-    return [sys.executable, "-m", "distlab.launchers.loopback", "torch.distributed.run", "--nnodes=1",
-            f"--nproc-per-node={world_size}", *loopback.launcher_args(), "--max-restarts=0", *target]
+    return entry_command("distlab.launchers.loopback", "torch.distributed.run", "--nnodes=1",
+                         f"--nproc-per-node={world_size}", *loopback.launcher_args(), "--max-restarts=0", *target)
 
 
 def torchrun_command(world_size: int, module: str, *args: str) -> list[str]:
     """`torchrun --nproc-per-node <world_size> -m <module> <args>` on this machine."""
-    return _loopback_torchrun(world_size, "-m", module, *args)
+    return _loopback_torchrun(world_size, *entry_target(module, *args))
 
 
 def torchrun_script_command(world_size: int, script: str, *args: str) -> list[str]:

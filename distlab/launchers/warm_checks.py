@@ -20,8 +20,17 @@ from __future__ import annotations
 import os
 import sys
 
-ENTRY_MODULES = ("distlab.rank.worker", "distlab.rank.validate_ranks", "distlab.launchers.loopback",
-                 "distlab.tools.collectives", "distlab.launchers.call")
+# The modules distlab starts through distlab.launchers.entry, each with its start-up options
+# (distlab.launchers.process.enter): a rank's parent must be its own launch's agent (same_launch);
+# a training or validation rank's job file says what else it imports (job). The launcher agent
+# and a called function are children of run_tree, which checks their parent before they start.
+ENTRY_MODULES = {
+    "distlab.rank.worker": {"job": "training"},
+    "distlab.rank.validate_ranks": {"job": "validation"},
+    "distlab.tools.collectives": {},
+    "distlab.launchers.loopback": {"same_launch": False},
+    "distlab.launchers.call": {"same_launch": False},
+}
 # Variables a library reads when it is imported (the interpreter, the loader, glibc's malloc,
 # GNU OpenMP, MKL, OpenBLAS, torch, Hugging Face, CUDA, DeepSpeed): a request whose value differs from the
 # server's is refused. Thread counts are set per job (snakemake) and launch (distlab) and applied

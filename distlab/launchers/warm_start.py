@@ -12,8 +12,9 @@ How (the pattern of multiprocessing's forkserver and Android's zygote):
   MLflow, DeepSpeed, Accelerate or PEFT (`rank_imports`) it forks a flavour server that imports
   them too, on the first such request, and keeps it for the run. Servers start no thread and never
   touch a GPU, so forking them is safe.
-- The launcher starts its agent and ranks exactly as before (`python -m <entry module> ...`, the
-  lines in the log rerun by hand). Each entry module's first statement is
+- The launcher starts its agent and ranks exactly as before, each through one prefix
+  (`python -m distlab.launchers.entry <entry module> ...`, distlab.launchers.entry; the lines in
+  the log rerun by hand). Before the module's imports the prefix runs
   distlab.launchers.process.enter: with SOCKET_ENV in its environment (CPU launches only:
   distlab.launchers.environment) the process sends the server its module, argv, environment,
   working folder, umask, CPU affinity and its stdin/stdout/stderr (SCM_RIGHTS), and stays as the
@@ -49,6 +50,8 @@ import signal
 import socket
 import struct
 import sys
+
+from distlab.records.spec import Spec
 
 SOCKET_ENV = "DISTLAB_WARM_SOCKET"
 REFUSED_ENV = "DISTLAB_WARM_REFUSED"  # why a process with a server started fresh
@@ -212,7 +215,7 @@ def launch_of_copy(pid: int, cmdline: list[str], parent: int) -> str | None:
         return None
 
 
-def rank_imports(spec: dict, rank: int, training: bool = True) -> list[str]:
+def rank_imports(spec: Spec, rank: int, training: bool = True) -> list[str]:
     """What a rank of `spec` imports beyond PRELOAD that a flavour server can import once, as its
     strategy's settings, its launcher and its method declare them (`rank_libraries`,
     RANK_LIBRARIES, METHOD_LIBRARIES), plus MLflow on a training rank 0 that tracks to it

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
 
+from distlab.records.spec import Spec
 from distlab.runtime.accumulation import step_items, step_loss
 from distlab.runtime.noise import NoiseProbe
 from distlab.strategies.base import RunContext, Strategy
@@ -27,7 +28,7 @@ class IndexStream:
     this rank takes its slice of each.
     """
 
-    def __init__(self, n_samples: int, spec: dict, dp_rank: int, dp_size: int, rank_batches: list[int] | None = None):
+    def __init__(self, n_samples: int, spec: Spec, dp_rank: int, dp_size: int, rank_batches: list[int] | None = None):
         self.spec = spec
         self.batch_size, self.slice = spec.micro_batch, None
         if rank_batches:

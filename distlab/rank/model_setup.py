@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from distlab.records.spec import Spec
+
 
 @dataclass
 class PreparedModel:
@@ -20,7 +22,7 @@ class PreparedModel:
     described: dict  # what wraps the model, really (Strategy.describe), already verified
 
 
-def prepare_model(strategy, model_source: str, spec: dict) -> PreparedModel:
+def prepare_model(strategy, model_source: str, spec: Spec) -> PreparedModel:
     """strategy.load_model -> LoRA -> strategy.wrap -> strategy.verify; collective."""
     import torch
 
@@ -70,7 +72,7 @@ def prepare_model(strategy, model_source: str, spec: dict) -> PreparedModel:
                          described=described)
 
 
-def verify_tools(model, spec: dict, described: dict, compiled: dict | None) -> None:
+def verify_tools(model, spec: Spec, described: dict, compiled: dict | None) -> None:
     """Record what the wrapped model really holds of QLoRA and compilation, and fail the run
     when it differs from the spec (a qlora label without a 4-bit layer, layers not compiled)."""
     from distlab.errors import FidelityError

@@ -16,6 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
+from distlab.records.spec import Spec
 from distlab.launchers.environment import BASE_ENV, FAULT_ENV
 from distlab.launchers.ray_driver import PRIVATE_TEMP_DIR_ENV, resolve_address
 from distlab.launchers.ray_record import earlier_rows, ray_record
@@ -24,7 +25,7 @@ from distlab.records.job import Job, collective_timeout, read_job, replace
 HEAD_RESOURCE = "node:__internal_head__"  # the resource Ray gives its head node only
 
 
-def scaling(spec: dict) -> tuple[int | tuple[int, int], dict]:
+def scaling(spec: Spec) -> tuple[int | tuple[int, int], dict]:
     """num_workers (fixed, or (min, max) when elastic) and what each worker reserves."""
     low = spec.ray["min_workers"]
     counts = spec.world_size if low in (None, spec.world_size) else (low, spec.world_size)
@@ -32,7 +33,7 @@ def scaling(spec: dict) -> tuple[int | tuple[int, int], dict]:
     return counts, resources
 
 
-def worker_environment(spec: dict) -> dict:
+def worker_environment(spec: Spec) -> dict:
     """What each Ray worker process gets (Ray workers inherit the raylet's env, not ours)."""
     env = dict(BASE_ENV, OMP_NUM_THREADS=str(spec.cpu_threads_per_rank))
     if spec.device == "cpu":
@@ -68,7 +69,7 @@ def _run_log_class():
 
 
 @contextlib.contextmanager
-def ray_cluster(spec: dict):
+def ray_cluster(spec: Spec):
     """Connect to the configured head, or start a local instance sized like the job's
     Snakemake resources (world_size x cpu_threads_per_rank cores, world_size GPUs on cuda)."""
     import ray

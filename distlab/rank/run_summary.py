@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from distlab.records.spec import Spec
 from distlab.records import metrics as M
 from distlab.configuration.hardware import peak_flops_per_rank
 from distlab.records.job import Job
@@ -61,7 +62,7 @@ def per_rank_timing(all_records: list[list[dict]], comm: list[list], warm: int) 
     return rows
 
 
-def optimization(spec: dict, all_records: list[list[dict]]) -> dict:
+def optimization(spec: Spec, all_records: list[list[dict]]) -> dict:
     """The learning rate and pre-clip gradient norm of every step, with what set them."""
     from distlab.runtime.schedule import scheduler_name
 

@@ -13,11 +13,6 @@ process holds a whole model.
 """
 from __future__ import annotations
 
-if __name__ == "__main__":  # first, before the heavy imports: a warm start skips them
-    from distlab.launchers.process import enter
-
-    enter("distlab.rank.validate_ranks", job="validation")
-
 import argparse
 import gc
 import json
@@ -27,6 +22,7 @@ import time
 import traceback
 from pathlib import Path
 
+from distlab.records.spec import Spec
 from distlab.configuration.training_tools import adapts
 from distlab.records.job import ValidationJob, read_job
 from distlab.records.validation import FAILED, PARITY_TOLERANCE, PASSED, RELOAD_TOLERANCE, UNSUPPORTED
@@ -96,7 +92,7 @@ class ValidationRank:
             os._exit(1)
         return False
 
-    def build(self, spec: dict):
+    def build(self, spec: Spec):
         """A fresh model + strategy exactly as the worker builds them; returns (strategy, signature)."""
         from distlab.rank.model_setup import prepare_model
 

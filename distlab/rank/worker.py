@@ -9,11 +9,6 @@ distlab.rank.run_summary (what the run measured), distlab.records.run_outputs (t
 """
 from __future__ import annotations
 
-if __name__ == "__main__":  # first, before the heavy imports: a warm start skips them
-    from distlab.launchers.process import enter
-
-    enter("distlab.rank.worker", job="training")
-
 import argparse
 import json
 import os
@@ -74,15 +69,15 @@ def predicted_step_time(job: Job, since_start: NoiseProbe) -> dict:
                               job.collectives_json, job.hardware_json, others)
 
 
-def estimated_memory(job: Job) -> dict | None:
+def estimated_memory(job: Job, task) -> dict | None:
     """The advisor's memory estimate for this run's own spec, recorded by rank 0 before the
     first step (distlab.tools.advisor_check.estimate_record; the report's advisor card holds it
-    to what the run measured): causal-LM runs whose model's config.json is on disk."""
+    to what the run measured): a task whose model the formulas size, its config.json on disk."""
     from distlab.runtime.parameter_counts import model_shape
     from distlab.tools.advisor_check import estimate_record
 
     config = os.path.join(job.model_source or "", "config.json")
-    if job.spec.task != "causal-lm" or not os.path.isfile(config):
+    if not task.advisor_sized or not os.path.isfile(config):
         return None
     with open(config) as fh:
         return estimate_record(model_shape(json.load(fh)), job.spec)
@@ -133,7 +128,7 @@ class RankRun:
         self.probe = ActivationProbe(spec, ctx.rank, self.start_step)
         self.load_phase = load_phase_record(ctx.device, rss_before_model)  # process start -> first step
         self.predicted = {"prediction": predicted_step_time(job, since_start),
-                          "memory_estimate": estimated_memory(job)} if ctx.is_main else {}
+                          "memory_estimate": estimated_memory(job, strategy.task)} if ctx.is_main else {}
         self.timeline.mark("data, resume")
 
     def on_step_end(self, step: int) -> None:

@@ -12,6 +12,7 @@ from types import MappingProxyType
 
 from distlab.records.metrics import METRICS_SCHEMA_VERSION
 from distlab.records.sharing import portable
+from distlab.records.spec import Block, Spec, freeze
 
 # Larger than any results file distlab writes (a metrics.json of 100k steps is ~3 MB): such a
 # file is refused before it is read into memory.
@@ -136,15 +137,64 @@ RECORD_TEXT_FIELDS = ("experiment", "machine", "stage", "status")
 
 @dataclass(frozen=True)
 class RunRecord:
-    """One run's metrics.json as read: the fields every reader needs, and the whole file as a
-    read-only mapping (`data`; lists are tuples). to_dict() is a fresh, mutable copy."""
+    """One run's metrics.json as read: the fields every reader needs, typed (the spec a typed
+    Spec; timing, throughput, memory, as_built, loss as Blocks read by attribute:
+    `record.timing.step_time_s.median`), and the whole file as a read-only mapping (`data`;
+    lists are tuples). The dict forms are for the doors only: `updated(**fields)` is the file's
+    next version for write_metrics, to_dict() a fresh, mutable copy (the report's run table)."""
     path: Path
     experiment: str
     machine: str
     stage: str
     status: str
-    spec: Mapping
+    spec: Spec
     data: Mapping
+
+    def _block(self, name: str) -> Block | None:
+        value = self.data.get(name)
+        return None if value is None else freeze(_thawed(value))
+
+    @property
+    def timing(self) -> Block | None:
+        return self._block("timing")
+
+    @property
+    def throughput(self) -> Block | None:
+        return self._block("throughput")
+
+    @property
+    def memory(self) -> Block | None:
+        return self._block("memory")
+
+    @property
+    def as_built(self) -> Block | None:
+        return self._block("as_built")
+
+    @property
+    def loss(self) -> Block | None:
+        return self._block("loss")
+
+    @property
+    def noise(self) -> Block | None:
+        return self._block("noise")
+
+    @property
+    def optimization(self) -> Block | None:
+        return self._block("optimization")
+
+    @property
+    def unit(self) -> str:
+        """What the run's throughput counts (its task's unit: token, image)."""
+        return throughput_unit(self.data)
+
+    @property
+    def units_per_s(self) -> float:
+        """The run's throughput in its own unit (tokens/s, images/s)."""
+        return self.throughput[f"{self.unit}s_per_s"]
+
+    def updated(self, **fields) -> dict:
+        """The file's next version with these fields set: what a writer hands write_metrics."""
+        return {**self.to_dict(), **fields}
 
     def to_dict(self) -> dict:
         return _thawed(self.data)
@@ -166,4 +216,4 @@ def read_run_record(path) -> RunRecord:
         why = "missing" if "spec" not in data else "not an object"
         raise ResultsError(f"{path}: field 'spec': {why}; fix or remove the file")
     frozen = _frozen(data)
-    return RunRecord(path, *(data[name] for name in RECORD_TEXT_FIELDS), spec=frozen["spec"], data=frozen)
+    return RunRecord(path, *(data[name] for name in RECORD_TEXT_FIELDS), spec=Spec(data["spec"]), data=frozen)

@@ -24,7 +24,6 @@ from pathlib import Path
 
 from distlab.report.inputs import job_wall_seconds, readable
 from distlab.records.run_layout import KUBERAY_CHECKS, run_files_dir
-from distlab.records.spec import Spec
 from distlab.records.run_outputs import (MAX_RESULTS_FILE_BYTES, ResultsError, parse_json, read_json_object,
                                          read_run_record, task_of, throughput_unit)
 
@@ -170,8 +169,9 @@ def load_run(path: str | Path, named_folder: bool = True, declared: frozenset[st
     `declared`, when given): cards read these fields and open no file. named_folder: the run sits
     in <machine>/<experiment>/ (False: the two_hosts target's own fixed folder, still its machine's)."""
     path = Path(path)
-    run = read_run_record(path).to_dict()  # the one reader of metrics.json
-    run["spec"] = Spec(run["spec"])  # read by field (spec.world_size), frozen
+    record = read_run_record(path)  # the one reader of metrics.json
+    # The report's run table: the file as a dict (cards add what lies beside it), its spec typed.
+    run = {**record.to_dict(), "spec": record.spec}
     check_schema(run, "metrics", path)
     folders = (("machine", path.parent.parent.name), ("experiment", path.parent.name))
     for field, folder in folders if named_folder else folders[:1]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 
+from distlab.records.spec import Spec
 from distlab.strategies.settings import registered, settings_for
 
 HOW = ("bytes autograd holds for backward at the end of one micro-batch's forward (saved_tensors_hooks; each "
@@ -27,7 +28,7 @@ def checkpointed_layers(mode: str, every: int, n_layers: int) -> list[int]:
     return [i for i in range(n_layers) if i % k == 0]
 
 
-def enable_checkpointing(model, spec: dict) -> None:
+def enable_checkpointing(model, spec: Spec) -> None:
     """Turn on the spec's activation checkpointing (a no-op for none). The model must train in
     training mode: transformers' layers checkpoint only when `self.training`."""
     mode = spec.activation_checkpointing
@@ -50,7 +51,7 @@ def enable_checkpointing(model, spec: dict) -> None:
     model.train()
 
 
-def checkpointing_facts(model, spec: dict) -> dict:
+def checkpointing_facts(model, spec: Spec) -> dict:
     """What is really checkpointed, read from the layers of the wrapped model: their flags and
     training mode (a layer in eval mode never checkpoints)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -61,7 +62,7 @@ def checkpointing_facts(model, spec: dict) -> dict:
             "how": "GradientCheckpointingLayer flags and training mode of the layers this rank holds"}
 
 
-def check_checkpointing(facts: dict, spec: dict) -> str | None:
+def check_checkpointing(facts: dict, spec: Spec) -> str | None:
     """Why the model's checkpointing is not the spec's (None: it is). A pipeline stage holds a
     run of the layers, numbered in the whole model: there only full and none are exact."""
     mode, held, chosen = spec.activation_checkpointing, facts["layers_held"], facts["checkpointed"]
@@ -88,7 +89,7 @@ class ActivationProbe:
     A micro-batch's backward saves nothing through these hooks (a checkpointed layer's
     recompute saves through torch's own, inner hooks), so what is packed is its forward's."""
 
-    def __init__(self, spec: dict, rank: int, start_step: int):
+    def __init__(self, spec: Spec, rank: int, start_step: int):
         self.step = start_step if start_step < spec.untimed_steps else None
         self.rank = rank
         self.result = {"bytes": None, "how": "not measured: the run started past its untimed steps (resumed)"}

@@ -16,6 +16,7 @@ import json
 import math
 from pathlib import Path
 
+from distlab.records.spec import Spec
 from distlab.records.job import Job
 
 EVAL_BATCH = 8
@@ -154,7 +155,7 @@ def evaluate_forward(strategy, ids, labels, positions=None) -> dict | None:
     return {"status": "failed", "reason": error} if error else summarize_loss(total, count, len(ids), where)
 
 
-def eval_batch_size(spec: dict, config, shape, data_parallel: bool) -> int:
+def eval_batch_size(spec: Spec, config, shape, data_parallel: bool) -> int:
     """Sequences per eval forward: the micro-batch, times how many sequences' no-grad forward
     holds no more than autograd keeps for one sequence in training (fp32 bytes per sequence,
     from the model's config):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from distlab.records.spec import Spec
 from distlab.records.run_layout import RUN_FILES, run_files_dir
 
 PROFILE_DIR = "profile"
@@ -35,7 +36,7 @@ class StepProfiler:
     when the spec asks for no profile. start() begins the CUDA memory history (at rank start,
     so an out-of-memory error in the model's load is in it too)."""
 
-    def __init__(self, spec: dict, run_dir, rank: int, device: torch.device):
+    def __init__(self, spec: Spec, run_dir, rank: int, device: torch.device):
         self.steps = tuple(spec.profile["steps"]) if spec.profile else None
         self.folder, self.rank, self.cuda = profile_dir(run_dir), rank, device.type == "cuda"
         self.profiler = None

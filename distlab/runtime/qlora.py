@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from distlab.records.spec import Spec
+
 QUANT_TYPE = "nf4"
 
 
-def compute_dtype(spec: dict):
+def compute_dtype(spec: Spec):
     """bnb_4bit_compute_dtype: the dtype the 4-bit weights are dequantised to for each matmul,
     the run's precision (bf16 or fp32; fp16 is refused at config time)."""
     from distlab.configuration.precision import torch_dtype
@@ -24,14 +26,14 @@ def compute_dtype(spec: dict):
     return torch_dtype(spec.precision)
 
 
-def quantization_config(spec: dict):
+def quantization_config(spec: Spec):
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=QUANT_TYPE, bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=compute_dtype(spec), bnb_4bit_quant_storage=torch.uint8)
 
 
-def load_quantized(source: str, spec: dict, device: torch.device):
+def load_quantized(source: str, spec: Spec, device: torch.device):
     """The base with its decoder layers' Linear layers in 4-bit NF4 on `device` (bitsandbytes
     quantises as from_pretrained places them; the embedding, norms and head stay fp32)."""
     from transformers import AutoModelForCausalLM
@@ -45,7 +47,7 @@ def load_quantized(source: str, spec: dict, device: torch.device):
     return model
 
 
-def apply_qlora(model, spec: dict):
+def apply_qlora(model, spec: Spec):
     """prepare_model_for_kbit_training (every base weight frozen, the non-quantised ones in fp32),
     then the run's LoRA adapters: (PeftModel, target names). Activation checkpointing is left to
     the run's own setting (distlab.runtime.activations), not turned on here as peft's default does."""
@@ -80,7 +82,7 @@ def quantization_facts(model) -> dict:
                    "stored in); packed bytes exclude the absmax statistics"}
 
 
-def check_quantized(facts: dict, spec: dict) -> str | None:
+def check_quantized(facts: dict, spec: Spec) -> str | None:
     """Why the model as built is not the QLoRA the spec asks for (None when it is)."""
     if not facts["linear4bit_layers"]:
         return "method qlora, but the model holds no bitsandbytes Linear4bit layer (the base is not 4-bit)"
@@ -93,7 +95,7 @@ def check_quantized(facts: dict, spec: dict) -> str | None:
     return None
 
 
-def trained_groups(strategy, spec: dict, source: str):
+def trained_groups(strategy, spec: Spec, source: str):
     """The state groups every recorded and checked logit is computed from (collective,
     distlab.runtime.streamed): the strategy's own for full fine-tuning and LoRA; for QLoRA the
     trained adapters with the full-precision base weights read from the model folder, the model
@@ -103,7 +105,7 @@ def trained_groups(strategy, spec: dict, source: str):
     return _adapters_on_full_precision_base(strategy, spec, source)
 
 
-def _adapters_on_full_precision_base(strategy, spec: dict, source: str):
+def _adapters_on_full_precision_base(strategy, spec: Spec, source: str):
     import torch.distributed as dist
 
     from distlab.records.export_files import weight_index

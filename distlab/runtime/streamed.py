@@ -23,6 +23,7 @@ import re
 import torch
 from torch import nn
 
+from distlab.records.spec import Spec
 from distlab.configuration.training_tools import adapts
 
 
@@ -71,7 +72,7 @@ class Skeleton:
         self.resident: set[str] = set()
 
     @classmethod
-    def for_run(cls, model_source: str, spec: dict) -> "Skeleton":
+    def for_run(cls, model_source: str, spec: Spec) -> "Skeleton":
         """The run's architecture: the plain Hugging Face model, or for LoRA the PeftModel with
         the run's adapter config (its adapters' values arrive with the groups)."""
         from distlab.runtime.lora import apply_lora

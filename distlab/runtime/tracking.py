@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from distlab.records.spec import Spec
 from distlab.records.job import Job
 
 SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "images_per_s", "memory_bytes", "step_time_s")
@@ -49,7 +50,7 @@ def tracking_dir(job: Job) -> Path:
     return Path(job.tracking_dir or Path(job.run_dir).resolve().parent / "tracking")
 
 
-def flat_params(spec: dict, prefix: str = "") -> dict:
+def flat_params(spec: Spec, prefix: str = "") -> dict:
     """The resolved spec as tracker parameters: nested keys joined with '.', values as
     bool/int/float/str (None and lists as their JSON text)."""
     out = {}

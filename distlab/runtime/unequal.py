@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import time
 
+from distlab.records.spec import Spec
 from distlab.configuration.config_links import split_batch  # the advisor predicts with the same split
 
 
@@ -31,13 +32,13 @@ from distlab.configuration.config_links import split_batch  # the advisor predic
 PROBE_PASSES, PROBE_SECONDS = 3, 0.3
 
 
-def rank_threads(spec: dict, rank: int) -> int:
+def rank_threads(spec: Spec, rank: int) -> int:
     """This rank's CPU threads: its rank_cpu_threads entry, else cpu_threads_per_rank."""
     per_rank = spec.rank_cpu_threads
     return per_rank[rank] if per_rank else spec.cpu_threads_per_rank
 
 
-def enter_cpu_budget(spec: dict, rank: int) -> dict | None:
+def enter_cpu_budget(spec: Spec, rank: int) -> dict | None:
     """Cap this rank's CPU time at its rank_cpu_budget entry (distlab.configuration.cpu_budget); None when unset."""
     if not spec.rank_cpu_budget:
         return None
@@ -53,7 +54,7 @@ def leave_cpu_budget(record: dict | None) -> None:
         leave(record)
 
 
-def free_bytes(spec: dict, device) -> tuple[int, str]:
+def free_bytes(spec: Spec, device) -> tuple[int, str]:
     """Memory this rank may still fill, and where the figure comes from."""
     import torch
 
@@ -74,7 +75,7 @@ def free_bytes(spec: dict, device) -> tuple[int, str]:
     return available // local, f"MemAvailable (/proc/meminfo) over the {local} rank(s) of this machine"
 
 
-def probe(model, spec: dict, device) -> dict:
+def probe(model, spec: Spec, device) -> dict:
     """This rank's seconds per sample (forward+backward of micro_batch random sequences,
     median of PROBE_REPEATS after one untimed) and its free memory. Gradients are cleared
     afterwards: training starts from the same state as without the probe."""
@@ -100,7 +101,7 @@ def probe(model, spec: dict, device) -> dict:
             "free_how": how, "threads": torch.get_num_threads()}
 
 
-def memory_capacity(model, spec: dict, free: int) -> int:
+def memory_capacity(model, spec: Spec, free: int) -> int:
     """Samples this rank's free memory holds: activations per sample (the advisor's estimate,
     distlab.runtime.activations) plus the gradient, DDP bucket and AdamW state still to be
     allocated (16 bytes/trainable param)."""
@@ -116,7 +117,7 @@ def memory_capacity(model, spec: dict, free: int) -> int:
     return max(0, int((free - to_come) // per_sample))
 
 
-def rank_batches(model, spec: dict, device) -> tuple[list[int] | None, dict | None]:
+def rank_batches(model, spec: Spec, device) -> tuple[list[int] | None, dict | None]:
     """(each rank's micro-batch, how it was chosen) for rank_micro_batch; (None, None) when unset.
     Collective for auto (every rank probes, all see every probe and compute the same split)."""
     choice = spec.rank_micro_batch

@@ -7,6 +7,7 @@ strategy enums are filled from it (distlab.configuration.axes; ARCHITECTURE.md, 
 strategy)."""
 from __future__ import annotations
 
+from distlab.records.spec import Spec
 from distlab.registry import load
 from distlab.strategies.settings import registered
 
@@ -16,13 +17,13 @@ def strategy_names() -> list[str]:
     return list(registered())
 
 
-def strategy_key(spec: dict) -> str:
+def strategy_key(spec: Spec) -> str:
     """Which module runs a spec: FSDP requested through Accelerate is Accelerate's to run."""
     settings = registered().get(spec.strategy)
     return settings.runs_as(spec) if settings else spec.strategy
 
 
-def strategy_for(spec: dict):
+def strategy_for(spec: Spec):
     return get_strategy_class(strategy_key(spec))
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from distlab.records.spec import Spec
 from distlab.configuration.precision import ACCELERATE_MIXED_PRECISION
 from distlab.runtime.accumulation import for_backward
 from distlab.records.run_layout import RUN_FILES, run_files_dir
@@ -27,7 +28,7 @@ from distlab.strategies.accelerate_settings import CONFIG_NAME, uses_accelerate_
 from distlab.strategies.base import FidelityError, Strategy
 
 
-def expected_distributed_types(spec: dict) -> set[str]:
+def expected_distributed_types(spec: Spec) -> set[str]:
     """What Accelerate must report for this experiment to be what its label says."""
     if uses_accelerate_fsdp(spec):
         return {"FSDP"}

@@ -2,6 +2,7 @@
 requested through it (distlab/strategies/fsdp_settings.py)."""
 from __future__ import annotations
 
+from distlab.records.spec import SpecFields
 from distlab.strategies.ddp_settings import replicated_state
 from distlab.strategies.settings import StrategySettings, settings_for
 
@@ -10,7 +11,7 @@ from distlab.strategies.settings import StrategySettings, settings_for
 CONFIG_NAME = "accelerate_config.yaml"
 
 
-def uses_accelerate_fsdp(spec: dict) -> bool:
+def uses_accelerate_fsdp(spec: SpecFields) -> bool:
     """FSDP requested through Accelerate (the FSDP settings' accelerate_plugin)."""
     return settings_for(spec).accelerate_plugin(spec) == "FSDP"
 

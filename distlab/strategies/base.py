@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distlab.records.spec import Spec
 from distlab.errors import FidelityError  # noqa: F401 (strategies and tests import it from here)
 from distlab.runtime.accumulation import for_backward
 from distlab.records.job import Job
@@ -21,7 +22,7 @@ from distlab.configuration.precision import autocast, dtype_name, frozen_base_dt
 
 @dataclass
 class RunContext:
-    spec: dict
+    spec: Spec
     run_dir: str
     device: torch.device
     rank: int = 0
@@ -400,14 +401,14 @@ def optimizer_dtypes(optimizer) -> dict | None:
     return dtypes
 
 
-def offloads_parameters(spec: dict) -> bool:
+def offloads_parameters(spec: Spec) -> bool:
     """Specs whose parameters may legitimately sit in host memory on a CUDA run (the strategy's settings)."""
     from distlab.strategies.settings import settings_for
 
     return settings_for(spec).offloads_parameters(spec)
 
 
-def expected_layout(spec: dict) -> str | None:
+def expected_layout(spec: Spec) -> str | None:
     """The parameter form a sharding strategy must leave behind (None: plain tensors are right;
     the strategy's settings say)."""
     from distlab.strategies.settings import settings_for
@@ -428,7 +429,7 @@ class ModelParallel:
         return 1
 
 
-def local_device(spec: dict) -> torch.device:
+def local_device(spec: Spec) -> torch.device:
     """cuda:<LOCAL_RANK> or cpu, exactly as the spec says: never a silent fallback."""
     if spec.device == "cuda":
         if not torch.cuda.is_available():

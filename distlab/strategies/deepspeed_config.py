@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+from distlab.records.spec import Spec
 from distlab.configuration.precision import deepspeed_precision
 from distlab.strategies.deepspeed_settings import zero3_limits
 
@@ -16,7 +17,7 @@ ADAM_BETAS = [0.9, 0.999]
 ADAM_EPS = 1e-8
 
 
-def uses_torch_adam(spec: dict) -> bool:
+def uses_torch_adam(spec: Spec) -> bool:
     return spec.deepspeed["optimizer_impl"] == "torch"
 
 
@@ -39,7 +40,7 @@ def gradient_bucket_size(layer_params: int, largest_trainable: int, trainable: i
     return max(1, min(trainable, max(layer, largest_trainable)))
 
 
-def deepspeed_config(spec: dict, world_size: int, layer_params: int | None = None,
+def deepspeed_config(spec: Spec, world_size: int, layer_params: int | None = None,
                      bucket_elements: int | None = None, hidden_size: int | None = None) -> dict:
     """The DeepSpeed JSON config of one experiment (every value from the spec; at ZeRO-3
     the gathered-parameter settings of its zero3_profile also from the model's decoder-layer

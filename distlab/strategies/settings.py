@@ -19,6 +19,7 @@ import math
 import pkgutil
 import sys
 
+from distlab.records.spec import SpecFields
 from distlab.configuration.precision import is_mixed
 
 SUFFIX = "_settings"
@@ -61,19 +62,19 @@ class StrategySettings:
     #: so the config never imports transformers for it at parse time.
     splits_by_family_plan: bool = False
 
-    def runs_as(self, spec: dict) -> str:
+    def runs_as(self, spec: SpecFields) -> str:
         """The strategy module that runs the spec (FSDP through Accelerate is Accelerate's)."""
         return self.name
 
-    def variant(self, spec: dict) -> str:
+    def variant(self, spec: SpecFields) -> str:
         """The strategy-specific part of the experiment id (e.g. `z3-offopt`); "" for none."""
         return ""
 
-    def check(self, spec: dict, config: dict, fail, shape: dict) -> None:
+    def check(self, spec: SpecFields, config: dict, fail, shape: dict) -> None:
         """fail(field, why) for settings this strategy refuses; `shape` is the model's config
         (distlab.configuration.config.model_shape)."""
 
-    def check_task(self, task, spec: dict, fail) -> None:
+    def check_task(self, task, spec: SpecFields, fail) -> None:
         """fail(field, why) for what of `task` (a distlab.tasks Task) this strategy cannot train:
         the task whole (a trait of needs_of_task its model lacks) or, in subclasses, settings of
         its own the task's model cannot take. Checked before the task's own refusals
@@ -87,34 +88,34 @@ class StrategySettings:
         config) over world_size ranks, or None; asked only when splits_by_family_plan."""
         return None
 
-    def accelerate_plugin(self, spec: dict) -> str | None:
+    def accelerate_plugin(self, spec: SpecFields) -> str | None:
         """The distributed_type Accelerate runs this spec with when it is not plain data
         parallel ("FSDP": FSDP through Accelerate); None: DDP or one process."""
         return None
 
-    def accelerate_config(self, spec: dict) -> dict:
+    def accelerate_config(self, spec: SpecFields) -> dict:
         """What the Accelerate config file adds for accelerate_plugin (FSDP: its fsdp_config block)."""
         return {}
 
-    def parameter_layout(self, spec: dict) -> str | None:
+    def parameter_layout(self, spec: SpecFields) -> str | None:
         """The parameter form the strategy leaves behind ("dtensor", "deepspeed_partition");
         None: plain tensors."""
         return None
 
-    def offloads_parameters(self, spec: dict) -> bool:
+    def offloads_parameters(self, spec: SpecFields) -> bool:
         """Whether a CUDA run's parameters may legitimately sit in host memory."""
         return False
 
-    def shards_checkpoint(self, spec: dict) -> bool:
+    def shards_checkpoint(self, spec: SpecFields) -> bool:
         """Whether the run's checkpoint holds per-rank shards (validation scope 'sharded')."""
         return False
 
-    def checkpoint_format(self, spec: dict) -> tuple:
+    def checkpoint_format(self, spec: SpecFields) -> tuple:
         """What of the spec changes the checkpoint a run writes, beyond strategy x method x
         launcher (world size and batch shape do not)."""
         return (spec.precision,)
 
-    def advisor_row(self, spec: dict) -> str | None:
+    def advisor_row(self, spec: SpecFields) -> str | None:
         """The advisor row (distlab.records.advice.ROW_ORDER, or a formula of its own) a run's spec
         corresponds to; None: the advisor has no formula for it and checks none of its runs."""
         return None
@@ -154,7 +155,7 @@ class ModelParallelSettings(StrategySettings):
             fail("method", f"{spec.strategy} runs full fine-tuning only (LoRA would wrap the split layers)")
         self.check_shape(spec, fail, shape)
 
-    def check_shape(self, spec: dict, fail, shape: dict) -> None:
+    def check_shape(self, spec: SpecFields, fail, shape: dict) -> None:
         """fail(field, why) for a model shape the split cannot take."""
 
     def shards_checkpoint(self, spec):
@@ -191,7 +192,7 @@ def _discover(path: tuple[str, ...]) -> dict[str, StrategySettings]:
     return found
 
 
-def settings_for(spec: dict) -> StrategySettings:
+def settings_for(spec: SpecFields) -> StrategySettings:
     return registered()[spec.strategy]
 
 
@@ -201,7 +202,7 @@ def advisor_rows() -> dict[str, tuple[str, dict]]:
     return {row: (name, block) for name, s in registered().items() for row, block in s.advisor_rows.items()}
 
 
-def data_parallel(spec: dict) -> bool:
+def data_parallel(spec: SpecFields) -> bool:
     """Whether the spec's ranks read different samples (a strategy no longer registered: yes)."""
     known = registered().get(spec.strategy)
     return known.data_parallel if known else True

@@ -14,6 +14,7 @@ import functools
 import importlib
 import pkgutil
 
+from distlab.records.spec import SpecFields
 from distlab.records.run_outputs import DEFAULT_TASK, task_of  # noqa: F401  (DEFAULT_TASK re-exported)
 from distlab.registry import load
 
@@ -47,6 +48,6 @@ def task_named(name: str):
     return load(_discover(tuple(__path__)), name, "task")
 
 
-def task_for(spec: dict):
+def task_for(spec: SpecFields):
     """The task of a spec (specs written before tasks existed are causal LMs)."""
     return task_named(task_of(spec))

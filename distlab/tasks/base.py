@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 
+from distlab.records.spec import Spec, SpecDraft, SpecFields
 from distlab.records.job import Job
 
 
@@ -54,34 +55,37 @@ class Task:
     #: parameters on NVMe). Each strategy's settings say what it needs (needs_of_task, check_task),
     #: so no task names a strategy and no strategy names a task.
     lacks: dict[str, str] = {}
+    #: Whether the advisor's memory formulas size this task's model (a decoder stack from its
+    #: config.json): rank 0 then records their estimate for its run (distlab.rank.worker).
+    advisor_sized: bool = False
 
     # -- config time (no torch) ----------------------------------------------------------
     def id_part(self) -> str | None:
         """Appended to the experiment id (None: nothing, the default task)."""
         return None
 
-    def resolve(self, spec: dict, config: dict) -> None:
+    def resolve(self, spec: SpecDraft, config: dict) -> None:
         """Copy the task's settings a run depends on into the spec (its Snakemake params), in place."""
 
     def check_config(self, config: dict) -> None:
         """Checks of the task's own config block and files, before any experiment is expanded."""
 
-    def check_experiment(self, spec: dict, config: dict, fail) -> None:
+    def check_experiment(self, spec: SpecFields, config: dict, fail) -> None:
         """fail(field, why) for an experiment this task cannot run."""
 
-    def data_dir(self, spec: dict, prep: str) -> str:
+    def data_dir(self, spec: Spec, prep: str) -> str:
         """The prepared data folder a job of this spec reads (a Snakemake input)."""
         raise NotImplementedError
 
-    def model_file(self, spec: dict, config: dict, prep: str) -> str | None:
+    def model_file(self, spec: Spec, config: dict, prep: str) -> str | None:
         """The file that stands for the model folder (a Snakemake input); its folder is loaded."""
         raise NotImplementedError
 
-    def base_eval_path(self, spec: dict, prep: str) -> str:
+    def base_eval_path(self, spec: Spec, prep: str) -> str:
         """The base model's held-out evaluation of this spec's data (a Snakemake input)."""
         raise NotImplementedError
 
-    def units_per_sample(self, spec: dict) -> int:
+    def units_per_sample(self, spec: Spec) -> int:
         """Units (tokens, images) in one sample of a micro-batch."""
         return 1
 
@@ -108,15 +112,15 @@ class Task:
         check_built_dtype, load_partitioned), handed in so that a task names no strategy."""
         raise NotImplementedError
 
-    def apply_lora(self, model, spec: dict) -> tuple:
+    def apply_lora(self, model, spec: Spec) -> tuple:
         """(model, adapted module names); only adapter weights train."""
         raise NotImplementedError
 
-    def flops(self, model, spec: dict, count: bool) -> dict:
+    def flops(self, model, spec: Spec, count: bool) -> dict:
         """FLOPs per unit of the module as trained: `flops_per_<unit>` is what MFU uses."""
         raise NotImplementedError
 
-    def train_data(self, job: Job, spec: dict, device, split: str = "train") -> TrainData:
+    def train_data(self, job: Job, spec: Spec, device, split: str = "train") -> TrainData:
         raise NotImplementedError
 
     def loss(self, model, batch: dict, num_items=None):
@@ -139,7 +143,7 @@ class Task:
         evaluates the base model (job.base_eval_json): the record on rank 0, None elsewhere."""
         raise NotImplementedError
 
-    def export_pass(self, strategy, job: Job, spec: dict, folder) -> tuple:
+    def export_pass(self, strategy, job: Job, spec: Spec, folder) -> tuple:
         """The final save's export into `folder`/export and the trained state's output on the
         task's fixed batch into `folder`/eval_logits.safetensors (`logits`), compared later by
         reload, reshard, resume and export checks. (info on rank 0, rank 0's error or None)."""

@@ -52,6 +52,7 @@ class TokenBlocks(TrainData):
 class CausalLM(Task):
     name = "causal-lm"
     unit = "token"
+    advisor_sized = True
 
     # -- config time ----------------------------------------------------------------------
     def data_dir(self, spec, prep):

@@ -14,20 +14,20 @@ from distlab.strategies.settings import data_parallel, registered
 
 
 
-def estimate_key(spec: dict) -> str | None:
+def estimate_key(spec: Spec) -> str | None:
     """Which advisor row a run's spec corresponds to (None: no formula for it); tp and pp have
     formulas of their own and no advisor row (the strategy's settings file)."""
     settings = registered().get(spec.strategy)
     return settings.advisor_row(spec) if settings else None
 
 
-def spec_settings(spec: dict) -> dict:
+def spec_settings(spec: Spec) -> dict:
     """What a strategy's memory formula reads: its settings block and grad_accum."""
     settings = spec.block(spec.strategy) if spec.strategy in registered() else None
     return {**(settings or {}), "grad_accum": spec.grad_accum}
 
 
-def estimate_spec(shape: dict, spec: dict) -> dict | None:
+def estimate_spec(shape: dict, spec: Spec) -> dict | None:
     """The estimate for one run's own spec (its strategy, settings, world size, method,
     precision): per-rank model state in bytes; None for strategies without a formula."""
     lora = spec.method in ("lora", "qlora")

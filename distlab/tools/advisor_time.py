@@ -212,7 +212,7 @@ def collective_time(op: str, size: float, n: int, link: dict) -> float:
     return link["latency_s"] + size * BUSBW_FACTOR[op](n) / link["busbw"][op]
 
 
-def _calls(key: str, spec: dict, shape: dict, counts: dict, workload: dict) -> list[dict]:
+def _calls(key: str, spec: Spec, shape: dict, counts: dict, workload: dict) -> list[dict]:
     """The box's collectives: step_time's (ZeRO-3 and FSDP gather a LoRA run's frozen base too)."""
     return collectives_per_step(spec, shape, counts)
 

@@ -13,11 +13,6 @@ reduce-scatter, so busbw is comparable with the link's peak whatever the rank co
 """
 from __future__ import annotations
 
-if __name__ == "__main__":  # first, before the heavy imports: a warm start skips them
-    from distlab.launchers.process import enter
-
-    enter("distlab.tools.collectives")
-
 import argparse
 import json
 import os

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from distlab.records.spec import Spec
+
 # DDP's gradient buckets (torch.nn.parallel.DistributedDataParallel: bucket_cap_mb=25, the
 # first bucket 1 MiB: dist._DEFAULT_FIRST_BUCKET_BYTES).
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -15,7 +17,7 @@ DDP_FIRST_BUCKET_BYTES = 2**20
 GRAD_BYTES = 4  # fp32 gradients and optimizer state (DeepSpeed's 16-bit gradients: collectives_per_step)
 
 
-def collectives_per_step(spec: dict, shape: dict, counts: dict) -> list[dict]:
+def collectives_per_step(spec: Spec, shape: dict, counts: dict) -> list[dict]:
     """The collectives one rank issues per optimizer step: {op, bytes, calls, phase}."""
     world, strategy = spec.world_size, spec.strategy
     if world == 1:
@@ -81,7 +83,7 @@ def _zero_bucket(counts: dict) -> int:
     return gradient_bucket_size(counts["per_layer"], largest, counts["trainable"])
 
 
-def _zero3_gathers(spec: dict, counts: dict) -> tuple[list[int], list[int]]:
+def _zero3_gathers(spec: Spec, counts: dict) -> tuple[list[int], list[int]]:
     """(elements of each parameter ZeRO-3 all-gathers in one micro-batch's forward, and again in
     its backward), from the zero3_profile's settings (distlab.strategies.deepspeed_config) and the
     experiment's own zero_config. A parameter at or under the persistence threshold stays whole on

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import math
 
+from distlab.records.spec import Spec
 from distlab.tools.step_collectives import GRAD_BYTES, collective_seconds, collectives_per_step, wire_bytes_per_rank
 
 
-def compute_dtype(spec: dict) -> str:
+def compute_dtype(spec: Spec) -> str:
     return {"bf16": "bfloat16", "fp16": "float16"}.get(spec.precision, "float32")
 
 
@@ -37,7 +38,7 @@ RATE_PARAMS = 2**22
 RATE_BYTES = 2**24
 
 
-def probe_key(spec: dict) -> str:
+def probe_key(spec: Spec) -> str:
     """What a rank's kernels depend on, as the compute probe's file name: its device, dtype and
     threads, its micro-batch rows x sequence, the tensor-parallel degree that splits its linears,
     and QLoRA's 4-bit weights. Experiments of one key share one probe; another learning rate or
@@ -83,7 +84,7 @@ def _layout(key: dict, shape: dict, counts: dict) -> dict:
             "vocab": shape["vocab_size"]}
 
 
-def trainable_per_rank(spec: dict, counts: dict) -> float:
+def trainable_per_rank(spec: Spec, counts: dict) -> float:
     """Parameters each rank's optimizer steps."""
     world, strategy = spec.world_size, spec.strategy
     sharded = strategy == "fsdp" or (strategy == "deepspeed" and spec.deepspeed["zero_stage"] >= 1)
@@ -91,7 +92,7 @@ def trainable_per_rank(spec: dict, counts: dict) -> float:
     return counts["trainable"] / world if (sharded or split) else counts["trainable"]
 
 
-def model_parts(spec: dict, config_json: dict) -> tuple[dict, dict, int]:
+def model_parts(spec: Spec, config_json: dict) -> tuple[dict, dict, int]:
     """(shape, parameter counts with the run's adapters, layers whose forward runs twice under
     activation checkpointing on one rank) of a spec's model, from its config.json."""
     from distlab.runtime.activations import checkpointed_layers
@@ -144,7 +145,7 @@ def _beside(row: dict, part: str, neighbours: float) -> float:
     return row[part] if alone is None else alone + neighbours * (row[part] - alone)
 
 
-def neighbour_share(spec: dict, usable_cores: int, others_cores: float | None) -> float:
+def neighbour_share(spec: Spec, usable_cores: int, others_cores: float | None) -> float:
     """The share of the cores a run leaves free that others keep busy: 1 where its ranks fill the
     machine (the other ranks are the neighbours) or nothing was measured; otherwise what other
     processes used, measured by rank 0 from its start to the prediction (distlab.rank.worker)."""
@@ -154,7 +155,7 @@ def neighbour_share(spec: dict, usable_cores: int, others_cores: float | None) -
     return min(1.0, max(0.0, others_cores / free))
 
 
-def compute_term(spec: dict, shape: dict, counts: dict, probe: dict, ac_layers: int = 0,
+def compute_term(spec: Spec, shape: dict, counts: dict, probe: dict, ac_layers: int = 0,
                  neighbours: float = 1.0) -> dict:
     """Seconds of one rank's kernels per step (all micro-batches; a pipeline rank's own
     micro-batch slots, without the bubble), with a `neighbours` share of the other cores busy
@@ -209,7 +210,7 @@ def compute_term(spec: dict, shape: dict, counts: dict, probe: dict, ac_layers: 
                        "as the run started)"))}
 
 
-def communication_term(spec: dict, shape: dict, counts: dict, collectives: dict | None, compute: dict,
+def communication_term(spec: Spec, shape: dict, counts: dict, collectives: dict | None, compute: dict,
                        free_cores: float) -> dict:
     calls = collectives_per_step(spec, shape, counts)
     if not calls:
@@ -241,7 +242,7 @@ def communication_term(spec: dict, shape: dict, counts: dict, collectives: dict 
                    f"bandwidth); {overlap_how}"}
 
 
-def optimizer_term(spec: dict, counts: dict, probe: dict, neighbours: float = 1.0) -> dict:
+def optimizer_term(spec: Spec, counts: dict, probe: dict, neighbours: float = 1.0) -> dict:
     n = max(1, round(trainable_per_rank(spec, counts)))
     threads = spec.cpu_threads_per_rank if spec.device == "cpu" else 0
     rate = {kind: _time(probe, kind, size, dtype=dtype, threads=threads, neighbours=neighbours)
@@ -266,7 +267,7 @@ def optimizer_term(spec: dict, counts: dict, probe: dict, neighbours: float = 1.
                    f"{f' + {copies} host copies of the partition' if copies else ''}"}
 
 
-def bubble_term(spec: dict, compute: dict) -> dict:
+def bubble_term(spec: Spec, compute: dict) -> dict:
     if spec.strategy != "pp":
         return {"seconds": 0.0, "how": "no pipeline"}
     m, p = spec.pp["microbatches"], spec.world_size
@@ -275,7 +276,7 @@ def bubble_term(spec: dict, compute: dict) -> dict:
             "how": f"{spec.pp['schedule']}: (stages - 1) = {p - 1} idle micro-batch slot(s) of {slot:.4f} s"}
 
 
-def predict(spec: dict, shape: dict, counts: dict, probe: dict, collectives: dict | None,
+def predict(spec: Spec, shape: dict, counts: dict, probe: dict, collectives: dict | None,
             usable_cores: int, ac_layers: int = 0, others_cores: float | None = None) -> dict:
     """metrics.json's `prediction`: the step time and its four terms, each with how. others_cores:
     the cores other processes kept busy as the run started (None: not measured)."""
@@ -292,7 +293,7 @@ def predict(spec: dict, shape: dict, counts: dict, probe: dict, collectives: dic
                    "probe and collectives.json measured on this machine before the run (distlab.tools.step_time)"}
 
 
-def predict_from_files(spec: dict, model_config: str, probe_file: str | None, collectives_file: str | None,
+def predict_from_files(spec: Spec, model_config: str, probe_file: str | None, collectives_file: str | None,
                        hardware_file: str, others_cores: float | None = None) -> dict:
     """The prediction rank 0 records before the first step (distlab.rank.worker), or why there
     is none. others_cores: the cores other processes kept busy as the run started."""

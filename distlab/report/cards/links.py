@@ -3,6 +3,7 @@ several speeds, each rank on a host of its own (distlab/launchers/links.py). Not
 milestone report does not show it; its own page does, and the advisor cites its card.json."""
 from __future__ import annotations
 
+from distlab.records.spec import Spec
 from distlab.configuration.config_links import link_label
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Goal, Table, comm_ms, \
     metrics_link
@@ -12,7 +13,7 @@ from distlab.report.plots import figure, label_axes, to_png_b64
 INTERCONNECTS = {"1 Gbit Ethernet": 1, "10 Gbit Ethernet": 10, "PCIe 4.0 x16": 256, "NVLink (H100)": 7200}
 
 
-def strategy_label(spec: dict) -> str:
+def strategy_label(spec: Spec) -> str:
     if spec.strategy == "deepspeed":
         return f"ZeRO-{spec.deepspeed['zero_stage']}"
     return {"ddp": "DDP", "fsdp": "FSDP", "tp": "TP", "pp": "PP"}.get(spec.strategy, spec.strategy)

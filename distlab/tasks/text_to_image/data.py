@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from distlab.records.spec import Spec
 from distlab.configuration.precision import torch_dtype
 
 INFO = "distlab_images.json"  # written by prepare.prepare_images beside the Arrow splits
@@ -151,7 +152,7 @@ class FrozenEncoders:
         return out
 
 
-def frozen_dtype(spec: dict):
+def frozen_dtype(spec: Spec):
     """The example casts the frozen VAE and text encoder to the mixed-precision dtype."""
     return torch_dtype(spec.precision)
 
@@ -166,7 +167,7 @@ class ImageCaptions:
     """TrainData of the text-to-image task (distlab.tasks.base.TrainData): the prepared images of
     one split and the frozen encoders that turn them into UNet inputs."""
 
-    def __init__(self, data_dir, source: str, spec: dict, device, split: str = "train"):
+    def __init__(self, data_dir, source: str, spec: Spec, device, split: str = "train"):
         from distlab.errors import FidelityError
 
         self.rows = load_split(data_dir, split)

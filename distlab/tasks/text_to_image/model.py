@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from distlab.records.spec import Spec
+
 UNET = "unet"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 
@@ -36,7 +38,7 @@ def load_unet(source: str, dtype=None, device: str | None = None):
     return unet
 
 
-def lora_config(spec: dict):
+def lora_config(spec: Spec):
     """diffusers' example: gaussian init (the default init would leave step 0 untouched by the
     adapters), the spec's rank, alpha, dropout and targets (resolved: to_q, to_k, to_v, to_out.0)."""
     from peft import LoraConfig
@@ -46,7 +48,7 @@ def lora_config(spec: dict):
                       init_lora_weights="gaussian", target_modules=list(lora["target_modules"]))
 
 
-def add_lora(unet, spec: dict):
+def add_lora(unet, spec: Spec):
     """(unet with a LoRA adapter, target names); seeded so every rank starts from the same adapters."""
     unet.requires_grad_(False)
     torch.manual_seed(spec.seed)
@@ -137,7 +139,7 @@ def step_shapes(source: str, unet_config, resolution: int) -> dict:
             "encoder_hidden_states": [1, tokens, unet_config["cross_attention_dim"]]}
 
 
-def flops_per_image(model, spec: dict, count: bool) -> dict:
+def flops_per_image(model, spec: Spec, count: bool) -> dict:
     """FLOPs of one image's training step of the UNet (forward + backward, LoRA applied, the base
     frozen: no weight gradients for it), counted by torch's FlopCounterMode on a meta-device copy
     built from the UNet's config: the same figure for every strategy (whole, sharded or

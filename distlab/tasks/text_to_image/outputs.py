@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from distlab.records.spec import Spec
 from distlab.records.job import Job
 from distlab.tasks.text_to_image.data import FIXED_BATCH, FrozenEncoders, heldout_inputs, unet_outputs
 from distlab.tasks.text_to_image.model import add_lora, load_unet
@@ -20,7 +21,7 @@ HELDOUT_HOW = ("mean over the eval split's {n} images of the UNet's denoising MS
                "from its own fixed generator, timesteps spread evenly over [0, {t}); fp32, eval mode, no grad")
 
 
-def consolidated_unet(full_state: dict, source: str, spec: dict):
+def consolidated_unet(full_state: dict, source: str, spec: Spec):
     """A plain UNet2DConditionModel with the run's LoRA adapter holding a strategy's whole state
     (every parameter; buffers are the freshly loaded UNet's own)."""
     unet, _ = add_lora(load_unet(source), spec)
@@ -71,7 +72,7 @@ def fixed_outputs(unet, job: Job) -> torch.Tensor:
     return unet_outputs(unet, heldout_inputs(job.data_dir, frozen, job.spec.text_to_image, FIXED_BATCH))
 
 
-def write_export(unet, source: str, spec: dict, folder) -> dict:
+def write_export(unet, source: str, spec: Spec, folder) -> dict:
     """diffusers' own LoRA file, as train_text_to_image_lora.py saves it, with peft's adapter
     config as metadata (so alpha != r loads right)."""
     from diffusers import StableDiffusionPipeline
@@ -180,7 +181,7 @@ def evaluate_trained(strategy, job: Job) -> dict | None:
         return {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:500]}
 
 
-def export_pass(strategy, job: Job, spec: dict, folder) -> tuple[dict | None, str | None]:
+def export_pass(strategy, job: Job, spec: Spec, folder) -> tuple[dict | None, str | None]:
     """Collective: rank 0 consolidates the UNet, records its output on the fixed batch
     (eval_logits.safetensors: `logits`) and writes the diffusers LoRA export. Returns (info on
     rank 0, rank 0's error or None), agreed on by every rank in checkpoint.save_checkpoint."""
