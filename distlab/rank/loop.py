@@ -127,7 +127,7 @@ def train(ctx: RunContext, strategy: Strategy, train_data, start_step: int = 0,
     for step in range(start_step, spec.steps):
         if cuda:
             torch.cuda.synchronize(ctx.device)
-        if step == max(start_step, spec.untimed_steps):
+        if step == max(start_step, ctx.untimed_steps):
             noise.start()
         if profiler is not None:
             profiler.before_step(step)

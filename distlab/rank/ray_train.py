@@ -156,9 +156,9 @@ def write_results(job: Job, outcome: dict, cluster: dict) -> None:
     spec = job.spec
     returned = outcome["result"].return_value
     metrics, steps = returned["metrics"], returned["steps"]
-    group_spec = metrics["spec"]
     record = ray_record(outcome, cluster, job.host_names)
-    record["final_group"] = {"world_size": group_spec.world_size, "untimed_steps": group_spec.untimed_steps,
+    record["final_group"] = {"world_size": metrics["spec"].world_size,
+                             "untimed_steps": metrics["timing"]["untimed_steps"],
                              "start_step": record["attempts"][-1]["start_step"] if record["attempts"] else 0}
     # steps.jsonl keeps the rows of the world size the timing is about; the loss curve spans all.
     record["earlier_groups_steps"] = earlier_rows(record["attempts"], steps, spec.steps)

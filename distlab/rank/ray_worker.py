@@ -62,9 +62,8 @@ def _ray_checkpoints_class():
                 for _ in range(steps * self.spec.grad_accum):
                     self.stream.next()
                 # This group times only its own steps: keep at least one after its warm-up. The
-                # loop and the run summary read the context's spec after this resume.
-                untimed = min(self.spec.untimed_steps, max(0, self.spec.steps - steps - 1))
-                self.ctx.spec = self.spec = self.spec.replace(untimed_steps=untimed)
+                # loop and the run summary read what the context times (the spec stays the job's).
+                self.ctx.untimed_steps = min(self.spec.untimed_steps, max(0, self.spec.steps - steps - 1))
             self.report["resumed_from_steps"] = steps
             self._log_start(steps, {"from_world_size": meta["world_size"], "earlier_losses": earlier})
             return steps

@@ -87,11 +87,11 @@ def step_extras(all_records: list[list[dict]], i: int) -> dict:
 
 def summarize_run(job: Job, ctx, strategy, prepared, ranks: dict, n_samples: int, started: float):
     """Rank 0: (metrics.json's dict, steps.jsonl's rows) from what gather_ranks collected."""
-    spec = ctx.spec  # the job's, or the one an elastic Ray group resumed under (distlab.rank.ray_worker)
+    spec = ctx.spec
     flops = prepared.flops
     all_records, all_memory, comm = ranks["records"], ranks["memory"], ranks["comm"]
     hardware = json.loads(Path(job.hardware_json).read_text())
-    warm = spec.untimed_steps
+    warm = ctx.untimed_steps  # the spec's, or fewer for an elastic Ray group resumed near the end
     # A step ends when the slowest rank finishes: the step time is the max over ranks.
     step_times = [max(recs[i]["step_time_s"] for recs in all_records) for i in range(len(all_records[0]))]
     losses = []
@@ -125,7 +125,7 @@ def summarize_run(job: Job, ctx, strategy, prepared, ranks: dict, n_samples: int
         "loss": {"first": losses[0], "last": losses[-1], "per_step": losses},
         "optimization": optimization(spec, all_records),
         "timing": {
-            "step_time_s": timed,
+            "step_time_s": timed, "untimed_steps": warm,
             "how": f"wall time of each optimizer step (max over ranks), steps {warm}..{len(step_times) - 1} "
                    f"after {warm} untimed steps; median and spread",
             "comm_inflight_s_per_step": M.summarize(comm_per_step[warm:] if measured else []),

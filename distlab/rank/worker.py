@@ -191,7 +191,8 @@ class RankRun:
         spec = self.job.spec
         timing = metrics["timing"]
         if spec.compile:
-            timing = {**timing, "compile": compile_record(steps, self.start_step, spec.untimed_steps, dynamo_counts())}
+            compiled = compile_record(steps, self.start_step, self.ctx.untimed_steps, dynamo_counts())
+            timing = {**timing, "compile": compiled}
         if evaluation is not None:
             evaluation = {**evaluation, "during_training": self.during["eval_points"],
                           **({"selected": self.during["selected"]} if "selected" in self.during else {})}

@@ -29,6 +29,13 @@ class RunContext:
     world_size: int = 1
     local_rank: int = 0
     job: Job | None = None  # the whole job this rank runs (None: a bare context, e.g. a test's)
+    #: Steps left out of the timing: the spec's, or fewer for an elastic Ray group that resumed
+    #: near the end (distlab.rank.ray_worker). The rank keeps one spec; this is what it times.
+    untimed_steps: int | None = None
+
+    def __post_init__(self):
+        if self.untimed_steps is None:
+            self.untimed_steps = self.spec.untimed_steps or 0
 
     @property
     def is_main(self) -> bool:
