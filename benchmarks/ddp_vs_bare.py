@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 from distlab.records.job import Job
+from distlab.records.spec import Spec
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -72,9 +73,9 @@ def main():
     args = p.parse_args()
     from distlab.configuration.config import EXPERIMENT_DEFAULTS, experiment_id
 
-    spec = dict(EXPERIMENT_DEFAULTS, world_size=args.world, micro_batch=args.micro_batch, steps=args.steps,
-                untimed_steps=args.warmup, device="cpu", launcher="torchrun", stage="ddp")
-    spec["id"] = experiment_id(spec)
+    spec = Spec(dict(EXPERIMENT_DEFAULTS, world_size=args.world, micro_batch=args.micro_batch, steps=args.steps,
+                     untimed_steps=args.warmup, device="cpu", launcher="torchrun", stage="ddp"))
+    spec = spec.replace(id=experiment_id(spec))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         data, model, hw = prepared(root, spec["seq_len"])

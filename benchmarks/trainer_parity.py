@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 from bench_common import round_order, rounds_parser  # noqa: E402
 from ddp_vs_bare import prepared  # noqa: E402  (the default config's data and model, built here)
 from distlab.records.job import Job
+from distlab.records.spec import Spec
 
 ARMS = ("distlab", "distlab-2MiB", "distlab-1MiB", "distlab-dynamic", "trainer", "trainer-1MiB")
 THRESHOLDS = {"distlab-2MiB": 2 << 20, "distlab-1MiB": 1 << 20, "distlab-dynamic": 0}  # DISTLAB_MMAP_THRESHOLD per arm
@@ -92,9 +93,9 @@ def main():
         data, model, hw = prepared(root, EXPERIMENT_DEFAULTS["seq_len"])
         for world in (int(w) for w in args.worlds.split(",")):
             micro = 8 // world
-            spec = dict(EXPERIMENT_DEFAULTS, world_size=world, micro_batch=micro, steps=args.steps,
-                        untimed_steps=args.warmup, device="cpu", launcher="torchrun", stage="ddp")
-            spec["id"] = experiment_id(spec)
+            spec = Spec(dict(EXPERIMENT_DEFAULTS, world_size=world, micro_batch=micro, steps=args.steps,
+                             untimed_steps=args.warmup, device="cpu", launcher="torchrun", stage="ddp"))
+            spec = spec.replace(id=experiment_id(spec))
             runs = {arm: [] for arm in arms}
             for r in range(args.rounds):
                 for arm in round_order(arms, r):

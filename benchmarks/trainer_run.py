@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, Trainin
 from bench_common import loop_parser
 from distlab.data_prep.data import load_blocks
 from distlab.rank.loop import IndexStream
+from distlab.records.spec import Spec
 
 
 class StepTimer(TrainerCallback):
@@ -48,7 +49,7 @@ class InOrder(Trainer):
 
 def ordered_samples(blocks, world: int, micro_batch: int, steps: int, seed: int) -> list[dict]:
     """Micro-batch k of rank r at position (k * world + r): Accelerate hands rank r every world-th batch."""
-    spec = {"sampler": "distributed", "seed": seed, "micro_batch": micro_batch}
+    spec = Spec({"sampler": "distributed", "seed": seed, "micro_batch": micro_batch})
     streams = [IndexStream(len(blocks), spec, rank, world) for rank in range(world)]
     order = [i for _ in range(steps) for stream in streams for i in stream.next()]
     return [{"input_ids": blocks[i], "labels": blocks[i]} for i in order]

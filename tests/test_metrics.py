@@ -137,7 +137,7 @@ def test_metrics_json_reads_back_through_its_one_reader_as_written_and_read_only
     write_metrics(tmp_path, written)
     record = read_run_record(tmp_path / "metrics.json")
     assert (record.experiment, record.machine, record.stage, record.status) == ("ddp-x", "box", "ddp", "ok")
-    assert record.spec["world_size"] == 2 and record.data["loss"]["per_step"] == (3.0, None)
+    assert record.spec["world_size"] == 2 and record.data["loss"]["per_step"] == [3.0, None]
     with pytest.raises(TypeError):
         record.data["spec"]["world_size"] = 1
     copy = record.to_dict()

@@ -8,11 +8,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 
 from distlab.records.metrics import METRICS_SCHEMA_VERSION
 from distlab.records.sharing import portable
-from distlab.records.spec import Block, Spec, freeze
+from distlab.records.spec import Block, Spec, freeze, thaw
 
 # Larger than any results file distlab writes (a metrics.json of 100k steps is ~3 MB): such a
 # file is refused before it is read into memory.
@@ -114,22 +113,6 @@ def read_json_object(path, what: str, version: int | None) -> dict:
     return data
 
 
-def _frozen(value):
-    if isinstance(value, dict):
-        return MappingProxyType({key: _frozen(item) for key, item in value.items()})
-    if isinstance(value, list):
-        return tuple(_frozen(item) for item in value)
-    return value
-
-
-def _thawed(value):
-    if isinstance(value, Mapping):
-        return {key: _thawed(item) for key, item in value.items()}
-    if isinstance(value, tuple):
-        return [_thawed(item) for item in value]
-    return value
-
-
 # The fields every reader of a run needs, typed; the rest stays in `data` (the report's JSON
 # Schema, distlab/report/results_schema.yaml, checks those it reads).
 RECORD_TEXT_FIELDS = ("experiment", "machine", "stage", "status")
@@ -140,7 +123,7 @@ class RunRecord:
     """One run's metrics.json as read: the fields every reader needs, typed (the spec a typed
     Spec; timing, throughput, memory, as_built, loss as Blocks read by attribute:
     `record.timing.step_time_s.median`), and the whole file as a read-only mapping (`data`;
-    lists are tuples). The dict forms are for the doors only: `updated(**fields)` is the file's
+    lists are FrozenLists). The dict forms are for the doors only: `updated(**fields)` is the file's
     next version for write_metrics, to_dict() a fresh, mutable copy (the report's run table)."""
     path: Path
     experiment: str
@@ -151,8 +134,7 @@ class RunRecord:
     data: Mapping
 
     def _block(self, name: str) -> Block | None:
-        value = self.data.get(name)
-        return None if value is None else freeze(_thawed(value))
+        return self.data.get(name)
 
     @property
     def timing(self) -> Block | None:
@@ -197,7 +179,7 @@ class RunRecord:
         return {**self.to_dict(), **fields}
 
     def to_dict(self) -> dict:
-        return _thawed(self.data)
+        return thaw(self.data)
 
 
 def read_run_record(path) -> RunRecord:
@@ -215,5 +197,7 @@ def read_run_record(path) -> RunRecord:
     if not isinstance(data.get("spec"), dict):
         why = "missing" if "spec" not in data else "not an object"
         raise ResultsError(f"{path}: field 'spec': {why}; fix or remove the file")
-    frozen = _frozen(data)
+    # Frozen as a spec is (distlab.records.spec.freeze: one implementation): Blocks read by
+    # attribute, lists as FrozenLists.
+    frozen = freeze(data)
     return RunRecord(path, *(data[name] for name in RECORD_TEXT_FIELDS), spec=Spec(data["spec"]), data=frozen)
