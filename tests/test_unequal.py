@@ -18,11 +18,12 @@ GRADIENT_SCRIPT = textwrap.dedent("""
     from distlab.data_prep.data import load_blocks
     from distlab.runtime.accumulation import step_items
     from distlab.rank.loop import IndexStream
+    from distlab.records.spec import Spec
     from distlab.runtime.model import load_model
     from distlab.strategies.base import RunContext
     from distlab.strategies.ddp import DDPStrategy
 
-    prepared, out, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    prepared, out, spec = sys.argv[1], sys.argv[2], Spec(json.loads(sys.argv[3]))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     blocks = load_blocks(prepared + "/data32", "train")[:]  # the whole split, as a tensor

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distlab.records.spec import Spec
+from distlab.records.spec import Spec, SpecFields
 from distlab.errors import FidelityError  # noqa: F401 (strategies and tests import it from here)
 from distlab.runtime.accumulation import for_backward
 from distlab.records.job import Job
@@ -34,6 +34,8 @@ class RunContext:
     untimed_steps: int | None = None
 
     def __post_init__(self):
+        if not isinstance(self.spec, SpecFields):  # a spec read from a file by hand (a test's or benchmark's rank)
+            self.spec = Spec(self.spec)
         if self.untimed_steps is None:
             self.untimed_steps = self.spec.untimed_steps or 0
 
