@@ -331,7 +331,7 @@ def resume_in(run_dir, trained, prepared, damage):
         (folder / "trainer" / "rng-rank1.safetensors").unlink()
         damage(folder)
     meta = ckpt.read_meta(folder) if folder.is_dir() else ckpt.read_meta(trained[0] / "checkpoint" / "step-000004")
-    spec = dict(meta["spec"], id="ddp-w2")
+    spec = Spec(dict(meta["spec"], id="ddp-w2"))
     ctx = SimpleNamespace(spec=spec, device=torch.device("cpu"))
     job = Job(spec=spec, run_dir=str(run_dir), checkpoint_dir=str(run_dir / "checkpoint"))
     return TrainingCheckpoints(job, ctx, PlainStrategy(prepared), meta["model"], 64)
@@ -383,7 +383,7 @@ def test_a_refused_resume_checkpoint_is_kept_and_named_never_deleted(trained, pr
         _rewrite_manifest(folder)
 
     checkpoints = resume_in(tmp_path, trained, prepared, other_config)
-    checkpoints.spec["lr"] = 3e-4
+    checkpoints.spec = checkpoints.spec.replace(lr=3e-4)
     assert checkpoints.resume() == 0
     (kept,) = (tmp_path / REFUSED_DIR).glob("step-000004.refused-*")
     assert (kept / MANIFEST).is_file() and not (tmp_path / "resume" / "step-000004").exists()
