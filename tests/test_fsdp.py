@@ -105,6 +105,7 @@ def _rank_main(job_path: str) -> None:
     from distlab.runtime.accumulation import step_items
     from distlab.runtime.model import load_model
     from distlab.strategies import strategy_for
+    from distlab.records.spec import Spec
     from distlab.strategies.base import FidelityError, RunContext
 
     job = json.loads(Path(job_path).read_text())
@@ -139,7 +140,8 @@ def _rank_main(job_path: str) -> None:
             return {"caught": True, "error": str(exc)}
         return {"caught": False}
 
-    for name, spec in job["specs"].items():
+    for name, raw in job["specs"].items():
+        spec = Spec(raw)  # a spec read from the job file by hand, as read_job hands one on
         path = str(prepared / "checks" / name / "checkpoint")
         trained = fresh(spec)
         trained.verify(trained.describe())
