@@ -10,7 +10,6 @@ from conftest import resolve
 
 from distlab.records.metrics import METRICS_SCHEMA_VERSION
 from distlab.records.run_outputs import read_run_record, write_metrics
-from distlab.records.spec import Spec
 
 _TIMING = {"n": 4, "median": 0.1, "min": 0.09, "max": 0.12, "p25": 0.095, "p75": 0.11}
 
@@ -48,6 +47,5 @@ def fake_run(run_dir, overrides: dict, stage: str = "ddp", *, as_built: dict | N
             "free_cores": max(0, 2 - world), "load_avg_1min": [1.0, 1.0]},
     })
     # What collect.load_run adds beside the file, left empty: each test sets what it checks.
-    run = read_run_record(run_dir / "metrics.json").to_dict()
-    run["spec"] = Spec(run["spec"])  # as the report's door (distlab.report.collect.load_run) hands it on
+    run = read_run_record(run_dir / "metrics.json").to_dict()  # as the report's door hands it on
     return dict(run, _dir=str(run_dir), _steps=[], _validation=None, _throughput=None)

@@ -141,8 +141,10 @@ def test_metrics_json_reads_back_through_its_one_reader_as_written_and_read_only
     with pytest.raises(TypeError):
         record.data["spec"]["world_size"] = 1
     copy = record.to_dict()
-    copy["spec"]["world_size"] = 1  # a fresh, mutable copy; the record stays as read
-    assert record.spec["world_size"] == 2 and copy["loss"]["per_step"] == [3.0, None]
+    copy["loss"]["per_step"][0] = 1.0  # a fresh, mutable copy; the record stays as read
+    copy["spec"] = copy["spec"].replace(world_size=1)  # its spec typed and frozen: changed by replace
+    assert record.spec.world_size == 2 and copy["loss"]["per_step"] == [1.0, None]
+    assert record.data["loss"]["per_step"] == [3.0, None]
     path = tmp_path / "metrics.json"
     for change, words in (({"schema_version": 99}, "metrics schema_version 99"),
                           ({"stage": None}, "field 'stage'"), ({"spec": [1]}, "field 'spec': not an object")):

@@ -179,7 +179,9 @@ class RunRecord:
         return {**self.to_dict(), **fields}
 
     def to_dict(self) -> dict:
-        return thaw(self.data)
+        """A fresh, mutable copy of the file, its spec the record's typed, frozen Spec (a reader
+        changes a spec only by spec.replace)."""
+        return {**thaw(self.data), "spec": self.spec}
 
 
 def read_run_record(path) -> RunRecord:

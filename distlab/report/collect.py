@@ -171,7 +171,7 @@ def load_run(path: str | Path, named_folder: bool = True, declared: frozenset[st
     path = Path(path)
     record = read_run_record(path)  # the one reader of metrics.json
     # The report's run table: the file as a dict (cards add what lies beside it), its spec typed.
-    run = {**record.to_dict(), "spec": record.spec}
+    run = record.to_dict()
     check_schema(run, "metrics", path)
     folders = (("machine", path.parent.parent.name), ("experiment", path.parent.name))
     for field, folder in folders if named_folder else folders[:1]:
