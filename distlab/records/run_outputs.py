@@ -133,36 +133,8 @@ class RunRecord:
     spec: Spec
     data: Mapping
 
-    def _block(self, name: str) -> Block | None:
-        return self.data.get(name)
-
-    @property
-    def timing(self) -> Block | None:
-        return self._block("timing")
-
-    @property
-    def throughput(self) -> Block | None:
-        return self._block("throughput")
-
-    @property
-    def memory(self) -> Block | None:
-        return self._block("memory")
-
-    @property
-    def as_built(self) -> Block | None:
-        return self._block("as_built")
-
-    @property
-    def loss(self) -> Block | None:
-        return self._block("loss")
-
-    @property
-    def noise(self) -> Block | None:
-        return self._block("noise")
-
-    @property
-    def optimization(self) -> Block | None:
-        return self._block("optimization")
+    # The file's sections every reader names, read by attribute (`record.timing.step_time_s`).
+    timing = throughput = memory = as_built = loss = noise = optimization = None  # filled below
 
     @property
     def unit(self) -> str:
@@ -182,6 +154,22 @@ class RunRecord:
         """A fresh, mutable copy of the file, its spec the record's typed, frozen Spec (a reader
         changes a spec only by spec.replace)."""
         return {**thaw(self.data), "spec": self.spec}
+
+
+class _Section:
+    """A RunRecord attribute that reads its section of the file (a Block; None where absent)."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, record, owner=None) -> Block | None:
+        return self if record is None else record.data.get(self.name)
+
+
+for _name in ("timing", "throughput", "memory", "as_built", "loss", "noise", "optimization"):
+    _section = _Section()
+    _section.__set_name__(RunRecord, _name)
+    setattr(RunRecord, _name, _section)
 
 
 def read_run_record(path) -> RunRecord:
