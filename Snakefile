@@ -20,6 +20,8 @@ if not workflow.overwrite_configfiles:
 
 
 include: "rules/common.smk"
+include: "rules/common_resources.smk"
+include: "rules/common_opt_in.smk"
 include: "rules/data.smk"
 include: "rules/model.smk"
 include: "rules/eval.smk"

@@ -1,5 +1,7 @@
 # Helpers shared by the rules (no rules here). The config is validated and expanded
-# into one resolved spec per experiment before any job can start.
+# into one resolved spec per experiment before any job can start. What each job asks of the
+# machine (threads, memory, runtime): rules/common_resources.smk; the opt-in targets' helpers:
+# rules/common_opt_in.smk.
 import os
 import sys
 
@@ -176,63 +178,6 @@ def stop_warm_start_server():
     warm_start.stop_run_server()
 
 
-def on_ray_cluster(spec):
-    """Ranks that run on an existing Ray cluster use its cores and GPUs, not this machine's."""
-    return spec.launcher == "ray" and spec.ray["address"] is not None
-
-
-def rank_cores(spec):
-    """Cores per rank: on CPU the device itself; on CUDA the host side of a rank."""
-    return spec.cpu_threads_per_rank if spec.device == "cpu" else config["cuda_cpu_threads_per_rank"]
-
-
-def experiment_threads(wildcards):
-    spec = SPECS[wildcards.experiment]
-    if on_ray_cluster(spec):
-        return 1
-    if spec.device == "cpu" and spec.rank_cpu_threads:  # unequal CPU devices: their sum
-        return sum(spec.rank_cpu_threads)
-    return spec.world_size * rank_cores(spec)
-
-
-def eval_threads(wildcards):
-    """The base-model eval of one dataset, seq_len and model: as many cores as one rank of the
-    experiments it serves gets (rank_cores), at least 1."""
-    served = [
-        spec
-        for spec in SPECS.values()
-        if spec.dataset == wildcards.dataset
-        and str(spec.seq_len) == wildcards.seq_len
-        and model_suffix(spec.model) == wildcards.model_suffix
-    ]
-    return max([rank_cores(spec) for spec in served], default=1)
-
-
-def experiment_gpus(wildcards):
-    spec = SPECS[wildcards.experiment]
-    return spec.world_size if spec.device == "cuda" and not on_ray_cluster(spec) else 0
-
-
-def reshard_world_size(spec):
-    """The other world size checkpoint validation loads at: 2 -> 1, 1 -> 2."""
-    return 1 if spec.world_size > 1 else 2
-
-
-def validation_threads(wildcards):
-    spec = SPECS[wildcards.experiment]
-    ranks = max(spec.world_size, reshard_world_size(spec))
-    if spec.device == "cuda":
-        ranks = min(ranks, GPUS)  # as validation_gpus: a reshard that does not fit is not run
-    return ranks * rank_cores(spec)
-
-
-def validation_gpus(wildcards):
-    """At most the GPUs present: where the reshard world size does not fit, validate.py
-    records the reshard check as unsupported, with the reason."""
-    spec = SPECS[wildcards.experiment]
-    return min(max(spec.world_size, reshard_world_size(spec)), GPUS) if spec.device == "cuda" else 0
-
-
 def this_machine_validations():
     """validation.json of the experiments validation.scope selects: the report waits for them."""
     return expand(f"{RUN}/validation.json", experiment=validated_experiments(config, DEFAULT_SPECS))
@@ -289,65 +234,6 @@ def validation_check_outputs():
     return [f"{RESULTS}/logs/validations-passed.txt"]
 
 
-# Planning figures for a scheduler (Slurm's --mem and --time), from the spec: a rank holds the
-# model, its optimizer state and a few batches; an explicit memory_budget_gib is the ceiling
-# the run is held to. Profiles may override them per rule (set-resources).
-RANK_MEM_MB_DEFAULT = 4000
-JOB_MEM_MB_OVERHEAD = 1000  # the Snakemake script and the launcher process
-
-
-def rank_mem_mb(spec):
-    budget = spec.memory_budget_gib
-    return int(budget * 1024) + 512 if budget else RANK_MEM_MB_DEFAULT
-
-
-def experiment_mem_mb(wildcards):
-    spec = SPECS[wildcards.experiment]
-    return JOB_MEM_MB_OVERHEAD if on_ray_cluster(spec) else JOB_MEM_MB_OVERHEAD + spec.world_size * rank_mem_mb(spec)
-
-
-def one_process_model_mem_mb():
-    """A single process holding the base model (build, base-model eval): one rank's figure."""
-    return JOB_MEM_MB_OVERHEAD + RANK_MEM_MB_DEFAULT
-
-
-def collectives_mem_mb():
-    """The benchmark's ranks: torch, a process group and its largest message twice, each."""
-    plan = collectives_plan()
-    return JOB_MEM_MB_OVERHEAD + plan["world_size"] * 2000
-
-
-def validation_mem_mb(wildcards):
-    spec = SPECS[wildcards.experiment]
-    return JOB_MEM_MB_OVERHEAD + max(spec.world_size, reshard_world_size(spec)) * rank_mem_mb(spec)
-
-
-def experiment_runtime(wildcards, rule="train"):
-    """Minutes: job_runtime_minutes.<rule> when the config sets it (the GPU kit's time plan),
-    else process start and data loading plus a generous second per step per repeat."""
-    planned = config["job_runtime_minutes"][rule]
-    if planned is not None:
-        return planned
-    spec = SPECS[wildcards.experiment]
-    steps = spec.steps
-    if steps is None:  # epochs: known once the data exists (a resource cannot wait on a checkpoint)
-        folder = data_dir(wildcards)
-        steps = resolve_epochs(spec, folder)["steps"] if os.path.isfile(f"{folder}/distlab_data.json") else 3600
-    return estimated_runtime_minutes(spec, steps)
-
-
-def validation_runtime(wildcards):
-    return experiment_runtime(wildcards, rule="validate")
-
-
-def collectives_plan():
-    """The bandwidth benchmark's ranks, device and message sizes (rule collectives), sized
-    to the GPUs present (distlab.tools.collectives.plan)."""
-    from distlab.tools.collectives import plan
-
-    return plan(config["collectives"], DEFAULT_SPECS, GPUS)
-
-
 def collectives_outputs():
     return [f"{RESULTS}/{MACHINE}/collectives.json"] if config["collectives"]["enabled"] else []
 
@@ -388,96 +274,6 @@ if any(spec.ray["address"] == "env" for spec in ray_experiment_specs().values())
 
     envvars:
         "RAY_ADDRESS",
-
-
-# -- the opt-in targets (rules/links.smk) -------------------------------------------------------
-def stage_specs(stage):
-    return {exp_id: spec for exp_id, spec in SPECS.items() if spec.stage == stage}
-
-
-def refuse_where_this_machine_cannot(specs, target):
-    """Stop before any job when the machine cannot give these experiments what they ask (root
-    for network namespaces or CPU budgets), naming the experiment, the field and why."""
-    from distlab.configuration.config_links import machine_refusal
-
-    problems = [
-        f"experiment {exp_id}, field '{refused[0]}': {refused[1]}"
-        for exp_id, spec in specs.items()
-        if (refused := machine_refusal(spec))
-    ]
-    if problems:
-        raise WorkflowError(f"`snakemake {target}` cannot run on this machine:\n  " + "\n  ".join(problems))
-
-
-def stage_metrics(stage):
-    """Input function of an opt-in target: its stage's metrics. Called only when the target is
-    asked for, so the default run never needs what the stage needs."""
-
-    def metrics(wildcards):
-        specs = stage_specs(stage)
-        if not specs:
-            raise WorkflowError(
-                f"config field 'stages.{stage}': no enabled experiment; `snakemake {stage}` has nothing to run"
-            )
-        refuse_where_this_machine_cannot(specs, stage)
-        return expand(f"{RUN}/metrics.json", experiment=list(specs))
-
-    return metrics
-
-
-def stage_side_files(stage):
-    """What an opt-in target's page reads beside each of its stage's runs (rule train's side files)."""
-    return lambda wildcards: expand(f"{RUN}/{{name}}", experiment=list(stage_specs(stage)), name=TRAIN_SIDE_FILES)
-
-
-def link_caps():
-    """{id label: Mbit/s} of the links stage's caps (link_label: 100m, 1g, free)."""
-    from distlab.configuration.config_links import link_label
-
-    return {
-        link_label(spec.link["bandwidth_mbit"]): spec.link["bandwidth_mbit"]
-        for spec in stage_specs("links").values()
-        if spec.link
-    }
-
-
-LINK_CAPS = link_caps()
-# Under a link the largest message is 4 MiB: at 100 Mbit/s one all-reduce of it takes ~0.3 s.
-LINK_COLLECTIVES_MAX_BYTES = 4 << 20
-
-
-def link_collectives_plan():
-    from distlab.tools.collectives import plan
-
-    found = plan(config["collectives"], {}, 0)  # gloo on 2 CPU ranks, one per host
-    return dict(found, max_bytes=min(found["max_bytes"], LINK_COLLECTIVES_MAX_BYTES))
-
-
-try:
-    TWO_HOSTS_SPEC = two_hosts_spec(config)
-except ConfigError as error:
-    raise WorkflowError(str(error)) from None
-
-
-def two_hosts_input(kind):
-    """Input function of rule two_hosts (refuses, before any job, where links cannot be made)."""
-
-    def path(wildcards):
-        spec = TWO_HOSTS_SPEC
-        if kind == "data":
-            from distlab.configuration.netns import refusal
-
-            if refusal():
-                raise WorkflowError(
-                    f"`snakemake two_hosts` cannot run on this machine: network namespaces cannot "
-                    f"be made here: {refusal()}"
-                )
-            return f"{PREP}/data/{spec.dataset}-seq{spec.seq_len}"
-        if kind == "model":
-            return [model_config_path(spec.model)]
-        return f"{PREP}/eval/base-{spec.dataset}-seq{spec.seq_len}" f"{model_suffix(spec.model)}.json"
-
-    return path
 
 
 # The step-time prediction (distlab.tools.step_time): every causal-LM run on a model whose
