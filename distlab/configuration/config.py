@@ -6,7 +6,7 @@ Imported by the Snakefile at parse time, so it must stay light: no torch, no tra
 Longer than ~300 lines on purpose: every semantic rule of the schema sits beside the
 expansion into specs it guards (the schema file holds the types, this module the relations),
 except a strategy's own settings: their defaults, id part and refusals sit beside the strategy
-(distlab/strategies/<name>_settings.py), read here through distlab.strategies.settings.
+(distlab/configuration/strategies/<name>_settings.py), read here through distlab.configuration.strategies.settings.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from distlab.configuration.input_checks import ConfigError
 from distlab.configuration.schema import load_schema  # also this module's name for it: validate_schema reads it here
 from distlab.records.spec import Spec, SpecDraft, SpecFields
 from distlab.configuration.training_tools import adapts, check_training_tools
-from distlab.strategies import strategy_key
-from distlab.strategies.settings import registered, schema_mismatch, settings_for, strategy_defaults
+from distlab.configuration.strategies.settings import (registered, schema_mismatch, settings_for, strategy_defaults,
+                                                       strategy_key)
 from distlab.tasks import DEFAULT_TASK, task_for, task_named, task_names
 
 # The one place every experiment inherits from. config.yaml's `defaults:` overrides these,

@@ -412,7 +412,7 @@ def optimizer_dtypes(optimizer) -> dict | None:
 
 def offloads_parameters(spec: Spec) -> bool:
     """Specs whose parameters may legitimately sit in host memory on a CUDA run (the strategy's settings)."""
-    from distlab.strategies.settings import settings_for
+    from distlab.configuration.strategies.settings import settings_for
 
     return settings_for(spec).offloads_parameters(spec)
 
@@ -420,7 +420,7 @@ def offloads_parameters(spec: Spec) -> bool:
 def expected_layout(spec: Spec) -> str | None:
     """The parameter form a sharding strategy must leave behind (None: plain tensors are right;
     the strategy's settings say)."""
-    from distlab.strategies.settings import settings_for
+    from distlab.configuration.strategies.settings import settings_for
 
     return settings_for(spec).parameter_layout(spec)
 
