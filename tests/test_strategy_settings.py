@@ -307,13 +307,15 @@ def strategy_literals(paths, names) -> list[str]:
 def test_no_task_or_family_code_names_a_strategy():
     """What a strategy cannot train (a task, a model family) is said in its own settings
     (needs_of_task, check_task, family_refusal), so a new strategy touches only its own files:
-    distlab/tasks/ and distlab/configuration/families.py spell no strategy's name as a string."""
-    from distlab import strategies
+    distlab/tasks/, the tasks' declarations and distlab/configuration/families.py spell no
+    strategy's name as a string."""
+    from distlab.configuration.strategies.settings import strategy_names
 
-    paths = sorted((REPO / "distlab" / "tasks").rglob("*.py")) + [REPO / "distlab" / "configuration" / "families.py"]
-    assert strategy_literals(paths, strategies.strategy_names()) == []
-    declared = REPO / "distlab" / "configuration" / "strategies"
-    assert strategy_literals([declared / "tp_settings.py"], ["tp"])  # the check sees them
+    configuration = REPO / "distlab" / "configuration"
+    paths = [*sorted((REPO / "distlab" / "tasks").rglob("*.py")), *sorted((configuration / "tasks").rglob("*.py")),
+             configuration / "families.py"]
+    assert strategy_literals(paths, strategy_names()) == []
+    assert strategy_literals([configuration / "strategies" / "tp_settings.py"], ["tp"])  # the check sees them
 
 
 def test_precision_names_and_the_accumulation_loss_scale_are_decided_in_one_place_each():

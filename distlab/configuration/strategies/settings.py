@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib
 import math
-import pkgutil
 import sys
 
 from distlab.records.spec import SpecFields
 from distlab.configuration.precision import is_mixed
+from distlab.registry import discover
 
 SUFFIX = "_settings"
 
@@ -54,7 +53,7 @@ class StrategySettings:
     holds_layer_run: bool = False
     #: The advisor rows (distlab.records.advice.ROW_ORDER) this strategy stands for: {row: its settings block}.
     advisor_rows: dict[str, dict] = {}
-    #: {task trait: why this strategy needs it} (the traits: distlab.tasks.base.Task.lacks): an
+    #: {task trait: why this strategy needs it} (the traits: TaskDeclaration.lacks, distlab.configuration.tasks): an
     #: experiment whose task's model lacks one is refused naming its `strategy` field
     #: (check_task). Traits, not names: no task lists strategies, no strategy lists tasks.
     needs_of_task: dict[str, str] = {}
@@ -77,7 +76,7 @@ class StrategySettings:
         (distlab.configuration.config.model_shape)."""
 
     def check_task(self, task, spec: SpecFields, fail) -> None:
-        """fail(field, why) for what of `task` (a distlab.tasks Task) this strategy cannot train:
+        """fail(field, why) for what of `task` (its declaration) this strategy cannot train:
         the task whole (a trait of needs_of_task its model lacks) or, in subclasses, settings of
         its own the task's model cannot take. Checked before the task's own refusals
         (distlab.configuration.config)."""
@@ -183,15 +182,7 @@ def registered() -> dict[str, StrategySettings]:
 
 @functools.lru_cache(maxsize=4)
 def _discover(path: tuple[str, ...]) -> dict[str, StrategySettings]:
-    found = {}
-    for info in sorted(pkgutil.iter_modules(list(path)), key=lambda m: m.name):
-        if info.name.endswith(SUFFIX):
-            settings = importlib.import_module(f"{__package__}.{info.name}").SETTINGS
-            if settings.name != info.name[:-len(SUFFIX)]:
-                raise ValueError(f"distlab/configuration/strategies/{info.name}.py: SETTINGS.name is "
-                                 f"'{settings.name}', its file names '{info.name[:-len(SUFFIX)]}'")
-            found[settings.name] = settings
-    return found
+    return discover(__package__, path, "SETTINGS", suffix=SUFFIX)
 
 
 def strategy_names() -> list[str]:
