@@ -60,10 +60,10 @@ def workflow_data_dirs(cfg: dict, prep: Path) -> set[Path]:
     """Where the workflow reads the prepared data of `cfg`'s experiments (and rule prepare_data
     writes it) under its `prep` folder: each experiment's task's data_dir, which rules/common.smk asks."""
     from distlab.configuration.config import load
-    from distlab.tasks import task_for
+    from distlab.configuration.tasks.declaration import declaration_for
 
     _, specs = load(copy.deepcopy(cfg), gpu_count=0)
-    return {Path(task_for(spec).data_dir(spec, str(prep))) for spec in specs.values()}
+    return {Path(declaration_for(spec).data_dir(spec, str(prep))) for spec in specs.values()}
 
 
 def build_instruction_data(prepared: Path, out_dir: Path, seq_len: int = 32, **options) -> Path:

@@ -15,8 +15,8 @@ from distlab.configuration.tokenizer_checks import tokenizer_source
 from distlab.configuration.hardware import gpu_count, machine_tag
 from distlab.configuration.results_lock import ResultsFolderBusy, hold_for_workflow
 from distlab.records.run_layout import KUBERAY_CHECKS, MACHINE_FILES, RUN_FILES, RUN_SIDE_FILES
-from distlab.tasks import task_for
-from distlab.tasks.causal_lm import CausalLM, model_suffix
+from distlab.configuration.tasks.declaration import declaration_for
+from distlab.configuration.tasks.causal_lm import CausalLMDeclaration, model_suffix
 from distlab.jobs.two_hosts import two_hosts_spec
 from distlab.records.job import estimated_runtime_minutes
 from distlab.tools.advisor_box import measured_evidence
@@ -77,7 +77,7 @@ def dataset_config(name):
 
 def model_config_path(name="default"):
     """config.json of a causal LM: the user's local folder, or the one the pipeline builds."""
-    return CausalLM.model_config_path(config, name, PREP)
+    return CausalLMDeclaration.model_config_path(config, name, PREP)
 
 
 def model_build(name):
@@ -95,7 +95,7 @@ def model_inputs(wildcards):
     the base model from the hub by id."""
     if hasattr(wildcards, "experiment"):
         spec = SPECS[wildcards.experiment]
-        found = task_for(spec).model_file(spec, config, PREP)
+        found = declaration_for(spec).model_file(spec, config, PREP)
         return [found] if found else []
     name = wildcards_model(wildcards)
     return [] if config["model"]["hub_id"] and name == "default" else [model_config_path(name)]
@@ -109,13 +109,13 @@ def model_source(wildcards, input):
 def data_dir(wildcards):
     """The prepared data the experiment's task reads (causal LM: <dataset>-seq<N>)."""
     spec = SPECS[wildcards.experiment]
-    return task_for(spec).data_dir(spec, PREP)
+    return declaration_for(spec).data_dir(spec, PREP)
 
 
 def base_eval_path(wildcards):
     """The base model's held-out eval on this experiment's data (rule evaluate_base_model, or its task's)."""
     spec = SPECS[wildcards.experiment]
-    return task_for(spec).base_eval_path(spec, PREP)
+    return declaration_for(spec).base_eval_path(spec, PREP)
 
 
 def experiment_spec(wildcards):

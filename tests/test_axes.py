@@ -14,13 +14,15 @@ CONFIG_WORDS = {"auto"}
 
 def declared_axes() -> dict[str, set]:
     """Each axis as its declaration gives it (read from the registries themselves)."""
+    from distlab.configuration.axes import LAUNCHERS
     from distlab.configuration.config import STAGE_ORDER
     from distlab.launchers import REGISTRY
     from distlab.configuration.precision import PRECISIONS
-    from distlab.strategies import strategy_names
+    from distlab.configuration.strategies.settings import strategy_names
     from distlab.tasks import task_named, task_names
 
-    return {"stages": set(STAGE_ORDER), "strategies": set(strategy_names()), "launchers": set(REGISTRY),
+    assert set(REGISTRY) == set(LAUNCHERS), "every declared launcher has its code, and no other"
+    return {"stages": set(STAGE_ORDER), "strategies": set(strategy_names()), "launchers": set(LAUNCHERS),
             "tasks": set(task_names()), "units": {task_named(name).unit for name in task_names()},
             "precisions": set(PRECISIONS)}
 
@@ -71,7 +73,7 @@ def test_both_schemas_name_exactly_each_axis_of_the_code_once_loaded():
     throughput = results["$defs"]["ok_run"]["properties"]["throughput"]
     assert set(throughput["properties"]["unit"]["enum"]) == axes["units"]
     # Each strategy's block is typed once, in its settings file, with every key its defaults hold.
-    from distlab.strategies.settings import registered
+    from distlab.configuration.strategies.settings import registered
 
     for name, settings in registered().items():
         if settings.defaults is not None:
@@ -81,7 +83,7 @@ def test_both_schemas_name_exactly_each_axis_of_the_code_once_loaded():
 
 def test_a_strategy_settings_choices_are_read_from_its_settings_in_the_results_schema():
     from distlab.report.collect import _schemas
-    from distlab.strategies.settings import registered
+    from distlab.configuration.strategies.settings import registered
 
     spec = _schemas()["$defs"]["spec"]["properties"]
     for name, key in (("deepspeed", "offload_optimizer"), ("deepspeed", "offload_param"), ("fsdp", "via")):

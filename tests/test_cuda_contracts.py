@@ -160,8 +160,9 @@ def no_file_writes(monkeypatch):
 
 def make(strategy_cls, spec: dict, module):
     from distlab.strategies.base import RunContext
+    from distlab.tasks import task_for
 
-    strategy = strategy_cls(RunContext(spec=spec, run_dir="unused", device=CUDA))
+    strategy = strategy_cls(RunContext(spec=spec, run_dir="unused", device=CUDA, task=task_for(spec)))
     strategy.model = module
     return strategy
 

@@ -200,7 +200,7 @@ def test_family_runs_with_the_plain_models_step0_loss_on_the_same_samples(
 def test_a_tp_plan_style_torch_cannot_express_is_refused_naming_the_style():
     from transformers import Qwen2Config
 
-    from distlab.strategies.tp_settings import SETTINGS
+    from distlab.configuration.strategies.tp_settings import SETTINGS
 
     tp_refusal = SETTINGS.family_refusal  # what tensor parallel needs of a family, beside the strategy
     config = Qwen2Config(**GQA)

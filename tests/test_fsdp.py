@@ -107,6 +107,7 @@ def _rank_main(job_path: str) -> None:
     from distlab.strategies import strategy_for
     from distlab.records.spec import Spec
     from distlab.strategies.base import FidelityError, RunContext
+    from distlab.tasks import task_for
 
     job = json.loads(Path(job_path).read_text())
     prepared = Path(job["prepared"])
@@ -115,7 +116,8 @@ def _rank_main(job_path: str) -> None:
     findings = {}
 
     def fresh(spec):
-        ctx = RunContext(spec=spec, run_dir=str(prepared / "checks" / spec["id"]), device=torch.device("cpu"))
+        ctx = RunContext(spec=spec, run_dir=str(prepared / "checks" / spec["id"]), device=torch.device("cpu"),
+                         task=task_for(spec))
         strategy = strategy_for(spec)(ctx)
         strategy.init_distributed()
         torch.manual_seed(spec["seed"])

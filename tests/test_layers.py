@@ -1,15 +1,17 @@
 """distlab's packages layer by when their code runs: parse time, then job time, then rank time,
-then the report. The units are in one order, earliest first, within a layer too: a module imports
+then the report. A unit is a folder of distlab (or one of its top-level modules), with no
+exception: parse-time declarations live in distlab/configuration/, not beside the rank-time code
+they declare. The units are in one order, earliest first, within a layer too: a module imports
 only from its own unit or the units before it, counting imports inside functions and dynamic ones
-(`importlib.import_module("distlab...")`, a `"distlab.x:attr"` target handed to a lazy loader),
-so the packages form no cycle. The table is here once; ARCHITECTURE.md shows the same one, in
-the same order (checked below). Parsed with ast: no torch."""
+(`importlib.import_module("distlab...")` and of an f-string built from `__name__` or
+`__package__`, and a `"distlab.x:attr"` target handed to a lazy loader wherever it appears, a
+registry's entries included), so the packages form no cycle. The table is here once;
+ARCHITECTURE.md shows the same one, in the same order (checked below). Parsed with ast: no torch."""
 from __future__ import annotations
 
 import ast
 import re
 from collections import defaultdict
-from fnmatch import fnmatch
 from pathlib import Path
 
 from test_import_cycles import import_cycles as cycles  # Tarjan's strongly connected components
@@ -18,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "distlab"
 
 # The layers, earliest first: (name, when its code runs, its units, earliest first). A unit is a
-# package of distlab or one of its top-level modules.
+# folder of distlab or one of its top-level modules, whole.
 LAYERS = [
     ("foundation", "everywhere: importing nothing of distlab", ["errors", "registry"]),
     ("bottom", "parse time, and the files every later phase reads", ["records", "configuration"]),
@@ -33,12 +35,6 @@ LAYERS = [
 ]
 # What a layer may read when it is not every unit before its own.
 READS_ONLY = {"foundation": set(), "report": {"foundation", "bottom", "report"}}
-# Declarations run at parse time wherever they live: they count as `configuration`. A strategy's
-# torch-free settings stay beside its module ("a strategy is its files"), and the registries of
-# strategies, tasks and launchers are the lists of names a config may use.
-DECLARATIONS = ["distlab/strategies/__init__.py", "distlab/strategies/settings.py",
-                "distlab/strategies/*_settings.py", "distlab/tasks/__init__.py",
-                "distlab/launchers/__init__.py"]
 # Units of one layer that must not import each other at all.
 APART = [("strategies", "tasks")]  # a strategy names no task, a task no strategy
 
@@ -51,11 +47,8 @@ ORDER = {unit: i for i, unit in enumerate(unit for _, _, units in LAYERS for uni
 
 
 def unit_of(path: Path) -> str:
-    rel = path.relative_to(REPO).as_posix()
-    if any(fnmatch(rel, pattern) for pattern in DECLARATIONS):
-        return "configuration"
-    parts = path.relative_to(PACKAGE).with_suffix("").parts
-    return parts[0]
+    """The folder of distlab a module is in (a top-level module: its own name)."""
+    return path.relative_to(PACKAGE).with_suffix("").parts[0]
 
 
 def modules() -> dict[str, Path]:
@@ -70,6 +63,24 @@ def modules() -> dict[str, Path]:
 
 
 DYNAMIC = re.compile(r"^(distlab(?:\.\w+)+):\w+$")
+# The constant start of an f-string lazy target, "distlab.x.{name}:attr": the package it loads from.
+DYNAMIC_START = re.compile(r"^(distlab(?:\.\w+)+)\.$")
+
+
+def dynamic_module(arg: ast.expr, name: str, package: list[str]) -> str:
+    """The distlab module an `import_module` argument names, as far as it is known before it
+    runs: a constant, or an f-string by its constant start or by `__name__` / `__package__`
+    heading it (`f"{__name__}.{info.name}"`: a module of this package); "" for anything else."""
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value
+    if not isinstance(arg, ast.JoinedStr) or not arg.values:
+        return ""
+    head = arg.values[0]
+    if isinstance(head, ast.Constant) and isinstance(head.value, str):
+        return head.value
+    if isinstance(head, ast.FormattedValue) and isinstance(head.value, ast.Name):
+        return {"__name__": name, "__package__": ".".join(package)}.get(head.value.id, "")
+    return ""
 
 
 def imports(path: Path, known: dict[str, Path], source: str | None = None) -> list[tuple[int, str]]:
@@ -83,7 +94,6 @@ def imports(path: Path, known: dict[str, Path], source: str | None = None) -> li
 
     name = next(n for n, p in known.items() if p == path)
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-    registry = any(fnmatch(path.relative_to(REPO).as_posix(), p) for p in DECLARATIONS)
     found = []
     for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
         wanted = []
@@ -94,16 +104,16 @@ def imports(path: Path, known: dict[str, Path], source: str | None = None) -> li
             if node.level:
                 base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
             wanted = [f"{base}.{alias.name}" for alias in node.names]
-        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and DYNAMIC.match(node.value)
-              and not registry):  # a registry's entries are its documented lazy plugin loading
-            wanted = [DYNAMIC.match(node.value).group(1)]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and DYNAMIC.match(node.value):
+            wanted = [DYNAMIC.match(node.value).group(1)]  # a lazy target, a registry's entries too
+        elif (isinstance(node, ast.JoinedStr) and len(node.values) > 1 and isinstance(node.values[0], ast.Constant)
+              and isinstance(node.values[0].value, str) and DYNAMIC_START.match(node.values[0].value)
+              and any(isinstance(v, ast.Constant) and ":" in str(v.value) for v in node.values[1:])):
+            wanted = [DYNAMIC_START.match(node.values[0].value).group(1)]  # f"distlab.x.{name}:attr"
         elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in
               ("import_module", "__import__") and node.args):
-            arg = node.args[0]
-            text = (arg.value if isinstance(arg, ast.Constant) else
-                    arg.values[0].value if isinstance(arg, ast.JoinedStr) and arg.values
-                    and isinstance(arg.values[0], ast.Constant) else "")
-            if isinstance(text, str) and text.startswith("distlab."):
+            text = dynamic_module(node.args[0], name, package)
+            if text.startswith("distlab."):
                 wanted = [text.rstrip(".")]
         for dotted in wanted:
             if dotted.split(".")[0] == "distlab":
@@ -182,9 +192,17 @@ def test_the_checks_see_a_function_level_a_dynamic_and_a_cyclic_import():
     found = imports(known["distlab.tasks.causal_lm"], known)
     assert any(m == "distlab.runtime.model" for _, m in found)  # lazy("distlab.runtime.model:load_model")
     hidden = ("def f(name):\n    import importlib\n    importlib.import_module('distlab.rank.loop')\n"
+              "    importlib.import_module(f'{__package__}.{name}')\n"
+              "    load({name: 'distlab.tools.advisor:main'}, name, 'tool')\n"
+              "    load({name: f'distlab.strategies.{name}:STRATEGY'}, name, 'strategy')\n"
               "    return importlib.import_module(f'distlab.jobs.{name}')\n")
-    assert imports(known["distlab.records.metrics"], known, hidden) == \
-        [(3, "distlab.rank.loop"), (4, "distlab.jobs")]
+    assert sorted(imports(known["distlab.records.metrics"], known, hidden)) == \
+        [(3, "distlab.rank.loop"), (4, "distlab.records"), (5, "distlab.tools.advisor"), (6, "distlab.strategies"),
+         (7, "distlab.jobs")]
+    # Task discovery's import of every module of its package, by the package's own name.
+    discovery = ast.parse('importlib.import_module(f"{__name__}.{info.name}")').body[0].value.args[0]
+    assert dynamic_module(discovery, "distlab.configuration.tasks", ["distlab", "configuration", "tasks"]) == \
+        "distlab.configuration.tasks"
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
     assert is_upward("records", "runtime") and is_upward("report", "tools") and is_upward("tasks", "strategies")
     assert not is_upward("runtime", "records") and not is_upward("report", "records")
@@ -196,8 +214,9 @@ def test_the_checks_see_a_function_level_a_dynamic_and_a_cyclic_import():
 
 
 # The package __init__s that hold more than their docstring, and what.
-INIT_CODE = {"launchers": "the launcher registry", "strategies": "the strategy registry",
-             "tasks": "the task registry", "checkpoint_formats": "format.json's writer and reader"}
+# The registries here load code by a name declared in distlab/configuration/.
+INIT_CODE = {"launchers": "the launcher registry", "strategies": "a strategy's class by its name",
+             "tasks": "a task by its name", "checkpoint_formats": "format.json's writer and reader"}
 
 
 def test_every_package_init_says_when_its_code_runs_and_only_the_registries_hold_code():

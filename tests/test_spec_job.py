@@ -95,7 +95,7 @@ def test_code_reads_a_spec_by_typed_field_and_a_misspelt_one_fails_naming_it():
 def test_the_typed_spec_fields_are_the_schemas_experiment_keys():
     from distlab.configuration.schema import schema_read_only
     from distlab.records.spec import SPEC_FIELDS
-    from distlab.strategies.settings import registered
+    from distlab.configuration.strategies.settings import registered
 
     keys = set(schema_read_only()["$defs"]["experiment"]["properties"])
     strategy_blocks = {name for name, settings in registered().items() if settings.schema is not None}

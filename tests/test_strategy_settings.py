@@ -12,14 +12,14 @@ from test_config import ddp_config
 
 
 def test_the_schema_names_exactly_the_strategies_with_settings_files_and_ranks_find_them_without_it(monkeypatch):
-    """config/schema.yaml's strategy enum is checked against distlab/strategies/*_settings.py
+    """config/schema.yaml's strategy enum is checked against distlab/configuration/strategies/*_settings.py
     (each strategy with settings has their block), and a rank finds its class from those files,
     not from the schema."""
     from distlab.configuration import config as config_module
     from distlab.configuration import schema as schema_module
     from distlab import strategies
     from distlab.strategies.base import Strategy
-    from distlab.strategies.settings import schema_mismatch
+    from distlab.configuration.strategies.settings import schema_mismatch
 
     schema = config_module.load_schema()
     assert set(schema["$defs"]["experiment"]["properties"]["strategy"]["enum"]) == set(strategies.strategy_names())
@@ -31,7 +31,7 @@ def test_the_schema_names_exactly_the_strategies_with_settings_files_and_ranks_f
     schema["$defs"]["experiment"]["properties"]["strategy"]["enum"].append("horovod")
     monkeypatch.setattr(config_module, "load_schema", lambda: schema)
     with pytest.raises(ConfigError, match=r"schema.yaml: its strategy enum .*'horovod'.* differs from the "
-                                          r"strategies in distlab/strategies/\*_settings.py"):
+                                          r"strategies in distlab/configuration/strategies/\*_settings.py"):
         load(ddp_config({}), gpu_count=0)
     # Ranks never read the schema to find their class.
     monkeypatch.setattr(config_module, "load_schema", lambda: pytest.fail("a rank read config/schema.yaml"))
@@ -50,7 +50,7 @@ class MineStrategy(Strategy):
 STRATEGY = MineStrategy
 """
 MINE_SETTINGS = """
-from distlab.strategies.settings import StrategySettings, block_schema, state
+from distlab.configuration.strategies.settings import StrategySettings, block_schema, state
 
 
 class MineSettings(StrategySettings):
@@ -100,18 +100,21 @@ SETTINGS = MineSettings()
 
 def test_a_new_strategy_with_a_setting_is_its_two_files(tmp_path, monkeypatch):
     """ARCHITECTURE.md's walk-through: a strategy with a setting of its own (`mine: {chunks}`)
-    is its module and its settings file (the setting's type beside its default): nothing of
-    distlab is edited, config/schema.yaml included (the package only gains files, here through
-    its search path). Config expansion, the schema's enum and block, the id, the checks, the
-    launcher, the validation scope, the advisor (its formula and its row), Ray's launcher check,
-    the save estimate, the activation-checkpointing check, the parameter-layout check, the task
-    refusal, the model-family check and a rank's lookup all pick it up; its runs through the
-    summary and the report: test_a_new_strategy_runs_through_the_summary_and_the_report."""
+    is its module (distlab/strategies/) and its settings file (distlab/configuration/strategies/,
+    the setting's type beside its default): nothing of distlab is edited, config/schema.yaml
+    included (the two packages only gain files, here through their search paths). Config
+    expansion, the schema's enum and block, the id, the checks, the launcher, the validation
+    scope, the advisor (its formula and its row), Ray's launcher check, the save estimate, the
+    activation-checkpointing check, the parameter-layout check, the task refusal, the
+    model-family check and a rank's lookup all pick it up; its runs through the summary and the
+    report: test_a_new_strategy_runs_through_the_summary_and_the_report."""
     import sys
 
     from types import SimpleNamespace
 
     from distlab.configuration import families
+    from distlab.configuration import strategies as declared
+    from distlab.configuration.strategies.settings import registered
     from distlab import strategies
     from distlab.runtime.activations import check_checkpointing
     from distlab.tools.advisor import model_state, strategy_state
@@ -120,11 +123,12 @@ def test_a_new_strategy_with_a_setting_is_its_two_files(tmp_path, monkeypatch):
     from distlab.tools.advisor_check import estimate_key
     from distlab.configuration.validation_scope import checkpoint_format, shards_checkpoint, validated_experiments
 
-    (tmp_path / "strategies").mkdir()
-    (tmp_path / "strategies" / "mine.py").write_text(MINE_MODULE)
-    (tmp_path / "strategies" / "mine_settings.py").write_text(MINE_SETTINGS)
+    for folder, name, text in (("strategies", "mine.py", MINE_MODULE), ("settings", "mine_settings.py", MINE_SETTINGS)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / name).write_text(text)
     monkeypatch.setattr(strategies, "__path__", [*strategies.__path__, str(tmp_path / "strategies")])
-    added = ("distlab.strategies.mine", "distlab.strategies.mine_settings")
+    monkeypatch.setattr(declared, "__path__", [*declared.__path__, str(tmp_path / "settings")])
+    added = ("distlab.strategies.mine", "distlab.configuration.strategies.mine_settings")
     try:
         assert strategies.strategy_for(Spec({"strategy": "mine"})).__name__ == "MineStrategy"
         config, specs = load(ddp_config({"strategy": "mine", "world_size": 2}), gpu_count=0)
@@ -168,11 +172,11 @@ def test_a_new_strategy_with_a_setting_is_its_two_files(tmp_path, monkeypatch):
         monkeypatch.setattr(families, "causal_lm_class", lambda model_type: "LlamaForCausalLM")
         refusals = []
         families.check(spec, {"model": {"path": str(folder)}}, lambda *why: refusals.append(why),
-                       strategies.registered()["mine"])
+                       registered()["mine"])
         assert refusals == [("strategy", "strategy 'mine' cannot run model type 'llama' (LlamaForCausalLM): "
                                          "it declares no mine_plan")]
         family.mine_plan = {"layers": "chunked"}
-        families.check(spec, {"model": {"path": str(folder)}}, pytest.fail, strategies.registered()["mine"])
+        families.check(spec, {"model": {"path": str(folder)}}, pytest.fail, registered()["mine"])
     finally:
         for name in added:
             sys.modules.pop(name, None)
@@ -193,7 +197,7 @@ class ToyStrategy(DDPStrategy):
 STRATEGY = ToyStrategy
 """
 TOY_SETTINGS = """
-from distlab.strategies.settings import StrategySettings
+from distlab.configuration.strategies.settings import StrategySettings
 
 
 class ToySettings(StrategySettings):
@@ -218,11 +222,13 @@ def build(runs):
                                  f"{r['as_built']['toy_chunks']} as built" for r in toy])
 """
 # Every process the test starts (torchrun's agent, the ranks) finds the toy as the test does:
-# the package's search path gains its folder.
+# each package's search path gains its folder.
 TOY_SITECUSTOMIZE = """
+import distlab.configuration.strategies
 import distlab.strategies
 
 distlab.strategies.__path__.append({folder!r})
+distlab.configuration.strategies.__path__.append({settings!r})
 """
 
 
@@ -237,22 +243,26 @@ def test_a_new_strategy_runs_through_the_summary_and_the_report(prepared, tmp_pa
 
     from conftest import resolve, run_experiment
     from distlab import strategies
+    from distlab.configuration import strategies as declared
     from distlab.report import cards
     from distlab.report.build import report_rule
     from distlab.report.collect import load_checked_runs, spreadsheet_safe, summary_frame
 
-    for folder, files in {"strategies": {"toy.py": TOY_MODULE, "toy_settings.py": TOY_SETTINGS},
+    for folder, files in {"strategies": {"toy.py": TOY_MODULE}, "settings": {"toy_settings.py": TOY_SETTINGS},
                           "cards": {"stage9_toy.py": TOY_CARD}}.items():
         (tmp_path / folder).mkdir()
         for name, text in files.items():
             (tmp_path / folder / name).write_text(text)
     (tmp_path / "hook").mkdir()
-    (tmp_path / "hook" / "sitecustomize.py").write_text(TOY_SITECUSTOMIZE.format(folder=str(tmp_path / "strategies")))
+    (tmp_path / "hook" / "sitecustomize.py").write_text(TOY_SITECUSTOMIZE.format(
+        folder=str(tmp_path / "strategies"), settings=str(tmp_path / "settings")))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path / "hook"), os.environ.get("PYTHONPATH"),
                                                                    str(REPO)])))
     monkeypatch.setattr(strategies, "__path__", [*strategies.__path__, str(tmp_path / "strategies")])
+    monkeypatch.setattr(declared, "__path__", [*declared.__path__, str(tmp_path / "settings")])
     monkeypatch.setattr(cards, "__path__", [*cards.__path__, str(tmp_path / "cards")])
-    added = ("distlab.strategies.toy", "distlab.strategies.toy_settings", "distlab.report.cards.stage9_toy")
+    added = ("distlab.strategies.toy", "distlab.configuration.strategies.toy_settings",
+             "distlab.report.cards.stage9_toy")
     try:
         spec = resolve({"strategy": "toy", "toy": {"chunks": 3}}, steps=3, untimed_steps=1)
         assert spec["id"] == "toy-c3-full-w1-mb4-ga1" and spec["toy"] == {"chunks": 3}
@@ -297,12 +307,15 @@ def strategy_literals(paths, names) -> list[str]:
 def test_no_task_or_family_code_names_a_strategy():
     """What a strategy cannot train (a task, a model family) is said in its own settings
     (needs_of_task, check_task, family_refusal), so a new strategy touches only its own files:
-    distlab/tasks/ and distlab/configuration/families.py spell no strategy's name as a string."""
-    from distlab import strategies
+    distlab/tasks/, the tasks' declarations and distlab/configuration/families.py spell no
+    strategy's name as a string."""
+    from distlab.configuration.strategies.settings import strategy_names
 
-    paths = sorted((REPO / "distlab" / "tasks").rglob("*.py")) + [REPO / "distlab" / "configuration" / "families.py"]
-    assert strategy_literals(paths, strategies.strategy_names()) == []
-    assert strategy_literals([REPO / "distlab" / "strategies" / "tp_settings.py"], ["tp"])  # the check sees them
+    configuration = REPO / "distlab" / "configuration"
+    paths = [*sorted((REPO / "distlab" / "tasks").rglob("*.py")), *sorted((configuration / "tasks").rglob("*.py")),
+             configuration / "families.py"]
+    assert strategy_literals(paths, strategy_names()) == []
+    assert strategy_literals([configuration / "strategies" / "tp_settings.py"], ["tp"])  # the check sees them
 
 
 def test_precision_names_and_the_accumulation_loss_scale_are_decided_in_one_place_each():

@@ -189,7 +189,7 @@ def test_rows_past_the_checked_ones_are_held_to_the_folder_and_cropped_before_re
     import numpy as np
     import torch
 
-    from distlab.tasks.text_to_image.checks import MAX_ASPECT, OutsideDataFolder
+    from distlab.configuration.tasks.text_to_image.checks import MAX_ASPECT, OutsideDataFolder
     from distlab.tasks.text_to_image.data import sample_generator, transform
     from distlab.tasks.text_to_image.prepare import check_every_file_name
 

@@ -21,6 +21,7 @@ GRADIENT_SCRIPT = textwrap.dedent("""
     from distlab.records.spec import Spec
     from distlab.runtime.model import load_model
     from distlab.strategies.base import RunContext
+    from distlab.tasks import task_for
     from distlab.strategies.ddp import DDPStrategy
 
     prepared, out, spec = sys.argv[1], sys.argv[2], Spec(json.loads(sys.argv[3]))
@@ -34,7 +35,8 @@ GRADIENT_SCRIPT = textwrap.dedent("""
     def flat_grad(params):
         return torch.cat([p.grad.flatten() for p in params])
 
-    strategy = DDPStrategy(RunContext(spec=spec, run_dir=out, device=torch.device("cpu"), rank=rank, world_size=world))
+    strategy = DDPStrategy(RunContext(spec=spec, run_dir=out, device=torch.device("cpu"), rank=rank, world_size=world,
+                                      task=task_for(spec)))
     strategy.wrap(load_model(prepared + "/model"))
     stream = IndexStream(len(blocks), spec, rank, world, strategy.rank_batches)
     mine = stream.next()

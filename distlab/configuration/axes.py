@@ -1,12 +1,13 @@
 """Every axis a config or a run may name, each declared once, and the schemas' enums filled
 from those declarations.
 
-The declarations: the strategies are the files distlab/strategies/<name>_settings.py, the tasks
-the modules of distlab/tasks/ holding a `TASK` (units: each task's `unit`), the launchers
-distlab.launchers.REGISTRY, the precisions distlab.configuration.precision.PRECISIONS, and the stages,
-methods, devices and samplers the tuples below; a strategy's own choices
-(`deepspeed.offload_param`) its settings' `schema`. config/schema.yaml and
-distlab/report/results_schema.yaml hold no list of them: `enum_from: <axis>` (and
+The declarations: the strategies are the files distlab/configuration/strategies/<name>_settings.py,
+the tasks the modules of distlab/configuration/tasks/ holding a `DECLARATION` (units: each
+task's `unit`), the launchers LAUNCHERS below (their code: distlab.launchers.REGISTRY), the
+precisions distlab.configuration.precision.PRECISIONS, and the stages, methods, devices and
+samplers the tuples below; a strategy's own choices (`deepspeed.offload_param`) its settings'
+`schema`. config/schema.yaml and distlab/report/results_schema.yaml hold no list of them:
+`enum_from: <axis>` (and
 `enum_extra: [...]`, the config's own words such as `auto`) is replaced by
 `enum: [...extra, ...names]` when a schema is loaded (`fill_enums`), so a strategy or task
 added by its files is accepted by the config and kept by the summary and the report.
@@ -23,6 +24,12 @@ METHODS = ("full", "lora", "qlora")
 # The libraries a method's ranks import beyond the warm-start server's preloads (a warm start's
 # flavour, distlab.launchers.warm_start.rank_imports): PEFT's adapters, bitsandbytes' 4-bit layers.
 METHOD_LIBRARIES = {"lora": ("peft",), "qlora": ("peft", "bitsandbytes")}
+# What starts a run's ranks: each name's code is distlab.launchers.REGISTRY's entry, imported only
+# when a run asks for it (tests/test_axes.py checks the two name the same launchers).
+LAUNCHERS = ("torchrun", "accelerate", "ray")
+# The libraries a launcher's ranks import beyond the warm-start server's preloads (as a strategy's
+# settings declare its own: distlab.launchers.warm_start.rank_imports).
+RANK_LIBRARIES = {"accelerate": ("accelerate",)}
 # Where a run computes (a config's `auto` resolves to one of them at expansion).
 DEVICES = ("cpu", "cuda")
 # distributed: disjoint shards per rank; none: every rank reads all of it.
@@ -31,17 +38,15 @@ SAMPLERS = ("distributed", "none")
 
 def names() -> dict[str, list]:
     """{axis: the names it may take}, read from each axis's one declaration."""
-    from distlab.launchers import REGISTRY as LAUNCHERS
     from distlab.configuration.precision import PRECISIONS
-    from distlab.strategies import strategy_names
-    from distlab.strategies.settings import registered
-    from distlab.tasks import task_named, task_names
+    from distlab.configuration.strategies.settings import registered, strategy_names
+    from distlab.configuration.tasks.declaration import declaration_named, task_names
 
     # A strategy's own choices (`deepspeed.offload_param`), as its settings' schema declares them.
     settings = {f"{name}.{key}": list(field["enum"]) for name, s in registered().items() if s.schema
                 for key, field in s.schema["properties"].items() if "enum" in field}
     return {"stages": list(STAGE_ORDER), "strategies": strategy_names(), "launchers": sorted(LAUNCHERS),
-            "tasks": task_names(), "units": sorted({task_named(name).unit for name in task_names()}),
+            "tasks": task_names(), "units": sorted({declaration_named(name).unit for name in task_names()}),
             "precisions": list(PRECISIONS), "methods": list(METHODS), "devices": list(DEVICES),
             "samplers": list(SAMPLERS), **settings}
 

@@ -6,7 +6,7 @@ Imported by the Snakefile at parse time, so it must stay light: no torch, no tra
 Longer than ~300 lines on purpose: every semantic rule of the schema sits beside the
 expansion into specs it guards (the schema file holds the types, this module the relations),
 except a strategy's own settings: their defaults, id part and refusals sit beside the strategy
-(distlab/strategies/<name>_settings.py), read here through distlab.strategies.settings.
+(distlab/configuration/strategies/<name>_settings.py), read here through distlab.configuration.strategies.settings.
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from distlab.configuration.input_checks import ConfigError
 from distlab.configuration.schema import load_schema  # also this module's name for it: validate_schema reads it here
 from distlab.records.spec import Spec, SpecDraft, SpecFields
 from distlab.configuration.training_tools import adapts, check_training_tools
-from distlab.strategies import strategy_key
-from distlab.strategies.settings import registered, schema_mismatch, settings_for, strategy_defaults
-from distlab.tasks import DEFAULT_TASK, task_for, task_named, task_names
+from distlab.configuration.strategies.settings import (registered, schema_mismatch, settings_for, strategy_defaults,
+                                                       strategy_key)
+from distlab.configuration.tasks.declaration import DEFAULT_TASK, declaration_for, declaration_named, task_names
 
 # The one place every experiment inherits from. config.yaml's `defaults:` overrides these,
 # and each experiment overrides that.
@@ -168,7 +168,7 @@ def experiment_id(spec: SpecFields) -> str:
         parts.append("cores" + "x".join(f"{c:g}" for c in spec.rank_cpu_budget))
     if spec.link:
         parts.append("link" + link_label(spec.link["bandwidth_mbit"]))
-    task_part = task_for(spec).id_part()
+    task_part = declaration_for(spec).id_part()
     if task_part:
         parts.append(task_part)
     if spec.tag:
@@ -215,7 +215,7 @@ def expand_experiments(config: dict, gpu_count: int | None = None) -> dict[str, 
                         spec["ray"][key] = config.get("ray", {}).get(key)
             if spec.device == "auto":
                 spec["device"] = "cuda" if gpu_count > 0 else "cpu"
-            task_for(spec).resolve(spec, config)  # the task's settings this run depends on
+            declaration_for(spec).resolve(spec, config)  # the task's settings this run depends on
             where = f"stages.{stage}.experiments[{index}]"
             exp_id = experiment_id(spec)
             spec["id"] = exp_id
@@ -238,7 +238,7 @@ def check_experiment(spec: SpecFields, config: dict, where: str, gpu_count: int)
     def fail(field, message):
         raise ConfigError(f"config field '{where}.{field}': {message}")
 
-    task, strategy = task_for(spec), settings_for(spec)
+    task, strategy = declaration_for(spec), settings_for(spec)
     # First what cannot run at all: the strategy's refusal of the task (declared beside the
     # strategy, so no task lists strategies), then the task's own.
     strategy.check_task(task, spec, fail)
@@ -360,7 +360,7 @@ def check_config(config: dict) -> None:
     check_tokenizer(config)
     check_experiment_datasets(config)
     for name in task_names():  # a task's own config block: its model folder, its data files
-        task_named(name).check_config(config)
+        declaration_named(name).check_config(config)
     for index, extra in enumerate(config["extra_results"]):
         input_checks.refuse_wildcard_braces(f"extra_results[{index}]", extra)
         if not os.path.isdir(extra):

@@ -16,7 +16,7 @@ strategies follow; this module reads them (`layer_tp_plan`, `pp_pieces`):
   embeddings (GPT-2, Gemma: one weight on two stages), is refused.
 
 What a strategy needs of a family is its own settings' `family_refusal`
-(distlab/strategies/tp_settings.py, pp_settings.py), asked only of a strategy that declares
+(distlab/configuration/strategies/tp_settings.py, pp_settings.py), asked only of a strategy that declares
 `splits_by_family_plan`: no strategy is named here, so a new one touches only its own files.
 The data-parallel strategies call the model's own forward whole and run every causal-LM family
 transformers ships (tests/test_families.py); they are not checked, so a config without a
@@ -83,7 +83,7 @@ def pp_pieces(config) -> tuple[list[str], str, list[str]] | None:
 
 
 def refusal(folder: str, strategy, world_size: int) -> str | None:
-    """Why `strategy` (its settings, distlab.strategies.settings: one with splits_by_family_plan)
+    """Why `strategy` (its settings, distlab.configuration.strategies.settings: one with splits_by_family_plan)
     cannot run the model in `folder`, or None when it can; what it needs of the family is its
     own family_refusal."""
     config = model_config(str(Path(folder).resolve()))

@@ -13,7 +13,7 @@ import warnings
 
 from distlab.configuration.input_checks import ConfigError
 from distlab.records.spec import Spec, SpecDraft, SpecFields
-from distlab.strategies.settings import data_parallel
+from distlab.configuration.strategies.settings import data_parallel
 
 LENGTH_KEYS = ("steps", "epochs", "max_tokens")
 LR_WARMUP_KEYS = ("lr_warmup_steps", "lr_warmup_ratio")

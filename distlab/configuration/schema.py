@@ -1,7 +1,7 @@
 """config/schema.yaml, parsed once per process, file version and set of axis names, with its
 `enum_from` enums filled from the axes' declarations (distlab.configuration.axes): the file
 lists no strategy, task, launcher, stage, precision, method, device or sampler by hand, and
-each strategy's `<name>:` block is the `schema` of its settings (distlab/strategies/<name>_settings.py).
+each strategy's `<name>:` block is the `schema` of its settings (distlab/configuration/strategies/<name>_settings.py).
 Torch-free and light: the Snakefile imports it at parse time."""
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _parsed_schema(path: str, version: int, names: tuple) -> dict:
     with open(path) as fh:
         schema = yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml where built
     axes.fill_enums(schema, dict(names))
-    from distlab.strategies.settings import registered
+    from distlab.configuration.strategies.settings import registered
 
     experiment = schema["$defs"]["experiment"]["properties"]
     for name, settings in registered().items():  # each strategy's own block, typed in its settings file

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 
 from distlab.records.spec import SpecFields
-from distlab.strategies import strategy_key
+from distlab.configuration.strategies.settings import strategy_key
 
 # Where QLoRA's 4-bit base cannot go, and why (strategy_key: FSDP through Accelerate is "accelerate").
 QLORA_REFUSED = {

@@ -3,8 +3,7 @@ checkpoints the same format. Light like distlab.configuration.config: the Snakef
 from __future__ import annotations
 
 from distlab.records.spec import SpecFields
-from distlab.strategies import strategy_key
-from distlab.strategies.settings import settings_for
+from distlab.configuration.strategies.settings import settings_for, strategy_key
 
 
 def validated_experiments(config: dict, specs: dict[str, dict]) -> list[str]:

@@ -1,4 +1,6 @@
-"""Launcher registry: name -> "module:function", imported only when a run asks for it.
+"""Launcher registry: name -> "module:function", imported only when a run asks for it. The
+names a config may use are declared a layer down (distlab.configuration.axes.LAUNCHERS, with
+RANK_LIBRARIES): the config is checked without this package.
 
 Each launcher is `run(job, job_path, log_path, timeout)`: it starts the experiment's ranks
 and returns when they have finished (raising when they failed). Ranks on this machine start
@@ -15,11 +17,6 @@ REGISTRY = {
     "accelerate": "distlab.launchers.ranks:run",
     "ray": "distlab.launchers.ray_driver:run",
 }
-
-
-# The libraries a launcher's ranks import beyond the warm-start server's preloads (as a strategy's
-# settings declare its own: distlab.launchers.warm_start.rank_imports).
-RANK_LIBRARIES = {"accelerate": ("accelerate",)}
 
 
 def get_launcher(name: str):

@@ -28,8 +28,8 @@ from distlab.launchers.entry import entry_command, entry_target
 from distlab.launchers.environment import single_node_environment
 from distlab.configuration.precision import ACCELERATE_MIXED_PRECISION
 from distlab.records.sharing import portable
-from distlab.strategies.accelerate_settings import CONFIG_NAME
-from distlab.strategies.settings import settings_for
+from distlab.configuration.strategies.accelerate_settings import CONFIG_NAME
+from distlab.configuration.strategies.settings import settings_for
 
 
 def config_distributed_type(spec: Spec) -> str:

@@ -221,9 +221,8 @@ def rank_imports(spec: Spec, rank: int, training: bool = True) -> list[str]:
     RANK_LIBRARIES, METHOD_LIBRARIES), plus MLflow on a training rank 0 that tracks to it
     (distlab.runtime.tracking.hide_mlflow keeps it out of the others). Each is imported by a fresh
     rank of such a spec (tests/test_warm_start.py checks it)."""
-    from distlab.configuration.axes import METHOD_LIBRARIES
-    from distlab.launchers import RANK_LIBRARIES
-    from distlab.strategies.settings import registered
+    from distlab.configuration.axes import METHOD_LIBRARIES, RANK_LIBRARIES
+    from distlab.configuration.strategies.settings import registered
 
     imports = [*registered()[spec.strategy].rank_libraries, *RANK_LIBRARIES.get(spec.launcher, ()),
                *METHOD_LIBRARIES.get(spec.method, ())]
@@ -235,9 +234,8 @@ def rank_imports(spec: Spec, rank: int, training: bool = True) -> list[str]:
 def flavours() -> tuple[str, ...]:
     """Every library a flavour server may import: what any strategy, launcher or method declares,
     and MLflow."""
-    from distlab.configuration.axes import METHOD_LIBRARIES
-    from distlab.launchers import RANK_LIBRARIES
-    from distlab.strategies.settings import registered
+    from distlab.configuration.axes import METHOD_LIBRARIES, RANK_LIBRARIES
+    from distlab.configuration.strategies.settings import registered
 
     declared = [*(name for s in registered().values() for name in s.rank_libraries),
                 *(name for names in RANK_LIBRARIES.values() for name in names),

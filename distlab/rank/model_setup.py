@@ -37,7 +37,7 @@ def prepare_model(strategy, model_source: str, spec: Spec) -> PreparedModel:
     model = strategy.load_model(model_source)
     # RoPE's inv_freq and other buffers as the plain model has them, whatever the loading path
     # or the transformers release did to them (distlab.runtime.buffers).
-    plain = buffers.plain_buffers(model_source, strategy.task.name)
+    plain = buffers.plain_buffers(model_source, strategy.task)
     restored = buffers.restore_plain_buffers(model, plain)
     lora_targets = None
     if adapts(spec):  # LoRA, or QLoRA (load_model gave the 4-bit base: distlab.runtime.qlora)

@@ -35,6 +35,7 @@ from distlab.records.run_outputs import write_outputs
 from distlab.rank.run_summary import gather_ranks, summarize_run
 from distlab.strategies import strategy_for
 from distlab.strategies.base import RunContext, local_device
+from distlab.tasks import task_for
 from distlab.runtime.timeline import Timeline
 from distlab.runtime.tracking import hide_mlflow
 from distlab.rank.training_checkpoints import TrainingCheckpoints
@@ -48,7 +49,7 @@ def make_context(job: Job) -> RunContext:
     spec = job.spec
     return RunContext(spec=spec, run_dir=job.run_dir, device=local_device(spec),
                       rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)),
-                      local_rank=int(os.environ.get("LOCAL_RANK", 0)), job=job)
+                      local_rank=int(os.environ.get("LOCAL_RANK", 0)), job=job, task=task_for(spec))
 
 
 def predicted_step_time(job: Job, since_start: NoiseProbe) -> dict:

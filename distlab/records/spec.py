@@ -114,7 +114,7 @@ class SpecFields:
     """The typed fields of one experiment's spec, read as attributes. The names are the
     experiment keys of config/schema.yaml, plus id and stage (config expansion) and length
     (finetune_config.resolve_length); each strategy's own block (`spec.deepspeed`, declared with
-    its defaults and schema in distlab/strategies/<name>_settings.py) is read as a Block of the
+    its defaults and schema in distlab/configuration/strategies/<name>_settings.py) is read as a Block of the
     same name. An optional field the spec does not hold reads None. A field that is neither is
     an AttributeError naming it."""
     __slots__ = ()

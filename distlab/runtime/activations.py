@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 
 from distlab.records.spec import Spec
-from distlab.strategies.settings import registered, settings_for
+from distlab.configuration.strategies.settings import registered, settings_for
 
 HOW = ("bytes autograd holds for backward at the end of one micro-batch's forward (saved_tensors_hooks; each "
        "storage once, parameters excluded), on rank {rank}'s first micro-batch of step {step} (untimed); pipeline "

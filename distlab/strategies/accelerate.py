@@ -24,7 +24,7 @@ from distlab.records.spec import Spec
 from distlab.configuration.precision import ACCELERATE_MIXED_PRECISION
 from distlab.runtime.accumulation import for_backward
 from distlab.records.run_layout import RUN_FILES, run_files_dir
-from distlab.strategies.accelerate_settings import CONFIG_NAME, uses_accelerate_fsdp
+from distlab.configuration.strategies.accelerate_settings import CONFIG_NAME, uses_accelerate_fsdp
 from distlab.strategies.base import FidelityError, Strategy
 
 

@@ -29,6 +29,10 @@ class RunContext:
     world_size: int = 1
     local_rank: int = 0
     job: Job | None = None  # the whole job this rank runs (None: a bare context, e.g. a test's)
+    #: What is trained (a distlab.tasks Task: its module, batches and loss), found by the rank
+    #: (distlab.tasks.task_for) and handed in: a strategy names no task. None: a bare context
+    #: whose strategy never builds a model.
+    task: object | None = None
     #: Steps left out of the timing: the spec's, or fewer for an elastic Ray group that resumed
     #: near the end (distlab.rank.ray_worker). The rank keeps one spec; this is what it times.
     untimed_steps: int | None = None
@@ -52,11 +56,9 @@ class Strategy:
     expected_wrappers: tuple[str, ...] = ()
 
     def __init__(self, ctx: RunContext):
-        from distlab.tasks import task_for
-
         self.ctx = ctx
         self.spec = ctx.spec
-        self.task = task_for(ctx.spec)  # what is trained: its module, batches and loss (distlab.tasks)
+        self.task = ctx.task  # what is trained: its module, batches and loss (distlab.tasks)
         self.model = None
         self.optimizer = None
         self.scheduler = None  # attach_scheduler(), after wrap()
@@ -412,7 +414,7 @@ def optimizer_dtypes(optimizer) -> dict | None:
 
 def offloads_parameters(spec: Spec) -> bool:
     """Specs whose parameters may legitimately sit in host memory on a CUDA run (the strategy's settings)."""
-    from distlab.strategies.settings import settings_for
+    from distlab.configuration.strategies.settings import settings_for
 
     return settings_for(spec).offloads_parameters(spec)
 
@@ -420,7 +422,7 @@ def offloads_parameters(spec: Spec) -> bool:
 def expected_layout(spec: Spec) -> str | None:
     """The parameter form a sharding strategy must leave behind (None: plain tensors are right;
     the strategy's settings say)."""
-    from distlab.strategies.settings import settings_for
+    from distlab.configuration.strategies.settings import settings_for
 
     return settings_for(spec).parameter_layout(spec)
 

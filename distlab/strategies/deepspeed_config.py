@@ -9,7 +9,7 @@ from pathlib import Path
 
 from distlab.records.spec import Spec
 from distlab.configuration.precision import deepspeed_precision
-from distlab.strategies.deepspeed_settings import zero3_limits
+from distlab.configuration.strategies.deepspeed_settings import zero3_limits
 
 CONFIG_NAME = "deepspeed_config.json"
 # torch.optim.AdamW defaults, written out so the config file says what runs.

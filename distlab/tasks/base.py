@@ -1,11 +1,11 @@
-"""The one interface every task implements (distlab/tasks/<name>.py); strategies, the training
-loop, the worker, checkpoints and validation call only these.
+"""The one rank-time interface every task implements (distlab/tasks/<name>.py); strategies, the
+training loop, the worker, checkpoints and validation call only these.
 
-Two halves:
-- config time (the Snakefile imports the task at parse time: no torch here): resolve a spec,
-  refuse what the task cannot run naming the field or file, and name the files a job reads;
-- rank time: load the trained module (whole, on meta for FSDP, partitioned for ZeRO-3), apply
-  LoRA, build batches, compute the loss, count FLOPs, evaluate, export and check the export.
+A task's `TASK` is an instance of a class that subclasses both its parse-time declaration
+(distlab/configuration/tasks/<name>.py: resolve a spec, refuse what the task cannot run naming the
+field or file, name the files a job reads; no torch) and `Task` here, whose rank-time methods it
+implements: load the trained module (whole, on meta for FSDP, partitioned for ZeRO-3), apply LoRA,
+build batches, compute the loss, count FLOPs, evaluate, export and check the export.
 
 The trained module is what a strategy wraps (the causal LM; the Stable Diffusion UNet). Whatever
 else a task needs per rank (a frozen VAE and text encoder) lives in its data object, built by
@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import importlib
 
-from distlab.records.spec import Spec, SpecDraft, SpecFields
+from distlab.configuration.tasks.declaration import TaskDeclaration
 from distlab.records.job import Job
+from distlab.records.spec import Spec
 
 
 def lazy(target: str):
-    """A Task method that hands its arguments to `module:function`, imported on first call (task
-    modules stay importable at Snakefile parse time: no torch)."""
+    """A Task method that hands its arguments to `module:function`, imported on first call (a task
+    module stays light: what a method needs is imported when a rank first calls it)."""
     module, name = target.split(":")
 
     def call(self, *args, **kwargs):
@@ -45,51 +46,10 @@ class TrainData:
         return {}
 
 
-class Task:
-    name = "base"
-    #: what throughput counts ("token": tokens/s; "image": images/s) and MFU is per
-    unit = "sample"
-    #: {trait: why}: what this task's model lacks that a strategy may need ("tensor_parallel_plan":
-    #: a transformers base_model_tp_plan; "layer_stack": one stack of layers passing one hidden
-    #: state, which pipeline stages cut; "nvme_parameter_offload": a ZeRO-3 load that can leave
-    #: parameters on NVMe). Each strategy's settings say what it needs (needs_of_task, check_task),
-    #: so no task names a strategy and no strategy names a task.
-    lacks: dict[str, str] = {}
-    #: Whether the advisor's memory formulas size this task's model (a decoder stack from its
-    #: config.json): rank 0 then records their estimate for its run (distlab.rank.worker).
-    advisor_sized: bool = False
+class Task(TaskDeclaration):
+    """The rank-time half of a task; its parse-time half (name, unit, lacks, the config checks and
+    paths) is inherited from its declaration."""
 
-    # -- config time (no torch) ----------------------------------------------------------
-    def id_part(self) -> str | None:
-        """Appended to the experiment id (None: nothing, the default task)."""
-        return None
-
-    def resolve(self, spec: SpecDraft, config: dict) -> None:
-        """Copy the task's settings a run depends on into the spec (its Snakemake params), in place."""
-
-    def check_config(self, config: dict) -> None:
-        """Checks of the task's own config block and files, before any experiment is expanded."""
-
-    def check_experiment(self, spec: SpecFields, config: dict, fail) -> None:
-        """fail(field, why) for an experiment this task cannot run."""
-
-    def data_dir(self, spec: Spec, prep: str) -> str:
-        """The prepared data folder a job of this spec reads (a Snakemake input)."""
-        raise NotImplementedError
-
-    def model_file(self, spec: Spec, config: dict, prep: str) -> str | None:
-        """The file that stands for the model folder (a Snakemake input); its folder is loaded."""
-        raise NotImplementedError
-
-    def base_eval_path(self, spec: Spec, prep: str) -> str:
-        """The base model's held-out evaluation of this spec's data (a Snakemake input)."""
-        raise NotImplementedError
-
-    def units_per_sample(self, spec: Spec) -> int:
-        """Units (tokens, images) in one sample of a micro-batch."""
-        return 1
-
-    # -- rank time -----------------------------------------------------------------------
     def import_code(self, source: str, lora: bool) -> None:
         """Import the modeling libraries before the RSS baseline is read (distlab.runtime.memory)."""
 

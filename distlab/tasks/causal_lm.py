@@ -1,5 +1,6 @@
-"""The default task: causal language modelling on packed token blocks (text, chat or
-instruction data), a Hugging Face causal LM, full fine-tuning or LoRA through peft.
+"""The default task at rank time: causal language modelling on packed token blocks (text, chat or
+instruction data), a Hugging Face causal LM, full fine-tuning or LoRA through peft. Its
+parse-time declaration (data and model paths, units per sample): distlab/configuration/tasks/causal_lm.py.
 
 Each method hands over to the module that always did the work (distlab.runtime.model, distlab.runtime.lora,
 distlab.data_prep.data, distlab.runtime.evaluation, distlab.checkpoints.checkpoint,
@@ -8,14 +9,8 @@ where the rest of distlab meets them.
 """
 from __future__ import annotations
 
-import os
-
+from distlab.configuration.tasks.causal_lm import CausalLMDeclaration
 from distlab.tasks.base import Task, TrainData, lazy
-
-
-def model_suffix(name: str) -> str:
-    """Path suffix of a built model's files: "" for the base model, "_<name>" for model.extra.<name>."""
-    return "" if name == "default" else f"_{name}"
 
 
 class TokenBlocks(TrainData):
@@ -49,37 +44,7 @@ class TokenBlocks(TrainData):
         return {"name": CausalLM.name}
 
 
-class CausalLM(Task):
-    name = "causal-lm"
-    unit = "token"
-    advisor_sized = True
-
-    # -- config time ----------------------------------------------------------------------
-    def data_dir(self, spec, prep):
-        return f"{prep}/data/{spec.dataset}-seq{spec.seq_len}"
-
-    def model_file(self, spec, config, prep):
-        return self.model_config_path(config, spec.model, prep)
-
-    @staticmethod
-    def model_config_path(config: dict, name: str, prep: str) -> str | None:
-        """config.json of a model: the user's local folder, the one the pipeline builds, or
-        None for the base model given as a hub id (loaded by id, no file to wait for)."""
-        model = config["model"]
-        if name == "default" and model.get("path"):
-            return os.path.join(model["path"], "config.json")
-        if name == "default" and model.get("hub_id"):
-            return None
-        return f"{prep}/model{model_suffix(name)}/config.json"
-
-    def base_eval_path(self, spec, prep):
-        return (f"{prep}/eval/base-{spec.dataset}-seq{spec.seq_len}"
-                f"{model_suffix(spec.model)}.json")
-
-    def units_per_sample(self, spec):
-        return spec.seq_len
-
-    # -- rank time ------------------------------------------------------------------------
+class CausalLM(CausalLMDeclaration, Task):
     import_code = lazy("distlab.runtime.model:import_model_code")
     load_model = lazy("distlab.runtime.model:load_model")
     load_quantized = lazy("distlab.runtime.qlora:load_quantized")

@@ -40,7 +40,7 @@ Memory = model state + activations, per device:
   bytes. When the workload fits only with activation checkpointing, the advice says which.
 
 Each strategy's byte formula lives beside it (`model_state` in
-distlab/strategies/<name>_settings.py); the recommendation and the estimate-vs-measured check
+distlab/configuration/strategies/<name>_settings.py); the recommendation and the estimate-vs-measured check
 (distlab.tools.advisor_check) read the same formulas through `strategy_state`; the parameter
 counting they rest on is distlab.runtime.parameter_counts.
 """
@@ -51,7 +51,7 @@ import copy
 from distlab.records.memory_phases import GIB, human, unit_for
 from distlab.runtime.activations import activation_bytes
 from distlab.runtime.parameter_counts import model_shape, parameter_counts, workload_counts  # noqa: F401 (advisor's API)
-from distlab.strategies.settings import advisor_rows, registered
+from distlab.configuration.strategies.settings import advisor_rows, registered
 
 # The rows the advisor estimates and ranks, and their labels (one table: distlab/records/advice.py).
 from distlab.records.advice import ROW_LABEL, ROW_ORDER  # noqa: E402,F401
@@ -61,7 +61,7 @@ def strategy_state(strategy: str, counts: dict, n: int, precision: str, lora: bo
                    ) -> dict | None:
     """Bytes one rank holds for weights, gradients (DDP's buckets included) and optimizer,
     and what of it sits in CPU RAM, as distlab's `strategy` allocates it (module docstring; the
-    formula is the strategy's own, in distlab/strategies/<name>_settings.py).
+    formula is the strategy's own, in distlab/configuration/strategies/<name>_settings.py).
     None: no formula (a strategy without one, a pipeline-parallel model without layers, tensor
     parallel without a plan)."""
     known = registered().get(strategy)

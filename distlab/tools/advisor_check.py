@@ -10,7 +10,7 @@ from distlab.records.spec import Spec
 from distlab.runtime.activations import activation_bytes
 from distlab.tools.advisor import strategy_state
 from distlab.runtime.parameter_counts import workload_counts
-from distlab.strategies.settings import data_parallel, registered
+from distlab.configuration.strategies.settings import data_parallel, registered
 
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from distlab.strategies.settings import registered
+from distlab.configuration.strategies.settings import registered
 
 TOLERANCE = 0.15  # measured / estimated checkpoint bytes a run may be off by (file headers, trainer state)
 DCP_ITEM_BYTES = 4500

@@ -91,7 +91,7 @@ def _zero3_gathers(spec: Spec, counts: dict) -> tuple[list[int], list[int]]:
     walks the forward in reverse: the parameters used last in forward are still live while they fit
     max_live_parameters and max_reuse_distance, the rest are gathered again; all are released
     after each micro-batch."""
-    from distlab.strategies.deepspeed_settings import zero3_limits
+    from distlab.configuration.strategies.deepspeed_settings import zero3_limits
 
     ds = spec.deepspeed
     limits = {**zero3_limits(ds.get("zero3_profile", "auto"), counts["per_layer"], counts.get("hidden_size")),

@@ -46,7 +46,7 @@ def crop_to_aspect(image):
     before anything resizes it: config checks only the first rows of each file, and the resize
     of the shorter side to the resolution would make a 1x100000 image 100 GB at 512 px. An
     image within the bound is returned as it is (the example's transform unchanged)."""
-    from distlab.tasks.text_to_image.checks import MAX_ASPECT
+    from distlab.configuration.tasks.text_to_image.checks import MAX_ASPECT
 
     width, height = image.size
     keep = max(1, int(min(width, height) * MAX_ASPECT))

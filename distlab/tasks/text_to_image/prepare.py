@@ -139,7 +139,7 @@ def load_rows(data: dict, scratch: Path):
 def within(data_file, index: int, value, base: Path):
     """A row's image (image_source): config checked the first rows; this holds every row to
     the same rule, naming the file and row (a path out of the data file's folder is refused)."""
-    from distlab.tasks.text_to_image.checks import OutsideDataFolder, image_source
+    from distlab.configuration.tasks.text_to_image.checks import OutsideDataFolder, image_source
 
     try:
         return image_source(value, base)
@@ -150,7 +150,7 @@ def within(data_file, index: int, value, base: Path):
 def check_every_file_name(folder: Path) -> None:
     """Every metadata.jsonl row of an imagefolder names a file inside it (config checked the
     first rows; datasets would read wherever file_name leads)."""
-    from distlab.tasks.text_to_image.checks import OutsideDataFolder, image_source
+    from distlab.configuration.tasks.text_to_image.checks import OutsideDataFolder, image_source
 
     for metadata in sorted(folder.rglob("metadata.jsonl")):
         with open(metadata, encoding="utf-8") as fh:

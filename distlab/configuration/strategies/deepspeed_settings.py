@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 
-from distlab.strategies.settings import StrategySettings, block_schema, precision_layout, sharded_counts, state
+from distlab.configuration.strategies.settings import (StrategySettings, block_schema, precision_layout,
+                                                       sharded_counts, state)
 
 OFFLOAD_TARGETS = ["none", "cpu", "nvme"]
 

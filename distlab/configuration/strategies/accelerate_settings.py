@@ -1,10 +1,10 @@
 """Accelerate's settings: none of its own; `accelerate launch` starts it, and it runs FSDP
-requested through it (distlab/strategies/fsdp_settings.py)."""
+requested through it (distlab/configuration/strategies/fsdp_settings.py)."""
 from __future__ import annotations
 
 from distlab.records.spec import SpecFields
-from distlab.strategies.ddp_settings import replicated_state
-from distlab.strategies.settings import StrategySettings, settings_for
+from distlab.configuration.strategies.ddp_settings import replicated_state
+from distlab.configuration.strategies.settings import StrategySettings, settings_for
 
 #: The Accelerate config file `accelerate launch` reads, written in the run's run_files folder
 #: (distlab.launchers.accelerate) and checked by the strategy against what the ranks got.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from distlab.configuration.families import TP_STYLES, layer_tp_plan
-from distlab.strategies.settings import ModelParallelSettings, state
+from distlab.configuration.strategies.settings import ModelParallelSettings, state
 
 
 class TPSettings(ModelParallelSettings):

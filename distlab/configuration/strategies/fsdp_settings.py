@@ -2,7 +2,8 @@
 and memory formula. `via: accelerate` hands the run to the Accelerate strategy."""
 from __future__ import annotations
 
-from distlab.strategies.settings import StrategySettings, block_schema, precision_layout, sharded_counts, state
+from distlab.configuration.strategies.settings import (StrategySettings, block_schema, precision_layout,
+                                                       sharded_counts, state)
 
 
 class FSDPSettings(StrategySettings):

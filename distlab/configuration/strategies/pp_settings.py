@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from distlab.configuration.families import pp_pieces
-from distlab.strategies.settings import ModelParallelSettings, block_schema, state
+from distlab.configuration.strategies.settings import ModelParallelSettings, block_schema, state
 
 
 class PPSettings(ModelParallelSettings):

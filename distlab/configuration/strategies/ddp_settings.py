@@ -3,7 +3,7 @@ data-parallel one Accelerate shares."""
 from __future__ import annotations
 
 from distlab.configuration.precision import frozen_base_precision
-from distlab.strategies.settings import StrategySettings, state
+from distlab.configuration.strategies.settings import StrategySettings, state
 
 
 def replicated_state(counts: dict, lora: bool, precision: str, buckets: bool) -> dict:

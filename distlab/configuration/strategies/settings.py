@@ -2,25 +2,26 @@
 importing torch: its settings' defaults, their checks, the experiment-id part they make, what
 of them changes the checkpoint, and its memory formula.
 
-Each strategy `<name>` keeps these beside its module, in distlab/strategies/<name>_settings.py,
-as `SETTINGS = <StrategySettings subclass instance>`. The registry is those files, found by
-their names (a directory listing: no schema read, no torch): the Snakefile's config expansion
-(distlab.configuration.config), distlab.configuration.validation_scope, the advisor and every rank (distlab.strategies.
-strategy_for) read strategies through it. config/schema.yaml's strategy enum is filled from the
-same files and each one's block from its `schema` (distlab.configuration.schema); `schema_mismatch`,
-checked when a config is validated, refuses a schema that differs from them.
+Each strategy `<name>` declares these in distlab/configuration/strategies/<name>_settings.py, as
+`SETTINGS = <StrategySettings subclass instance>`, beside its rank-time module
+distlab/strategies/<name>.py. The registry is those files, found by their names (a directory
+listing: no schema read, no torch): they are the list of strategies. The Snakefile's config
+expansion (distlab.configuration.config), distlab.configuration.validation_scope, the advisor
+and every rank (distlab.strategies.strategy_for) read strategies through it. config/schema.yaml's
+strategy enum is filled from the same files and each one's block from its `schema`
+(distlab.configuration.schema); `schema_mismatch`, checked when a config is validated, refuses a
+schema that differs from them.
 """
 from __future__ import annotations
 
 import copy
 import functools
-import importlib
 import math
-import pkgutil
 import sys
 
 from distlab.records.spec import SpecFields
 from distlab.configuration.precision import is_mixed
+from distlab.registry import discover
 
 SUFFIX = "_settings"
 
@@ -52,7 +53,7 @@ class StrategySettings:
     holds_layer_run: bool = False
     #: The advisor rows (distlab.records.advice.ROW_ORDER) this strategy stands for: {row: its settings block}.
     advisor_rows: dict[str, dict] = {}
-    #: {task trait: why this strategy needs it} (the traits: distlab.tasks.base.Task.lacks): an
+    #: {task trait: why this strategy needs it} (the traits: TaskDeclaration.lacks, distlab.configuration.tasks): an
     #: experiment whose task's model lacks one is refused naming its `strategy` field
     #: (check_task). Traits, not names: no task lists strategies, no strategy lists tasks.
     needs_of_task: dict[str, str] = {}
@@ -75,7 +76,7 @@ class StrategySettings:
         (distlab.configuration.config.model_shape)."""
 
     def check_task(self, task, spec: SpecFields, fail) -> None:
-        """fail(field, why) for what of `task` (a distlab.tasks Task) this strategy cannot train:
+        """fail(field, why) for what of `task` (its declaration) this strategy cannot train:
         the task whole (a trait of needs_of_task its model lacks) or, in subclasses, settings of
         its own the task's model cannot take. Checked before the task's own refusals
         (distlab.configuration.config)."""
@@ -173,7 +174,7 @@ def block_schema(properties: dict) -> dict:
 
 
 def registered() -> dict[str, StrategySettings]:
-    """{name: settings} of every distlab/strategies/<name>_settings.py, by name (the package's
+    """{name: settings} of every distlab/configuration/strategies/<name>_settings.py, by name (the package's
     search path, read from the package itself: Python imports it before any module in it, so
     this module needs no import of it)."""
     return _discover(tuple(sys.modules[__package__].__path__))
@@ -181,15 +182,18 @@ def registered() -> dict[str, StrategySettings]:
 
 @functools.lru_cache(maxsize=4)
 def _discover(path: tuple[str, ...]) -> dict[str, StrategySettings]:
-    found = {}
-    for info in sorted(pkgutil.iter_modules(list(path)), key=lambda m: m.name):
-        if info.name.endswith(SUFFIX):
-            settings = importlib.import_module(f"distlab.strategies.{info.name}").SETTINGS
-            if settings.name != info.name[:-len(SUFFIX)]:
-                raise ValueError(f"distlab/strategies/{info.name}.py: SETTINGS.name is '{settings.name}', "
-                                 f"its file names '{info.name[:-len(SUFFIX)]}'")
-            found[settings.name] = settings
-    return found
+    return discover(__package__, path, "SETTINGS", suffix=SUFFIX)
+
+
+def strategy_names() -> list[str]:
+    """Every strategy with a settings file, by name."""
+    return list(registered())
+
+
+def strategy_key(spec: SpecFields) -> str:
+    """Which strategy module runs a spec: FSDP requested through Accelerate is Accelerate's to run."""
+    settings = registered().get(spec.strategy)
+    return settings.runs_as(spec) if settings else spec.strategy
 
 
 def settings_for(spec: SpecFields) -> StrategySettings:
@@ -219,7 +223,7 @@ def schema_mismatch(schema: dict) -> str | None:
     experiment = schema["$defs"]["experiment"]["properties"]
     enum, known = set(experiment["strategy"]["enum"]), registered()
     if enum != set(known):
-        return (f"its strategy enum {sorted(enum)} differs from the strategies in distlab/strategies/"
+        return (f"its strategy enum {sorted(enum)} differs from the strategies in distlab/configuration/strategies/"
                 f"*{SUFFIX}.py {sorted(known)}")
     for name, s in known.items():
         block = set(experiment.get(name, {}).get("properties", {}))
