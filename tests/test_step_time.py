@@ -230,3 +230,44 @@ def test_the_report_names_the_term_furthest_from_what_the_run_measured():
     assert row["verdict"] == "off" and row["furthest off"].startswith("communication")
     status, evidence = predictions.step_time_verdict([row, {**row, "verdict": "right"}] * 2)
     assert status == "failed" and "2 of 4" in evidence
+
+
+def test_a_run_predicted_from_a_probe_timed_on_a_busy_machine_is_shown_but_not_scored(tmp_path):
+    """The probe's own noise record (distlab.tools.compute_probe) travels into the prediction's
+    inputs; a busy probe's run is not scored though the run itself was quiet."""
+    import json
+
+    from distlab.runtime.parameter_counts import model_shape, parameter_counts
+    from distlab.testing import TINY_MODEL
+
+    config = {"model_type": "llama", "vocab_size": 512, "rms_norm_eps": 1e-6,
+              **{k: v for k, v in TINY_MODEL.items() if k != "seed"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "hardware.json").write_text(json.dumps({"cpu": {"usable_cores": 2}}))
+    s = spec(activation_checkpointing="none")
+    shape = model_shape(config)
+    rows = {f"{k['key']}|{k['dtype']}|{k['threads']}": {"s": 0.01, "forward_s": 0.004}
+            for k in S.kernels_needed(S.probe_key(s), shape, parameter_counts(shape))}
+    verdicts = {}
+    for busy in (True, False):
+        probe = tmp_path / f"probe-{busy}.json"
+        probe.write_text(json.dumps({"kernels": rows, "noise": {"busy": busy, "others_cores": 0.9 if busy else 0.0}}))
+        prediction = S.predict_from_files(s, str(tmp_path / "config.json"), str(probe), None,
+                                          str(tmp_path / "hardware.json"))
+        assert prediction["inputs"]["probe_busy"] is busy
+        run = {"status": "ok", "experiment": f"busy-probe-{busy}", "prediction": prediction, "spec": s,
+               "timing": {"step_time_s": {"median": prediction["step_time_s"]}}, "noise": {"busy": False}}
+        (row,) = predictions.check_step_times([run])
+        verdicts[busy] = (row["verdict"], row["why"])
+    assert verdicts[True] == ("not scored", "probe timed on a busy machine")
+    assert verdicts[False] == ("right", None)
+    status, evidence = predictions.step_time_verdict([{"verdict": "not scored"}, {"verdict": "right"}])
+    assert status == "passed" and "1 of 1" in evidence  # the busy probe's run is not counted in the goal
+
+
+def test_a_probe_of_an_older_distlab_without_a_noise_record_is_not_held_against_its_runs():
+    prediction = {"status": "predicted", "step_time_s": 1.0, "inputs": {"probe": "x.json"},
+                  "terms": {"compute": {"seconds": 1.0}}}
+    assert predictions.score(prediction, 1.0, busy=False)["verdict"] == "right"
+    assert predictions.score({**prediction, "inputs": {"probe_busy": True}}, 1.0, busy=False)["why"] == \
+        "probe timed on a busy machine"

@@ -26,6 +26,10 @@ ROUNDS = 5
 MAX_REPEATS = 40
 TIME_PER_KERNEL_S = 0.05  # all rounds together
 WARMUP = 1
+PROBE_NOISE_HOW = ("others' CPU = the machine's busy CPU time (/proc/stat) minus the probe process's and its forked "
+                   "neighbours' CPU time, over the timed rounds; busy when others used more cores on average than "
+                   "the probe left free (machine cores - timed kernel and neighbours x threads) plus the runs' "
+                   "margin (distlab.runtime.noise.BUSY_MARGIN_CORES)")
 
 
 def _timed_round(call, sync, budget_s: float, max_calls: int) -> list[float]:
@@ -181,19 +185,28 @@ class _Neighbours:
     def current(self) -> int:
         return struct.unpack("q", self.shared[:8])[0]
 
-    def stop(self) -> None:
+    def stop(self) -> float:
+        """Kill the copies; the CPU seconds they used (user + system, every thread)."""
         import signal
 
+        used = 0.0
         for pid in self.pids:
             os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+            _, _, usage = os.wait4(pid, 0)
+            used += usage.ru_utime + usage.ru_stime
         self.shared.close()
+        return used
 
 
 def probe(kernels: list[dict], device: str = "cpu", config_json: dict | None = None) -> dict:
     """{kernels: {"<key>|<dtype>|<threads>": {s, forward_s, alone_s, forward_alone_s, repeats,
-    round_s}}, how} for the distinct kernels listed."""
+    round_s}}, noise, how} for the distinct kernels listed. noise: what other processes used while
+    the kernels were timed, and whether that makes the probe busy (distlab.runtime.noise, the
+    runs' own rule): a busy probe's kernels are slow by an amount it cannot know, and the report
+    does not score the runs predicted from it."""
     import torch
+
+    from distlab.runtime.noise import NoiseProbe, summarize_noise
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     cores = len(os.sched_getaffinity(0))  # the cores this job may use: all of them (rule compute_probe)
@@ -213,6 +226,8 @@ def probe(kernels: list[dict], device: str = "cpu", config_json: dict | None = N
     budget, calls = TIME_PER_KERNEL_S / ROUNDS / len(sides), max(1, MAX_REPEATS // ROUNDS // len(sides))
     times = {(n, side, part): [] for n in names for side in sides for part in ("both", "forward")}
     round_medians = {n: [] for n in names}
+    window = NoiseProbe()  # what other processes used while the kernels were timed
+    window.start()
     neighbours = _Neighbours([both for _, both in built], threads, others)
     try:
         for round_index in range(ROUNDS):
@@ -237,8 +252,12 @@ def probe(kernels: list[dict], device: str = "cpu", config_json: dict | None = N
                         with torch.no_grad():
                             times[name, side, "forward"] += _timed_round(forward, sync, budget, calls)
     finally:
-        neighbours.stop()
+        neighbours_cpu = neighbours.stop()
         torch.set_num_threads(before)
+    # The probe holds the machine (rule compute_probe: every core), so, as for a run that fills
+    # it, others using more than the margin of a core made its kernels wait for one.
+    noise = summarize_noise([window.stop(), {"own_cpu_s": neighbours_cpu}], min(cores, (others + 1) * max(threads)),
+                            cores, PROBE_NOISE_HOW)
     rows = {}
     for name in names:
         rows[name] = {"s": statistics.median(times[name, "beside", "both"]),
@@ -250,7 +269,7 @@ def probe(kernels: list[dict], device: str = "cpu", config_json: dict | None = N
             rows[name]["alone_s"] = statistics.median(times[name, "alone", "both"])
             if times[name, "alone", "forward"]:
                 rows[name]["forward_alone_s"] = statistics.median(times[name, "alone", "forward"])
-    return {"kernels": rows, "device": device, "rounds": ROUNDS,
+    return {"kernels": rows, "device": device, "rounds": ROUNDS, "noise": noise,
             "how": (f"each kernel at its shape, dtype and thread count: {ROUNDS} interleaved rounds over every "
                     f"kernel, each kernel called for {budget} s a round (at least once) after {WARMUP} warm-up "
                     "call, the median of all its calls (round_s: each round's median); random inputs; on CPU "

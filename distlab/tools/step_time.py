@@ -321,6 +321,9 @@ def predict_from_files(spec: Spec, model_config: str, probe_file: str | None, co
                         others_cores)
     except KeyError as missing:  # a kernel or collective the files lack: said, not guessed
         return {"status": "not predicted", "why": str(missing).strip("'\"")}
+    probe_noise = probe.get("noise") or {}  # absent from a probe of an older distlab
     return {**found, "inputs": {"probe": Path(probe_file).name, "collectives": collectives and collectives["_file"],
-                                "hardware": Path(hardware_file).name, "others_cores_at_start": others_cores}}
+                                "hardware": Path(hardware_file).name, "others_cores_at_start": others_cores,
+                                "probe_busy": probe_noise.get("busy"),
+                                "probe_others_cores": probe_noise.get("others_cores")}}
 
