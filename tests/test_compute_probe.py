@@ -194,3 +194,20 @@ def test_a_killed_neighbours_cpu_time_is_counted_as_the_probes_own():
     neighbours = P._Neighbours([spin], [1], 1)
     time.sleep(0.3)
     assert neighbours.stop() > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrapper", ["zero3", "fsdp"])
+def test_a_sharded_runs_probe_also_times_the_toy_step_wrapped_as_the_run_wraps_it(tmp_path, wrapper):
+    """A ZeRO-3 or FSDP key's probe (distlab.tools.step_time.sharding_wrapper) holds its key's
+    kernels and one more: the toy-width step wrapped on a one-rank group of the probe's own."""
+    config, path = tiny_config_json(tmp_path)
+    shape = model_shape(config)
+    key = f"{KEY}-{wrapper}"
+    wanted = {f"{k['key']}|{k['dtype']}|{k['threads']}" for k in kernels_needed(key, shape, parameter_counts(shape))}
+    plain = {f"{k['key']}|{k['dtype']}|{k['threads']}" for k in kernels_needed(KEY, shape, parameter_counts(shape))}
+    assert wanted - plain == {f"wrapped-{wrapper}:2x32|float32|1"}
+    run_probe(str(path), key, "tiny", str(tmp_path / "probe.json"))
+    record = json.loads((tmp_path / "probe.json").read_text())
+    assert set(record["kernels"]) == wanted and record["kernels"][f"wrapped-{wrapper}:2x32|float32|1"]["s"] > 0
+    assert record["noise"]["busy"] in (True, False)

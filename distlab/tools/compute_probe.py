@@ -125,6 +125,10 @@ def _kernel(kind: str, dims: list[int], dtype, device, config_json: dict | None 
         def both():
             model(input_ids=ids, labels=ids).loss.backward()
         return None, both
+    if kind.startswith("wrapped-"):
+        # The same toy-width model and step as `framework`, wrapped as the run wraps it
+        # (sharding_wrapper): on one rank, so what the wrapper adds is its hooks and bookkeeping.
+        return None, _wrapped_step(kind.removeprefix("wrapped-"), dims, dtype, device, config_json)
     if kind == "dequant_nf4":  # QLoRA's frozen weight back to the compute dtype (bitsandbytes, NF4, nested)
         import bitsandbytes.functional as bnb
 
@@ -144,6 +148,84 @@ def _kernel(kind: str, dims: list[int], dtype, device, config_json: dict | None 
         dst = torch.empty_like(src)
         return None, lambda: dst.copy_(src)
     raise ValueError(f"unknown probe kernel {kind!r}")
+
+
+WRAPPED_GA = 2**20  # ZeRO-3's engine never reaches an optimizer step in the probe's calls
+
+
+def _one_rank_group(device: str) -> None:
+    """A process group of this process alone (an in-process store: nothing listens), for a
+    wrapper that needs one; a probe process has none of its own."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(name, value)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _wrapped_step(wrapper: str, dims: list[int], dtype, device, config_json: dict):
+    """One micro-step (forward and backward) of the toy-width model wrapped as a run of
+    `wrapper` wraps it, on one rank: zero3 / zero3lean: DeepSpeed ZeRO-3 with its zero3_profile
+    sized from the toy model itself (zero3_limits: persistence threshold 10 x hidden keeps the
+    norms whole and gathers every linear, as at full width; lean gathers everything) and the
+    run's gradient bucket rule; fsdp / fsdpkeep: FSDP2 fully_shard per decoder layer, then the
+    root, resharding after forward or not. The returned call's `neighbour` is the plain toy
+    step: the probe's forked neighbours must not share the wrapper's process group."""
+    import torch
+
+    from distlab.runtime.model import decoder_layers
+
+    rows, seq = dims
+    _one_rank_group(device)
+    model = toy_model(config_json).to(device=device, dtype=torch.float32)
+    plain = toy_model(config_json).to(device=device, dtype=dtype)
+    ids = torch.randint(0, model.config.vocab_size, (rows, seq), device=device)
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    if wrapper in ("zero3", "zero3lean"):
+        import deepspeed
+
+        from distlab.records.spec import Spec
+        from distlab.strategies.deepspeed import forget_deepspeed_groups, skip_inference_shm_op
+        from distlab.strategies.deepspeed_config import deepspeed_config, gradient_bucket_size
+
+        spec = Spec({"strategy": "deepspeed", "device": device, "precision": precision, "micro_batch": rows,
+                     "grad_accum": WRAPPED_GA, "lr": 1e-4, "weight_decay": 0.0, "max_grad_norm": 1.0,
+                     "deepspeed": {"zero_stage": 3, "offload_optimizer": "none", "offload_param": "none",
+                                   "optimizer_impl": "torch",
+                                   "zero3_profile": "lean" if wrapper == "zero3lean" else "auto"}})
+        layer = sum(p.numel() for p in decoder_layers(model)[0].parameters())
+        sizes = [p.numel() for p in model.parameters()]
+        config = deepspeed_config(spec, 1, layer, gradient_bucket_size(layer, max(sizes), sum(sizes)),
+                                  model.config.hidden_size)
+        if device == "cpu":
+            skip_inference_shm_op()
+        forget_deepspeed_groups()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+
+        def both():
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()  # a micro-step: no optimizer step before WRAPPED_GA of them
+    elif wrapper in ("fsdp", "fsdpkeep"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        kwargs = {"mesh": init_device_mesh(device, (1,)), "reshard_after_forward": wrapper == "fsdp"}
+        if precision != "fp32":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for layer in decoder_layers(model):
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+
+        def both():
+            model(input_ids=ids, labels=ids).loss.backward()
+    else:
+        raise ValueError(f"unknown sharding wrapper {wrapper!r}")
+
+    def neighbour():
+        plain(input_ids=ids, labels=ids).loss.backward()
+    both.neighbour = neighbour
+    return both
 
 
 class _Neighbours:
@@ -228,7 +310,7 @@ def probe(kernels: list[dict], device: str = "cpu", config_json: dict | None = N
     round_medians = {n: [] for n in names}
     window = NoiseProbe()  # what other processes used while the kernels were timed
     window.start()
-    neighbours = _Neighbours([both for _, both in built], threads, others)
+    neighbours = _Neighbours([getattr(both, "neighbour", both) for _, both in built], threads, others)
     try:
         for round_index in range(ROUNDS):
             for i, name in enumerate(names):
