@@ -297,6 +297,8 @@ def test_only_zero3_and_fsdp_runs_get_a_probe_of_their_own_with_their_wrapped_to
     for name in ("zero3", "zero3lean", "fsdp", "fsdpkeep"):
         assert wrapped[name] == (f"cpu-float32-t1-r2x4-tp1-{name}", [f"wrapped-{name}:2x4"])
         assert S.parse_probe_key(wrapped[name][0])["wrapper"] == name
+    # GPU runs keep their probe (the kit's plan has no time for one per wrapper)
+    assert S.probe_key(spec(strategy="fsdp", world_size=2, device="cuda")) == "cuda-float32-t0-r2x4-tp1"
 
 
 def test_the_sharding_term_is_the_wrapped_toy_steps_extra_cost_plus_its_copies_at_full_width():
