@@ -21,9 +21,10 @@ rule hardware:
 
 
 # The compute probe: the kernels of one probe key (device, dtype, threads, micro-batch rows x
-# sequence, tensor-parallel degree, 4-bit weights: distlab.tools.step_time.probe_key) at one
-# model's shapes, timed for the step-time prediction. All cores: it times kernels, so it runs
-# alone, as the hardware rule's peak does. Experiments of one key share it.
+# sequence, tensor-parallel degree, 4-bit weights, a ZeRO-3 or FSDP run's sharding wrapper:
+# distlab.tools.step_time.probe_key) at one model's shapes, timed for the step-time prediction.
+# All cores: it times kernels, so it runs alone, as the hardware rule's peak does. Experiments
+# of one key share it.
 rule compute_probe:
     input:
         model=lambda wildcards: model_config_path(wildcards.model),
@@ -34,7 +35,7 @@ rule compute_probe:
     benchmark:
         f"{RESULTS}/{MACHINE}/logs/compute_probe-{{model}}-{{key}}.benchmark.tsv"
     wildcard_constraints:
-        key=r"(cpu|cuda)-\w+-t\d+-r\d+x\d+-tp\d+(-nf4)?",
+        key=r"(cpu|cuda)-\w+-t\d+-r\d+x\d+-tp\d+(-nf4)?(-(zero3|zero3lean|fsdp|fsdpkeep))?",
     conda:
         "../envs/train.yaml"
     threads: workflow.cores

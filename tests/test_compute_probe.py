@@ -90,6 +90,16 @@ def test_the_probe_interleaves_its_kernels_in_rounds_so_every_kernel_samples_the
         assert row["repeats"] >= P.ROUNDS
 
 
+class QuietWindow:
+    """A NoiseProbe window that reads no clock: 1 s, nothing but the probe's own CPU."""
+
+    def start(self):
+        pass
+
+    def stop(self):
+        return {"wall_s": 1.0, "machine_cpu_s": 0.0, "own_cpu_s": 0.0, "load_avg_1min": [0.0, 0.0]}
+
+
 def test_a_kernels_time_is_the_median_of_all_its_calls_over_the_rounds(monkeypatch):
     durations = [1.0, 5.0, 2.0, 4.0, 3.0]  # one call a round: each outlasts the round's budget
     ticks = iter([x for d in durations for x in (0.0, d)])  # each call's start, then its end
@@ -102,6 +112,7 @@ def test_a_kernels_time_is_the_median_of_all_its_calls_over_the_rounds(monkeypat
     monkeypatch.setattr(P, "_kernel", lambda *a, **k: (None, lambda: None))
     monkeypatch.setattr(P, "WARMUP", 0)
     monkeypatch.setattr(P.time, "perf_counter", fake_counter)
+    monkeypatch.setattr("distlab.runtime.noise.NoiseProbe", QuietWindow)  # its clock reads are not the kernels'
     monkeypatch.setattr(P.os, "sched_getaffinity", lambda pid: {0})  # one core: no neighbour to fork
     row = P.probe([kernel("mm")], "cpu")["kernels"]["mm:1|float32|1"]
     assert row["round_s"] == durations
@@ -156,3 +167,47 @@ def test_with_other_cores_each_kernel_is_also_timed_alone(recorded, monkeypatch)
     assert row["neighbours"] == 1 and row["alone_s"] > 0
     monkeypatch.setattr(P.os, "sched_getaffinity", lambda pid: {0})
     assert "alone_s" not in P.probe([kernel("mm")], "cpu")["kernels"]["mm:1|float32|1"]  # no core to leave free
+
+
+@pytest.mark.parametrize("others_cpu_s, busy", [(1e6, True), (0.0, False)])
+def test_the_probe_records_what_other_processes_used_while_it_timed_by_the_runs_rule(recorded, monkeypatch,
+                                                                                     others_cpu_s, busy):
+    """The machine's busy CPU time (/proc/stat) forced: the window saw others_cpu_s beyond the
+    probe's own (a quiet reading: the machine's count did not move, so nothing was others')."""
+    readings = iter([100.0, 100.0 + others_cpu_s])
+    monkeypatch.setattr("distlab.runtime.noise.machine_busy_seconds", lambda: next(readings))
+    monkeypatch.setattr(P.os, "sched_getaffinity", lambda pid: {0, 1})
+    noise = P.probe([kernel("mm")], "cpu")["noise"]
+    assert noise["busy"] is busy
+    assert noise["machine_cores"] == 2 and noise["job_cores"] == 2 and noise["free_cores"] == 0  # it holds both
+    assert noise["ranks_cpu_s"] >= 0 and "neighbours" in noise["how"]
+    if not busy:
+        assert noise["others_cpu_s"] == 0.0
+
+
+def test_a_killed_neighbours_cpu_time_is_counted_as_the_probes_own():
+    def spin():
+        end = time.process_time() + 0.05
+        while time.process_time() < end:
+            pass
+
+    neighbours = P._Neighbours([spin], [1], 1)
+    time.sleep(0.3)
+    assert neighbours.stop() > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrapper", ["zero3", "fsdp"])
+def test_a_sharded_runs_probe_also_times_the_toy_step_wrapped_as_the_run_wraps_it(tmp_path, wrapper):
+    """A ZeRO-3 or FSDP key's probe (distlab.tools.step_time.sharding_wrapper) holds its key's
+    kernels and one more: the toy-width step wrapped on a one-rank group of the probe's own."""
+    config, path = tiny_config_json(tmp_path)
+    shape = model_shape(config)
+    key = f"{KEY}-{wrapper}"
+    wanted = {f"{k['key']}|{k['dtype']}|{k['threads']}" for k in kernels_needed(key, shape, parameter_counts(shape))}
+    plain = {f"{k['key']}|{k['dtype']}|{k['threads']}" for k in kernels_needed(KEY, shape, parameter_counts(shape))}
+    assert wanted - plain == {f"wrapped-{wrapper}:2x32|float32|1"}
+    run_probe(str(path), key, "tiny", str(tmp_path / "probe.json"))
+    record = json.loads((tmp_path / "probe.json").read_text())
+    assert set(record["kernels"]) == wanted and record["kernels"][f"wrapped-{wrapper}:2x32|float32|1"]["s"] > 0
+    assert record["noise"]["busy"] in (True, False)

@@ -43,7 +43,8 @@ def flops_time(k) -> float:
     if k["kind"] == "mm":
         return math.prod(k["dims"]) / 1000
     return {"sdpa": 0.01, "elementwise": 0.02, "cross_entropy": 0.05, "framework": 0.04, "adamw": 0.1,
-            "copy": 0.03}[k["kind"]]
+            "copy": 0.03, "wrapped-zero3": 0.07, "wrapped-zero3lean": 0.09, "wrapped-fsdp": 0.05,
+            "wrapped-fsdpkeep": 0.045}[k["kind"]]
 
 
 def test_compute_is_each_layers_matmuls_attention_and_elementwise_plus_the_head_per_micro_step():
@@ -94,12 +95,14 @@ def test_a_run_leaving_cores_free_is_timed_between_its_kernels_alone_and_beside_
 
 
 def test_experiments_of_the_same_shapes_share_one_probe_and_others_get_their_own():
-    assert S.probe_key(spec(lr=1e-3, strategy="fsdp", world_size=2)) == S.probe_key(spec()) == "cpu-float32-t1-r2x4-tp1"
+    assert S.probe_key(spec(lr=1e-3, strategy="deepspeed", world_size=2, deepspeed={"zero_stage": 2})) == \
+        S.probe_key(spec()) == "cpu-float32-t1-r2x4-tp1"
     assert S.probe_key(spec(method="qlora")).endswith("-nf4")
     # 2 pipeline micro-batches
     assert S.probe_key(spec(strategy="pp", world_size=2, micro_batch=4)) == "cpu-float32-t1-r2x4-tp1"
     assert S.parse_probe_key("cuda-bfloat16-t0-r8x2048-tp2") == {"device": "cuda", "dtype": "bfloat16", "threads": 0,
-                                                                "rows": 8, "seq": 2048, "tp": 2, "nf4": False}
+                                                                "rows": 8, "seq": 2048, "tp": 2, "nf4": False,
+                                                                "wrapper": None}
 
 
 def test_tensor_parallel_splits_each_linear_on_its_planned_dimension():
@@ -230,3 +233,100 @@ def test_the_report_names_the_term_furthest_from_what_the_run_measured():
     assert row["verdict"] == "off" and row["furthest off"].startswith("communication")
     status, evidence = predictions.step_time_verdict([row, {**row, "verdict": "right"}] * 2)
     assert status == "failed" and "2 of 4" in evidence
+
+
+def test_a_run_predicted_from_a_probe_timed_on_a_busy_machine_is_shown_but_not_scored(tmp_path):
+    """The probe's own noise record (distlab.tools.compute_probe) travels into the prediction's
+    inputs; a busy probe's run is not scored though the run itself was quiet."""
+    import json
+
+    from distlab.runtime.parameter_counts import model_shape, parameter_counts
+    from distlab.testing import TINY_MODEL
+
+    config = {"model_type": "llama", "vocab_size": 512, "rms_norm_eps": 1e-6,
+              **{k: v for k, v in TINY_MODEL.items() if k != "seed"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "hardware.json").write_text(json.dumps({"cpu": {"usable_cores": 2}}))
+    s = spec(activation_checkpointing="none")
+    shape = model_shape(config)
+    rows = {f"{k['key']}|{k['dtype']}|{k['threads']}": {"s": 0.01, "forward_s": 0.004}
+            for k in S.kernels_needed(S.probe_key(s), shape, parameter_counts(shape))}
+    verdicts = {}
+    for busy in (True, False):
+        probe = tmp_path / f"probe-{busy}.json"
+        probe.write_text(json.dumps({"kernels": rows, "noise": {"busy": busy, "others_cores": 0.9 if busy else 0.0}}))
+        prediction = S.predict_from_files(s, str(tmp_path / "config.json"), str(probe), None,
+                                          str(tmp_path / "hardware.json"))
+        assert prediction["inputs"]["probe_busy"] is busy
+        run = {"status": "ok", "experiment": f"busy-probe-{busy}", "prediction": prediction, "spec": s,
+               "timing": {"step_time_s": {"median": prediction["step_time_s"]}}, "noise": {"busy": False}}
+        (row,) = predictions.check_step_times([run])
+        verdicts[busy] = (row["verdict"], row["why"])
+    assert verdicts[True] == ("not scored", "probe timed on a busy machine")
+    assert verdicts[False] == ("right", None)
+    status, evidence = predictions.step_time_verdict([{"verdict": "not scored"}, {"verdict": "right"}])
+    assert status == "passed" and "1 of 1" in evidence  # the busy probe's run is not counted in the goal
+
+
+def test_a_probe_of_an_older_distlab_without_a_noise_record_is_not_held_against_its_runs():
+    prediction = {"status": "predicted", "step_time_s": 1.0, "inputs": {"probe": "x.json"},
+                  "terms": {"compute": {"seconds": 1.0}}}
+    assert predictions.score(prediction, 1.0, busy=False)["verdict"] == "right"
+    assert predictions.score({**prediction, "inputs": {"probe_busy": True}}, 1.0, busy=False)["why"] == \
+        "probe timed on a busy machine"
+
+
+ZERO3 = {"zero_stage": 3, "offload_optimizer": "none", "offload_param": "none"}
+
+
+def test_only_zero3_and_fsdp_runs_get_a_probe_of_their_own_with_their_wrapped_toy_step():
+    wrapped = {}
+    for name, s in {"ddp": spec(world_size=2), "zero2": spec(strategy="deepspeed", world_size=2),
+                    "tp": spec(strategy="tp", world_size=2), "pp": spec(strategy="pp", world_size=2, micro_batch=4),
+                    "zero3": spec(strategy="deepspeed", world_size=2, deepspeed=ZERO3),
+                    "zero3lean": spec(strategy="deepspeed", world_size=2, deepspeed={**ZERO3, "zero3_profile": "lean"}),
+                    "fsdp": spec(strategy="fsdp", world_size=2),
+                    "fsdpkeep": spec(strategy="fsdp", world_size=2,
+                                     fsdp={"reshard_after_forward": False, "cpu_offload": False})}.items():
+        key = S.probe_key(s)
+        kernels = S.kernels_needed(key, SHAPE, COUNTS)
+        wrapped[name] = (key, [k["key"] for k in kernels if k["kind"].startswith("wrapped")])
+    for name in ("ddp", "zero2", "tp", "pp"):  # their probes and kernels as before
+        assert wrapped[name][1] == [] and S.parse_probe_key(wrapped[name][0])["wrapper"] is None
+    assert wrapped["ddp"][0] == wrapped["zero2"][0] == wrapped["pp"][0] == "cpu-float32-t1-r2x4-tp1"
+    for name in ("zero3", "zero3lean", "fsdp", "fsdpkeep"):
+        assert wrapped[name] == (f"cpu-float32-t1-r2x4-tp1-{name}", [f"wrapped-{name}:2x4"])
+        assert S.parse_probe_key(wrapped[name][0])["wrapper"] == name
+    # GPU runs keep their probe (the kit's plan has no time for one per wrapper)
+    assert S.probe_key(spec(strategy="fsdp", world_size=2, device="cuda")) == "cuda-float32-t0-r2x4-tp1"
+
+
+def test_the_sharding_term_is_the_wrapped_toy_steps_extra_cost_plus_its_copies_at_full_width():
+    zero3 = spec(strategy="deepspeed", world_size=2, grad_accum=2, deepspeed=ZERO3)
+    term = S.sharding_term(zero3, SHAPE, COUNTS, probe_for(zero3, flops_time))
+    # 2 micro-steps x (wrapped 0.07 s - plain 0.04 s), + the step's gathered parameter bytes
+    # (2 x 1024 elements x 4) and reduce-scattered gradient bytes (2 x GRADS) copied once at
+    # 0.03 s per 2**24 bytes.
+    assert term["parts"]["hooks"] == pytest.approx(2 * (0.07 - 0.04))
+    assert term["parts"]["copies"] == pytest.approx(0.03 * (2 * 1024 * 4 + 2 * GRADS) / 2**24)
+    assert term["seconds"] == pytest.approx(term["parts"]["hooks"] + term["parts"]["copies"])
+    assert "wrapped by zero3" in term["how"]
+    fsdp = spec(strategy="fsdp", world_size=2, grad_accum=2)
+    term = S.sharding_term(fsdp, SHAPE, COUNTS, probe_for(fsdp, flops_time))
+    # 3 units gathered twice a micro-batch (1048 x 4 bytes over the 3), reduce-scattered once a step.
+    assert term["seconds"] == pytest.approx(2 * (0.05 - 0.04) + 0.03 * (2 * 2 * GRADS + GRADS) / 2**24)
+    one_rank = spec(strategy="deepspeed", world_size=1, grad_accum=2, deepspeed=ZERO3)  # gathers nothing
+    assert S.sharding_term(one_rank, SHAPE, COUNTS, probe_for(one_rank, flops_time))["seconds"] == \
+        pytest.approx(2 * (0.07 - 0.04))
+
+
+def test_runs_without_a_sharding_wrapper_are_predicted_as_before():
+    for s in (spec(world_size=2), spec(strategy="deepspeed", world_size=2, deepspeed={"zero_stage": 2}),
+              spec(strategy="tp", world_size=2)):
+        assert S.sharding_term(s, SHAPE, COUNTS, probe_for(s, flops_time)) is None
+        found = S.predict(s, SHAPE, COUNTS, probe_for(s, flops_time), collectives_file(), 2)
+        assert set(found["terms"]) == {"compute", "communication", "optimizer", "bubble"}
+    z3 = spec(strategy="deepspeed", world_size=2, deepspeed=ZERO3)
+    found = S.predict(z3, SHAPE, COUNTS, probe_for(z3, flops_time), collectives_file(), 2)
+    assert found["step_time_s"] == pytest.approx(sum(t["seconds"] for t in found["terms"].values()))
+    assert found["terms"]["sharding"]["seconds"] > 0

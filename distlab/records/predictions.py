@@ -9,9 +9,18 @@ TOLERANCE = 0.25
 LINK_TOLERANCE = 0.30
 
 
+def probe_busy(prediction: dict) -> bool:
+    """Whether the compute probe the prediction read was timed while other processes used the
+    cores it held (its file's `noise`, the runs' rule: distlab.tools.compute_probe): its kernels,
+    and every prediction made from them, are slow by an amount nothing measured. A probe that
+    recorded nothing (an older distlab, or no /proc/stat) is not held against the run."""
+    return bool((prediction.get("inputs") or {}).get("probe_busy"))
+
+
 def score(prediction: dict | None, measured_median: float | None, busy: bool | None,
           tolerance: float = TOLERANCE) -> dict:
-    """Predicted against measured: error, verdict, and the term furthest off."""
+    """Predicted against measured: error, verdict, and the term furthest off. A run timed on a
+    busy machine, or predicted from a probe timed on one, is shown but not scored."""
     if not prediction or prediction.get("status") != "predicted":
         return {"verdict": "not predicted", "why": (prediction or {}).get("why", "no prediction")}
     if measured_median is None:
@@ -25,14 +34,17 @@ def score(prediction: dict | None, measured_median: float | None, busy: bool | N
            "largest_term": largest, "largest_share": terms[largest] / predicted if predicted else None}
     if busy is not False:
         return {**out, "verdict": "not scored", "why": "timed on a busy machine" if busy else "noise not measured"}
+    if probe_busy(prediction):
+        return {**out, "verdict": "not scored", "why": "probe timed on a busy machine"}
     return {**out, "verdict": "right" if abs(error) <= tolerance else "off"}
 
 
 def check_step_times(runs: list[dict], tolerance: float | None = None) -> list[dict]:
     """Each run's predicted step time (metrics.json `prediction`, made before it trained) against
-    its measured median: the error, the verdict (a busy run is shown, not scored), and the term
-    furthest from what the run measured of it: communication against the collectives' time in
-    flight where the strategy times them, the rest against the remainder of the step."""
+    its measured median: the error, the verdict (a busy run, or one predicted from a probe timed
+    on a busy machine, is shown, not scored), and the term furthest from what the run measured
+    of it: communication against the collectives' time in flight where the strategy times them,
+    the rest against the remainder of the step."""
     rows = []
     for run in runs:
         if run.get("status") != "ok" or not run.get("prediction"):

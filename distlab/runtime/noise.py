@@ -59,12 +59,13 @@ class NoiseProbe:
         return self.record
 
 
-def summarize_noise(per_rank: list[dict | None], job_cores: int, cores: int | None = None) -> dict:
-    """The run's noise record from every rank's window (rank 0's wall and machine view)."""
+def summarize_noise(per_rank: list[dict | None], job_cores: int, cores: int | None = None, how: str = HOW) -> dict:
+    """The run's noise record from every rank's window (rank 0's wall and machine view); the
+    compute probe's too (distlab.tools.compute_probe: its process and its forked neighbours)."""
     cores = cores or machine_cores()
     first = per_rank[0] if per_rank else None
     if not first or first["machine_cpu_s"] is None or not first["wall_s"]:
-        return {"busy": None, "why": "no timed window, or /proc/stat unreadable", "how": HOW}
+        return {"busy": None, "why": "no timed window, or /proc/stat unreadable", "how": how}
     own = sum(r["own_cpu_s"] for r in per_rank if r)
     others = max(0.0, first["machine_cpu_s"] - own)
     others_cores = others / first["wall_s"]
@@ -73,7 +74,7 @@ def summarize_noise(per_rank: list[dict | None], job_cores: int, cores: int | No
     return {"busy": busy, "others_cpu_s": round(others, 3), "others_cores": round(others_cores, 3),
             "ranks_cpu_s": round(own, 3), "window_s": round(first["wall_s"], 3), "machine_cores": cores,
             "job_cores": job_cores, "free_cores": free, "load_avg_1min": [round(v, 2) for v in first["load_avg_1min"]],
-            "how": HOW}
+            "how": how}
 
 
 def noise_text(noise: dict | None) -> str:

@@ -26,6 +26,10 @@ ROUNDS = 5
 MAX_REPEATS = 40
 TIME_PER_KERNEL_S = 0.05  # all rounds together
 WARMUP = 1
+PROBE_NOISE_HOW = ("others' CPU = the machine's busy CPU time (/proc/stat) minus the probe process's and its forked "
+                   "neighbours' CPU time, over the timed rounds; busy when others used more cores on average than "
+                   "the probe left free (machine cores - timed kernel and neighbours x threads) plus the runs' "
+                   "margin (distlab.runtime.noise.BUSY_MARGIN_CORES)")
 
 
 def _timed_round(call, sync, budget_s: float, max_calls: int) -> list[float]:
@@ -121,6 +125,10 @@ def _kernel(kind: str, dims: list[int], dtype, device, config_json: dict | None 
         def both():
             model(input_ids=ids, labels=ids).loss.backward()
         return None, both
+    if kind.startswith("wrapped-"):
+        # The same toy-width model and step as `framework`, wrapped as the run wraps it
+        # (sharding_wrapper): on one rank, so what the wrapper adds is its hooks and bookkeeping.
+        return None, _wrapped_step(kind.removeprefix("wrapped-"), dims, dtype, device, config_json)
     if kind == "dequant_nf4":  # QLoRA's frozen weight back to the compute dtype (bitsandbytes, NF4, nested)
         import bitsandbytes.functional as bnb
 
@@ -140,6 +148,84 @@ def _kernel(kind: str, dims: list[int], dtype, device, config_json: dict | None 
         dst = torch.empty_like(src)
         return None, lambda: dst.copy_(src)
     raise ValueError(f"unknown probe kernel {kind!r}")
+
+
+WRAPPED_GA = 2**20  # ZeRO-3's engine never reaches an optimizer step in the probe's calls
+
+
+def _one_rank_group(device: str) -> None:
+    """A process group of this process alone (an in-process store: nothing listens), for a
+    wrapper that needs one; a probe process has none of its own."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(name, value)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _wrapped_step(wrapper: str, dims: list[int], dtype, device, config_json: dict):
+    """One micro-step (forward and backward) of the toy-width model wrapped as a run of
+    `wrapper` wraps it, on one rank: zero3 / zero3lean: DeepSpeed ZeRO-3 with its zero3_profile
+    sized from the toy model itself (zero3_limits: persistence threshold 10 x hidden keeps the
+    norms whole and gathers every linear, as at full width; lean gathers everything) and the
+    run's gradient bucket rule; fsdp / fsdpkeep: FSDP2 fully_shard per decoder layer, then the
+    root, resharding after forward or not. The returned call's `neighbour` is the plain toy
+    step: the probe's forked neighbours must not share the wrapper's process group."""
+    import torch
+
+    from distlab.runtime.model import decoder_layers
+
+    rows, seq = dims
+    _one_rank_group(device)
+    model = toy_model(config_json).to(device=device, dtype=torch.float32)
+    plain = toy_model(config_json).to(device=device, dtype=dtype)
+    ids = torch.randint(0, model.config.vocab_size, (rows, seq), device=device)
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    if wrapper in ("zero3", "zero3lean"):
+        import deepspeed
+
+        from distlab.records.spec import Spec
+        from distlab.strategies.deepspeed import forget_deepspeed_groups, skip_inference_shm_op
+        from distlab.strategies.deepspeed_config import deepspeed_config, gradient_bucket_size
+
+        spec = Spec({"strategy": "deepspeed", "device": device, "precision": precision, "micro_batch": rows,
+                     "grad_accum": WRAPPED_GA, "lr": 1e-4, "weight_decay": 0.0, "max_grad_norm": 1.0,
+                     "deepspeed": {"zero_stage": 3, "offload_optimizer": "none", "offload_param": "none",
+                                   "optimizer_impl": "torch",
+                                   "zero3_profile": "lean" if wrapper == "zero3lean" else "auto"}})
+        layer = sum(p.numel() for p in decoder_layers(model)[0].parameters())
+        sizes = [p.numel() for p in model.parameters()]
+        config = deepspeed_config(spec, 1, layer, gradient_bucket_size(layer, max(sizes), sum(sizes)),
+                                  model.config.hidden_size)
+        if device == "cpu":
+            skip_inference_shm_op()
+        forget_deepspeed_groups()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+
+        def both():
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()  # a micro-step: no optimizer step before WRAPPED_GA of them
+    elif wrapper in ("fsdp", "fsdpkeep"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        kwargs = {"mesh": init_device_mesh(device, (1,)), "reshard_after_forward": wrapper == "fsdp"}
+        if precision != "fp32":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for layer in decoder_layers(model):
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+
+        def both():
+            model(input_ids=ids, labels=ids).loss.backward()
+    else:
+        raise ValueError(f"unknown sharding wrapper {wrapper!r}")
+
+    def neighbour():
+        plain(input_ids=ids, labels=ids).loss.backward()
+    both.neighbour = neighbour
+    return both
 
 
 class _Neighbours:
@@ -181,19 +267,28 @@ class _Neighbours:
     def current(self) -> int:
         return struct.unpack("q", self.shared[:8])[0]
 
-    def stop(self) -> None:
+    def stop(self) -> float:
+        """Kill the copies; the CPU seconds they used (user + system, every thread)."""
         import signal
 
+        used = 0.0
         for pid in self.pids:
             os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+            _, _, usage = os.wait4(pid, 0)
+            used += usage.ru_utime + usage.ru_stime
         self.shared.close()
+        return used
 
 
 def probe(kernels: list[dict], device: str = "cpu", config_json: dict | None = None) -> dict:
     """{kernels: {"<key>|<dtype>|<threads>": {s, forward_s, alone_s, forward_alone_s, repeats,
-    round_s}}, how} for the distinct kernels listed."""
+    round_s}}, noise, how} for the distinct kernels listed. noise: what other processes used while
+    the kernels were timed, and whether that makes the probe busy (distlab.runtime.noise, the
+    runs' own rule): a busy probe's kernels are slow by an amount it cannot know, and the report
+    does not score the runs predicted from it."""
     import torch
+
+    from distlab.runtime.noise import NoiseProbe, summarize_noise
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     cores = len(os.sched_getaffinity(0))  # the cores this job may use: all of them (rule compute_probe)
@@ -213,7 +308,9 @@ def probe(kernels: list[dict], device: str = "cpu", config_json: dict | None = N
     budget, calls = TIME_PER_KERNEL_S / ROUNDS / len(sides), max(1, MAX_REPEATS // ROUNDS // len(sides))
     times = {(n, side, part): [] for n in names for side in sides for part in ("both", "forward")}
     round_medians = {n: [] for n in names}
-    neighbours = _Neighbours([both for _, both in built], threads, others)
+    window = NoiseProbe()  # what other processes used while the kernels were timed
+    window.start()
+    neighbours = _Neighbours([getattr(both, "neighbour", both) for _, both in built], threads, others)
     try:
         for round_index in range(ROUNDS):
             for i, name in enumerate(names):
@@ -237,8 +334,12 @@ def probe(kernels: list[dict], device: str = "cpu", config_json: dict | None = N
                         with torch.no_grad():
                             times[name, side, "forward"] += _timed_round(forward, sync, budget, calls)
     finally:
-        neighbours.stop()
+        neighbours_cpu = neighbours.stop()
         torch.set_num_threads(before)
+    # The probe holds the machine (rule compute_probe: every core), so, as for a run that fills
+    # it, others using more than the margin of a core made its kernels wait for one.
+    noise = summarize_noise([window.stop(), {"own_cpu_s": neighbours_cpu}], min(cores, (others + 1) * max(threads)),
+                            cores, PROBE_NOISE_HOW)
     rows = {}
     for name in names:
         rows[name] = {"s": statistics.median(times[name, "beside", "both"]),
@@ -250,7 +351,7 @@ def probe(kernels: list[dict], device: str = "cpu", config_json: dict | None = N
             rows[name]["alone_s"] = statistics.median(times[name, "alone", "both"])
             if times[name, "alone", "forward"]:
                 rows[name]["forward_alone_s"] = statistics.median(times[name, "alone", "forward"])
-    return {"kernels": rows, "device": device, "rounds": ROUNDS,
+    return {"kernels": rows, "device": device, "rounds": ROUNDS, "noise": noise,
             "how": (f"each kernel at its shape, dtype and thread count: {ROUNDS} interleaved rounds over every "
                     f"kernel, each kernel called for {budget} s a round (at least once) after {WARMUP} warm-up "
                     "call, the median of all its calls (round_s: each round's median); random inputs; on CPU "

@@ -1,6 +1,7 @@
 """A run's step time predicted from measured parts, before it trains; the report scores it.
 
     step = compute + exposed communication + optimizer (and offload copies) + pipeline bubble
+           (+ the sharding wrapper's hooks and copies, ZeRO-3 and FSDP)
 
 Every input is measured on the machine or read from a cited table, never fitted to runs:
 - compute: the step's kernels at the model's own shapes (each decoder-layer matmul forward,
@@ -16,6 +17,11 @@ Every input is measured on the machine or read from a cited table, never fitted 
 - optimizer: AdamW over the parameters each rank steps (timed by the probe), gradient
   clipping's read of the gradients, and offload's host copies (probe's copy bandwidth).
 - bubble: (stages - 1) pipeline micro-batch slots of a GPipe/1F1B schedule.
+- sharding (ZeRO-3 and FSDP2 runs only): what the wrapper's hooks around every module and its
+  parameter bookkeeping cost (the toy-width model's step wrapped as the run wraps it, on one
+  rank, minus the same step plain, both timed by the probe: a probe key of its own, `-zero3`,
+  `-fsdp`...) plus the copies it makes at full width that a one-rank wrapper skips (the
+  gathered parameters' and reduce-scattered gradients' bytes at the probe's copy rate).
 
 Arithmetic on dicts (`model_parts` alone reads a model's shapes, through transformers on the meta
 device): the advisor's time ranking of named boxes (advisor_time.py) uses its byte counts too.
@@ -46,19 +52,41 @@ def probe_key(spec: Spec) -> str:
     world, strategy = spec.world_size, spec.strategy
     rows = spec.micro_batch // spec.pp["microbatches"] if strategy == "pp" else spec.micro_batch
     threads = spec.cpu_threads_per_rank if spec.device == "cpu" else 0
+    wrapper = sharding_wrapper(spec)
     return (f"{spec.device}-{compute_dtype(spec)}-t{threads}-r{rows}x{spec.seq_len}"
-            f"-tp{world if strategy == 'tp' else 1}" + ("-nf4" if spec.method == "qlora" else ""))
+            f"-tp{world if strategy == 'tp' else 1}" + ("-nf4" if spec.method == "qlora" else "")
+            + (f"-{wrapper}" if wrapper else ""))
+
+
+# The sharding wrappers whose per-module hooks and copies the compute probe times (a probe key's
+# suffix): DeepSpeed ZeRO-3 by zero3_profile, FSDP2 full shard (resharding after forward) or not.
+WRAPPERS = ("zero3", "zero3lean", "fsdp", "fsdpkeep")
+
+
+def sharding_wrapper(spec: Spec) -> str | None:
+    """The wrapper a run's parameters are sharded by, gathered around every module's forward
+    and backward (None: DDP, ZeRO 0-2, TP, PP, whose modules run unwrapped). CPU runs only: on
+    a GPU the wrapper's host work can hide behind the kernels, which no probe here has measured,
+    and the GPU kit's plan has no time for a probe per wrapper (tests/test_gpu_check.py)."""
+    if spec.device != "cpu":
+        return None
+    if spec.strategy == "deepspeed" and spec.deepspeed["zero_stage"] == 3:
+        return "zero3lean" if spec.deepspeed.get("zero3_profile") == "lean" else "zero3"
+    if spec.strategy == "fsdp":
+        return "fsdp" if spec.fsdp["reshard_after_forward"] else "fsdpkeep"
+    return None
 
 
 def parse_probe_key(key: str) -> dict:
     import re
 
-    found = re.fullmatch(r"(cpu|cuda)-(\w+)-t(\d+)-r(\d+)x(\d+)-tp(\d+)(-nf4)?", key)
+    found = re.fullmatch(r"(cpu|cuda)-(\w+)-t(\d+)-r(\d+)x(\d+)-tp(\d+)(-nf4)?(?:-(" + "|".join(WRAPPERS) + "))?",
+                         key)
     if not found:
         raise ValueError(f"not a compute probe key: {key!r}")
-    device, dtype, threads, rows, seq, tp, nf4 = found.groups()
+    device, dtype, threads, rows, seq, tp, nf4, wrapper = found.groups()
     return {"device": device, "dtype": dtype, "threads": int(threads), "rows": int(rows), "seq": int(seq),
-            "tp": int(tp), "nf4": bool(nf4)}
+            "tp": int(tp), "nf4": bool(nf4), "wrapper": wrapper}
 
 
 def _key(kind: str, *dims) -> str:
@@ -126,6 +154,8 @@ def kernels_needed(key: str, shape: dict, counts: dict) -> list[dict]:
     add("elementwise", t, lay["hidden"], lay["intermediate"])
     add("cross_entropy", t, lay["vocab"])
     add("framework", lay["rows"], lay["seq"])
+    if lay["wrapper"]:  # the same toy step wrapped as the run wraps it (sharding_term)
+        add(f"wrapped-{lay['wrapper']}", lay["rows"], lay["seq"])
     add("adamw", RATE_PARAMS, dt="float32")
     add("copy", RATE_BYTES, dt="uint8")
     return out
@@ -267,6 +297,36 @@ def optimizer_term(spec: Spec, counts: dict, probe: dict, neighbours: float = 1.
                    f"{f' + {copies} host copies of the partition' if copies else ''}"}
 
 
+def sharding_term(spec: Spec, shape: dict, counts: dict, probe: dict, neighbours: float = 1.0) -> dict | None:
+    """What a sharding wrapper (ZeRO-3, FSDP2) adds to the step on the rank's own cores, None for
+    a run without one: its fixed cost per micro-step (hooks around every module's forward and
+    backward, parameter bookkeeping, gradient hooks) = the toy-width model wrapped as the run
+    wraps it minus the same model plain, both timed by the compute probe on one rank; plus the
+    bytes it copies at full width, which a one-rank wrapper skips (DeepSpeed and FSDP2 gather
+    nothing at world size 1): each all-gathered parameter byte and each reduce-scattered
+    gradient byte of the step (collectives_per_step, the communication term's count) copied once,
+    between the tensors and the collective's flat buffer, at the probe's copy rate."""
+    wrapper = sharding_wrapper(spec)
+    if wrapper is None:
+        return None
+    lay = parse_probe_key(probe_key(spec))
+    th = lay["threads"]
+
+    def at(kind, *dims, dtype=lay["dtype"]):
+        return _time(probe, kind, *dims, dtype=dtype, threads=th, neighbours=neighbours)
+
+    wrapped, plain = at(f"wrapped-{wrapper}", lay["rows"], lay["seq"]), at("framework", lay["rows"], lay["seq"])
+    fixed = max(0.0, wrapped - plain) * spec.grad_accum
+    copied = sum(c["bytes"] * c["calls"] for c in collectives_per_step(spec, shape, counts)
+                 if c["op"] in ("all_gather", "reduce_scatter"))
+    copies = at("copy", RATE_BYTES, dtype="uint8") * copied / RATE_BYTES
+    return {"seconds": fixed + copies, "parts": {"hooks": fixed, "copies": copies},
+            "how": f"{spec.grad_accum} micro-step(s) x (the toy-width model's step wrapped by {wrapper} on one rank "
+                   f"{wrapped:.4f} s - the same step plain {plain:.4f} s, both timed by the compute probe) + "
+                   f"{copied:.0f} gathered-parameter and reduce-scattered gradient bytes (the communication "
+                   f"term's collectives) copied once at the probe's copy rate ({RATE_BYTES} bytes)"}
+
+
 def bubble_term(spec: Spec, compute: dict) -> dict:
     if spec.strategy != "pp":
         return {"seconds": 0.0, "how": "no pipeline"}
@@ -287,10 +347,14 @@ def predict(spec: Spec, shape: dict, counts: dict, probe: dict, collectives: dic
     optim = optimizer_term(spec, counts, probe, neighbours)
     bubble = bubble_term(spec, compute)
     terms = {"compute": compute, "communication": comm, "optimizer": optim, "bubble": bubble}
+    sharding = sharding_term(spec, shape, counts, probe, neighbours)
+    if sharding is not None:
+        terms["sharding"] = sharding
     step = sum(t["seconds"] for t in terms.values())
     return {"status": "predicted", "step_time_s": step, "terms": terms,
-            "how": "compute + exposed communication + optimizer and offload + pipeline bubble, from the compute "
-                   "probe and collectives.json measured on this machine before the run (distlab.tools.step_time)"}
+            "how": "compute + exposed communication + optimizer and offload + pipeline bubble"
+                   f"{' + the sharding wrapper' if sharding else ''}, from the compute probe and collectives.json "
+                   "measured on this machine before the run (distlab.tools.step_time)"}
 
 
 def predict_from_files(spec: Spec, model_config: str, probe_file: str | None, collectives_file: str | None,
@@ -321,6 +385,9 @@ def predict_from_files(spec: Spec, model_config: str, probe_file: str | None, co
                         others_cores)
     except KeyError as missing:  # a kernel or collective the files lack: said, not guessed
         return {"status": "not predicted", "why": str(missing).strip("'\"")}
+    probe_noise = probe.get("noise") or {}  # absent from a probe of an older distlab
     return {**found, "inputs": {"probe": Path(probe_file).name, "collectives": collectives and collectives["_file"],
-                                "hardware": Path(hardware_file).name, "others_cores_at_start": others_cores}}
+                                "hardware": Path(hardware_file).name, "others_cores_at_start": others_cores,
+                                "probe_busy": probe_noise.get("busy"),
+                                "probe_others_cores": probe_noise.get("others_cores")}}
 
