@@ -3,8 +3,9 @@ writes them) with every figure chosen by the test: a card's sentences can then b
 against the numbers they claim to come from, without training anything. Each goes through the
 one writer and the one reader of metrics.json (distlab.records.run_outputs), as a real run does,
 and is handed to the cards as the report's door hands it: a typed ReportRun (distlab.report.report_run).
-A test changes a run as a new one: `changed` (its metrics.json), `beside` (what load_run reads
-beside it), `timed` (its steps and the throughput spread collect computes from them)."""
+A test changes a run as a new one, in memory: `changed` (its metrics.json fields), `beside` (what
+load_run reads beside it), `timed` (its steps and the throughput spread collect computes from them);
+`report_run` reads a run folder (a harness run's) as the report does, with nothing beside it."""
 from __future__ import annotations
 
 import copy
@@ -72,16 +73,19 @@ def _with_nothing_beside(record: RunRecord, folder: str, beside_it: dict) -> Rep
 def from_metrics(metrics: dict, folder: str = "d", **beside_it) -> ReportRun:
     """A ReportRun of a partial metrics.json held in memory (only the fields a card test reads;
     never written, so not checked against the schema): `beside_it` as report_run takes them."""
-    data = {"machine": "box", "status": "ok", **metrics}
-    record = RunRecord(Path(folder) / "metrics.json", *(data[name] for name in RECORD_TEXT_FIELDS),
-                       spec=Spec(data["spec"]), data=freeze(data))
+    record = _record_of({"machine": "box", "status": "ok", **metrics}, Path(folder) / "metrics.json")
     return _with_nothing_beside(record, str(folder), beside_it)
 
 
+def _record_of(data: dict, path: Path) -> RunRecord:
+    """A RunRecord of a metrics dict held in memory, built as read_run_record builds one."""
+    return RunRecord(path, *(data[name] for name in RECORD_TEXT_FIELDS), spec=Spec(data["spec"]), data=freeze(data))
+
+
 def changed(run: ReportRun, **fields) -> ReportRun:
-    """The run with these metrics.json fields set, written and read back as a real run's file is."""
-    write_metrics(run.folder, run.record.updated(**fields))
-    return replace(run, record=read_run_record(Path(run.folder) / "metrics.json"))
+    """The run with these metrics.json fields set, in memory (its file is left as it is: a run of a
+    shared fixture stays whole for the next test)."""
+    return replace(run, record=_record_of(run.record.updated(**fields), run.record.path))
 
 
 def beside(run: ReportRun, **fields) -> ReportRun:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from card_runs import changed, fake_run, report_run
+from card_runs import fake_run, report_run
 
 REPO = Path(__file__).resolve().parents[1]
 # The harness may hand tests a dict of a run; production code may not.
@@ -95,7 +95,7 @@ def test_a_report_run_is_read_by_attribute_never_as_a_dict(tmp_path):
 def test_the_summary_and_the_report_are_built_without_a_records_dict(tmp_path, monkeypatch):
     """Runs read as the rules read them, then RunRecord.to_dict made to fail: the summary and
     every card of the report are built all the same."""
-    from distlab.records.run_outputs import RunRecord
+    from distlab.records.run_outputs import RunRecord, write_metrics
     from distlab.report.build import read_inputs, report_sections
     from distlab.report.collect import load_checked_runs
     from distlab.report.held_out import eval_columns
@@ -106,9 +106,10 @@ def test_the_summary_and_the_report_are_built_without_a_records_dict(tmp_path, m
     for name, overrides, stage in (("a", {"world_size": 1, "micro_batch": 8}, "ddp"),
                                    ("b", {"world_size": 2, "micro_batch": 4}, "ddp"),
                                    ("c", {"strategy": "fsdp", "world_size": 2, "micro_batch": 4}, "fsdp")):
-        run = changed(fake_run(tmp_path / "scratch" / name, overrides, stage), versions={"torch": "2.13.0"})
+        run = fake_run(tmp_path / "scratch" / name, overrides, stage)
         folder = tmp_path / "results" / run.machine / run.experiment  # a run sits in folders named as it says
         shutil.copytree(run.folder, folder)
+        write_metrics(folder, run.record.updated(versions={"torch": "2.13.0"}))
         paths.append(str(folder / "metrics.json"))
 
     def refused(self):

@@ -34,8 +34,8 @@ class ThroughputSpread:
 
 @functools.lru_cache(maxsize=1)
 def declared_sections() -> frozenset[str]:
-    """The metrics.json sections the results schema names (results_schema.yaml: the metrics
-    kind's properties, and those an ok run adds): the ones a run may lack."""
+    """The metrics.json sections the results schema declares (results_schema.yaml: the metrics
+    kind's properties and those an ok run adds), the only names ReportRun.section reads."""
     import yaml
 
     schemas = yaml.safe_load(Path(__file__).with_name("results_schema.yaml").read_text())

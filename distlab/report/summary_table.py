@@ -52,12 +52,13 @@ def summary_row(run: ReportRun) -> dict:
     cuda_peak = [m.get("cuda_max_allocated_bytes") for m in _get(run.memory, "per_rank", default=[]) or []]
     cuda_peak = [v for v in cuda_peak if v is not None]
     peaks = phase_peaks(run.metrics)
+    settings = spec.block(spec.strategy)
     return {
         "machine": run.machine, "stage": run.stage, "task": task_of(spec),
         "experiment": run.experiment,
         "status": run.status, "strategy": spec.strategy,
         # Its own settings block (`deepspeed: {zero_stage, ...}`), whatever the strategy: read by name.
-        "strategy_settings": json.dumps(spec[spec.strategy], sort_keys=True) if spec.get(spec.strategy) else None,
+        "strategy_settings": json.dumps(settings, sort_keys=True) if settings else None,
         "launcher": spec.launcher,
         "method": spec.method, "model": spec.model,
         "memory_budget_gib": spec.memory_budget_gib,

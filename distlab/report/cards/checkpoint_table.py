@@ -5,6 +5,7 @@ size and save/load seconds. Not a stage card: build.py places it after the stage
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Goal, Table
 from distlab.report.report_run import ReportRun
@@ -12,7 +13,7 @@ from distlab.report.report_run import ReportRun
 TITLE = "Checkpoints users can trust"
 
 
-def validation_of(run: ReportRun) -> dict | None:
+def validation_of(run: ReportRun) -> Mapping | None:
     """The run's validation.json (read by collect.load_run, a declared input), or None when
     validation has not run."""
     return run.validation

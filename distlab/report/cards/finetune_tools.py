@@ -16,7 +16,7 @@ GOAL_COMPILE = "torch.compile (regional) against the same run uncompiled, losses
 GOAL_PROFILE = "torch.profiler traces of chosen steps (Perfetto, TensorBoard)"
 
 
-def twin(run: ReportRun, runs: list[ReportRun], **differs) -> dict | None:
+def twin(run: ReportRun, runs: list[ReportRun], **differs) -> ReportRun | None:
     """The ok run of the same machine whose spec equals `run`'s but for `differs` (and its id/tag)."""
     def key(spec, changed):
         return repr(sorted((k, repr(v)) for k, v in {**spec, **changed}.items() if k not in ("id", "tag")))

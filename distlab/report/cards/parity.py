@@ -26,7 +26,7 @@ def training_recipe(run: ReportRun) -> tuple:
             None if schedule == "constant" else s.steps)
 
 
-def ddp_twin(run: ReportRun, runs: list[ReportRun]) -> dict | None:
+def ddp_twin(run: ReportRun, runs: list[ReportRun]) -> ReportRun | None:
     """The first finished DDP run (DistributedSampler on) with `run`'s training recipe."""
     key = training_recipe(run)
     for other in runs:
@@ -44,7 +44,7 @@ def loss_gap(run: ReportRun, baseline: ReportRun) -> tuple[float, int]:
     return (max(abs(a - b) for a, b in pairs) if pairs else float("nan")), len(pairs)
 
 
-def parity_rows(runs: list[ReportRun], everyone: list[dict], label: str) -> list[dict]:
+def parity_rows(runs: list[ReportRun], everyone: list[ReportRun], label: str) -> list[dict]:
     """One row per run that has a DDP twin: the twin, steps compared, the largest gap."""
     rows = []
     for run in runs:

@@ -51,7 +51,7 @@ def stepped_as_asked(run) -> str | None:
     return None
 
 
-def config_pairs(runs: list[ReportRun]) -> list[tuple[dict, dict]]:
+def config_pairs(runs: list[ReportRun]) -> list[tuple[ReportRun, ReportRun]]:
     """(1-process run, N-process run) pairs whose specs are identical but for world_size:
     everything else that differed between them was the Accelerate config file."""
     pairs = []

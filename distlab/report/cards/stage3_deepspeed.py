@@ -90,7 +90,7 @@ def weights_read(run: ReportRun) -> str:
     return f"whole state dict (transformers' ZeRO-3 route: {load.get('why', '')})"
 
 
-def offload_pairs(ds_runs: list[ReportRun]) -> list[tuple[dict, dict]]:
+def offload_pairs(ds_runs: list[ReportRun]) -> list[tuple[ReportRun, ReportRun]]:
     def key(r):
         s = r.spec
         return (r.machine, s.deepspeed.zero_stage, s.world_size, s.micro_batch, s.grad_accum,

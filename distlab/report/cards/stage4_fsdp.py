@@ -7,6 +7,7 @@ Everything comes from the runs' metrics.json (what fully_shard really did is und
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from distlab.report.held_out import eval_sentence
 from distlab.report.cards import (DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, is_busy, load_cell,
@@ -45,7 +46,7 @@ def sharding_text(run: ReportRun) -> str:
             + (f", {shards} fully_shard modules" if shards is not None else ""))
 
 
-def validation(run: ReportRun) -> dict | None:
+def validation(run: ReportRun) -> Mapping | None:
     return run.validation  # validation.json, read by collect.load_run (a declared input)
 
 
