@@ -6,7 +6,8 @@ import sys
 
 from distlab.report.held_out import eval_columns
 from distlab.records.run_outputs import ResultsError
-from distlab.report.collect import load_checked_runs, spreadsheet_safe, summary_frame
+from distlab.report.collect import load_checked_runs
+from distlab.report.summary_table import spreadsheet_safe, summary_frame
 from distlab.report.inputs import declared_inputs
 from distlab.jobs.rule_log import logged
 

@@ -119,7 +119,7 @@ def assert_advisor_estimate_holds(prepared: Path, run: dict, name: str) -> None:
     assert row["verdict"] == "right" and not row["where"], row
 
 
-def load_filed(run_dir, scratch) -> dict:
+def load_filed(run_dir, scratch):
     """collect.load_run of a test's run folder, copied under <scratch>/<machine>/<experiment> as a
     results folder files it (load_run refuses a run outside its own machine and experiment folders)."""
     import shutil

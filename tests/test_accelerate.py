@@ -217,6 +217,7 @@ def test_the_saved_command_reruns_the_experiment_by_hand_and_reads_the_file(runs
 @pytest.mark.slow
 def test_card2_goals_are_computed_from_the_runs(runs, tmp_path):
     from conftest import load_filed
+    from distlab.records.spec import thaw
     from distlab.report.cards import PASSED
     from distlab.report.cards.stage2_accelerate import build
 
@@ -231,8 +232,11 @@ def test_card2_goals_are_computed_from_the_runs(runs, tmp_path):
     assert list(sweep["grad accum"]) == [1, 2] and list(sweep["micro-batches per step (measured)"]) == [1.0, 2.0]
     assert list(sweep["optimizer steps taken"]) == [6, 6]
     # A run whose counters disagree with its spec fails the goal instead of passing silently.
-    loaded[2]["as_built"]["accelerate"]["counts"]["optimizer_steps_taken"] = 5
-    assert build(loaded).goals[2].status == "failed"
+    from card_runs import changed
+
+    as_built = thaw(loaded[2].as_built)
+    as_built["accelerate"]["counts"]["optimizer_steps_taken"] = 5
+    assert build([*loaded[:2], changed(loaded[2], as_built=as_built)]).goals[2].status == "failed"
 
 
 @pytest.mark.slow

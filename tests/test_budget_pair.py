@@ -4,7 +4,7 @@ the card's budget goal reads passed only when both verdicts were enforced. Plann
 the config, the card on recorded runs and a Snakemake dry run; nothing trains."""
 from __future__ import annotations
 
-from card_runs import fake_run
+from card_runs import changed, fake_run
 from conftest import REPO, snakemake
 
 MIB = 2**20
@@ -64,10 +64,10 @@ def _pair(tmp_path, one_status: str, one_enforced: bool, three_enforced: bool, t
                    budget=_verdict(False, one_enforced, gib * 1024 * 1.2, gib), status=one_status)
     three = fake_run(tmp_path / "three", {**over, "world_size": 2, "deepspeed": {"zero_stage": 3}}, "deepspeed",
                      budget=_verdict(True, three_enforced, gib * 1024 * 0.8, gib))
-    one["spec"] = one["spec"].replace(model=one_spec["model"])
-    three["spec"] = three["spec"].replace(model=three_model or three_spec["model"])
-    if one_status == "oom":
-        one["oom"] = [{"rank": 0, "error_type": "MemoryError", "error": "passed the memory budget"}]
+    oom = {"oom": [{"rank": 0, "error_type": "MemoryError", "error": "passed the memory budget"}]} \
+        if one_status == "oom" else {}
+    one = changed(one, spec=one.spec.replace(model=one_spec["model"]), **oom)
+    three = changed(three, spec=three.spec.replace(model=three_model or three_spec["model"]))
     return [one, three]
 
 
@@ -109,5 +109,5 @@ def test_the_advisor_check_leaves_runs_on_a_model_extra_model_out(tmp_path):
 
     _, _, one, three = default_pair()
     runs = _pair(tmp_path, "oom", True, True)
-    assert runs[1]["spec"]["model"] == three["model"] != "default"
-    assert advisor_check.check_against_runs({"model": {"shape": {}}}, runs) == []
+    assert runs[1].spec.model == three["model"] != "default"
+    assert advisor_check.check_against_runs({"model": {"shape": {}}}, [run.metrics for run in runs]) == []

@@ -69,7 +69,7 @@ def test_a_failed_final_save_keeps_the_runs_figures_and_counts_it_trained_but_un
     from conftest import load_filed, resolve, run_experiment
     from distlab.checkpoints.export import SAVE_FAULT_ENV
     from distlab.report.cards.checkpoint_table import checkpoint_card
-    from distlab.report.collect import summary_row
+    from distlab.report.summary_table import summary_row
     from distlab.jobs.validate import validate_run
 
     spec = resolve({"world_size": 2, "micro_batch": 4}, steps=4, untimed_steps=1)

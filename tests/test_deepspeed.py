@@ -35,7 +35,7 @@ def runs(prepared, tmp_path_factory):
     """The session's DDP baseline and every ZeRO variant: same seed, data, global batch (2 ranks
     x 2 x 2 accumulated), LR schedule and gradient clipping (DeepSpeed's gradient_clipping)."""
     root = tmp_path_factory.mktemp("zero")
-    out = {"ddp": ddp_baseline(prepared)}
+    out = {"ddp": dict(ddp_baseline(prepared), _dir=prepared / "ddp-baseline")}
     for name, ds in ZERO_VARIANTS.items():
         # ZeRO-3 also recomputes every layer's activations in backward (activation checkpointing
         # full) and evaluates its partitioned model in place (eval_every).
@@ -158,10 +158,9 @@ def test_card_3_compares_measured_state_with_formula_and_estimator(runs):
     from distlab.report.cards import DOUBTFUL, PASSED
     from distlab.report.cards.stage3_deepspeed import GOAL_OFFLOAD, GOAL_TABLE, build
 
-    listed = []
-    for name, run in runs.items():
-        listed.append(dict(run, _dir=str(run.get("_dir", name)), _path=name))
-    card = build(listed)
+    from card_runs import report_run
+
+    card = build([report_run(run["_dir"]) for run in runs.values()])  # as the report's door hands them on
     goals = {g.text: g for g in card.goals}
     assert goals[GOAL_TABLE].status == PASSED
     # Offload on CPU ranks adds copies: passed when slower, doubtful (with its cause) when noise made it faster.

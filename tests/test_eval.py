@@ -55,20 +55,22 @@ def test_sharded_run_is_evaluated_whole_beside_the_base_model(prepared, tmp_path
     again = evaluation.evaluate_model(exported, ids, labels)
     assert abs(trained["loss"] - again["loss"]) < 1e-5 and abs(trained["loss"] - base["loss"]) > 1e-4
     assert trained["tokens"] == again["tokens"] and "split over 2 data-parallel ranks" in trained["how"]
+    from card_runs import report_run
     from distlab.report.held_out import eval_sentence
 
-    sentence = eval_sentence([metrics])
+    sentence = eval_sentence([report_run(run_dir)])  # the run as the report's door hands it on
     assert f"{base['loss']:.3f} -> {trained['loss']:.3f}" in sentence
 
 
 def test_summary_gets_each_runs_base_and_trained_eval_loss():
     import pandas as pd
 
+    from card_runs import from_metrics
     from distlab.report.held_out import eval_columns
 
-    runs = [{"machine": "m", "experiment": "a", "eval": {"base": {"loss": 8.0}, "trained": {"loss": 7.0,
-                                                                                              "perplexity": 1096.6}}},
-            {"machine": "m", "experiment": "b", "eval": {"base": {"loss": 8.0}, "trained": {"status": "failed"}}}]
+    runs = [from_metrics({"machine": "m", "experiment": name, "stage": "ddp", "spec": {}, "eval": ev})
+            for name, ev in (("a", {"base": {"loss": 8.0}, "trained": {"loss": 7.0, "perplexity": 1096.6}}),
+                             ("b", {"base": {"loss": 8.0}, "trained": {"status": "failed"}}))]
     frame = eval_columns(pd.DataFrame([{"machine": "m", "experiment": "b"}, {"machine": "m", "experiment": "a"}]), runs)
     assert frame["eval_loss"].tolist()[1] == 7.0 and pd.isna(frame["eval_loss"].tolist()[0])
     assert frame["eval_loss_base"].tolist() == [8.0, 8.0] and frame["eval_perplexity"].tolist()[1] == 1096.6

@@ -123,18 +123,20 @@ def test_progress_and_eval_points_reach_the_job_log_and_the_last_is_the_final_ev
 
 @pytest.mark.slow
 def test_fine_tuning_card_is_computed_from_the_runs(runs):
-    import copy
 
     from distlab.report.cards import FAILED, PASSED
     from distlab.report.cards.stage7_finetune import GOAL_AC, GOAL_EVAL, GOAL_SCHEDULE, build
 
-    listed = [dict(run, machine="testbox") for run in runs.values()]
+    from card_runs import changed, report_run
+
+    listed = [changed(report_run(run["_dir"]), machine="testbox") for run in runs.values()]
     goals = {g.text: g for g in build(listed).goals}
     assert goals[GOAL_AC].status == PASSED and goals[GOAL_SCHEDULE].status == PASSED
     assert goals[GOAL_EVAL].status == PASSED
     table = build(listed).tables[0].frame
     assert list(table["mode"]) == ["none", "selective", "full"]
     # A checkpointed run whose loss moved fails the goal.
-    moved = copy.deepcopy(listed)
-    moved[1]["loss"]["per_step"][5] += 1e-3
+    per_step = list(listed[1].loss.per_step)
+    per_step[5] += 1e-3
+    moved = [listed[0], changed(listed[1], loss={**listed[1].loss, "per_step": per_step}), *listed[2:]]
     assert {g.text: g for g in build(moved).goals}[GOAL_AC].status == FAILED

@@ -31,15 +31,13 @@ def write_machine(root, machine: str) -> list[str]:
     ids = []
     for overrides in RUNS:
         run = fake_run(folder / "x", overrides)
-        run_dir = folder / run["experiment"]
+        run_dir = folder / run.experiment
         run_dir.mkdir(parents=True)
-        metrics = {k: v for k, v in run.items() if not k.startswith("_")}
-        metrics.update(machine=machine, versions={"python": "3.11", "torch": "2.13.0"})
-        write_metrics(run_dir, metrics)  # the one writer of metrics.json
+        write_metrics(run_dir, run.record.updated(machine=machine, versions={"python": "3.11", "torch": "2.13.0"}))
         (run_dir / "steps.jsonl").write_text("".join(json.dumps({"step": i, "loss": 3.0 - i / 10,
                                                                  "step_time_s": 0.1, "warmup": i < 2}) + "\n"
                                                      for i in range(6)))
-        ids.append(run["experiment"])
+        ids.append(run.experiment)
     shutil.rmtree(folder / "x")
     (folder / "hardware.json").write_text(json.dumps({
         "schema_version": 1, "machine": machine, "cpu": {"model": "cpu", "usable_cores": 2}, "gpus": []}))
@@ -125,7 +123,8 @@ CASES = {
 def outcome(tmp_path_factory):
     """One summary call and one report call over the good folder and the 16 bad ones."""
     from distlab.report.build import build_report
-    from distlab.report.collect import load_checked_runs, shared_metrics_paths, spreadsheet_safe, summary_frame
+    from distlab.report.collect import load_checked_runs, shared_metrics_paths
+    from distlab.report.summary_table import spreadsheet_safe, summary_frame
 
     root = tmp_path_factory.mktemp("results")
     good_ids = write_machine(root, GOOD)
@@ -136,9 +135,9 @@ def outcome(tmp_path_factory):
     paths, ignored = shared_metrics_paths([str(root)], str(root / "thisbox"))  # as rules/common.smk finds them
     runs, rejected = load_checked_runs(paths)
     spreadsheet_safe(summary_frame(runs)).to_csv(root / "summary.csv", index=False)
-    left_out = build_report([r["_path"] for r in runs], root / "summary.csv", str(root / "report" / "index.html"),
+    left_out = build_report([r.path for r in runs], root / "summary.csv", str(root / "report" / "index.html"),
                             str(root / "report" / "README.md"), left_out=ignored + rejected)
-    kept = {(r["machine"], r["experiment"]) for r in runs}
+    kept = {(r.machine, r.experiment) for r in runs}
     return {"root": root, "kept": kept, "left_out": left_out, "good_ids": good_ids}
 
 

@@ -259,10 +259,13 @@ def test_stage4_card_passes_the_checkpoint_goal_only_on_a_validated_checkpoint(v
     from distlab.report.cards import stage4_fsdp
 
     spec = resolve({"strategy": "fsdp", "world_size": 2}, stage="fsdp")
-    run = {"stage": "fsdp", "status": "ok", "experiment": spec["id"], "machine": "m", "spec": spec, "_dir": "d",
-           "_validation": validation, "checkpoint": {"status": "saved"},
-           "as_built": {"wrappers_found": ["FSDPModule"], "dtensor_parameters": 3, "placements": ["(Shard(dim=0),)"],
-                      "world_size": 2, "fsdp_layers": 2}}
+    from card_runs import from_metrics
+
+    run = from_metrics({"stage": "fsdp", "status": "ok", "experiment": spec["id"], "machine": "m", "spec": spec,
+                        "checkpoint": {"status": "saved"},
+                        "as_built": {"wrappers_found": ["FSDPModule"], "dtensor_parameters": 3,
+                                     "placements": ["(Shard(dim=0),)"], "world_size": 2, "fsdp_layers": 2}},
+                       validation=validation)
     goal = stage4_fsdp.run_goal([run], stage4_fsdp.fsdp_runs([run]))
     assert goal.status == status, goal.evidence
 

@@ -19,9 +19,13 @@ def test_further_launches_time_the_same_work_and_give_the_spread(prepared, tmp_p
     assert second["loss_last"] == pytest.approx(first["loss_last"], abs=1e-6)  # the same work, again
     assert second["noise"]["window_s"] > 0  # its own timed steps, its own machine record
     assert not list(tmp_path.joinpath("run").glob("launch-*"))  # folded into metrics.json, folders gone
-    stats = throughput_stats(dict(run, _steps=[]))
-    assert stats["launches"] == 2 and stats["low"] == min(first["tokens_per_s"], second["tokens_per_s"])
-    assert "separate launches" in spread_caveat([run]) and "not measured" in spread_caveat([run, {"launches": []}])
+    from card_runs import fake_run, report_run
+    from distlab.records.run_outputs import read_run_record
+
+    stats = throughput_stats(read_run_record(tmp_path / "run" / "metrics.json"))  # no steps.jsonl read
+    assert stats.launches == 2 and stats.low == min(first["tokens_per_s"], second["tokens_per_s"])
+    launched, once = report_run(tmp_path / "run"), fake_run(tmp_path / "once", {"world_size": 1, "micro_batch": 4})
+    assert "separate launches" in spread_caveat([launched]) and "not measured" in spread_caveat([launched, once])
 
 
 def image_run(run_dir, spec, images_per_s: float) -> None:
@@ -46,7 +50,8 @@ def test_a_text_to_image_run_of_two_launches_is_folded_and_summarised_in_images_
     text-to-image), never a tokens/s it does not have."""
     from distlab.records.job import Job
     from distlab.jobs.launches import repeat_launches
-    from distlab.report.collect import load_checked_runs, summary_frame
+    from distlab.report.collect import load_checked_runs
+    from distlab.report.summary_table import summary_frame
 
     spec = resolve({"task": "text-to-image", "method": "lora", "launches": 2})
     run_dir = tmp_path / "results" / "testbox" / spec["id"]
@@ -60,7 +65,7 @@ def test_a_text_to_image_run_of_two_launches_is_folded_and_summarised_in_images_
     runs, rejected = load_checked_runs([str(run_dir / "metrics.json")])
     assert rejected == []
     (run,) = runs
-    assert run["_throughput"]["launches"] == 2 and "images/s" in run["_throughput"]["how"]
+    assert run.throughput_spread.launches == 2 and "images/s" in run.throughput_spread.how
     (row,) = summary_frame([run]).to_dict("records")
     assert row["unit"] == "image"
     assert (row["images_per_s"], row["images_per_s_low"], row["images_per_s_high"]) == (10.0, 8.0, 10.0)

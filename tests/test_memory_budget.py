@@ -56,16 +56,17 @@ def test_the_budget_verdict_covers_the_final_save_and_export():
 def test_the_fsdp_card_shows_every_ranks_load_training_and_save_peaks(tmp_path):
     """Stage 4's card has one row per rank with its own three phase peaks (a CUDA run's from
     torch.cuda.max_memory_reserved), not only the largest rank's."""
-    from card_runs import fake_run
+    from card_runs import changed, fake_run
     from distlab.report.cards import stage4_fsdp
 
     run = fake_run(tmp_path / "fsdp", {"strategy": "fsdp", "world_size": 2, "micro_batch": 2}, "fsdp",
                    as_built={"wrappers_found": ["FSDPModule"]})
     peaks = [(300, 500, 520), (310, 480, 470)]  # MiB: load, training, save on rank 0 and rank 1
-    for record, (load, train, save) in zip(run["memory"]["per_rank"], peaks):
-        record.update({"load_phase": {"rss_peak_bytes": load * MIB}, "training_phase": {"rss_peak_bytes": train * MIB},
-                       "save_phase": {"rss_peak_bytes": save * MIB}})
-    run["memory"]["per_rank"][1]["save_phase"]["cuda_max_reserved_bytes"] = 90 * MIB
+    per_rank = [{**record, "load_phase": {"rss_peak_bytes": load * MIB},
+                 "training_phase": {"rss_peak_bytes": train * MIB}, "save_phase": {"rss_peak_bytes": save * MIB}}
+                for record, (load, train, save) in zip(run.memory.per_rank, peaks)]
+    per_rank[1]["save_phase"]["cuda_max_reserved_bytes"] = 90 * MIB
+    run = changed(run, memory={**run.memory, "per_rank": per_rank})
     (table,) = [t for t in stage4_fsdp.build([run]).tables if t.title.startswith("Per-rank peak memory")]
     rows = table.frame.to_dict("records")
     assert [(r["rank"], r["load peak (MiB)"], r["training peak (MiB)"], r["save peak (MiB)"]) for r in rows] == \

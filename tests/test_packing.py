@@ -117,7 +117,9 @@ def test_fine_tuning_card_sets_label_tokens_per_second_of_documents_against_none
                                         data_dir=packed[mode]["dir"]), _dir=str(tmp_path / mode)))
     per_step = {run["data_prep"]["packing"]: run["data_prep"]["run_tokens"]["trained"] / 4 for run in runs}
     assert per_step["documents"] > per_step["none"]
-    card = stage7_finetune.build(runs)
+    from card_runs import report_run
+
+    card = stage7_finetune.build([report_run(run["_dir"]) for run in runs])
     (goal,) = [g for g in card.goals if g.text == stage7_finetune.GOAL_PACKING]
     assert goal.status == PASSED
     (table,) = [t for t in card.tables if t.title.startswith("Packing")]

@@ -82,7 +82,9 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_exports_them_for_the_full_prec
     assert run["as_built"]["outer_wrapper"] == "DistributedDataParallel"
     assert run["parameters"]["trainable"] < run["parameters"]["total"]
     assert_advisor_estimate_holds(prepared, run, "ddp-qlora-w2")  # weights at 0.5 byte per 4-bit parameter
-    card = build([dict(run, machine="testbox", _dir=str(run_dir))])
+    from card_runs import changed, report_run
+
+    card = build([changed(report_run(run_dir), machine="testbox")])
     assert {g.text: g.status for g in card.goals}[GOAL_QLORA] == COMPARED  # measured, no LoRA twin here
     assert card.tables[-1].frame["4-bit layers"].tolist() == [14]
     losses = run["loss"]["per_step"]

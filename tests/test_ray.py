@@ -141,7 +141,9 @@ def test_a_ray_runs_shared_results_carry_host_labels_not_node_addresses(two_node
     found = {str(p.relative_to(results)): IPV4.findall(p.read_bytes()) for p in results.rglob("*")
              if p.is_file() and p.suffix != ".log"}
     assert not {name: hits for name, hits in found.items() if hits}
-    run = dict(metrics, machine="testbox", experiment=run_dir.name, _dir=str(run_dir))
+    from card_runs import changed, report_run
+
+    run = changed(report_run(run_dir), machine="testbox", experiment=run_dir.name)
     (placement,) = [note for note in build([run]).notes if ": rank 0 -> node" in note]
     assert placement.count("on host-1") == 2, placement  # the card still says where each rank ran
 

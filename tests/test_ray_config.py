@@ -35,14 +35,16 @@ def test_the_cluster_wide_ray_block_fills_what_an_experiment_leaves_unset():
 
 def _run(launcher, median, **ray):
     spec = resolve({"world_size": 2, "launcher": launcher}, stage="ray" if launcher == "ray" else "ddp")
+    from card_runs import from_metrics
+
     run = {"machine": "box", "experiment": spec["id"], "stage": spec["stage"], "status": "ok", "spec": spec,
-           "_dir": f"/nonexistent/box/{spec['id']}", "loss": {"per_step": [2.0, 1.0]},
+           "loss": {"per_step": [2.0, 1.0]},
            "as_built": {"backend": "gloo", "outer_wrapper": "DistributedDataParallel", "world_size": 2},
            "timing": {"step_time_s": {"median": median, "p25": median, "p75": median, "n": 4}}}
     if launcher == "ray":
         run["ray"] = {"world_size": 2, "distinct_nodes": 1, "cluster": {"mode": "local"}, "restarts": 0,
                       "world_size_changes": [], "faults_injected": [], "ranks": [], "attempts": [], **ray}
-    return run
+    return from_metrics(run, folder=f"/nonexistent/box/{spec['id']}")
 
 
 def test_ray_card_sets_ray_beside_its_torchrun_twin_and_counts_only_recorded_events():

@@ -6,38 +6,51 @@ import csv
 import json
 import re
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from conftest import snakemake
 from distlab.report.collect import ResultsError, clear_winner, load_run, throughput_stats
+from distlab.report.report_run import ThroughputSpread
 pytest_plugins = ["report_fixtures"]
 MACHINE = "testbox"  # report_fixtures.MACHINE (not imported: the plugin module must load first)
 
 
-def _run_with_steps(times, repeats, tokens=1000):
+def _spread_of_steps(tmp_path, times, repeats, tokens=1000):
+    """throughput_stats of a run of `tokens` per step whose steps.jsonl holds these step times
+    after one untimed step."""
+    from card_runs import changed, fake_run
+
+    run = fake_run(tmp_path / "run", {"world_size": 1, "micro_batch": 8, "repeats": repeats, "steps": 12})
+    run = changed(run, throughput={**run.throughput, "tokens_per_step": tokens})
     steps = [{"step_time_s": 9.9, "untimed": True}] + [{"step_time_s": t, "untimed": False} for t in times]
-    return {"spec": {"repeats": repeats}, "throughput": {"tokens_per_step": tokens}, "_steps": steps}
+    return throughput_stats(run.record, steps)
 
 
-def test_repeats_split_timed_steps_into_windows_with_median_and_spread():
-    run = _run_with_steps([1.0, 1.0, 2.0, 2.0, 4.0, 4.0], repeats=3)
-    stats = throughput_stats(run)
-    assert stats["windows"] == [1000.0, 500.0, 250.0]  # warm-up step left out
-    assert (stats["median"], stats["low"], stats["high"]) == (500.0, 250.0, 1000.0)
+def test_repeats_split_timed_steps_into_windows_with_median_and_spread(tmp_path):
+    stats = _spread_of_steps(tmp_path, [1.0, 1.0, 2.0, 2.0, 4.0, 4.0], repeats=3)
+    assert stats.windows == (1000.0, 500.0, 250.0)  # warm-up step left out
+    assert (stats.median, stats.low, stats.high) == (500.0, 250.0, 1000.0)
 
 
-def test_single_repeat_spread_is_the_step_time_interquartile_range():
-    stats = throughput_stats(_run_with_steps([1.0, 2.0, 3.0, 4.0, 5.0], repeats=1))
-    assert stats["median"] == pytest.approx(1000 / 3.0)
-    assert stats["low"] == pytest.approx(1000 / 4.0) and stats["high"] == pytest.approx(1000 / 2.0)
+def test_single_repeat_spread_is_the_step_time_interquartile_range(tmp_path):
+    stats = _spread_of_steps(tmp_path, [1.0, 2.0, 3.0, 4.0, 5.0], repeats=1)
+    assert stats.median == pytest.approx(1000 / 3.0)
+    assert stats.low == pytest.approx(1000 / 4.0) and stats.high == pytest.approx(1000 / 2.0)
 
 
-def test_overlapping_spreads_are_no_clear_winner():
-    a = {"_throughput": {"low": 90.0, "high": 110.0}}
-    b = {"_throughput": {"low": 105.0, "high": 130.0}}
-    c = {"_throughput": {"low": 120.0, "high": 140.0}}
+def test_overlapping_spreads_are_no_clear_winner(tmp_path):
+    from card_runs import fake_run
+
+    run = fake_run(tmp_path / "run", {"world_size": 1, "micro_batch": 8})
+
+    def spread(low, high):
+        return replace(run, throughput_spread=ThroughputSpread(median=(low + high) / 2, low=low, high=high,
+                                                               windows=(), repeats=1, how="test"))
+
+    a, b, c = spread(90.0, 110.0), spread(105.0, 130.0), spread(120.0, 140.0)
     assert not clear_winner(a, b) and clear_winner(a, c)
 
 
@@ -133,7 +146,7 @@ def test_validation_json_travels_with_its_run(finished_pipeline, tmp_path):
     (run_dir / "validation.json").write_text(json.dumps(
         {"schema_version": 1, "experiment": "ddp-full-w1-mb8-ga1", "passed": False,
          "checks": {"reload": {"status": "failed"}}}))
-    assert load_run(run_dir / "metrics.json")["_validation"]["passed"] is False
+    assert load_run(run_dir / "metrics.json").validation.passed is False
     (run_dir / "validation.json").write_text(json.dumps({"schema_version": 7}))
     with pytest.raises(ResultsError, match="validation.json: validation schema_version 7"):
         load_run(run_dir / "metrics.json")

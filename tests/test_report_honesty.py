@@ -2,7 +2,7 @@
 goal's status says what was checked (passed / failed / not run / compared, not enforced)."""
 from __future__ import annotations
 
-from card_runs import fake_run
+from card_runs import beside, changed, fake_run, timed
 from distlab.records.spec import Spec
 
 
@@ -72,7 +72,7 @@ def test_zero_is_compared_only_with_a_ddp_run_that_trained_the_same_way(tmp_path
     same = fake_run(tmp_path / "d", {"strategy": "ddp", "world_size": 2, "micro_batch": 4})
     cosine = fake_run(tmp_path / "c", {"strategy": "ddp", "world_size": 2, "micro_batch": 4, "lr_schedule": "cosine",
                                        "lr_warmup_steps": 2, "max_grad_norm": 1.0}, losses=(3.0, 2.9, 2.8))
-    assert [r["DDP run"] for r in ddp_parity([zero], [cosine, same])] == [same["experiment"]]
+    assert [r["DDP run"] for r in ddp_parity([zero], [cosine, same])] == [same.experiment]
     assert ddp_parity([zero], [cosine]) == []
 
 
@@ -86,12 +86,12 @@ def test_fsdp_and_tensor_parallel_losses_are_set_beside_ddp_only_when_the_recipe
     fsdp = fake_run(tmp_path / "f", {"strategy": "fsdp", "world_size": 2, "micro_batch": 2, "grad_accum": 2, **recipe},
                     "fsdp", losses=(3.0, 2.5000004, 2.0))
     tp = fake_run(tmp_path / "t", {"strategy": "tp", "world_size": 2, "micro_batch": 8, **recipe}, "parallel")
-    tp["throughput"]["samples_per_step"] = 8  # every TP rank sees the whole batch (data-parallel size 1)
+    tp = changed(tp, throughput={**tp.throughput, "samples_per_step": 8})  # every TP rank sees the whole batch
     ddp = fake_run(tmp_path / "d", {"strategy": "ddp", "world_size": 2, "micro_batch": 4, **recipe})
-    bigger = dict(fake_run(tmp_path / "b", {"strategy": "ddp", "world_size": 2, "micro_batch": 4, **recipe}),
-                  parameters={"total": 2000, "trainable": 2000})
+    bigger = changed(fake_run(tmp_path / "b", {"strategy": "ddp", "world_size": 2, "micro_batch": 4, **recipe}),
+                     parameters={"total": 2000, "trainable": 2000})
     rows = parity_rows([fsdp], [bigger, ddp, fsdp], "FSDP run")
-    assert [(r["DDP run"], r["steps compared"]) for r in rows] == [(ddp["experiment"], 3)]
+    assert [(r["DDP run"], r["steps compared"]) for r in rows] == [(ddp.experiment, 3)]
     assert abs(float(rows[0]["max |loss diff|"]) - 4e-7) < 1e-8
     assert "FSDP sharding left fp32 training unchanged" in gap_sentence(rows, "FSDP run", "FSDP sharding", "FSDP")
     assert ddp_twin(tp, [bigger]) is None and ddp_twin(tp, [bigger, ddp]) is ddp
@@ -108,7 +108,7 @@ def test_a_checkpoint_goal_names_only_the_checks_every_checkpoint_passed(tmp_pat
               "reshard": {"status": "unsupported", "reason": "cannot load at 1 rank"},
               "resume_parity": {"status": "passed", "max_abs_loss_diff": 0.0, "steps_resumed": 3},
               "export": {"status": "passed"}, "size_and_time": {}}
-    run["_validation"] = {"passed": True, "status": "passed", "checks": checks}  # collect.load_run's field
+    run = beside(run, validation={"passed": True, "status": "passed", "checks": checks})  # collect.load_run's field
     (goal,) = checkpoint_card([run]).goals
     assert goal.status == "passed" and "reshard" not in goal.text
     assert "reload" in goal.text and "reshard: " in goal.evidence and "unsupported" in goal.evidence
@@ -122,8 +122,8 @@ def test_a_thin_foreign_validation_file_is_shown_unreadable_and_named_not_a_cras
     from distlab.report.cards.checkpoint_table import UNREADABLE, checkpoint_card
 
     run = fake_run(tmp_path / "run", {"world_size": 2, "micro_batch": 4})
-    run["_validation"] = {"schema_version": 1, "passed": True, "status": "passed",
-                          "checks": {"reload": {"status": "passed"}, "resume_parity": {"status": "passed"}}}
+    run = beside(run, validation={"schema_version": 1, "passed": True, "status": "passed",
+                                  "checks": {"reload": {"status": "passed"}, "resume_parity": {"status": "passed"}}})
     card = checkpoint_card([run])
     (table,) = card.tables
     assert table.frame["reload max |dlogit|"].tolist() == [UNREADABLE]
@@ -142,22 +142,19 @@ def test_fsdp_through_accelerate_is_on_the_stage4_card_and_does_not_turn_it_red(
                                                "outer_wrapper": "FSDPLlamaForCausalLM",
                                                "accelerate": {"fsdp_sharded_modules": 3}})
     # A GPU path: config refuses it on CPU.
-    run["spec"] = run["spec"].replace(fsdp=dict(run["spec"].fsdp, via="accelerate"), device="cuda")
+    run = changed(run, spec=run.spec.replace(fsdp=dict(run.spec.fsdp, via="accelerate"), device="cuda"))
     card = stage4_fsdp.build([run])
-    assert card.goals[0].status != "failed" and run["experiment"] in card.goals[0].evidence
+    assert card.goals[0].status != "failed" and run.experiment in card.goals[0].evidence
     (variants,) = [t for t in card.tables if t.title == "FSDP variants"]
-    assert list(variants.frame["experiment"]) == [run["experiment"]]
+    assert list(variants.frame["experiment"]) == [run.experiment]
     assert any("not measured" in n for n in card.notes)
 
 
 def test_no_clear_winner_says_its_spread_is_one_process_not_independent_repeats(tmp_path):
     from distlab.report.build import ranking_card
-    from distlab.report.collect import throughput_stats
 
-    runs = [fake_run(tmp_path / str(w), {"world_size": w, "micro_batch": 8 // w, "repeats": 2}) for w in (1, 2)]
-    for run in runs:
-        run["_steps"] = [{"step_time_s": 0.1, "untimed": False}] * 4
-        run["_throughput"], run["versions"] = throughput_stats(run), {"torch": "x"}
+    runs = [timed(changed(fake_run(tmp_path / str(w), {"world_size": w, "micro_batch": 8 // w, "repeats": 2}),
+                          versions={"torch": "x"}), [{"step_time_s": 0.1, "untimed": False}] * 4) for w in (1, 2)]
     (table,) = ranking_card(runs).tables
     assert "within one process" in table.how and "run-to-run variance across separate launches was not " \
         "measured" in table.how
@@ -166,12 +163,10 @@ def test_no_clear_winner_says_its_spread_is_one_process_not_independent_repeats(
 def test_the_ranking_gives_each_runs_own_number_of_timed_steps(tmp_path):
     """Runs timed over different step counts: the caption does not quote one run's count for all."""
     from distlab.report.build import ranking_card
-    from distlab.report.collect import throughput_stats
 
-    runs = [fake_run(tmp_path / str(w), {"world_size": w, "micro_batch": 8 // w}) for w in (1, 2)]
-    for run, timed in zip(runs, (16, 8)):
-        run["_steps"] = [{"step_time_s": 0.1, "untimed": False}] * timed
-        run["_throughput"], run["versions"] = throughput_stats(run), {"torch": "x"}
+    runs = [timed(changed(fake_run(tmp_path / str(w), {"world_size": w, "micro_batch": 8 // w}),
+                          versions={"torch": "x"}), [{"step_time_s": 0.1, "untimed": False}] * steps)
+            for w, steps in ((1, 16), (2, 8))]
     (table,) = ranking_card(runs).tables
     assert sorted(table.frame["timed steps"]) == [8, 16]
     assert "16 timed steps" not in table.how and "column 'timed steps'" in table.how
@@ -188,7 +183,7 @@ def test_the_kuberay_goal_says_its_checks_are_distlabs_own_not_the_crd_schema(tm
     (tmp_path / "kuberay" / "checks.json").write_text(json.dumps({
         "schema_version": 1, "passed": True, "ray_version": "2.60", "experiments": ["x"], "files": {},
         "checks": {"RayCluster": {"api_version": {"status": "passed", "detail": ""}}}}))
-    attach_machine_records([run])  # the report's reader hands the record to the card on the run
+    (run,) = attach_machine_records([run])  # the report's reader hands the record to the card on the run
     (goal,) = [g for g in stage5_ray.build([run]).goals if g.text.startswith("KubeRay")]
     assert goal.status == "passed" and "not the KubeRay CRD schema" in goal.text
 
@@ -211,7 +206,7 @@ def test_a_speedup_above_linear_is_flagged_with_its_likely_cause_not_passed(tmp_
     two = fake_run(tmp_path / "2", {"world_size": 2, "micro_batch": 4}, step_median_s=0.1)
     goal = next(g for g in build([one, two]).goals if g.text.startswith("Speedup"))
     assert goal.status == DOUBTFUL and "ABOVE LINEAR" in goal.evidence
-    assert f"{one['experiment']} was timed" in goal.evidence and "1.3 cores" in goal.evidence
+    assert f"{one.experiment} was timed" in goal.evidence and "1.3 cores" in goal.evidence
     plain = fake_run(tmp_path / "3", {"world_size": 2, "micro_batch": 4}, step_median_s=0.15)
     assert next(g for g in build([one, plain]).goals if g.text.startswith("Speedup")).status == PASSED
 
@@ -233,16 +228,13 @@ def test_offload_faster_than_none_is_flagged_not_passed(tmp_path):
 def test_zero3_vs_fsdp_passes_only_at_parity_and_says_why_when_not(tmp_path):
     from distlab.report.cards import DOUBTFUL, FAILED, PASSED
     from distlab.report.cards.stage4_fsdp import parity_goal
-    from distlab.report.collect import throughput_stats
 
     def pair(zero_step, others):
         f = fake_run(tmp_path / "f", {"strategy": "fsdp", "world_size": 2, "micro_batch": 2}, "fsdp", step_median_s=0.1)
         z = fake_run(tmp_path / f"z{zero_step}", {"strategy": "deepspeed", "world_size": 2, "micro_batch": 2,
                                                   "deepspeed": {"zero_stage": 3}}, "deepspeed",
                      step_median_s=zero_step, others_cores=others)
-        for run in (f, z):
-            run["_steps"] = [{"step_time_s": run["timing"]["step_time_s"]["median"], "warmup": False}] * 4
-            run["_throughput"] = throughput_stats(run)
+        f, z = (timed(run, [{"step_time_s": run.timing.step_time_s.median, "warmup": False}] * 4) for run in (f, z))
         return parity_goal(f, z)
 
     assert pair(0.11, 0.0).status == PASSED
@@ -259,23 +251,21 @@ def test_the_overview_names_runs_timed_on_a_busy_machine(tmp_path):
     busy = fake_run(tmp_path / "b", {"world_size": 1, "micro_batch": 8}, others_cores=1.5)
     assert busy_note([quiet]).startswith("All 1 timed run(s) ran on a quiet machine")
     note = busy_note([quiet, busy])
-    assert note.startswith("BUSY MACHINE: 1 of 2") and busy["experiment"] in note
+    assert note.startswith("BUSY MACHINE: 1 of 2") and busy.experiment in note
     assert "not recorded" in busy_note([fake_run(tmp_path / "n", {"world_size": 1}, others_cores=None)])
 
 
 def test_the_zero3_trade_says_when_the_lean_profile_saved_no_memory(tmp_path):
     from distlab.report.cards.stage4_fsdp import trade_note
-    from distlab.report.collect import throughput_stats
 
     def zero3(name, step, training_peak_mib, profile):
         run = fake_run(tmp_path / name, {"strategy": "deepspeed", "world_size": 2, "micro_batch": 2,
                                          "deepspeed": {"zero_stage": 3, "zero3_profile": profile}}, "deepspeed",
                        step_median_s=step)
-        for rank in run["memory"]["per_rank"]:
-            rank["training_phase"] = {"rss_peak_bytes": training_peak_mib * 2**20}
-        run["_steps"] = [{"step_time_s": step, "warmup": False}] * 4
-        run["_throughput"] = throughput_stats(run)
-        return run
+        per_rank = [{**rank, "training_phase": {"rss_peak_bytes": training_peak_mib * 2**20}}
+                    for rank in run.memory.per_rank]
+        run = changed(run, memory={**run.memory, "per_rank": per_rank})
+        return timed(run, [{"step_time_s": step, "warmup": False}] * 4)
 
     auto = zero3("auto", 0.5, 780, "auto")
     no_saving = trade_note(auto, zero3("lean", 0.8, 789, "lean"))
@@ -316,7 +306,7 @@ IN_MEMORY_REPORT = """
 import builtins, io, json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
-from card_runs import fake_run
+from card_runs import changed, fake_run
 
 root = Path(sys.argv[1])
 runs = [fake_run(root / "a", {"world_size": 1, "micro_batch": 8}),
@@ -325,9 +315,10 @@ runs = [fake_run(root / "a", {"world_size": 1, "micro_batch": 8}),
                               "deepspeed": {"zero_stage": 3}}, "deepspeed", as_built={"deepspeed": {"zero_stage": 3}}),
         fake_run(root / "d", {"strategy": "fsdp", "world_size": 2, "micro_batch": 4}, "fsdp",
                  as_built={"outer_wrapper": "FSDPModule", "wrappers_found": ["FSDPModule"]})]
-for run in runs:  # the load, training and save peaks distlab.runtime.memory records per rank
-    for rank in run["memory"]["per_rank"]:
-        rank.update({phase: {"rss_peak_bytes": 2**20} for phase in ("load_phase", "training_phase", "save_phase")})
+# the load, training and save peaks distlab.runtime.memory records per rank
+peaks = {phase: {"rss_peak_bytes": 2**20} for phase in ("load_phase", "training_phase", "save_phase")}
+runs = [changed(run, memory={**run.memory, "per_rank": [{**rank, **peaks} for rank in run.memory.per_rank]})
+        for run in runs]
 opened, real_open = [], io.open
 
 def recording_open(file, *args, **kwargs):
@@ -340,11 +331,12 @@ from distlab.report.build import ReportInputs, report_sections
 from distlab.report.cards import links, two_hosts, unequal
 from distlab.report.render import render_html, render_markdown
 
-sections = report_sections(ReportInputs(runs, [{"machine": r["machine"]} for r in runs]))
+summary = [{"machine": r.machine} for r in runs]  # summary.csv's rows, as the header reads them
+sections = report_sections(ReportInputs(runs, summary))
 hosts = {"hosts": [{"name": "head", "address": "a"}, {"name": "node", "address": "b"}]}
 pages = [unequal.build(runs)[0], links.build(runs, {})[0], two_hosts.build(None, hosts)]
-html = render_html(sections + pages, runs, str(root), "")
-markdown = render_markdown(sections + pages, runs, str(root), "")
+html = render_html(sections + pages, summary, str(root), "")
+markdown = render_markdown(sections + pages, summary, str(root), "")
 print(json.dumps({"opened": opened, "torch": sorted(m for m in sys.modules if m.split(".")[0] == "torch"),
                   "titles": [c.title for c in sections], "figures": html.count("data:image/png"),
                   "tables": [t.title for c in sections for t in c.tables]}))

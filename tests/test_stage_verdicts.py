@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import copy
 
+from card_runs import from_metrics
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Goal
 from distlab.report.cards.parity import GOAL_LESSON, lesson_goal
 from distlab.records.spec import Spec
 
 
-def run(experiment: str, stage: str, strategy: str, losses: list[float], validation: dict | None = None) -> dict:
-    return {"experiment": experiment, "stage": stage, "machine": "box", "status": "ok",
-            "spec": Spec({"strategy": strategy, "sampler": "distributed", "seed": 0, "dataset": "default",
-                          "seq_len": 32, "precision": "fp32", "lr": 1e-3, "weight_decay": 0.0, "method": "full",
-                          "steps": 4}),
-            "throughput": {"samples_per_step": 8}, "parameters": {"total": 100},
-            "loss": {"per_step": losses}, "_validation": validation}
+def run(experiment: str, stage: str, strategy: str, losses: list[float], validation: dict | None = None):
+    return from_metrics({"experiment": experiment, "stage": stage, "machine": "box", "status": "ok",
+                         "spec": Spec({"strategy": strategy, "sampler": "distributed", "seed": 0, "dataset": "default",
+                                       "seq_len": 32, "precision": "fp32", "lr": 1e-3, "weight_decay": 0.0,
+                                       "method": "full", "steps": 4}),
+                         "throughput": {"samples_per_step": 8}, "parameters": {"total": 100},
+                         "loss": {"per_step": losses}}, validation=validation)
 
 
 DDP = run("ddp-w2", "ddp", "ddp", [5.0, 4.0, 3.0])

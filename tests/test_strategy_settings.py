@@ -217,9 +217,9 @@ from distlab.report.cards import Card
 
 
 def build(runs):
-    toy = [r for r in runs if r["spec"]["strategy"] == "toy" and r["status"] == "ok"]
-    return Card(9, "Toy", notes=[f"{r['experiment']}: chunks {r['spec']['toy']['chunks']} set, "
-                                 f"{r['as_built']['toy_chunks']} as built" for r in toy])
+    toy = [r for r in runs if r.spec.strategy == "toy" and r.status == "ok"]
+    return Card(9, "Toy", notes=[f"{r.experiment}: chunks {r.spec.toy.chunks} set, "
+                                 f"{r.as_built.toy_chunks} as built" for r in toy])
 """
 # Every process the test starts (torchrun's agent, the ranks) finds the toy as the test does:
 # each package's search path gains its folder.
@@ -246,7 +246,8 @@ def test_a_new_strategy_runs_through_the_summary_and_the_report(prepared, tmp_pa
     from distlab.configuration import strategies as declared
     from distlab.report import cards
     from distlab.report.build import report_rule
-    from distlab.report.collect import load_checked_runs, spreadsheet_safe, summary_frame
+    from distlab.report.collect import load_checked_runs
+    from distlab.report.summary_table import spreadsheet_safe, summary_frame
 
     for folder, files in {"strategies": {"toy.py": TOY_MODULE}, "settings": {"toy_settings.py": TOY_SETTINGS},
                           "cards": {"stage9_toy.py": TOY_CARD}}.items():

@@ -48,12 +48,15 @@ def test_compiled_layers_train_the_same_losses_with_compile_time_recorded_apart(
     for a, b in zip(eager["loss"]["per_step"], compiled["loss"]["per_step"], strict=True):
         assert abs(a - b) <= 1e-4, (eager["loss"]["per_step"], compiled["loss"]["per_step"])
     # The fine-tuning card pairs the two: speed-up and compile time shown, a moved loss fails it.
-    listed = [dict(eager, machine="testbox", _dir=str(tmp_path / "eager")),
-              dict(compiled, machine="testbox", _dir=str(tmp_path / "compiled"))]
+    from card_runs import changed, report_run
+
+    listed = [changed(report_run(tmp_path / name), machine="testbox") for name in ("eager", "compiled")]
     goal = card_goal(listed, GOAL_COMPILE)
     assert goal.status == PASSED and "1 beside an eager twin" in goal.evidence
-    listed[1]["loss"]["per_step"][2] += 1e-3
-    assert card_goal(listed, GOAL_COMPILE).status == FAILED
+    moved = list(listed[1].loss.per_step)
+    moved[2] += 1e-3
+    assert card_goal([listed[0], changed(listed[1], loss={**listed[1].loss, "per_step": moved})],
+                     GOAL_COMPILE).status == FAILED
 
 
 @pytest.mark.slow
@@ -69,5 +72,7 @@ def test_a_profile_writes_a_chrome_trace_of_the_chosen_steps_per_rank(prepared, 
         assert steps == {"step 1", "step 2"}
     assert profile["memory_snapshots"] == [None, None] and "no memory snapshot" in profile["memory_snapshot_note"]
     assert "no memory snapshot" in (tmp_path / "run" / "train.log").read_text()
-    goal = card_goal([dict(run, machine="testbox", _dir=str(tmp_path / "run"))], GOAL_PROFILE)
+    from card_runs import changed, report_run
+
+    goal = card_goal([changed(report_run(tmp_path / "run"), machine="testbox")], GOAL_PROFILE)
     assert goal.status == PASSED and goal.links == [str(tmp_path / "run" / t) for t in profile["traces"]]

@@ -124,7 +124,8 @@ class RunRecord:
     Spec; timing, throughput, memory, as_built, loss as Blocks read by attribute:
     `record.timing.step_time_s.median`), and the whole file as a read-only mapping (`data`;
     lists are FrozenLists). The dict forms are for the doors only: `updated(**fields)` is the file's
-    next version for write_metrics, to_dict() a fresh, mutable copy (the report's run table)."""
+    next version for write_metrics, to_dict() a fresh, mutable copy for the test harness and the
+    benchmarks (the report reads the record typed: distlab.report.report_run.ReportRun)."""
     path: Path
     experiment: str
     machine: str

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import csv
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from distlab.records.memory_phases import human, unit_for
 from distlab.records.memory_check import TOLERANCE as MEMORY_TOLERANCE, check_memory_estimates, recorded_row
@@ -23,11 +23,12 @@ from distlab.report.cards.checkpoint_table import checkpoint_card
 from distlab.report.cards.parity import GOAL_LESSON
 from distlab.report.collect import (COLLECTIVES_SCHEMA_VERSION, HARDWARE_SCHEMA_VERSION, ResultsError,
                                     attach_machine_records, clear_winner, load_checked_runs, load_runs,
-                                    machine_files, read_json, unit_of)
+                                    machine_files, read_json)
+from distlab.report.report_run import ReportRun
 from distlab.report.render import render_html, render_markdown
 
 
-def overview_card(cards: list[Card], runs: list[dict], advice: dict) -> Card:
+def overview_card(cards: list[Card], runs: list[ReportRun], advice: dict) -> Card:
     import pandas as pd
 
     rows = []
@@ -56,8 +57,8 @@ def overview_card(cards: list[Card], runs: list[dict], advice: dict) -> Card:
     if len(frame):
         done = int((frame[["minimal", "bonus"]] == PASSED).sum().sum())
         card.notes.append(f"{done} of {2 * len(frame)} stage goals passed from {len(runs)} measured run(s) "
-                          f"({sum(r.get('status') == 'ok' for r in runs)} ok, "
-                          f"{sum(r.get('status') == 'oom' for r in runs)} out of memory).")
+                          f"({sum(r.status == 'ok' for r in runs)} ok, "
+                          f"{sum(r.status == 'oom' for r in runs)} out of memory).")
     card.tables.append(Table("Roadmap goals", frame, f"{PASSED} / {FAILED} / {NOT_RUN} / {COMPARED} (a limit the "
                                                      f"runs were compared with, not held to) / {DOUBTFUL} (a figure "
                                                      "the setup cannot produce, shown with its likely cause), "
@@ -65,38 +66,38 @@ def overview_card(cards: list[Card], runs: list[dict], advice: dict) -> Card:
     return card
 
 
-def headline(runs: list[dict], advice: dict) -> list[str]:
+def headline(runs: list[ReportRun], advice: dict) -> list[str]:
     """What to run on each machine (the advisor's pick and why) and the measured evidence: the
     tokens/s of every strategy on the most common same-work comparison of that machine."""
     lines = []
-    for machine in sorted(set(advice) | {r["machine"] for r in runs}):
+    for machine in sorted(set(advice) | {r.machine for r in runs}):
         a = advice.get(machine)
         text = (f"Run {a['recommendation_label']} on {machine}: {a['reasons'][0]}." if a else
                 f"{machine}: no advice (rule `advise` did not run for it).")
-        timed = [r for r in runs if r["machine"] == machine and r.get("_throughput")
-                 and r["spec"].sampler == "distributed" and r["spec"].get("model", "default") == "default"]
+        timed = [r for r in runs if r.machine == machine and r.throughput_spread
+                 and r.spec.sampler == "distributed" and r.spec.get("model", "default") == "default"]
         groups = {}
         for run in timed:
-            s = run["spec"]
-            groups.setdefault((run["throughput"]["samples_per_step"], s["seq_len"], s["method"], s["precision"]),
+            s = run.spec
+            groups.setdefault((run.throughput.samples_per_step, s.seq_len, s.method, s.precision),
                               []).append(run)
         if groups:
             (batch, seq, method, precision), same = max(groups.items(), key=lambda kv: len(kv[1]))
-            same.sort(key=lambda r: -r["_throughput"]["median"])
+            same.sort(key=lambda r: -r.throughput_spread.median)
             text += (f" Measured here on the same work ({method} fine-tuning, global batch {batch} x {seq} tokens, "
                      f"{precision}), tokens/s: " + ", ".join(
-                         f"{r['experiment']} {r['_throughput']['median']:.0f}" + (" (BUSY)" if is_busy(r) else "")
+                         f"{r.experiment} {r.throughput_spread.median:.0f}" + (" (BUSY)" if is_busy(r) else "")
                          for r in same[:6]) + (f" and {len(same) - 6} more" if len(same) > 6 else "") + ".")
-            picked = [r for r in same if a and recorded_row(r) == a["recommendation"]]
+            picked = [r for r in same if a and recorded_row(r.metrics) == a["recommendation"]]
             if picked and same[0] is not picked[0]:
-                text += (f" The fastest here, {same[0]['experiment']}, ran "
-                         f"{same[0]['_throughput']['median'] / picked[0]['_throughput']['median']:.2f}x "
-                         f"the best run of the recommended kind ({picked[0]['experiment']}): the "
+                text += (f" The fastest here, {same[0].experiment}, ran "
+                         f"{same[0].throughput_spread.median / picked[0].throughput_spread.median:.2f}x "
+                         f"the best run of the recommended kind ({picked[0].experiment}): the "
                          "advice picks by memory fit and the roadmap's rules, not by this machine's speed"
                          + ("; the spreads overlap, so this machine does not tell them apart."
                             if not clear_winner(same[0], picked[0]) else "."))
         if a:
-            checked = check_memory_estimates([r for r in runs if r["machine"] == machine])
+            checked = check_memory_estimates([r.metrics for r in runs if r.machine == machine])
             if checked:
                 right = sum(c["verdict"] == "right" for c in checked)
                 text += (f" The advisor's memory estimate was right (within {MEMORY_TOLERANCE:.0%}) for "
@@ -105,11 +106,11 @@ def headline(runs: list[dict], advice: dict) -> list[str]:
     return lines
 
 
-def busy_note(runs: list[dict]) -> str:
+def busy_note(runs: list[ReportRun]) -> str:
     """How many runs were timed on a busy machine (distlab.runtime.noise), named: their speed figures
     include waiting for a core and say nothing about the strategy."""
-    timed = [r for r in runs if r.get("status") == "ok"]
-    recorded = [r for r in timed if (r.get("noise") or {}).get("busy") is not None]
+    timed = [r for r in runs if r.status == "ok"]
+    recorded = [r for r in timed if (r.noise or {}).get("busy") is not None]
     busy = [r for r in recorded if is_busy(r)]
     if not recorded:
         return "Machine load during the timed steps was not recorded for these runs: speed figures are unqualified."
@@ -117,25 +118,25 @@ def busy_note(runs: list[dict]) -> str:
         return (f"All {len(recorded)} timed run(s) ran on a quiet machine (no other process needed the cores they "
                 "left free): their speed figures are the strategies' own.")
     return (f"BUSY MACHINE: {len(busy)} of {len(recorded)} run(s) were timed while other processes needed the cores "
-            f"they had left free ({', '.join(r['experiment'] for r in busy)}): their step times include waiting for "
+            f"they had left free ({', '.join(r.experiment for r in busy)}): their step times include waiting for "
             "a core, so their speed figures (marked BUSY in the tables) are inflated by an unknown amount; rerun them "
             "on a quiet machine before comparing speeds.")
 
 
-def advisor_card(advice: dict, runs: list[dict], left_out: list[dict] | None = None) -> Card:
+def advisor_card(advice: dict, runs: list[ReportRun], left_out: list[dict] | None = None) -> Card:
     card = card_noting_missing(90, "Advisor: what to run on this hardware", advice,
                                "No advice.json found (rule `advise`); run `snakemake advise`.")
     for machine, a in sorted(advice.items()):
         try:
             # The advice sizes the causal LM: runs counted in tokens (a text-to-image run has its own advisor).
-            advise_machine(card, machine, a, [r for r in runs if r["machine"] == machine and unit_of(r) == "token"])
+            advise_machine(card, machine, a, [r for r in runs if r.machine == machine and r.unit == "token"])
         except ValueError as error:  # transformers refuses the model its config_json describes
             if left_out is not None:
                 left_out.append({"path": f"{machine}/advice.json", "reason": f"{machine}/advice.json: {error}"})
     return card
 
 
-def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
+def advise_machine(card: Card, machine: str, a: dict, runs: list[ReportRun]) -> None:
     """One machine's advice: the recommendation, the estimate table, the check against its runs."""
     import pandas as pd
 
@@ -170,7 +171,7 @@ def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
             card.tables.append(Table(f"Published references beside the prediction ({link['label']})",
                                      pd.DataFrame(refs), "measured by others on the named hardware, not on this "
                                      "machine; predicted/published = this box's prediction over their figure"))
-    checked = check_memory_estimates(runs)  # the estimate each run recorded before its first step
+    checked = check_memory_estimates([r.metrics for r in runs])  # the estimate each run recorded before its first step
     if checked:
         wrong = [c for c in checked if c["verdict"] != "right"]
         key = ["experiment", "verdict", "measured/estimated", "where"]
@@ -189,20 +190,20 @@ def advise_machine(card: Card, machine: str, a: dict, runs: list[dict]) -> None:
                           + (": " + "; ".join(f"{c['experiment']} ({c['where'] or 'total'})" for c in wrong)
                              if wrong else "."))
     step_time_table(card, machine, runs)
-    unchecked = sorted(r["experiment"] for r in runs if r.get("status") == "ok" and not r.get("memory_estimate")
-                       and r["spec"].task == "causal-lm")
+    unchecked = sorted(r.experiment for r in runs if r.status == "ok" and not r.section("memory_estimate")
+                       and r.spec.task == "causal-lm")
     if unchecked:
         card.notes.append(f"Not checked against the estimate: {', '.join(unchecked)} (no estimate recorded before "
                           "the first step: a strategy without a formula, or a run of an older distlab).")
 
 
-def step_time_table(card: Card, machine: str, runs: list[dict]) -> None:
+def step_time_table(card: Card, machine: str, runs: list[ReportRun]) -> None:
     """Predicted against measured step time for every run of the machine (distlab.tools.step_time)."""
     import pandas as pd
 
     from distlab.records.predictions import TOLERANCE, check_step_times, step_time_verdict
 
-    rows = check_step_times(runs)
+    rows = check_step_times([r.metrics for r in runs])
     if not rows:
         return
     status, evidence = step_time_verdict(rows)
@@ -220,11 +221,11 @@ def step_time_table(card: Card, machine: str, runs: list[dict]) -> None:
         "collectives were in flight where it times them, and the rest of the step with the rest of the prediction."))
 
 
-def _versions(runs: list[dict]) -> str:
+def _versions(runs: list[ReportRun]) -> str:
     seen = {}
     for run in runs:
-        v = run.get("versions") or {}
-        seen.setdefault(run["machine"], ", ".join(f"{k} {v[k]}" for k in ("python", "torch", "deepspeed",
+        v = run.section("versions") or {}
+        seen.setdefault(run.machine, ", ".join(f"{k} {v[k]}" for k in ("python", "torch", "deepspeed",
                                                                            "accelerate", "ray") if v.get(k)))
     return " ".join(f"Versions on {m}: {v}." for m, v in sorted(seen.items()))
 
@@ -242,7 +243,7 @@ def left_out_card(left_out: list[dict]) -> Card | None:
 class ReportInputs:
     """Everything the milestone report shows, read once at its door (read_inputs): the cards
     are functions of this and open no file."""
-    runs: list[dict]  # collect.load_run: each metrics.json with the declared files beside it
+    runs: list[ReportRun]  # collect.load_run: each metrics.json with the declared files beside it
     summary: list[dict]  # summary.csv's rows (rule summary), for the header's run count and machines
     hardware: dict = field(default_factory=dict)  # {machine: hardware.json}
     collectives: dict = field(default_factory=dict)  # {machine: collectives.json}
@@ -257,19 +258,19 @@ def read_summary(path) -> list[dict]:
         return list(csv.DictReader(fh))
 
 
-def read_inputs(runs: list[dict], summary_path, advice_paths=(), left_out=None, declared=None) -> ReportInputs:
+def read_inputs(runs: list[ReportRun], summary_path, advice_paths=(), left_out=None, declared=None) -> ReportInputs:
     """The report's door: the runs already loaded (collect.load_run reads each metrics.json
     once), summary.csv, and every machine-level file, read once; `declared`: the rule's inputs
     (distlab.report.inputs), the only files read. A machine file that fails its schema is named
     in left_out (after the runs the summary refused) and left out."""
     left_out = list(left_out or [])
-    for run in runs:
-        run["_dir"] = os.path.abspath(run["_dir"])
+    # Absolute folders: the cards' evidence links are made relative to the report's own folder.
+    runs = [replace(run, folder=os.path.abspath(run.folder)) for run in runs]
     hardware = machine_files(runs, "hardware.json", HARDWARE_SCHEMA_VERSION, left_out, declared)
     bench = machine_files(runs, "collectives.json", COLLECTIVES_SCHEMA_VERSION, left_out, declared)
     # other machines' advice comes with their folders
     advice = machine_files(runs, "advice.json", 1, left_out, declared)
-    attach_machine_records(runs, left_out, declared)
+    runs = attach_machine_records(runs, left_out, declared)
     for path in advice_paths:
         try:
             a = read_json(path, "advice", 1, "advice")

@@ -20,12 +20,15 @@ import glob
 import json
 import os
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 from distlab.report.inputs import job_wall_seconds, readable
 from distlab.records.run_layout import KUBERAY_CHECKS, run_files_dir
-from distlab.records.run_outputs import (MAX_RESULTS_FILE_BYTES, ResultsError, parse_json, read_json_object,
-                                         read_run_record, task_of, throughput_unit)
+from distlab.records.run_outputs import (MAX_RESULTS_FILE_BYTES, ResultsError, RunRecord, parse_json,
+                                         read_json_object, read_run_record, throughput_unit)
+from distlab.records.spec import freeze, thaw
+from distlab.report.report_run import ReportRun, ThroughputSpread
 
 VALIDATION_SCHEMA_VERSION = 1
 COLLECTIVES_SCHEMA_VERSION = 1
@@ -102,14 +105,9 @@ def read_steps(path: Path) -> list[dict]:
     return rows
 
 
-def unit_of(run: dict) -> str:
-    """What a run's throughput counts (distlab.records.run_outputs.throughput_unit): tokens (causal
-    LM, and runs written before tasks existed) or images (text-to-image)."""
-    return throughput_unit(run)
-
-
-def throughput_stats(run: dict) -> dict | None:
-    """Tokens/s (images/s for a text-to-image run) with a spread, as the report compares runs.
+def throughput_stats(record: RunRecord, steps=()) -> ThroughputSpread | None:
+    """Tokens/s (images/s for a text-to-image run) with a spread, as the report compares runs;
+    steps: the run's steps.jsonl rows (none read: the spread comes from metrics.json's step times).
 
     launches = L >= 2 (separate launches, distlab.jobs.launches): median and min-max over them.
     Else repeats = R >= 2: the timed steps (after warm-up) are split into R consecutive windows;
@@ -117,86 +115,85 @@ def throughput_stats(run: dict) -> dict | None:
     spread = [min, max] over windows. R = 1: one window; spread = tokens per step over the
     75th and 25th percentile step time. Two runs whose spreads overlap have no clear winner.
     """
-    unit = unit_of(run)
-    tokens = (run.get("throughput") or {}).get(f"{unit}s_per_step")
+    unit = record.unit
+    tokens = (record.throughput or {}).get(f"{unit}s_per_step")
     if not tokens:
         return None
-    per_launch = run.get("launches") or []
+    per_launch = record.data.get("launches") or []
     if any(throughput_unit(x) != unit for x in per_launch):
-        raise ResultsError(f"{run.get('_path', 'metrics.json')}: field 'launches' counts in another unit than the "
+        raise ResultsError(f"{record.path}: field 'launches' counts in another unit than the "
                            f"run's {unit}s; fix or remove the file")
-    launches = [x[f"{unit}s_per_s"] for x in per_launch]
+    launches = tuple(x[f"{unit}s_per_s"] for x in per_launch)
     if len(launches) >= 2:  # spec launches: independent launches, the run-to-run spread
-        return {"median": statistics.median(launches), "low": min(launches), "high": max(launches),
-                "windows": launches, "repeats": 1, "launches": len(launches),
-                "timed_steps": run["timing"]["step_time_s"]["n"],
-                "how": f"{len(launches)} independent launches; median and min-max of their {unit}s/s"}
-    repeats = max(1, int(run["spec"].get("repeats", 1)))
+        return ThroughputSpread(statistics.median(launches), min(launches), max(launches), windows=launches,
+                                repeats=1, launches=len(launches), timed_steps=record.timing.step_time_s.n,
+                                how=f"{len(launches)} independent launches; median and min-max of their {unit}s/s")
+    repeats = max(1, int(record.spec.get("repeats", 1)))
     # "warmup": the row key before it was renamed "untimed" (results of older runs).
-    timed = [r["step_time_s"] for r in run.get("_steps", []) if not r.get("untimed", r.get("warmup"))]
+    timed = [r["step_time_s"] for r in steps if not r.get("untimed", r.get("warmup"))]
     if not timed:
-        st = run["timing"]["step_time_s"]
-        return {"median": tokens / st["median"], "low": tokens / st["p75"], "high": tokens / st["p25"],
-                "windows": [], "repeats": 1,
-                "how": f"no steps.jsonl: spread = {unit}s/step over p75 and p25 step time from metrics.json"}
+        st = record.timing.step_time_s
+        return ThroughputSpread(tokens / st.median, tokens / st.p75, tokens / st.p25, windows=(), repeats=1,
+                                how=f"no steps.jsonl: spread = {unit}s/step over p75 and p25 step time from "
+                                    "metrics.json")
     if repeats == 1 or len(timed) < 2 * repeats:
         ordered = sorted(timed)
         q = statistics.quantiles(ordered, n=4, method="inclusive") if len(ordered) > 1 else [ordered[0]] * 3
-        return {"median": tokens / statistics.median(ordered), "low": tokens / q[2], "high": tokens / q[0],
-                "windows": [], "repeats": 1, "timed_steps": len(timed),
-                "how": f"{len(timed)} timed steps; median {unit}s/s, spread from the step-time interquartile range"}
+        return ThroughputSpread(tokens / statistics.median(ordered), tokens / q[2], tokens / q[0], windows=(),
+                                repeats=1, timed_steps=len(timed),
+                                how=f"{len(timed)} timed steps; median {unit}s/s, spread from the step-time "
+                                    "interquartile range")
     size, extra = divmod(len(timed), repeats)
     windows, start = [], 0
     for k in range(repeats):
         end = start + size + (1 if k < extra else 0)
         windows.append(tokens / statistics.median(timed[start:end]))
         start = end
-    return {"median": statistics.median(windows), "low": min(windows), "high": max(windows), "windows": windows,
-            "repeats": repeats, "timed_steps": len(timed),
-            "how": f"{len(timed)} timed steps in {repeats} windows; median and min-max of the windows' {unit}s/s"}
+    return ThroughputSpread(statistics.median(windows), min(windows), max(windows), windows=tuple(windows),
+                            repeats=repeats, timed_steps=len(timed),
+                            how=f"{len(timed)} timed steps in {repeats} windows; median and min-max of the "
+                                f"windows' {unit}s/s")
 
 
-def clear_winner(a: dict, b: dict) -> bool:
+def clear_winner(a: ReportRun, b: ReportRun) -> bool:
     """True when the two runs' throughput spreads do not overlap."""
-    sa, sb = a.get("_throughput"), b.get("_throughput")
+    sa, sb = a.throughput_spread, b.throughput_spread
     if not sa or not sb:
         return False
-    return sa["low"] > sb["high"] or sb["low"] > sa["high"]
+    return sa.low > sb.high or sb.low > sa.high
 
 
-def load_run(path: str | Path, named_folder: bool = True, declared: frozenset[str] | None = None) -> dict:
+def load_run(path: str | Path, named_folder: bool = True, declared: frozenset[str] | None = None) -> ReportRun:
     """One metrics.json with what beside it the summary and the report read (only the files in
     `declared`, when given): cards read these fields and open no file. named_folder: the run sits
     in <machine>/<experiment>/ (False: the two_hosts target's own fixed folder, still its machine's)."""
     path = Path(path)
     record = read_run_record(path)  # the one reader of metrics.json
-    # The report's run table: the file as a dict (cards add what lies beside it), its spec typed.
-    run = record.to_dict()
-    check_schema(run, "metrics", path)
+    check_schema(thaw(record.data), "metrics", path)  # the file's own fields, as written
     folders = (("machine", path.parent.parent.name), ("experiment", path.parent.name))
     for field, folder in folders if named_folder else folders[:1]:
-        if run[field] != folder:
-            raise ResultsError(f"{path}: field '{field}' is {run[field]!r} but the file sits in folder {folder!r}; "
-                               f"a run is filed under its own {field}: fix or remove it")
-    run["_path"] = str(path)
-    run["_dir"] = str(path.parent)
-    steps = path.parent / "steps.jsonl"
-    run["_steps"] = read_steps(steps) if readable(steps, declared) else []
-    validation = path.parent / "validation.json"
-    run["_validation"] = read_json(validation, "validation", VALIDATION_SCHEMA_VERSION, "validation") \
-        if readable(validation, declared) else None
-    devices = path.parent / "devices.json"
-    run["_devices"] = read_json(devices, "devices", None, "devices") if readable(devices, declared) else None
-    run["_pipeline_records"] = [read_json(record, "pipeline record", None, "pipeline_record")  # the parallel card's
-                                for record in sorted(run_files_dir(path.parent).glob("pipeline-rank*.json"))
-                                if readable(record, declared)]
-    wall = path.parent / "benchmark.tsv"
-    run["_job_wall_s"] = job_wall_seconds(wall) if readable(wall, declared) else None
-    samples = ((run.get("eval") or {}).get("trained") or {}).get("samples") or {}
-    grid = path.parent / samples.get("path", "run_files/samples.png")  # the text-to-image card shows it
-    run["_samples_png"] = grid.read_bytes() if samples and readable(grid, declared) else None
-    run["_throughput"] = throughput_stats(run) if run["status"] == "ok" else None
-    return run
+        if getattr(record, field) != folder:
+            raise ResultsError(f"{path}: field '{field}' is {getattr(record, field)!r} but the file sits in folder "
+                               f"{folder!r}; a run is filed under its own {field}: fix or remove it")
+    beside = path.parent
+    steps = tuple(freeze(row) for row in read_steps(beside / "steps.jsonl")) \
+        if readable(beside / "steps.jsonl", declared) else ()
+    validation = beside / "validation.json"
+    devices = beside / "devices.json"
+    wall = beside / "benchmark.tsv"
+    samples = ((record.data.get("eval") or {}).get("trained") or {}).get("samples") or {}
+    grid = beside / samples.get("path", "run_files/samples.png")  # the text-to-image card shows it
+    return ReportRun(
+        record, path=str(path), folder=str(beside), steps=steps,
+        validation=freeze(read_json(validation, "validation", VALIDATION_SCHEMA_VERSION, "validation"))
+        if readable(validation, declared) else None,
+        devices=freeze(read_json(devices, "devices", None, "devices")) if readable(devices, declared) else None,
+        pipeline_records=tuple(freeze(read_json(each, "pipeline record", None, "pipeline_record"))
+                               for each in sorted(run_files_dir(beside).glob("pipeline-rank*.json"))
+                               if readable(each, declared)),
+        job_wall_s=job_wall_seconds(wall) if readable(wall, declared) else None,
+        samples_png=grid.read_bytes() if samples and readable(grid, declared) else None,
+        throughput_spread=throughput_stats(record, steps) if record.status == "ok" else None)
 
 
 def shared_metrics_paths(roots, mine: str) -> tuple[list[str], list[dict]]:
@@ -220,7 +217,7 @@ def shared_metrics_paths(roots, mine: str) -> tuple[list[str], list[dict]]:
 
 
 def load_checked_runs(paths, named_folder: bool = True, declared: frozenset[str] | None = None) \
-        -> tuple[list[dict], list[dict]]:
+        -> tuple[list[ReportRun], list[dict]]:
     """(runs, rejected): every metrics.json that reads, has this schema version, matches the
     schema (so holds the figures its status promises) and is the only one of its machine and
     experiment; each one that does not is left out as {"path", "reason"}."""
@@ -228,9 +225,9 @@ def load_checked_runs(paths, named_folder: bool = True, declared: frozenset[str]
     for path in paths:
         try:
             run = load_run(path, named_folder, declared)
-            key = (run["machine"], run["experiment"])
+            key = (run.machine, run.experiment)
             if key in seen:
-                raise ResultsError(f"{path}: the same experiment of machine '{run['machine']}' as {seen[key]}; "
+                raise ResultsError(f"{path}: the same experiment of machine '{run.machine}' as {seen[key]}; "
                                    "give one machine another tag (config `machine`)")
         except ResultsError as error:
             rejected.append({"path": str(path), "reason": str(error)})
@@ -240,57 +237,57 @@ def load_checked_runs(paths, named_folder: bool = True, declared: frozenset[str]
     return runs, rejected
 
 
-def load_runs(paths, declared: frozenset[str] | None = None) -> list[dict]:
+def load_runs(paths, declared: frozenset[str] | None = None) -> list[ReportRun]:
     runs = [load_run(p, declared=declared) for p in paths]
     check_unique(runs)
     return runs
 
 
-def check_unique(runs: list[dict]) -> None:
+def check_unique(runs: list[ReportRun]) -> None:
     seen = {}
     for run in runs:
-        key = (run["machine"], run["experiment"])
+        key = (run.machine, run.experiment)
         if key in seen:
-            raise ResultsError(f"{run['_path']} and {seen[key]}: the same experiment of machine "
-                               f"'{run['machine']}' twice; give one machine another tag (config `machine`) "
+            raise ResultsError(f"{run.path} and {seen[key]}: the same experiment of machine "
+                               f"'{run.machine}' twice; give one machine another tag (config `machine`) "
                                "so neither overwrites the other")
-        seen[key] = run["_path"]
+        seen[key] = run.path
 
 
-def machine_files(runs: list[dict], name: str, version: int | None, rejected: list | None = None,
+def machine_files(runs: list[ReportRun], name: str, version: int | None, rejected: list | None = None,
                   declared: frozenset[str] | None = None) -> dict[str, dict]:
     """{machine: parsed <machine folder>/<name>} for every machine that has one that passes
     its schema (with the machine it names equal to its folder's); the others are named in
     `rejected` ({"path", "reason"}) and left out."""
     out, tried = {}, set()
     for run in runs:
-        path = Path(run["_dir"]).parent / name
-        if run["machine"] in tried or not readable(path, declared):
+        path = Path(run.folder).parent / name
+        if run.machine in tried or not readable(path, declared):
             continue
-        tried.add(run["machine"])
+        tried.add(run.machine)
         try:
             data = read_json(path, name, version, MACHINE_FILE_KINDS.get(name))
-            if "machine" in data and data["machine"] != run["machine"]:
+            if "machine" in data and data["machine"] != run.machine:
                 raise ResultsError(f"{path}: field 'machine' is {data['machine']!r} but the file sits in folder "
-                                   f"{run['machine']!r}; fix or remove it")
+                                   f"{run.machine!r}; fix or remove it")
         except ResultsError as error:
             if rejected is not None:
                 rejected.append({"path": str(path), "reason": str(error)})
             continue
-        out[run["machine"]] = data
+        out[run.machine] = data
     return out
 
 
-def attach_machine_records(runs: list[dict], rejected: list | None = None,
-                           declared: frozenset[str] | None = None) -> None:
-    """What a card reads beyond a run's own folder, read once per file and handed over on the run:
-    `_sd_advice` (its machine's advice-sd.json, rule advise_sd) and `_kuberay` ((path, record) of
-    its results folder's kuberay/checks.json, rule kuberay); None when absent or refused."""
+def attach_machine_records(runs: list[ReportRun], rejected: list | None = None,
+                           declared: frozenset[str] | None = None) -> list[ReportRun]:
+    """The runs with what a card reads beyond a run's own folder, read once per file: `sd_advice`
+    (its machine's advice-sd.json, rule advise_sd) and `kuberay` ((path, record) of its results
+    folder's kuberay/checks.json, rule kuberay); None when absent or refused."""
     sd_advice = machine_files(runs, "advice-sd.json", None, rejected, declared)
     checks: dict[Path, tuple | None] = {}
+    attached = []
     for run in runs:
-        run["_sd_advice"] = sd_advice.get(run["machine"])
-        path = Path(run["_dir"]).parent.parent / KUBERAY_CHECKS
+        path = Path(run.folder).parent.parent / KUBERAY_CHECKS
         if path not in checks:
             checks[path] = None
             if readable(path, declared):
@@ -298,120 +295,6 @@ def attach_machine_records(runs: list[dict], rejected: list | None = None,
                     checks[path] = (path, read_json(path, "kuberay checks", 1, "kuberay_checks"))
                 except ResultsError:  # the card says the checks were not run
                     pass
-        run["_kuberay"] = checks[path]
-
-
-def _get(run, *keys, default=None):
-    value = run
-    for key in keys:
-        if not isinstance(value, dict) or key not in value:
-            return default
-        value = value[key]
-    return value
-
-
-def validation_status(run: dict) -> str | None:
-    v = run.get("_validation")
-    if v is None:
-        return None
-    return "passed" if v.get("passed") else "failed"
-
-
-def throughput_columns(run: dict, spread: dict) -> dict:
-    """The run's unit and, for every unit a task counts in (distlab.configuration.axes), its
-    <unit>s_per_s with the spread the report compares (low, high) and per rank: filled in the
-    run's own unit, empty in the others."""
-    from distlab.configuration.axes import names
-
-    unit = unit_of(run)
-    columns = {"unit": unit}
-    for each in names()["units"]:
-        mine = each == unit
-        columns.update({f"{each}s_per_s": _get(run, "throughput", f"{each}s_per_s") if mine else None,
-                        f"{each}s_per_s_low": spread.get("low") if mine else None,
-                        f"{each}s_per_s_high": spread.get("high") if mine else None,
-                        f"{each}s_per_s_per_rank": _get(run, "throughput", f"{each}s_per_s_per_rank") if mine
-                        else None})
-    return columns
-
-
-def summary_row(run: dict) -> dict:
-    from distlab.records.memory_phases import phase_peaks
-
-    spec = run["spec"]
-    step = _get(run, "timing", "step_time_s", default={}) or {}
-    state0 = (_get(run, "memory", "model_state_bytes_per_rank", default=[]) or [{}])[0] or {}
-    rss = [m.get("peak_rss_bytes", 0) for m in _get(run, "memory", "per_rank", default=[]) or []]
-    cuda_peak = [m.get("cuda_max_allocated_bytes") for m in _get(run, "memory", "per_rank", default=[]) or []]
-    cuda_peak = [v for v in cuda_peak if v is not None]
-    spread = run.get("_throughput") or {}
-    return {
-        "machine": run["machine"], "stage": run["stage"], "task": task_of(spec),
-        "experiment": run["experiment"],
-        "status": run.get("status"), "strategy": spec.strategy,
-        # Its own settings block (`deepspeed: {zero_stage, ...}`), whatever the strategy: read by name.
-        "strategy_settings": json.dumps(spec[spec.strategy], sort_keys=True) if spec.get(spec.strategy) else None,
-        "launcher": spec.launcher,
-        "method": spec.method, "model": spec.model,
-        "memory_budget_gib": spec.memory_budget_gib,
-        "device": spec.device, "world_size": spec.world_size,
-        "micro_batch": spec.micro_batch, "grad_accum": spec.grad_accum, "seq_len": spec.seq_len,
-        "sampler": spec.sampler, "precision": spec.precision, "steps": spec.steps,
-        "untimed_steps": spec.get("untimed_steps", spec.warmup_steps), "repeats": spec.repeats,
-        "actual_wrapper": _get(run, "as_built", "outer_wrapper"),
-        "actual_world_size": _get(run, "as_built", "world_size"),
-        "step_time_median_s": step.get("median"), "step_time_p25_s": step.get("p25"),
-        "step_time_p75_s": step.get("p75"), "step_time_min_s": step.get("min"), "step_time_max_s": step.get("max"),
-        "timed_steps": step.get("n"),
-        **throughput_columns(run, spread),
-        "samples_per_s": _get(run, "throughput", "samples_per_s"),
-        "mfu": _get(run, "flops", "mfu"),
-        "comm_inflight_median_s": _get(run, "timing", "comm_inflight_s_per_step", "median"),
-        # distlab.runtime.noise: other processes' CPU while the steps were timed; busy = figures inflated.
-        "machine_busy": _get(run, "noise", "busy"), "others_cores": _get(run, "noise", "others_cores"),
-        "load_avg_1min_max": max(_get(run, "noise", "load_avg_1min", default=None) or [None], key=lambda v: v or 0),
-        "loss_first": _get(run, "loss", "first"), "loss_last": _get(run, "loss", "last"),
-        "peak_rss_max_bytes": max(rss) if rss else None,
-        # distlab.runtime.memory: process start -> first step, then the steps alone (largest rank).
-        "load_phase_peak_max_bytes": phase_peaks(run)["load_phase"],
-        "training_phase_peak_max_bytes": phase_peaks(run)["training_phase"],
-        "save_phase_peak_max_bytes": phase_peaks(run)["save_phase"],
-        "cuda_max_allocated_max_bytes": max(cuda_peak) if cuda_peak else None,
-        "state_params_bytes_rank0": state0.get("params"), "state_grads_bytes_rank0": state0.get("grads"),
-        "state_optimizer_bytes_rank0": state0.get("optimizer"),
-        "trainable_params": _get(run, "parameters", "trainable"), "total_params": _get(run, "parameters", "total"),
-        "duplicate_fraction": _get(run, "data", "duplicate_fraction"),
-        # saved, failed (trained, its figures stand, no checkpoint: error in metrics.json), unsupported, off
-        "checkpoint": _get(run, "checkpoint", "status"),
-        "checkpoint_bytes": _get(run, "checkpoint", "bytes"),
-        "checkpoint_validation": validation_status(run),
-        "gpu_ids": ",".join(_get(run, "_devices", "cuda_visible_devices", default=[]) or []) or None,
-        "torch": _get(run, "versions", "torch"),
-        "path": run["_dir"],
-    }
-
-
-def summary_frame(runs: list[dict]):
-    import pandas as pd
-
-    from distlab.configuration.axes import STAGE_ORDER
-
-    frame = pd.DataFrame([summary_row(r) for r in runs])
-    if frame.empty:
-        return frame
-    frame["_stage_order"] = frame["stage"].map({s: i for i, s in enumerate(STAGE_ORDER)})
-    frame = frame.sort_values(["_stage_order", "machine", "experiment"]).drop(columns="_stage_order")
-    return frame.reset_index(drop=True)
-
-
-# A spreadsheet runs a cell that starts with one of these as a formula (=HYPERLINK(...), DDE):
-# such a text cell of summary.csv gets a leading apostrophe, as OWASP's CSV-injection advice says.
-FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
-
-
-def spreadsheet_safe(frame):
-    """The frame with every text cell that a spreadsheet would run as a formula neutralised."""
-    def safe(value):
-        return "'" + value if isinstance(value, str) and value.startswith(FORMULA_STARTS) else value
-
-    return frame.map(safe)
+        advice = sd_advice.get(run.machine)
+        attached.append(replace(run, sd_advice=None if advice is None else freeze(advice), kuberay=checks[path]))
+    return attached

@@ -2,30 +2,35 @@
 the stage cards' sentence and summary.csv's eval columns, pure functions of the runs' records."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-def eval_sentence(runs: list[dict]) -> str:
+if TYPE_CHECKING:  # the runs are only read here
+    from distlab.report.report_run import ReportRun
+
+
+def eval_sentence(runs: list[ReportRun]) -> str:
     """One line for a stage card: base -> trained eval loss of the stage's runs."""
     moved = []
     for run in runs:
-        ev = run.get("eval") or {}
+        ev = run.section("eval") or {}
         trained, base = ev.get("trained") or {}, ev.get("base") or {}
         if trained.get("loss") is not None and base.get("loss") is not None:
-            moved.append(f"{run['experiment']} {base['loss']:.3f} -> {trained['loss']:.3f} "
+            moved.append(f"{run.experiment} {base['loss']:.3f} -> {trained['loss']:.3f} "
                          f"({trained['tokens']} tokens)")
     masked = []
     for run in runs:
-        tokens = ((run.get("data_prep") or {}).get("run_tokens")) or {}
+        tokens = ((run.section("data_prep") or {}).get("run_tokens")) or {}
         if tokens.get("masked"):
-            masked.append(f"{run['experiment']} trained on {tokens['trained']:,} response tokens, "
+            masked.append(f"{run.experiment} trained on {tokens['trained']:,} response tokens, "
                           f"{tokens['masked']:,} prompt tokens masked")
     text = ("Fine-tuning moved held-out eval loss (base model -> trained, same tokens): " + "; ".join(moved) + "."
             if moved else "Held-out evaluation: no run of this stage recorded both a base and a trained eval loss.")
     return text + (" " + "; ".join(masked) + "." if masked else "")
 
 
-def eval_columns(frame, runs: list[dict]):
+def eval_columns(frame, runs: list[ReportRun]):
     """summary.csv's eval columns, matched to rows by machine and experiment."""
-    by_key = {(r["machine"], r["experiment"]): r.get("eval") or {} for r in runs}
+    by_key = {(r.machine, r.experiment): r.section("eval") or {} for r in runs}
 
     def pick(row, part, key):
         value = (by_key.get((row["machine"], row["experiment"]), {}).get(part) or {}).get(key)

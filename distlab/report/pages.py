@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 from distlab.report.cards import Card
 from distlab.report.collect import load_checked_runs, read_json
 from distlab.records.run_outputs import ResultsError
 from distlab.report.render import render_html, render_markdown
+from distlab.report.report_run import ReportRun
 
 
 class PageLeavesOutItsRuns(ResultsError):
@@ -33,17 +35,16 @@ def checked_runs(metrics_paths, named_folder: bool = True, declared: frozenset[s
     if rejected and all_or_none:
         raise PageLeavesOutItsRuns(f"{len(rejected)} of the {len(rejected) + len(runs)} run(s) of this page do not "
                                    "read, so no page is written: " + "; ".join(item["reason"] for item in rejected))
-    for run in runs:
-        run["_dir"] = os.path.abspath(run["_dir"])
-    return runs
+    # Absolute folders: the card's evidence links are made relative to the page's own folder.
+    return [replace(run, folder=os.path.abspath(run.folder)) for run in runs]
 
 
-def write_page(card: Card, runs: list[dict], html_path: str, md_path: str) -> None:
-    rows = [{"machine": run["machine"]} for run in runs]  # the header's run count and machines
+def write_page(card: Card, runs: list[ReportRun], html_path: str, md_path: str) -> None:
+    rows = [{"machine": run.machine} for run in runs]  # the header's run count and machines
     out_dir = os.path.dirname(os.path.abspath(html_path))
     os.makedirs(out_dir, exist_ok=True)
-    versions = "; ".join(sorted({f"torch {r['versions'].get('torch')}, ray {r['versions'].get('ray')}"
-                                 for r in runs if r.get("versions")}))
+    versions = "; ".join(sorted({f"torch {r.section('versions').get('torch')}, ray {r.section('versions').get('ray')}"
+                                 for r in runs if r.section("versions")}))
     with open(html_path, "w") as fh:
         fh.write(render_html([card], rows, out_dir, versions, title=f"distlab: {card.title}"))
     with open(md_path, "w") as fh:

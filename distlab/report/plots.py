@@ -1,6 +1,11 @@
 """Matplotlib figures as embedded PNGs (the report is one self-contained file)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the runs are only read here
+    from distlab.report.report_run import ReportRun
+
 import base64
 import io
 
@@ -31,17 +36,17 @@ def label_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
     ax.legend(fontsize=7)
 
 
-def loss_curves(runs: list[dict], title: str) -> str:
+def loss_curves(runs: list[ReportRun], title: str) -> str:
     """Training loss per step; runs with eval_every also their held-out eval points (markers)."""
     fig, ax = figure()
     for run in runs:
-        losses = run["loss"]["per_step"]
-        line, = ax.plot(range(len(losses)), losses, label=f"{run['machine']}/{run['experiment']}", linewidth=1.2)
-        points = (run.get("eval") or {}).get("during_training") or []
+        losses = run.loss.per_step
+        line, = ax.plot(range(len(losses)), losses, label=f"{run.machine}/{run.experiment}", linewidth=1.2)
+        points = (run.section("eval") or {}).get("during_training") or []
         if points:
             ax.plot([p["step"] for p in points], [p["loss"] for p in points], marker="o", markersize=3,
                     linestyle="--", linewidth=0.8, color=line.get_color(),
-                    label=f"{run['experiment']} held-out eval")
+                    label=f"{run.experiment} held-out eval")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
     ax.set_title(title)
@@ -76,7 +81,7 @@ def bandwidth_curves(series: list[dict], title: str) -> str:
     return to_png_b64(fig)
 
 
-def loss_panels(by_stage: dict[str, list[dict]]) -> str:
+def loss_panels(by_stage: dict[str, list[ReportRun]]) -> str:
     """One small panel per stage, its runs' loss curves overlaid."""
     stages = list(by_stage)
     cols = min(3, len(stages))
@@ -86,8 +91,8 @@ def loss_panels(by_stage: dict[str, list[dict]]) -> str:
         ax.set_visible(False)
     for ax, stage in zip(axes.flat, stages):
         for run in by_stage[stage]:
-            losses = [v for v in run["loss"]["per_step"] if v is not None]
-            ax.plot(range(len(losses)), losses, linewidth=1, label=f"{run['machine']}/{run['experiment']}")
+            losses = [v for v in run.loss.per_step if v is not None]
+            ax.plot(range(len(losses)), losses, linewidth=1, label=f"{run.machine}/{run.experiment}")
         ax.set_title(stage, fontsize=9)
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=7)

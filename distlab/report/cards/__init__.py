@@ -14,6 +14,7 @@ import pkgutil
 from dataclasses import dataclass, field
 
 from distlab.records.run_outputs import DEFAULT_TASK, task_of
+from distlab.report.report_run import ReportRun
 
 PASSED, FAILED, NOT_RUN, COMPARED = "passed", "failed", "not run", "compared, not enforced"
 # Measured, but the figure contradicts what the setup allows (a speedup above linear, offload
@@ -57,10 +58,10 @@ class Card:
 def tokens_per_s(run) -> tuple[float, float, float]:
     """(median, low, high) tokens/s: collect's spread over repeats when it computed one,
     else from the step-time interquartile range."""
-    stats = run.get("_throughput")
+    stats = run.throughput_spread
     if stats:
-        return stats["median"], stats["low"], stats["high"]
-    tokens, st = run["throughput"]["tokens_per_step"], run["timing"]["step_time_s"]
+        return stats.median, stats.low, stats.high
+    tokens, st = run.throughput.tokens_per_step, run.timing.step_time_s
     return tokens / st["median"], tokens / st["p75"], tokens / st["p25"]
 
 
@@ -74,12 +75,12 @@ SPREAD_CAVEAT = ("spreads are within one process (its timed steps split into win
 def is_busy(run) -> bool:
     """Timed while other processes needed cores the run had not left free (distlab.runtime.noise), in
     its launch or any of its further launches (spec launches)."""
-    return any((n or {}).get("busy") for n in [run.get("noise"), *(x.get("noise") for x in run.get("launches") or [])])
+    return any((n or {}).get("busy") for n in [run.noise, *(x.get("noise") for x in run.launches)])
 
 
-def spread_caveat(runs: list[dict]) -> str:
+def spread_caveat(runs: list[ReportRun]) -> str:
     """Where the compared spreads come from: separate launches only when every run had 2+."""
-    if runs and all(len(r.get("launches") or []) >= 2 for r in runs):
+    if runs and all(len(r.launches) >= 2 for r in runs):
         return ("spreads are the min-max over separate launches (spec 'launches'): run-to-run variance "
                 "measured")
     return SPREAD_CAVEAT
@@ -87,38 +88,38 @@ def spread_caveat(runs: list[dict]) -> str:
 
 def load_cell(run) -> str:
     """A table cell saying how quiet the machine was while the run's steps were timed."""
-    noise = run.get("noise") or {}
+    noise = run.noise or {}
     if noise.get("busy") is None:
         return "not recorded"
     return f"{'BUSY' if noise['busy'] else 'quiet'} (others {noise['others_cores']:.1f} cores)"
 
 
-def noise_cause(runs: list[dict]) -> str:
+def noise_cause(runs: list[ReportRun]) -> str:
     """The likely cause of an implausible ratio between these runs, from their noise records."""
     busy = [r for r in runs if is_busy(r)]
     if busy:
         return ("likely cause: the machine was busy while " + ", ".join(
-            f"{r['experiment']} was timed (other processes used {r['noise']['others_cores']:.1f} cores, "
-            f"{r['noise']['free_cores']} left free)" for r in busy) + "; its step times include waiting for a core")
+            f"{r.experiment} was timed (other processes used {r.noise.others_cores:.1f} cores, "
+            f"{r.noise.free_cores} left free)" for r in busy) + "; its step times include waiting for a core")
     return ("likely cause: noise between single launches (one launch each, no independent repeats); nothing else "
-            "on the machine was recorded during the timed steps" if all((r.get("noise") or {}).get("busy") is False
+            "on the machine was recorded during the timed steps" if all((r.noise or {}).get("busy") is False
                                                                          for r in runs) else
             "likely cause: noise (the machine's load was not recorded for these runs)")
 
 
 def comm_ms(run) -> float | str:
     """Median collective time per step in ms, or "not measured" (never a 0 standing in for null)."""
-    seconds = run["timing"]["comm_inflight_s_per_step"]["median"]
+    seconds = run.timing.comm_inflight_s_per_step.median
     return "not measured" if seconds is None else round(seconds * 1000, 2)
 
 
 def metrics_link(run) -> str:
     """A run's metrics.json: the evidence link of a goal about that run."""
-    return os.path.join(run["_dir"], "metrics.json")
+    return os.path.join(run.folder, "metrics.json")
 
 
-def ok_runs(runs: list[dict], stage: str) -> list[dict]:
-    return [r for r in runs if r["stage"] == stage and r.get("status") == "ok"]
+def ok_runs(runs: list[ReportRun], stage: str) -> list[ReportRun]:
+    return [r for r in runs if r.stage == stage and r.status == "ok"]
 
 
 PHASES_HOW = ("load: process start (interpreter, libraries) to the first step, model load and sharding included; "
@@ -127,7 +128,7 @@ PHASES_HOW = ("load: process start (interpreter, libraries) to the first step, m
               "CPU: VmHWM (peak RSS) of the rank process; CUDA: torch.cuda.max_memory_reserved. distlab.runtime.memory")
 
 
-def phase_peak_table(runs: list[dict], title: str, extra=None) -> Table:
+def phase_peak_table(runs: list[ReportRun], title: str, extra=None) -> Table:
     """Load, training and save peaks of every rank of `runs` (MiB); extra(run) adds columns."""
     import pandas as pd
 
@@ -135,9 +136,9 @@ def phase_peak_table(runs: list[dict], title: str, extra=None) -> Table:
 
     rows = []
     for run in runs:
-        for rank, record in enumerate((run.get("memory") or {}).get("per_rank") or []):
+        for rank, record in enumerate((run.memory or {}).get("per_rank") or []):
             peaks = rank_phase_peaks(record)
-            rows.append({"run": run["experiment"], "rank": rank, "ranks": run["as_built"]["world_size"],
+            rows.append({"run": run.experiment, "rank": rank, "ranks": run.as_built.world_size,
                          **{f"{phase.split('_')[0]} peak (MiB)": round(peaks[phase] / 2**20, 1)
                             if peaks[phase] is not None else None for phase in PHASES},
                          **(extra(run) if extra else {})})
@@ -146,10 +147,10 @@ def phase_peak_table(runs: list[dict], title: str, extra=None) -> Table:
 
 def run_task(run) -> str:
     """The task a run trained (distlab/tasks); runs written before tasks existed are causal LMs."""
-    return task_of(run["spec"])
+    return task_of(run.spec)
 
 
-def all_cards(runs: list[dict]) -> list[Card]:
+def all_cards(runs: list[ReportRun]) -> list[Card]:
     """Each card gets the runs of its task (a module's TASK, default causal-lm): the stage cards
     of causal LMs never see a text-to-image run, whichever stage block it sits in."""
     cards = []

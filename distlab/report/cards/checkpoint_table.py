@@ -5,16 +5,18 @@ size and save/load seconds. Not a stage card: build.py places it after the stage
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Goal, Table
+from distlab.report.report_run import ReportRun
 
 TITLE = "Checkpoints users can trust"
 
 
-def validation_of(run: dict) -> dict | None:
+def validation_of(run: ReportRun) -> Mapping | None:
     """The run's validation.json (read by collect.load_run, a declared input), or None when
     validation has not run."""
-    return run.get("_validation")
+    return run.validation
 
 
 UNREADABLE = "unreadable"  # a passed check without the figures distlab writes (a foreign file)
@@ -43,14 +45,14 @@ def export_cell(check: dict) -> str:
     return kind + gap + (" + merged" if "merged_max_abs_logit_diff" in check else "")
 
 
-def row(run: dict, validation: dict, unreadable: list | None = None) -> dict:
+def row(run: ReportRun, validation: dict, unreadable: list | None = None) -> dict:
     """The run's table row; what a passed check lacks (a validation.json of another shape) goes
     to `unreadable`, its cell reading 'unreadable'."""
     unreadable = [] if unreadable is None else unreadable
     checks = validation.get("checks", {})
     sizes = checks.get("size_and_time") or {}
     return {
-        "machine": run["machine"], "experiment": run["experiment"], "strategy": run["spec"].strategy,
+        "machine": run.machine, "experiment": run.experiment, "strategy": run.spec.strategy,
         "validated": validation.get("status"),
         "reload max |dlogit|": _cell(checks.get("reload"), lambda c: f"{c['max_abs_logit_diff']:.1e}", unreadable),
         "reshard": _cell(checks.get("reshard"), lambda c: f"{c['from_world_size']}->{c['to_world_size']} ranks "
@@ -77,23 +79,23 @@ def goal_title(pairs) -> tuple[str, str]:
         if all(s == PASSED for s in statuses):
             passed_by_all.append(name)
             continue
-        others = [f"{r['experiment']} {s}" for (r, _), s in zip(pairs, statuses) if s != PASSED]
+        others = [f"{r.experiment} {s}" for (r, _), s in zip(pairs, statuses) if s != PASSED]
         caveats.append(f"{name}: {', '.join(others)}")
     checked = ", ".join(passed_by_all) or "no check"
     title = f"Every validated checkpoint passed {checked}"
     return title, (". Not passed by every checkpoint: " + "; ".join(caveats) if caveats else "")
 
 
-def unsaved(runs: list[dict]) -> list[dict]:
+def unsaved(runs: list[ReportRun]) -> list[ReportRun]:
     """Runs that trained (their figures stand) but whose final save failed."""
-    return [r for r in runs if (r.get("checkpoint") or {}).get("status") == "failed"]
+    return [r for r in runs if (r.section("checkpoint") or {}).get("status") == "failed"]
 
 
-def checkpoint_card(runs: list[dict]) -> Card | None:
+def checkpoint_card(runs: list[ReportRun]) -> Card | None:
     """The checkpoint table and its goal; None when no run has a validation.json or a failed save."""
     import pandas as pd
 
-    pairs = [(r, validation_of(r)) for r in runs if r.get("status") == "ok"]
+    pairs = [(r, validation_of(r)) for r in runs if r.status == "ok"]
     pairs = [(r, v) for r, v in pairs if v is not None]
     failed_saves = unsaved(runs)
     if not pairs and not failed_saves:
@@ -102,10 +104,10 @@ def checkpoint_card(runs: list[dict]) -> Card | None:
     if failed_saves:
         card.goals.append(Goal("minimal", "Every trained run saved its checkpoint", FAILED,
                                "trained but not saved (their figures stand; metrics.json has the error): "
-                               + "; ".join(f"{r['experiment']} ({r.get('status')}): "
-                                           f"{r['checkpoint'].get('error', 'no error recorded')[:300]}"
+                               + "; ".join(f"{r.experiment} ({r.status}): "
+                                           f"{r.section('checkpoint').get('error', 'no error recorded')[:300]}"
                                            for r in failed_saves),
-                               [os.path.join(r["_dir"], "metrics.json") for r in failed_saves]))
+                               [os.path.join(r.folder, "metrics.json") for r in failed_saves]))
     if not pairs:
         return card
     rows, foreign = [], {}
@@ -113,16 +115,16 @@ def checkpoint_card(runs: list[dict]) -> Card | None:
         unreadable: list = []
         rows.append(row(run, validation, unreadable))
         if unreadable:  # a foreign file: its "passed" is not taken on trust
-            foreign[run["experiment"]] = (f"{os.path.join(run['_dir'], 'validation.json')} is not a validation.json "
+            foreign[run.experiment] = (f"{os.path.join(run.folder, 'validation.json')} is not a validation.json "
                                           f"distlab wrote, a passed check lacks its figures ({'; '.join(unreadable)})")
     if foreign:
         card.notes.append(f"Shown '{UNREADABLE}': " + "; ".join(foreign.values()) + ".")
-    failed = [r["experiment"] for r, v in pairs if not v.get("passed") or r["experiment"] in foreign]
-    links = [os.path.join(r["_dir"], "validation.json") for r, _ in pairs]
+    failed = [r.experiment for r, v in pairs if not v.get("passed") or r.experiment in foreign]
+    links = [os.path.join(r.folder, "validation.json") for r, _ in pairs]
     title, caveats = goal_title(pairs)
     if failed:
-        reasons = "; ".join(f"{r['experiment']}: {foreign.get(r['experiment']) or v.get('reason', v.get('status'))}"
-                            for r, v in pairs if r["experiment"] in failed)
+        reasons = "; ".join(f"{r.experiment}: {foreign.get(r.experiment) or v.get('reason', v.get('status'))}"
+                            for r, v in pairs if r.experiment in failed)
         card.goals.append(Goal("minimal", f"Every validated checkpoint passed {', '.join(CHECK_NAMES.values())}",
                                FAILED,
                                f"{len(pairs) - len(failed)} of {len(pairs)} validated; {reasons}" + caveats, links))
@@ -130,7 +132,7 @@ def checkpoint_card(runs: list[dict]) -> Card | None:
         card.goals.append(Goal("minimal", title, PASSED,
                                f"all {len(pairs)} checkpoints passed the checks named in this goal within tolerance"
                                + caveats, links))
-    unvalidated = [r["experiment"] for r in runs if r.get("status") == "ok" and validation_of(r) is None]
+    unvalidated = [r.experiment for r in runs if r.status == "ok" and validation_of(r) is None]
     if unvalidated:
         card.notes.append(f"Not validated ({NOT_RUN}; config validation.scope, default per_format: the first "
                           f"experiment of each distinct checkpoint format): {', '.join(unvalidated)}.")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from distlab.report.cards import COMPARED, FAILED, NOT_RUN, PASSED, Goal, Table, metrics_link, tokens_per_s
+from distlab.report.report_run import ReportRun
 
 MIB = 2**20
 # Compiled kernels reorder float sums: the compiled run's losses may move this much, no more.
@@ -15,26 +16,26 @@ GOAL_COMPILE = "torch.compile (regional) against the same run uncompiled, losses
 GOAL_PROFILE = "torch.profiler traces of chosen steps (Perfetto, TensorBoard)"
 
 
-def twin(run: dict, runs: list[dict], **differs) -> dict | None:
+def twin(run: ReportRun, runs: list[ReportRun], **differs) -> ReportRun | None:
     """The ok run of the same machine whose spec equals `run`'s but for `differs` (and its id/tag)."""
     def key(spec, changed):
         return repr(sorted((k, repr(v)) for k, v in {**spec, **changed}.items() if k not in ("id", "tag")))
 
-    wanted = key(run["spec"], differs)
-    return next((r for r in runs if r is not run and r.get("status") == "ok" and r["machine"] == run["machine"]
-                 and key(r["spec"], {}) == wanted), None)
+    wanted = key(run.spec, differs)
+    return next((r for r in runs if r is not run and r.status == "ok" and r.machine == run.machine
+                 and key(r.spec, {}) == wanted), None)
 
 
-def state_mib(run: dict, part: str | None = None) -> float | None:
-    held = ((run.get("memory") or {}).get("model_state_bytes_per_rank") or [None])[0]
+def state_mib(run: ReportRun, part: str | None = None) -> float | None:
+    held = ((run.memory or {}).get("model_state_bytes_per_rank") or [None])[0]
     if not held:
         return None
     value = held.get(part, 0) if part else sum(held.get(k, 0) or 0 for k in ("params", "grads", "optimizer"))
     return round(value / MIB, 2)
 
 
-def qlora_goal(card, runs: list[dict]) -> None:
-    qlora = [r for r in runs if r.get("status") == "ok" and r["spec"].method == "qlora"]
+def qlora_goal(card, runs: list[ReportRun]) -> None:
+    qlora = [r for r in runs if r.status == "ok" and r.spec.method == "qlora"]
     if not qlora:
         card.goals.append(Goal("bonus", GOAL_QLORA, NOT_RUN, "no run set method: qlora"))
         return
@@ -44,13 +45,13 @@ def qlora_goal(card, runs: list[dict]) -> None:
         for label, r in (("qlora", run), ("lora", lora)):
             if r is None:
                 continue
-            built = r["as_built"].get("quantization") or {}
-            rows.append({"method": label, "experiment": r["experiment"],
+            built = r.as_built.get("quantization") or {}
+            rows.append({"method": label, "experiment": r.experiment,
                          "4-bit layers": built.get("linear4bit_layers", 0),
                          "weights per rank (MiB)": state_mib(r, "params"),
                          "model state per rank (MiB)": state_mib(r),
                          "tokens/s": round(tokens_per_s(r)[0], 1),
-                         "loss first -> last": f"{r['loss']['first']:.4f} -> {r['loss']['last']:.4f}"})
+                         "loss first -> last": f"{r.loss.first:.4f} -> {r.loss.last:.4f}"})
     import pandas as pd
 
     paired = sum(twin(r, runs, method="lora") is not None for r in qlora)
@@ -65,8 +66,8 @@ def qlora_goal(card, runs: list[dict]) -> None:
                            [metrics_link(r) for r in qlora]))
 
 
-def compile_goal(card, runs: list[dict]) -> None:
-    compiled = [r for r in runs if r.get("status") == "ok" and r["spec"].compile]
+def compile_goal(card, runs: list[ReportRun]) -> None:
+    compiled = [r for r in runs if r.status == "ok" and r.spec.compile]
     if not compiled:
         card.goals.append(Goal("bonus", GOAL_COMPILE, NOT_RUN,
                                "no run set compile: true (compiling the layers costs about half a minute per run on "
@@ -75,16 +76,16 @@ def compile_goal(card, runs: list[dict]) -> None:
     rows, worst, paired = [], 0.0, 0
     for run in compiled:
         eager = twin(run, runs, compile=False)
-        timing = run["timing"].get("compile") or {}
-        row = {"experiment": run["experiment"], "compile (s)": round(timing.get("compile_s", 0.0), 1),
-               "compiled median step (ms)": round(run["timing"]["step_time_s"]["median"] * 1000, 1)}
+        timing = run.timing.get("compile") or {}
+        row = {"experiment": run.experiment, "compile (s)": round(timing.get("compile_s", 0.0), 1),
+               "compiled median step (ms)": round(run.timing.step_time_s.median * 1000, 1)}
         if eager is not None:
             paired += 1
-            diff = max(abs(a - b) for a, b in zip(run["loss"]["per_step"], eager["loss"]["per_step"]))
+            diff = max(abs(a - b) for a, b in zip(run.loss.per_step, eager.loss.per_step))
             worst = max(worst, diff)
-            row.update({"eager median step (ms)": round(eager["timing"]["step_time_s"]["median"] * 1000, 1),
-                        "speed-up": round(eager["timing"]["step_time_s"]["median"]
-                                          / run["timing"]["step_time_s"]["median"], 2),
+            row.update({"eager median step (ms)": round(eager.timing.step_time_s.median * 1000, 1),
+                        "speed-up": round(eager.timing.step_time_s.median
+                                          / run.timing.step_time_s.median, 2),
                         "max |loss - eager|": f"{diff:.1e}"})
         rows.append(row)
     import pandas as pd
@@ -98,14 +99,15 @@ def compile_goal(card, runs: list[dict]) -> None:
                            f"{worst:.1e} (limit {COMPILE_LOSS_TOLERANCE:g})", [metrics_link(r) for r in compiled]))
 
 
-def profile_goal(card, runs: list[dict]) -> None:
-    profiled = [r for r in runs if r.get("status") == "ok" and r.get("profile")]
+def profile_goal(card, runs: list[ReportRun]) -> None:
+    profiled = [r for r in runs if r.status == "ok" and r.section("profile")]
     if not profiled:
         card.goals.append(Goal("bonus", GOAL_PROFILE, NOT_RUN, "no run set profile: {steps: [a, b]}"))
         return
-    links = [os.path.join(r["_dir"], trace) for r in profiled for trace in r["profile"]["traces"] if trace]
-    links += [os.path.join(r["_dir"], snap) for r in profiled for snap in r["profile"]["memory_snapshots"] if snap]
-    notes = sorted({r["profile"]["memory_snapshot_note"] for r in profiled if r["profile"].get("memory_snapshot_note")})
+    links = [os.path.join(r.folder, trace) for r in profiled for trace in r.section("profile").traces if trace]
+    links += [os.path.join(r.folder, snap) for r in profiled for snap in r.section("profile").memory_snapshots if snap]
+    notes = sorted({r.section("profile").memory_snapshot_note for r in profiled
+                    if r.section("profile").get("memory_snapshot_note")})
     card.goals.append(Goal("bonus", GOAL_PROFILE, PASSED,
                            f"{len(profiled)} run(s) traced; open a trace in ui.perfetto.dev or TensorBoard"
                            + (f"; {'; '.join(notes)}" if notes else ""), links))

@@ -8,6 +8,7 @@ from distlab.configuration.config_links import link_label
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Goal, Table, comm_ms, \
     metrics_link
 from distlab.report.plots import figure, label_axes, to_png_b64
+from distlab.report.report_run import ReportRun
 
 # The roadmap's interconnects, Gbit/s each way (PCIe 4.0 x16 ~32 GB/s, NVLink ~900 GB/s).
 INTERCONNECTS = {"1 Gbit Ethernet": 1, "10 Gbit Ethernet": 10, "PCIe 4.0 x16": 256, "NVLink (H100)": 7200}
@@ -15,29 +16,29 @@ INTERCONNECTS = {"1 Gbit Ethernet": 1, "10 Gbit Ethernet": 10, "PCIe 4.0 x16": 2
 
 def strategy_label(spec: Spec) -> str:
     if spec.strategy == "deepspeed":
-        return f"ZeRO-{spec.deepspeed['zero_stage']}"
+        return f"ZeRO-{spec.deepspeed.zero_stage}"
     return {"ddp": "DDP", "fsdp": "FSDP", "tp": "TP", "pp": "PP"}.get(spec.strategy, spec.strategy)
 
 
-def cap_of(run: dict) -> float | None:
-    return run["spec"].link["bandwidth_mbit"]
+def cap_of(run: ReportRun) -> float | None:
+    return run.spec.link.bandwidth_mbit
 
 
 def cap_order(cap: float | None) -> float:
     return float("inf") if cap is None else cap
 
 
-def wire_bytes_per_step(run: dict) -> float | None:
+def wire_bytes_per_step(run: ReportRun) -> float | None:
     """Bytes each host sent per optimizer step during the steps (its eth0 counters around
     train(), mean over hosts), warm-up steps included."""
-    traffic = run["as_built"].get("link_traffic")
+    traffic = run.as_built.get("link_traffic")
     if not traffic:
         return None
-    return sum(t["tx_bytes"] for t in traffic) / len(traffic) / run["spec"].steps
+    return sum(t["tx_bytes"] for t in traffic) / len(traffic) / run.spec.steps
 
 
-def step_s(run: dict) -> float:
-    return run["timing"]["step_time_s"]["median"]
+def step_s(run: ReportRun) -> float:
+    return run.timing.step_time_s.median
 
 
 def transfer_free_step(at: dict) -> tuple[float | None, float | None]:
@@ -46,11 +47,11 @@ def transfer_free_step(at: dict) -> tuple[float | None, float | None]:
     capped = [(run, wire_bytes_per_step(run)) for cap, run in at.items() if cap and wire_bytes_per_step(run)]
     if not capped:
         return None, None
-    rest = sorted(step_s(run) - wire * 8 / (run["spec"].link["bandwidth_mbit"] * 1e6) for run, wire in capped)
+    rest = sorted(step_s(run) - wire * 8 / (run.spec.link.bandwidth_mbit * 1e6) for run, wire in capped)
     return rest[len(rest) // 2], sorted(w for _, w in capped)[len(capped) // 2]
 
 
-def break_even(one: dict, at: dict) -> tuple[float | None, str]:
+def break_even(one: ReportRun, at: dict) -> tuple[float | None, str]:
     """Mbit/s above which 2 ranks beat 1 in the model step(bw) = T0 + bits/bw (no overlap):
     bw* = bits / (T_1 - T0)."""
     t0, wire = transfer_free_step(at)
@@ -103,13 +104,13 @@ def prediction_table(card: Card, linked: list[dict]) -> None:
 
     from distlab.records.predictions import LINK_TOLERANCE, check_step_times, step_time_verdict
 
-    rows = check_step_times(linked, LINK_TOLERANCE)
+    rows = check_step_times([run.metrics for run in linked], LINK_TOLERANCE)
     if not rows:
         return
-    by_name = {r["experiment"]: r for r in linked}
+    by_name = {r.experiment: r for r in linked}
     for row in rows:
         run = by_name[row["experiment"]]
-        predicted = ((run.get("prediction") or {}).get("terms") or {}) \
+        predicted = ((run.section("prediction") or {}).get("terms") or {}) \
             .get("communication", {}).get("wire_bytes_per_rank")
         wire = wire_bytes_per_step(run)
         row["link"] = link_label(cap_of(run))
@@ -126,33 +127,33 @@ def prediction_table(card: Card, linked: list[dict]) -> None:
         "counters (every step, warm-up and the loss's reduction included).")))
 
 
-def build(runs: list[dict], collectives: dict) -> tuple[Card, dict]:
+def build(runs: list[ReportRun], collectives: dict) -> tuple[Card, dict]:
     import pandas as pd
 
     card = Card(7, "Links: the same strategies over a 100 Mbit/s home network, 1 and 10 Gbit/s, and no cap")
-    linked = [r for r in runs if r.get("status") == "ok" and r["spec"].link]
-    singles = [r for r in runs if r.get("status") == "ok" and r["as_built"]["world_size"] == 1]
+    linked = [r for r in runs if r.status == "ok" and r.spec.link]
+    singles = [r for r in runs if r.status == "ok" and r.as_built.world_size == 1]
     evidence = {"how": "distlab/report/cards/links.py", "strategies": {}}
     if not linked or not singles:
         card.goals.append(Goal("minimal", "Strategies measured over capped links against 1 rank", NOT_RUN if not runs
                                else FAILED, "needs a 1-rank run and 2-rank runs with a link (stage `links`)"))
         return card, evidence
     one = singles[0]
-    gbs = one["throughput"]["samples_per_step"]
+    gbs = one.throughput.samples_per_step
     by_strategy: dict[str, dict] = {}
     for run in linked:
-        by_strategy.setdefault(strategy_label(run["spec"]), {})[cap_of(run)] = run
+        by_strategy.setdefault(strategy_label(run.spec), {})[cap_of(run)] = run
     rows, stops, fig, ax = [], [], *figure(6.4, 3.6)
     caps = sorted({cap_of(r) for r in linked}, key=cap_order)
     for name, at in by_strategy.items():
         points = []
         for cap in sorted(at, key=cap_order):
             run = at[cap]
-            speedup = run["throughput"]["tokens_per_s"] / one["throughput"]["tokens_per_s"]
+            speedup = run.throughput.tokens_per_s / one.throughput.tokens_per_s
             points.append((cap, speedup))
             wire = wire_bytes_per_step(run)
-            rows.append({"strategy": name, "link": link_label(cap), "experiment": run["experiment"],
-                         "tokens/s": round(run["throughput"]["tokens_per_s"], 1),
+            rows.append({"strategy": name, "link": link_label(cap), "experiment": run.experiment,
+                         "tokens/s": round(run.throughput.tokens_per_s, 1),
                          "speedup vs 1 rank": round(speedup, 2), "median step ms": round(step_s(run) * 1e3, 1),
                          "comm in flight ms/step": comm_ms(run),
                          "MB/step each host sent": None if wire is None else round(wire / 1e6, 2),
@@ -172,7 +173,7 @@ def build(runs: list[dict], collectives: dict) -> tuple[Card, dict]:
     ax.axhline(1, color="grey", linestyle="--", label="1 rank")
     ax.set_xticks(range(len(caps)), [link_label(c) for c in caps])
     how = (f"2 ranks, one per host (network namespace), link capped with tc tbf each way; tokens/s at the same "
-           f"global batch ({gbs}) as the 1-rank run {one['experiment']} (loopback, no link); median step after "
+           f"global batch ({gbs}) as the 1-rank run {one.experiment} (loopback, no link); median step after "
            f"warm-up; MB/step = bytes each host's eth0 sent during the steps / steps (kernel counters); link busy = "
            f"those bits per median step / cap. {SPREAD_CAVEAT}")
     label_axes(ax, "link (each way)", "tokens/s / 1-rank tokens/s", "Speedup over 1 rank by link speed")
@@ -192,8 +193,8 @@ def build(runs: list[dict], collectives: dict) -> tuple[Card, dict]:
                            [metrics_link(r) for r in linked[:1]] + [metrics_link(one)]))
     ddp = by_strategy.get("DDP", {})
     capped = sorted((c for c in ddp if c is not None))
-    if len(capped) >= 2 and all(ddp[c]["timing"]["comm_inflight_s_per_step"]["median"] for c in capped):
-        comm = [ddp[c]["timing"]["comm_inflight_s_per_step"]["median"] for c in capped]
+    if len(capped) >= 2 and all(ddp[c].timing.comm_inflight_s_per_step.median for c in capped):
+        comm = [ddp[c].timing.comm_inflight_s_per_step.median for c in capped]
         ordered = all(a > b for a, b in zip(comm, comm[1:]))
         card.goals.append(Goal("bonus", "A slower link slows DDP's all-reduce, in order", PASSED if ordered else FAILED,
                                ", ".join(f"{link_label(c)}: {t * 1e3:.1f} ms" for c, t in zip(capped, comm))

@@ -4,6 +4,7 @@ compares a run with a DDP run of another recipe and reports the recipe's gap as 
 from __future__ import annotations
 
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, Goal
+from distlab.report.report_run import ReportRun
 
 # Max |loss diff| vs DDP below which a card says sharding left fp32 training unchanged (float
 # summation order moves the loss by ~1e-6 here); above it the card says it did not.
@@ -13,45 +14,45 @@ NOT_COMPARED = ("Loss parity not compared: no DDP run (sampler on) trained the s
                 "loss gap would measure the recipe, not {what}.")
 
 
-def training_recipe(run: dict) -> tuple:
+def training_recipe(run: ReportRun) -> tuple:
     """What decides a run's losses step by step beyond its strategy: machine, seed, data, global
     batch, model, precision, method and the optimization recipe (LR, its schedule and warm-up,
     clipping, weight decay; the step count too where the schedule depends on it)."""
-    s = run["spec"]
+    s = run.spec
     schedule = s.get("lr_schedule") or "constant"
-    return (run["machine"], s["seed"], s.get("dataset"), s["seq_len"], s["precision"], s["lr"], s.get("weight_decay"),
-            s["method"], run["throughput"]["samples_per_step"], run["parameters"]["total"], schedule,
+    return (run.machine, s.seed, s.get("dataset"), s.seq_len, s.precision, s.lr, s.get("weight_decay"),
+            s.method, run.throughput.samples_per_step, run.section("parameters").total, schedule,
             s.get("lr_warmup_steps") or 0, s.get("max_grad_norm") or 0.0,
-            None if schedule == "constant" else s["steps"])
+            None if schedule == "constant" else s.steps)
 
 
-def ddp_twin(run: dict, runs: list[dict]) -> dict | None:
+def ddp_twin(run: ReportRun, runs: list[ReportRun]) -> ReportRun | None:
     """The first finished DDP run (DistributedSampler on) with `run`'s training recipe."""
     key = training_recipe(run)
     for other in runs:
-        o = other["spec"]
-        if other is not run and other.get("status") == "ok" and o["strategy"] == "ddp" \
-                and o["sampler"] == "distributed" and training_recipe(other) == key:
+        o = other.spec
+        if other is not run and other.status == "ok" and o.strategy == "ddp" \
+                and o.sampler == "distributed" and training_recipe(other) == key:
             return other
     return None
 
 
-def loss_gap(run: dict, baseline: dict) -> tuple[float, int]:
+def loss_gap(run: ReportRun, baseline: ReportRun) -> tuple[float, int]:
     """Largest per-step |loss difference| over the steps both recorded, and how many."""
-    pairs = [(a, b) for a, b in zip(run["loss"]["per_step"], baseline["loss"]["per_step"])
+    pairs = [(a, b) for a, b in zip(run.loss.per_step, baseline.loss.per_step)
              if a is not None and b is not None]
     return (max(abs(a - b) for a, b in pairs) if pairs else float("nan")), len(pairs)
 
 
-def parity_rows(runs: list[dict], everyone: list[dict], label: str) -> list[dict]:
+def parity_rows(runs: list[ReportRun], everyone: list[ReportRun], label: str) -> list[dict]:
     """One row per run that has a DDP twin: the twin, steps compared, the largest gap."""
     rows = []
     for run in runs:
         twin = ddp_twin(run, everyone)
         if twin is not None:
             gap, steps = loss_gap(run, twin)
-            rows.append({label: run["experiment"], "DDP run": twin["experiment"], "steps compared": steps,
-                         "max |loss diff|": f"{gap:.2e}", "precision": run["spec"].precision})
+            rows.append({label: run.experiment, "DDP run": twin.experiment, "steps compared": steps,
+                         "max |loss diff|": f"{gap:.2e}", "precision": run.spec.precision})
     return rows
 
 
@@ -74,18 +75,18 @@ def gap_sentence(rows: list[dict], label: str, sharding: str, library: str) -> s
 GOAL_LESSON = "Every run trains what DDP trains on the same recipe, and every validated checkpoint passed"
 
 
-def lesson_goal(stage: str, runs: list[dict], compare_with_ddp: bool) -> Goal:
+def lesson_goal(stage: str, runs: list[ReportRun], compare_with_ddp: bool) -> Goal:
     """A stage has not taught its lesson while one of its runs missed loss parity with its DDP twin
     (compare_with_ddp: the sharding and model-parallel stages, whose runs must train what DDP
     trains) or failed its checkpoint validation; the overview then shows the stage failed."""
-    mine = [r for r in runs if r.get("stage") == stage]
-    rows = parity_rows([r for r in mine if r.get("status") == "ok" and r["spec"].strategy != "ddp"], runs,
+    mine = [r for r in runs if r.stage == stage]
+    rows = parity_rows([r for r in mine if r.status == "ok" and r.spec.strategy != "ddp"], runs,
                        "run") if compare_with_ddp else []
     off = [f"{r['run']} vs {r['DDP run']} by {r['max |loss diff|']}" for r in rows
            if not float(r["max |loss diff|"]) <= PARITY_TOLERANCE]
-    validated = [r for r in mine if r.get("_validation")]
-    invalid = [f"{r['experiment']} ({r['_validation'].get('reason') or 'failed'})" for r in validated
-               if not r["_validation"].get("passed")]
+    validated = [r for r in mine if r.validation]
+    invalid = [f"{r.experiment} ({r.validation.get('reason') or 'failed'})" for r in validated
+               if not r.validation.get("passed")]
     if off or invalid:
         return Goal("minimal", GOAL_LESSON, FAILED, "; ".join(
             ([f"loss differs from DDP by more than {PARITY_TOLERANCE:g}: " + ", ".join(off)] if off else []) +

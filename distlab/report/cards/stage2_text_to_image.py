@@ -15,6 +15,7 @@ from distlab.report.cards import FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, F
 from distlab.report.cards.checkpoint_table import validation_of
 from distlab.report.cards.stage2_accelerate import _accelerate_record, config_pairs, pair_links
 from distlab.report.plots import loss_curves
+from distlab.report.report_run import ReportRun
 
 TASK = "text-to-image"
 MIB = 2**20
@@ -28,12 +29,12 @@ TINY_SD_NOTE = ("The embedded default is a tiny Stable Diffusion with random wei
 
 def images_per_s(run) -> tuple[float, float, float]:
     """(median, low, high) images/s from collect's spread (throughput.images_per_step over step times)."""
-    stats = run["_throughput"]
-    return stats["median"], stats["low"], stats["high"]
+    stats = run.throughput_spread
+    return stats.median, stats.low, stats.high
 
 
 def heldout(run) -> tuple:
-    ev = run.get("eval") or {}
+    ev = run.section("eval") or {}
     return (ev.get("base") or {}).get("loss"), (ev.get("trained") or {}).get("loss")
 
 
@@ -41,22 +42,22 @@ def memory_cell(run, phase: str) -> str:
     """Per-rank peaks in MiB: a phase's record (load_phase, training_phase), or a per-rank key
     (peak_through_save_bytes: eval, sampling, save and export included)."""
     peaks = [m.get(phase) if phase.endswith("_bytes") else (m.get(phase) or {}).get("rss_peak_bytes")
-             for m in run["memory"]["per_rank"]]
+             for m in run.memory.per_rank]
     return " / ".join(f"{p / MIB:.0f}" if p else "-" for p in peaks)
 
 
 def run_row(run) -> dict:
     median, low, high = images_per_s(run)
     base, tuned = heldout(run)
-    flops = run.get("flops") or {}
-    built = run["as_built"]
-    return {"machine": run["machine"], "experiment": run["experiment"], "strategy": run["spec"].strategy,
-            "processes": built["world_size"], "wrapped by": built.get("wrapped_by") or built.get("outer_wrapper"),
+    flops = run.section("flops") or {}
+    built = run.as_built
+    return {"machine": run.machine, "experiment": run.experiment, "strategy": run.spec.strategy,
+            "processes": built.world_size, "wrapped by": built.get("wrapped_by") or built.get("outer_wrapper"),
             "find_unused_parameters": built.get("find_unused_parameters", "-"),
             "images/s (spread)": f"{median:.1f} ({low:.1f}-{high:.1f})",
-            "images/s per rank": round(median / built["world_size"], 2),
-            "median step (ms)": round(run["timing"]["step_time_s"]["median"] * 1000, 1),
-            "loss first -> last": f"{run['loss']['first']:.4f} -> {run['loss']['last']:.4f}",
+            "images/s per rank": round(median / built.world_size, 2),
+            "median step (ms)": round(run.timing.step_time_s.median * 1000, 1),
+            "loss first -> last": f"{run.loss.first:.4f} -> {run.loss.last:.4f}",
             "held-out base -> tuned": f"{base:.4f} -> {tuned:.4f}" if None not in (base, tuned) else "not measured",
             "GFLOPs/image": round(flops["flops_per_image"] / 1e9, 4) if flops.get("flops_per_image") else None,
             "MFU": f"{flops['mfu']:.2%}" if flops.get("mfu") is not None else "not computed",
@@ -67,21 +68,21 @@ def run_row(run) -> dict:
 
 def scaling_goal(card: Card, accel: list[dict]) -> None:
     text = "Stable Diffusion LoRA with Accelerate, 1 vs 2 processes by the config file alone (images/s)"
-    pairs = [(one, multi) for one, multi in config_pairs(accel) if multi["spec"].world_size == 2]
+    pairs = [(one, multi) for one, multi in config_pairs(accel) if multi.spec.world_size == 2]
     if not pairs:
         card.goals.append(Goal("minimal", text, NOT_RUN, "needs two text-to-image Accelerate runs whose specs differ "
                                                          "only in world_size (1 and 2)"))
         return
     one, multi = pairs[0]
-    real = (one["as_built"]["world_size"], multi["as_built"]["world_size"])
+    real = (one.as_built.world_size, multi.as_built.world_size)
     types = (_accelerate_record(one)["distributed_type"], _accelerate_record(multi)["distributed_type"])
     (m1, lo1, hi1), (m2, lo2, hi2) = images_per_s(one), images_per_s(multi)
     clear = lo2 > hi1 or lo1 > hi2
     card.goals.append(Goal(
         "minimal", text, PASSED if real == (1, 2) else FAILED,
-        f"{one['experiment']} and {multi['experiment']}: same spec but world_size, real world sizes {real[0]} and "
+        f"{one.experiment} and {multi.experiment}: same spec but world_size, real world sizes {real[0]} and "
         f"{real[1]} (Accelerate {types[0]}, {types[1]}); {m1:.1f} ({lo1:.1f}-{hi1:.1f}) vs {m2:.1f} ({lo2:.1f}-"
-        f"{hi2:.1f}) images/s, {m2 / m1:.2f}x at {multi['spec']['micro_batch']} images per rank per micro-batch"
+        f"{hi2:.1f}) images/s, {m2 / m1:.2f}x at {multi.spec.micro_batch} images per rank per micro-batch"
         f"{'' if clear else ' (spreads overlap: no clear winner)'}",
         pair_links(one, multi)))
 
@@ -91,10 +92,10 @@ def heldout_goal(card: Card, ok: list[dict]) -> None:
     if not ok:
         card.goals.append(Goal("minimal", text, NOT_RUN, "no successful text-to-image run"))
         return
-    missing = [r["experiment"] for r in ok if None in heldout(r)]
-    moved = "; ".join(f"{r['experiment']} {heldout(r)[0]:.4f} -> {heldout(r)[1]:.4f}" for r in ok
+    missing = [r.experiment for r in ok if None in heldout(r)]
+    moved = "; ".join(f"{r.experiment} {heldout(r)[0]:.4f} -> {heldout(r)[1]:.4f}" for r in ok
                       if None not in heldout(r))
-    how = (ok[0].get("eval") or {}).get("trained", {}).get("how", "")
+    how = (ok[0].section("eval") or {}).get("trained", {}).get("how", "")
     card.goals.append(Goal("minimal", text, FAILED if missing else PASSED,
                            (f"not measured for {', '.join(missing)}. " if missing else "")
                            + f"Fine-tuning moved held-out loss (base -> tuned): {moved}. {how}",
@@ -105,9 +106,9 @@ def grid_goal(card: Card, ok: list[dict]) -> None:
     text = "Sample grid from fixed prompts and seeds, base vs tuned (PNG)"
     shown = []
     for run in ok:
-        samples = ((run.get("eval") or {}).get("trained") or {}).get("samples") or {}
-        png = Path(run["_dir"]) / samples.get("path", "run_files/samples.png")
-        if samples and run.get("_samples_png"):  # read by collect.load_run
+        samples = ((run.section("eval") or {}).get("trained") or {}).get("samples") or {}
+        png = Path(run.folder) / samples.get("path", "run_files/samples.png")
+        if samples and run.samples_png:  # read by collect.load_run
             shown.append((run, samples, png))
     if not shown:
         card.goals.append(Goal("minimal", text, NOT_RUN if not ok else FAILED,
@@ -115,8 +116,8 @@ def grid_goal(card: Card, ok: list[dict]) -> None:
         return
     for run, samples, png in shown[:GRIDS_SHOWN]:
         card.figures.append(Figure(
-            f"{run['machine']}/{run['experiment']}: base (top) vs tuned (bottom)",
-            base64.b64encode(run["_samples_png"]).decode(),
+            f"{run.machine}/{run.experiment}: base (top) vs tuned (bottom)",
+            base64.b64encode(run.samples_png).decode(),
             f"prompts {samples['prompts']}, seeds {samples['seeds']}, {samples['steps']} steps of "
             f"{samples['scheduler']}, guidance {samples['guidance_scale']}, {samples['resolution']} px. "
             f"{samples['how']}"))
@@ -134,27 +135,27 @@ def export_goal(card: Card, ok: list[dict]) -> None:
     if not checked:
         card.goals.append(Goal("bonus", text, NOT_RUN, "no text-to-image run's checkpoint was validated"))
         return
-    bad = [r["experiment"] for r, c in checked if c["status"] != PASSED]
+    bad = [r.experiment for r, c in checked if c["status"] != PASSED]
     card.goals.append(Goal("bonus", text, FAILED if bad else PASSED,
-                           "; ".join(f"{r['experiment']}: {c['status']}, max |output diff| "
+                           "; ".join(f"{r.experiment}: {c['status']}, max |output diff| "
                                      f"{c.get('max_abs_output_diff', float('nan')):.1e} (tolerance "
                                      f"{c.get('tolerance')})"
                                      for r, c in checked) + f". {checked[0][1].get('how', '')}",
-                           [str(Path(r["_dir"]) / "validation.json") for r, _ in checked]))
+                           [str(Path(r.folder) / "validation.json") for r, _ in checked]))
 
 
 def count(n: int) -> str:
     return f"{n / 1e6:,.1f}M" if n >= 1e6 else f"{n:,}"
 
 
-def advisor_tables(card: Card, runs: list[dict]) -> None:
+def advisor_tables(card: Card, runs: list[ReportRun]) -> None:
     """advice-sd.json (rule advise_sd; collect.attach_machine_records reads it) of each machine with
     text-to-image runs."""
     import pandas as pd
 
     from distlab.records.memory_phases import human
 
-    for machine, advice in sorted({r["machine"]: r.get("_sd_advice") for r in runs}.items()):
+    for machine, advice in sorted({r.machine: r.sd_advice for r in runs}.items()):
         if not advice:
             continue
         plan = advice["devices"]
@@ -170,12 +171,12 @@ def advisor_tables(card: Card, runs: list[dict]) -> None:
                                  pd.DataFrame(rows), " ".join(advice["how"].split())))
 
 
-def build(runs: list[dict]) -> Card:
+def build(runs: list[ReportRun]) -> Card:
     import pandas as pd
 
     card = Card(2, "Stage 2 - Stable Diffusion LoRA with Accelerate (text-to-image)")
-    ok = [r for r in runs if r.get("status") == "ok" and r.get("_throughput")]
-    accel = [r for r in ok if r["spec"].strategy == "accelerate" and _accelerate_record(r)]
+    ok = [r for r in runs if r.status == "ok" and r.throughput_spread]
+    accel = [r for r in ok if r.spec.strategy == "accelerate" and _accelerate_record(r)]
     scaling_goal(card, accel)
     grid_goal(card, ok)
     heldout_goal(card, ok)
@@ -183,7 +184,7 @@ def build(runs: list[dict]) -> Card:
     if not ok:
         return card
     card.notes.append(TINY_SD_NOTE)
-    task = ok[0]["as_built"].get("task") or {}
+    task = ok[0].as_built.get("task") or {}
     frozen = task.get("frozen") or {}
     if frozen:
         card.notes.append("Frozen beside the trained UNet (never wrapped, sharded or partitioned; read from their "

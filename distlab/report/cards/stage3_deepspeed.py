@@ -8,6 +8,7 @@ from distlab.report.cards import (COMPARED, DOUBTFUL, FAILED, NOT_RUN, PASSED, C
 from distlab.report.cards.parity import NOT_COMPARED, gap_sentence, parity_rows
 from distlab.report.cards.zero_memory import GAP_LIMIT, MIB, gap_note, memory_figure, memory_rows
 from distlab.report.plots import loss_curves
+from distlab.report.report_run import ReportRun
 
 # Its lesson (cards.parity.lesson_goal): the stage, and whether its runs must train what DDP trains.
 LESSON = ("deepspeed", True)
@@ -17,51 +18,51 @@ GOAL_BUDGET = "ZeRO-3 ran what a single device could not, under the same per-ran
 GOAL_OFFLOAD = "Offload slowdown measured (same model and batch, with and without offload)"
 
 
-def deepspeed_runs(runs: list[dict]) -> list[dict]:
+def deepspeed_runs(runs: list[ReportRun]) -> list[ReportRun]:
     """Successful runs a DeepSpeed engine really ran (the label alone is not trusted)."""
-    return [r for r in ok_runs(runs, "deepspeed") if r["spec"].strategy == "deepspeed"
-            and (r.get("as_built") or {}).get("deepspeed", {}).get("engine") == "DeepSpeedEngine"]
+    return [r for r in ok_runs(runs, "deepspeed") if r.spec.strategy == "deepspeed"
+            and (r.as_built or {}).get("deepspeed", {}).get("engine") == "DeepSpeedEngine"]
 
 
-def budget_goal(runs: list[dict]) -> Goal:
+def budget_goal(runs: list[ReportRun]) -> Goal:
     """A 1-device run out of memory under the budget and a ZeRO-3 run on 2+ devices that finished
     under the same budget, on the same model. The budget is enforced per rank process
     (distlab.runtime.memory: CUDA allocator fraction, CPU RSS watchdog); a run recorded before CPU
     enforcement is only compared, and says so. Passed only where both verdicts are enforced."""
-    budgeted = [r for r in runs if r["stage"] == "deepspeed" and r["spec"].memory_budget_gib]
+    budgeted = [r for r in runs if r.stage == "deepspeed" and r.spec.memory_budget_gib]
     single, sharded = [], []
     for run in budgeted:
-        spec = run["spec"]
+        spec = run.spec
         if spec.world_size == 1:
-            if run.get("status") == "oom":
+            if run.status == "oom":
                 single.append((run, "ran out of memory under the enforced budget (status oom)", True))
-            elif run.get("status") == "ok":
-                verdict = run["memory"]["per_rank"][0].get("budget") or {}
+            elif run.status == "ok":
+                verdict = run.memory.per_rank[0].get("budget") or {}
                 if verdict and not verdict["fits"]:
                     how = "enforced" if verdict["enforced"] else "compared, not enforced (CPU)"
                     single.append((run, f"needed {verdict['measured_bytes'] / MIB:.1f} MiB "
                                         f"({verdict['measured_what']}) > budget {verdict['bytes'] / MIB:.1f} MiB, "
                                         f"{how}", verdict["enforced"]))
-        elif run.get("status") == "ok" and spec.deepspeed["zero_stage"] == 3 and spec.strategy == "deepspeed":
-            verdicts = [m.get("budget") for m in run["memory"]["per_rank"]]
+        elif run.status == "ok" and spec.deepspeed.zero_stage == 3 and spec.strategy == "deepspeed":
+            verdicts = [m.get("budget") for m in run.memory.per_rank]
             if verdicts and all(v and v["fits"] for v in verdicts):
                 worst = max(v["measured_bytes"] for v in verdicts)
                 if verdicts[0]["enforced"]:
-                    why = (f"{run['as_built']['world_size']} ranks finished under the enforced budget of "
+                    why = (f"{run.as_built.world_size} ranks finished under the enforced budget of "
                            f"{verdicts[0]['bytes'] / MIB:.1f} MiB per rank "
                            f"({verdicts[0].get('how', 'how not recorded').split(' (')[0]}); "
                            f"largest rank {worst / MIB:.1f} MiB "
                            f"({verdicts[0].get('measured_what', 'measure not recorded')})")
                 else:
-                    why = (f"{run['as_built']['world_size']} ranks, largest rank {worst / MIB:.1f} MiB <= budget "
+                    why = (f"{run.as_built.world_size} ranks, largest rank {worst / MIB:.1f} MiB <= budget "
                            f"{verdicts[0]['bytes'] / MIB:.1f} MiB, compared, not enforced")
                 sharded.append((run, why, verdicts[0]["enforced"]))
     if not budgeted:
         return Goal("bonus", GOAL_BUDGET, NOT_RUN, "no DeepSpeed run with memory_budget_gib")
     pairs = [(s, z) for s in single for z in sharded
-             if s[0]["machine"] == z[0]["machine"]
-             and s[0]["spec"]["memory_budget_gib"] == z[0]["spec"]["memory_budget_gib"]
-             and s[0]["spec"].get("model", "default") == z[0]["spec"].get("model", "default")]
+             if s[0].machine == z[0].machine
+             and s[0].spec.memory_budget_gib == z[0].spec.memory_budget_gib
+             and s[0].spec.get("model", "default") == z[0].spec.get("model", "default")]
     if not pairs:
         return Goal("bonus", GOAL_BUDGET, FAILED,
                     f"{len(single)} single-device run(s) over budget, {len(sharded)} ZeRO-3 run(s) within it: "
@@ -71,16 +72,16 @@ def budget_goal(runs: list[dict]) -> Goal:
     (one, one_why, one_enforced), (zero, zero_why, zero_enforced) = max(pairs, key=lambda p: p[0][2] and p[1][2])
     enforced = one_enforced and zero_enforced
     return Goal("bonus", GOAL_BUDGET, PASSED if enforced else COMPARED,
-                f"{one['experiment']}: {one_why}; {zero['experiment']}: {zero_why}"
+                f"{one.experiment}: {one_why}; {zero.experiment}: {zero_why}"
                 + ("" if enforced else ". The budget was compared with the measured memory after the run, not "
                    "enforced by an allocator, so this does not show the runs could not exceed it"),
                 [metrics_link(one), metrics_link(zero)])
 
 
-def weights_read(run: dict) -> str:
+def weights_read(run: ReportRun) -> str:
     """How rank 0 got its weights, from as_built.deepspeed.load (ZeRO-3) or the stage (0-2)."""
-    load = run["as_built"]["deepspeed"].get("load")
-    if run["as_built"]["deepspeed"]["zero_stage"] != 3:
+    load = run.as_built.deepspeed.get("load")
+    if run.as_built.deepspeed.zero_stage != 3:
         return "whole model (from_pretrained)"
     if not load:
         return "not recorded"
@@ -89,40 +90,40 @@ def weights_read(run: dict) -> str:
     return f"whole state dict (transformers' ZeRO-3 route: {load.get('why', '')})"
 
 
-def offload_pairs(ds_runs: list[dict]) -> list[tuple[dict, dict]]:
+def offload_pairs(ds_runs: list[ReportRun]) -> list[tuple[ReportRun, ReportRun]]:
     def key(r):
-        s = r["spec"]
-        return (r["machine"], s["deepspeed"]["zero_stage"], s["world_size"], s["micro_batch"], s["grad_accum"],
-                s["seq_len"], s["precision"], s["method"], s.get("model", "default"),
-                s["deepspeed"].get("zero3_profile", "auto"))
+        s = r.spec
+        return (r.machine, s.deepspeed.zero_stage, s.world_size, s.micro_batch, s.grad_accum,
+                s.seq_len, s.precision, s.method, s.get("model", "default"),
+                s.deepspeed.get("zero3_profile", "auto"))
 
-    plain = {key(r): r for r in ds_runs if r["as_built"]["deepspeed"]["offload_optimizer"] == "none"
-             and r["as_built"]["deepspeed"]["offload_param"] == "none"}
+    plain = {key(r): r for r in ds_runs if r.as_built.deepspeed.offload_optimizer == "none"
+             and r.as_built.deepspeed.offload_param == "none"}
     return [(plain[key(r)], r) for r in ds_runs if key(r) in plain and r is not plain[key(r)]
-            and "none" != r["as_built"]["deepspeed"]["offload_optimizer"]]
+            and "none" != r.as_built.deepspeed.offload_optimizer]
 
 
-def offload_goal(plain: dict, off: dict) -> Goal:
+def offload_goal(plain: ReportRun, off: ReportRun) -> Goal:
     """The offload slowdown, measured: passed at 1x or slower; doubtful below 1 (offload adds
     copies and moves the optimizer step to the host; it cannot make a step faster), with the
     likely cause from the runs' noise records."""
-    slow = off["timing"]["step_time_s"]["median"] / plain["timing"]["step_time_s"]["median"]
-    text = (f"{off['experiment']} median step {off['timing']['step_time_s']['median'] * 1000:.0f} ms vs "
-            f"{plain['experiment']} {plain['timing']['step_time_s']['median'] * 1000:.0f} ms: {slow:.2f}x")
+    slow = off.timing.step_time_s.median / plain.timing.step_time_s.median
+    text = (f"{off.experiment} median step {off.timing.step_time_s.median * 1000:.0f} ms vs "
+            f"{plain.experiment} {plain.timing.step_time_s.median * 1000:.0f} ms: {slow:.2f}x")
     links = [metrics_link(plain), metrics_link(off)]
     if slow < 1:
         where = " (on CPU ranks both keep their state in host memory: the two should tie)" \
-            if off["spec"].device == "cpu" else ""
+            if off.spec.device == "cpu" else ""
         return Goal("bonus", GOAL_OFFLOAD, DOUBTFUL,
                     f"{text}: offload FASTER than none, which offload cannot be{where}; {noise_cause([plain, off])}",
                     links)
     return Goal("bonus", GOAL_OFFLOAD, PASSED, text, links)
 
 
-def ddp_parity(ds_runs: list[dict], runs: list[dict]) -> list[dict]:
+def ddp_parity(ds_runs: list[ReportRun], runs: list[ReportRun]) -> list[dict]:
     """Loss vs a DDP run that trained the same samples the same way (parity.ddp_twin)."""
     rows = parity_rows(ds_runs, runs, "DeepSpeed run")
-    optimizer = {r["experiment"]: r["as_built"]["deepspeed"]["basic_optimizer"] for r in ds_runs}
+    optimizer = {r.experiment: r.as_built.deepspeed.basic_optimizer for r in ds_runs}
     return [dict(row, optimizer=optimizer[row["DeepSpeed run"]]) for row in rows]
 
 
@@ -132,7 +133,7 @@ def parity_note(parity: list[dict]) -> str:
     return gap_sentence(parity, "DeepSpeed run", f"ZeRO sharding{offload}", "DeepSpeed")
 
 
-def build(runs: list[dict]) -> Card:
+def build(runs: list[ReportRun]) -> Card:
     import pandas as pd
 
     card = Card(3, "Stage 3 - DeepSpeed ZeRO")
@@ -163,12 +164,12 @@ def build(runs: list[dict]) -> Card:
         plain, off = pairs[0]
         card.goals.append(offload_goal(plain, off))
         card.tables.append(Table("Offload slowdown", pd.DataFrame([{
-            "run": r["experiment"], "offload (opt/param)":
-                f"{r['as_built']['deepspeed']['offload_optimizer']}/{r['as_built']['deepspeed']['offload_param']}",
-            "median step (ms)": round(r["timing"]["step_time_s"]["median"] * 1000, 1),
-            "step p25-p75 (ms)": f"{r['timing']['step_time_s']['p25'] * 1000:.1f}-"
-                                 f"{r['timing']['step_time_s']['p75'] * 1000:.1f}",
-            "tokens/s": round(r["throughput"]["tokens_per_s"], 1),
+            "run": r.experiment, "offload (opt/param)":
+                f"{r.as_built.deepspeed.offload_optimizer}/{r.as_built.deepspeed.offload_param}",
+            "median step (ms)": round(r.timing.step_time_s.median * 1000, 1),
+            "step p25-p75 (ms)": f"{r.timing.step_time_s.p25 * 1000:.1f}-"
+                                 f"{r.timing.step_time_s.p75 * 1000:.1f}",
+            "tokens/s": round(r.throughput.tokens_per_s, 1),
             "machine during timing": load_cell(r)} for p in pairs for r in p]),
             "median and interquartile range of the optimizer-step wall time (max over ranks) after warm-up"))
     else:
@@ -203,13 +204,13 @@ def build(runs: list[dict]) -> Card:
     elif ds_runs:
         card.notes.append(NOT_COMPARED.format(what="ZeRO"))
     if ds_runs:
-        unmeasured = [r for r in ds_runs if r["timing"]["comm_inflight_s_per_step"]["median"] is None]
+        unmeasured = [r for r in ds_runs if r.timing.comm_inflight_s_per_step.median is None]
         card.notes.append("DeepSpeed's engine owns gradient accumulation (engine.backward scales by 1/GAS, "
                           "engine.step updates only on the boundary)."
                           + (f" Communication time was not measured for {len(unmeasured)} of {len(ds_runs)} "
-                             f"DeepSpeed run(s): {unmeasured[0]['experiment']}'s record says "
-                             f"\"{unmeasured[0]['timing'].get('comm_how', '')}\"." if unmeasured else ""))
-        budgets = [m["budget"] for r in ds_runs for m in r["memory"]["per_rank"] if m.get("budget")]
+                             f"DeepSpeed run(s): {unmeasured[0].experiment}'s record says "
+                             f"\"{unmeasured[0].timing.get('comm_how', '')}\"." if unmeasured else ""))
+        budgets = [m["budget"] for r in ds_runs for m in r.memory.per_rank if m.get("budget")]
         if budgets:
             enforced = sorted({b["how"] for b in budgets if b["enforced"]})
             compared = sum(1 for b in budgets if not b["enforced"])
@@ -218,8 +219,8 @@ def build(runs: list[dict]) -> Card:
                               + (f"; {compared} rank(s) only compared after the run (not enforced)" if compared
                                  else "") + ". A run past an enforced budget ends with status oom.")
         card.tables.append(phase_peak_table(ds_runs, "Per-rank peak memory: load, training and save phases", lambda r: {
-            "ZeRO stage": r["as_built"]["deepspeed"]["zero_stage"], "weights read by rank 0": weights_read(r)}))
+            "ZeRO stage": r.as_built.deepspeed.zero_stage, "weights read by rank 0": weights_read(r)}))
         card.figures.append(Figure("Loss curves", loss_curves(ds_runs, "Stage 3 loss"),
                                    "mean training loss over data-parallel ranks per optimizer step"))
-    card.notes.append(eval_sentence([r for r in runs if r["stage"] == "deepspeed"]))  # base vs tuned eval loss
+    card.notes.append(eval_sentence([r for r in runs if r.stage == "deepspeed"]))  # base vs tuned eval loss
     return card

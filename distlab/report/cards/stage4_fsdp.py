@@ -7,6 +7,7 @@ Everything comes from the runs' metrics.json (what fully_shard really did is und
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from distlab.report.held_out import eval_sentence
 from distlab.report.cards import (DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, is_busy, load_cell,
@@ -14,6 +15,7 @@ from distlab.report.cards import (DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figur
 from distlab.report.cards.parity import NOT_COMPARED, gap_sentence, parity_rows
 from distlab.report.collect import clear_winner
 from distlab.report.plots import loss_curves, to_png_b64
+from distlab.report.report_run import ReportRun
 
 # Its lesson (cards.parity.lesson_goal): the stage, and whether its runs must train what DDP trains.
 LESSON = ("fsdp", True)
@@ -26,16 +28,16 @@ MIB = 2**20
 PARITY_BAND = 1.15
 
 
-def fsdp_runs(runs: list[dict]) -> list[dict]:
+def fsdp_runs(runs: list[ReportRun]) -> list[ReportRun]:
     """Successful FSDP runs (native or through Accelerate, spec fsdp.via) that fully_shard really
     wrapped: native runs record "FSDPModule", Accelerate's "FSDPModule (fully_shard)"."""
-    return [r for r in ok_runs(runs, "fsdp") if r["spec"].strategy == "fsdp"
-            and any(w.startswith("FSDPModule") for w in (r.get("as_built") or {}).get("wrappers_found", []))]
+    return [r for r in ok_runs(runs, "fsdp") if r.spec.strategy == "fsdp"
+            and any(w.startswith("FSDPModule") for w in (r.as_built or {}).get("wrappers_found", []))]
 
 
-def sharding_text(run: dict) -> str:
+def sharding_text(run: ReportRun) -> str:
     """How the run's parameters were sharded, from what its record measured."""
-    a = run["as_built"]
+    a = run.as_built
     if a.get("dtensor_parameters") is not None:
         return (f"{a['dtensor_parameters']} parameters sharded as {a['placements']} over {a['world_size']} ranks, "
                 f"{a['fsdp_layers']} decoder layers as fully_shard units")
@@ -44,62 +46,62 @@ def sharding_text(run: dict) -> str:
             + (f", {shards} fully_shard modules" if shards is not None else ""))
 
 
-def validation(run: dict) -> dict | None:
-    return run.get("_validation")  # validation.json, read by collect.load_run (a declared input)
+def validation(run: ReportRun) -> Mapping | None:
+    return run.validation  # validation.json, read by collect.load_run (a declared input)
 
 
-def global_batch(run: dict) -> int:
-    return run["throughput"]["samples_per_step"]
+def global_batch(run: ReportRun) -> int:
+    return run.throughput.samples_per_step
 
 
-def comparable_key(run: dict) -> tuple:
-    s = run["spec"]
+def comparable_key(run: ReportRun) -> tuple:
+    s = run.spec
     # Micro-batch shape too: two passes of 2 are not the same work as one pass of 4.
-    return (run["machine"], s["device"], s["world_size"], s["micro_batch"], s["grad_accum"], s["seq_len"],
-            s["method"], s["precision"], s.get("model", "default"))
+    return (run.machine, s.device, s.world_size, s.micro_batch, s.grad_accum, s.seq_len,
+            s.method, s.precision, s.get("model", "default"))
 
 
-def is_full_shard(run: dict) -> bool:
-    fs = run["spec"].fsdp
-    return fs["reshard_after_forward"] and not fs["cpu_offload"] and fs["via"] == "native"
+def is_full_shard(run: ReportRun) -> bool:
+    fs = run.spec.fsdp
+    return fs.reshard_after_forward and not fs.cpu_offload and fs.via == "native"
 
 
-def is_plain_zero3(run: dict) -> bool:
-    ds = run["spec"].deepspeed
-    return (run["spec"].strategy == "deepspeed" and ds["zero_stage"] == 3 and ds["offload_optimizer"] == "none"
-            and ds["offload_param"] == "none")
+def is_plain_zero3(run: ReportRun) -> bool:
+    ds = run.spec.deepspeed
+    return (run.spec.strategy == "deepspeed" and ds.zero_stage == 3 and ds.offload_optimizer == "none"
+            and ds.offload_param == "none")
 
 
-def zero3_label(run: dict) -> str:
-    profile = run["spec"].deepspeed.get("zero3_profile", "auto")
+def zero3_label(run: ReportRun) -> str:
+    profile = run.spec.deepspeed.get("zero3_profile", "auto")
     return "DeepSpeed ZeRO-3" + (" (memory-lean)" if profile == "lean" else "")
 
 
-def parity_goal(f: dict, z: dict) -> Goal:
+def parity_goal(f: ReportRun, z: ReportRun) -> Goal:
     """FSDP full shard vs ZeRO-3 as DeepSpeed users configure it (profile auto): passed at parity
     (overlapping spreads, or within PARITY_BAND); beyond it doubtful when either run was timed on a
     busy machine, else failed: a measured gap the card's table and the ZeRO-3 config must explain."""
     ratio = tokens_per_s(f)[0] / tokens_per_s(z)[0]
-    head = (f"{f['experiment']} vs {z['experiment']} ({f['machine']}, {f['as_built']['world_size']} ranks, global "
+    head = (f"{f.experiment} vs {z.experiment} ({f.machine}, {f.as_built.world_size} ranks, global "
             f"batch {global_batch(f)}): FSDP at {ratio:.2f}x ZeRO-3's median tokens/s")
     links = [metrics_link(f), metrics_link(z)]
     if not clear_winner(f, z) or 1 / PARITY_BAND <= ratio <= PARITY_BAND:
         return Goal("bonus", GOAL_VS, PASSED, f"{head}: at parity (spreads overlap or within {PARITY_BAND}x)", links)
-    if is_busy(f) or is_busy(z) or not all((r.get("noise") or {}).get("busy") is False for r in (f, z)):
+    if is_busy(f) or is_busy(z) or not all((r.noise or {}).get("busy") is False for r in (f, z)):
         return Goal("bonus", GOAL_VS, DOUBTFUL, f"{head}: not at parity, {noise_cause([f, z])}", links)
     return Goal("bonus", GOAL_VS, FAILED, f"{head}: not at parity on a quiet machine, with ZeRO-3's config as "
-                f"{z['experiment']}'s run_files/deepspeed_config.json says", links)
+                f"{z.experiment}'s run_files/deepspeed_config.json says", links)
 
 
-def state_mib(run: dict) -> float | None:
+def state_mib(run: ReportRun) -> float | None:
     """Largest per-rank model state (params + grads + optimizer) the run counted."""
-    per_rank = (run.get("memory") or {}).get("model_state_bytes_per_rank") or []
+    per_rank = (run.memory or {}).get("model_state_bytes_per_rank") or []
     totals = [sum(v for k, v in s.items() if isinstance(v, int)) for s in per_rank if s]
     return max(totals) / MIB if totals else None
 
 
-def peak_mib(run: dict) -> tuple[float | None, str]:
-    per_rank = (run.get("memory") or {}).get("per_rank") or []
+def peak_mib(run: ReportRun) -> tuple[float | None, str]:
+    per_rank = (run.memory or {}).get("per_rank") or []
     cuda = [m["cuda_max_allocated_bytes"] for m in per_rank if m.get("cuda_max_allocated_bytes") is not None]
     if cuda:
         return max(cuda) / MIB, "torch.cuda.max_memory_allocated"
@@ -107,33 +109,33 @@ def peak_mib(run: dict) -> tuple[float | None, str]:
     return (max(rss) / MIB, "peak RSS of the rank process") if rss else (None, "")
 
 
-def phase_columns(run: dict) -> dict:
+def phase_columns(run: ReportRun) -> dict:
     """Load-phase (process start -> first step), training-phase and save-phase (final eval,
     save, export) peaks of the largest rank."""
     from distlab.records.memory_phases import PHASES, phase_peaks
 
-    peaks = phase_peaks(run)
+    peaks = phase_peaks(run.metrics)
     return {f"{phase.split('_')[0]} peak / rank (MiB)": round(peaks[phase] / MIB, 1) if peaks[phase] is not None
             else None for phase in PHASES}
 
 
-def row(run: dict, label: str) -> dict:
-    st = run["timing"]["step_time_s"]
+def row(run: ReportRun, label: str) -> dict:
+    st = run.timing.step_time_s
     tps, low, high = tokens_per_s(run)
     peak, peak_what = peak_mib(run)
     state = state_mib(run)
-    return {"run": label, "experiment": run["experiment"], "machine": run["machine"],
-            "ranks": run["as_built"]["world_size"], "global batch": global_batch(run),
+    return {"run": label, "experiment": run.experiment, "machine": run.machine,
+            "ranks": run.as_built.world_size, "global batch": global_batch(run),
             "tokens/s": round(tps, 1), "tokens/s range": f"{low:.0f}-{high:.0f}",
-            "median step (ms)": round(st["median"] * 1000, 1),
-            "step p25-p75 (ms)": f"{st['p25'] * 1000:.1f}-{st['p75'] * 1000:.1f}",
+            "median step (ms)": round(st.median * 1000, 1),
+            "step p25-p75 (ms)": f"{st.p25 * 1000:.1f}-{st.p75 * 1000:.1f}",
             "model state / rank (MiB)": round(state, 2) if state is not None else None,
             "peak memory / rank (MiB)": round(peak, 1) if peak is not None else None,
-            "peak measured as": peak_what, **phase_columns(run), "last loss": round(run["loss"]["last"], 4),
+            "peak measured as": peak_what, **phase_columns(run), "last loss": round(run.loss.last, 4),
             "machine during timing": load_cell(run)}
 
 
-def trade_note(auto: dict, lean: dict) -> str:
+def trade_note(auto: ReportRun, lean: ReportRun) -> str:
     """What the memory-lean ZeRO-3 profile bought and cost, from the two runs' own figures:
     a direction the figures do not show (lean no leaner, or no slower) is said, not implied."""
     (fast, *_), (slow, *_) = tokens_per_s(auto), tokens_per_s(lean)
@@ -147,16 +149,16 @@ def trade_note(auto: dict, lean: dict) -> str:
         leaner = (" On this model the lean profile saved no memory: the gathered copy the auto profile keeps is "
                   "small beside what a rank holds anyway; its saving shows on larger models (benchmarks/RESULTS.md, "
                   "benchmarks/memory_peaks.py).")
-    return (f"ZeRO-3's trade, measured: the memory-lean profile ({lean['experiment']}: nothing persistent, one layer "
+    return (f"ZeRO-3's trade, measured: the memory-lean profile ({lean.experiment}: nothing persistent, one layer "
             f"live, every parameter re-gathered for backward) {speed} the auto profile "
-            f"({auto['experiment']}: Hugging Face's auto sizes from the hidden size, DeepSpeed's 1e9 live limit) for "
+            f"({auto.experiment}: Hugging Face's auto sizes from the hidden size, DeepSpeed's 1e9 live limit) for "
             f"{memory}.{leaner}" + (" One of the two was timed on a busy machine: the speed ratio is not trustworthy."
                                     if is_busy(auto) or is_busy(lean) else ""))
 
 
-def run_goal(runs: list[dict], fsdp: list[dict]) -> Goal:
+def run_goal(runs: list[ReportRun], fsdp: list[ReportRun]) -> Goal:
     if not fsdp:
-        tried = [r for r in runs if r["stage"] == "fsdp"]
+        tried = [r for r in runs if r.stage == "fsdp"]
         return Goal("minimal", GOAL_RUN, FAILED if tried else NOT_RUN,
                     f"{len(tried)} stage-4 run(s), none finished with sharded parameters" if tried
                     else "no FSDP experiment in the results")
@@ -165,28 +167,28 @@ def run_goal(runs: list[dict], fsdp: list[dict]) -> Goal:
     if passed:
         run = passed[0]
         return Goal("minimal", GOAL_RUN, PASSED,
-                    f"{run['experiment']}: {sharding_text(run)}; checkpoint saved and its validation passed",
-                    [metrics_link(run), os.path.join(run["_dir"], "validation.json")])
+                    f"{run.experiment}: {sharding_text(run)}; checkpoint saved and its validation passed",
+                    [metrics_link(run), os.path.join(run.folder, "validation.json")])
     failed = [(r, v) for r, v in checked if v is not None]
     if failed:
         run, v = failed[0]
         bad = [name for name, c in (v.get("checks") or {}).items() if c.get("status") == "failed"]
         return Goal("minimal", GOAL_RUN, FAILED,
-                    f"{run['experiment']} trained, but checkpoint validation failed ({', '.join(bad) or 'see file'})",
-                    [metrics_link(run), os.path.join(run["_dir"], "validation.json")])
+                    f"{run.experiment} trained, but checkpoint validation failed ({', '.join(bad) or 'see file'})",
+                    [metrics_link(run), os.path.join(run.folder, "validation.json")])
     run = fsdp[0]
-    saved = (run.get("checkpoint") or {}).get("status", "no record")
+    saved = (run.section("checkpoint") or {}).get("status", "no record")
     return Goal("minimal", GOAL_RUN, NOT_RUN,
-                f"{run['experiment']} trained with sharded parameters (checkpoint save: {saved}), but checkpoint "
+                f"{run.experiment} trained with sharded parameters (checkpoint save: {saved}), but checkpoint "
                 "validation has not run, so the checkpoint part is not checked", [metrics_link(run)])
 
 
-def build(runs: list[dict]) -> Card:
+def build(runs: list[ReportRun]) -> Card:
     card = Card(4, "Stage 4 - FSDP (native FSDP2)")
     fsdp = fsdp_runs(runs)
     card.goals.append(run_goal(runs, fsdp))
 
-    zero3 = [r for r in runs if r.get("status") == "ok" and is_plain_zero3(r)]
+    zero3 = [r for r in runs if r.status == "ok" and is_plain_zero3(r)]
     # Each FSDP full-shard run with the ZeRO-3 runs of the same work: the auto profile first (the
     # parity goal's), the memory-lean one beside it (the memory vs tokens/s trade).
     pairs = []
@@ -218,7 +220,7 @@ def build(runs: list[dict]) -> Card:
         card.figures.append(Figure("ZeRO-3 vs FSDP: throughput and per-rank model state", to_png_b64(fig), how))
         f, matched = pairs[0]
         card.goals.append(parity_goal(f, matched[0]))
-        lean = [z for z in matched if z["spec"].deepspeed.get("zero3_profile") == "lean"]
+        lean = [z for z in matched if z.spec.deepspeed.get("zero3_profile") == "lean"]
         if lean and matched[0] is not lean[0]:
             card.notes.append(trade_note(matched[0], lean[0]))
     else:
@@ -233,14 +235,14 @@ def build(runs: list[dict]) -> Card:
         rows = []
         for run in fsdp:
             r = row(run, "FSDP")
-            a, fs = run["as_built"], run["spec"].fsdp
-            r["run"] = ("full shard" if fs["reshard_after_forward"] else "no reshard (grad-op)") + \
-                (" + CPU offload" if fs["cpu_offload"] else "") + \
-                (" via Accelerate" if fs["via"] == "accelerate" else "")
+            a, fs = run.as_built, run.spec.fsdp
+            r["run"] = ("full shard" if fs.reshard_after_forward else "no reshard (grad-op)") + \
+                (" + CPU offload" if fs.cpu_offload else "") + \
+                (" via Accelerate" if fs.via == "accelerate" else "")
             r["mixed precision"] = a.get("mixed_precision")
             rows.append(r)
             if a.get("cpu_offload_note"):
-                card.notes.append(f"{run['experiment']}: {a['cpu_offload_note']}.")
+                card.notes.append(f"{run.experiment}: {a['cpu_offload_note']}.")
         card.tables.append(Table("FSDP variants", pd.DataFrame(rows),
                                  "same measurements as above; all FSDP runs of this stage"))
         card.tables.append(phase_peak_table(fsdp, "Per-rank peak memory: load, training and save phases"))
@@ -253,12 +255,12 @@ def build(runs: list[dict]) -> Card:
             card.notes.append(gap_sentence(parity, "FSDP run", "FSDP sharding", "FSDP"))
         else:
             card.notes.append(NOT_COMPARED.format(what="FSDP"))
-    unmeasured = [r for r in fsdp if r["timing"]["comm_inflight_s_per_step"]["median"] is None]
+    unmeasured = [r for r in fsdp if r.timing.comm_inflight_s_per_step.median is None]
     if unmeasured:
         card.notes.append(f"Communication time was not measured for {len(unmeasured)} of {len(fsdp)} FSDP run(s) "
-                          f"({unmeasured[0]['experiment']}: \"{unmeasured[0]['timing'].get('comm_how', '')}\"); "
+                          f"({unmeasured[0].experiment}: \"{unmeasured[0].timing.get('comm_how', '')}\"); "
                           "their step times include it.")
-    card.notes.append(eval_sentence([r for r in runs if r["stage"] == "fsdp"]))  # base vs tuned eval loss
+    card.notes.append(eval_sentence([r for r in runs if r.stage == "fsdp"]))  # base vs tuned eval loss
     return card
 
 

@@ -8,6 +8,7 @@ from distlab.report.held_out import eval_sentence
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, metrics_link
 from distlab.report.collect import clear_winner
 from distlab.report.plots import figure, loss_curves, to_png_b64
+from distlab.report.report_run import ReportRun
 
 # Its lesson (cards.parity.lesson_goal): the stage, and whether its runs must train what DDP trains.
 LESSON = ("ray", False)
@@ -17,44 +18,50 @@ LAUNCH_ONLY = ("launcher", "id", "stage", "ray", "tag")
 DOCS_CLAIM = 0.025  # the roadmap's figure for Ray Train's overhead over plain torchrun
 
 
+def recovery(run) -> str:
+    """What a run's Ray record says of its faults: injected, restarts, where it resumed."""
+    ray = run.section("ray")
+    return (f"{run.experiment}: {len(ray.faults_injected)} injected fault(s), {ray.restarts} restart(s), "
+            f"resumed at step(s) {[attempt.start_step for attempt in ray.attempts[1:]]}")
+
 def ray_runs(runs):
-    return [r for r in runs if r.get("status") == "ok" and r["spec"].launcher == "ray" and "ray" in r]
+    return [r for r in runs if r.status == "ok" and r.spec.launcher == "ray" and r.section("ray") is not None]
 
 
 def twin_key(run):
-    spec = {k: v for k, v in run["spec"].items() if k not in LAUNCH_ONLY}
-    return run["machine"], json.dumps(spec, sort_keys=True)
+    spec = {k: v for k, v in run.spec.items() if k not in LAUNCH_ONLY}
+    return run.machine, json.dumps(spec, sort_keys=True)
 
 
 def benchmark_seconds(run) -> float | None:
     """Wall time of the whole Snakemake job (benchmark: directive, read by collect.load_run), when recorded."""
-    return run.get("_job_wall_s")
+    return run.job_wall_s
 
 
 def overhead_rows(runs):
     """Each Ray run next to the torchrun run of the same spec on the same machine."""
-    torchrun = {twin_key(r): r for r in runs if r.get("status") == "ok" and r["spec"].launcher == "torchrun"}
+    torchrun = {twin_key(r): r for r in runs if r.status == "ok" and r.spec.launcher == "torchrun"}
     rows = []
     for run in ray_runs(runs):
         twin = torchrun.get(twin_key(run))
-        if twin is None or run["ray"]["restarts"]:  # a restarted run's wall time is not the launcher's cost
+        if twin is None or run.section("ray").restarts:  # a restarted run's wall time is not the launcher's cost
             continue
-        ray_step, base_step = run["timing"]["step_time_s"], twin["timing"]["step_time_s"]
+        ray_step, base_step = run.timing.step_time_s, twin.timing.step_time_s
         ray_job, base_job = benchmark_seconds(run), benchmark_seconds(twin)
         rows.append({
-            "machine": run["machine"], "ray run": run["experiment"], "torchrun run": twin["experiment"],
-            "ranks": run["ray"]["world_size"],
-            "median step ray (ms)": round(ray_step["median"] * 1000, 2),
-            "step p25-p75 ray (ms)": f"{ray_step['p25'] * 1000:.2f}-{ray_step['p75'] * 1000:.2f}",
-            "median step torchrun (ms)": round(base_step["median"] * 1000, 2),
-            "step p25-p75 torchrun (ms)": f"{base_step['p25'] * 1000:.2f}-{base_step['p75'] * 1000:.2f}",
-            "step overhead": f"{ray_step['median'] / base_step['median'] - 1:+.1%}",
+            "machine": run.machine, "ray run": run.experiment, "torchrun run": twin.experiment,
+            "ranks": run.section("ray").world_size,
+            "median step ray (ms)": round(ray_step.median * 1000, 2),
+            "step p25-p75 ray (ms)": f"{ray_step.p25 * 1000:.2f}-{ray_step.p75 * 1000:.2f}",
+            "median step torchrun (ms)": round(base_step.median * 1000, 2),
+            "step p25-p75 torchrun (ms)": f"{base_step.p25 * 1000:.2f}-{base_step.p75 * 1000:.2f}",
+            "step overhead": f"{ray_step.median / base_step.median - 1:+.1%}",
             "verdict": ("no clear difference" if not clear_winner(run, twin) else
-                        "ray slower" if ray_step["median"] > base_step["median"] else "ray faster"),
+                        "ray slower" if ray_step.median > base_step.median else "ray faster"),
             "job wall ray (s)": None if ray_job is None else round(ray_job, 1),
             "job wall torchrun (s)": None if base_job is None else round(base_job, 1),
             "job overhead": None if not (ray_job and base_job) else f"{ray_job / base_job - 1:+.1%}",
-            "_step_ratio": ray_step["median"] / base_step["median"],
+            "_step_ratio": ray_step.median / base_step.median,
             "_links": [metrics_link(run), metrics_link(twin)],
         })
     return rows
@@ -63,19 +70,19 @@ def overhead_rows(runs):
 def kuberay_record(runs):
     """(path, record) of results/kuberay/checks.json next to the runs' machine folders (rule kuberay;
     collect.attach_machine_records reads it), or (None, None)."""
-    return next((run["_kuberay"] for run in runs if run.get("_kuberay")), (None, None))
+    return next((run.kuberay for run in runs if run.kuberay), (None, None))
 
 
 def elastic_figure(runs):
     fig, ax = figure()
     for run in runs:
-        spans = run["ray"]["attempts"]
-        steps = run["spec"].steps
+        spans = run.section("ray").attempts
+        steps = run.spec.steps
         for attempt, nxt in zip(spans, spans[1:] + [None]):
             end = nxt["start_step"] if nxt else steps
             ax.plot([attempt["start_step"], end], [attempt["world_size"]] * 2, linewidth=2,
-                    label=run["experiment"] if attempt is spans[0] else None)
-        for change in run["ray"]["world_size_changes"]:
+                    label=run.experiment if attempt is spans[0] else None)
+        for change in run.section("ray").world_size_changes:
             ax.axvline(change["step"], color="grey", linestyle=":")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("Ray Train workers (ranks)")
@@ -84,19 +91,19 @@ def elastic_figure(runs):
     return to_png_b64(fig)
 
 
-def build(runs: list[dict]) -> Card:
+def build(runs: list[ReportRun]) -> Card:
     card = Card(5, "Stage 5 - Ray Train on a Ray cluster")
     ray = ray_runs(runs)
-    tried = [r for r in runs if r["spec"].launcher == "ray"]
-    multi = [r for r in ray if (r["ray"]["world_size"] or 0) >= 2]
+    tried = [r for r in runs if r.spec.launcher == "ray"]
+    multi = [r for r in ray if (r.section("ray").world_size or 0) >= 2]
     if multi:
-        best = max(multi, key=lambda r: (r["ray"]["distinct_nodes"], r["ray"]["world_size"]))
-        info = best["ray"]
+        best = max(multi, key=lambda r: (r.section("ray").distinct_nodes, r.section("ray").world_size))
+        info = best.section("ray")
         card.goals.append(Goal("minimal", "Distributed run on a local Ray cluster", PASSED,
-                               f"{best['experiment']} on {best['machine']}: {info['world_size']} Ray Train workers "
-                               f"({best['as_built']['backend']}, {best['as_built']['outer_wrapper']}) on "
-                               f"{info['distinct_nodes']} Ray node(s), {info['cluster']['mode']}; median step "
-                               f"{best['timing']['step_time_s']['median'] * 1000:.1f} ms", [metrics_link(best)]))
+                               f"{best.experiment} on {best.machine}: {info.world_size} Ray Train workers "
+                               f"({best.as_built.backend}, {best.as_built.outer_wrapper}) on "
+                               f"{info.distinct_nodes} Ray node(s), {info.cluster.mode}; median step "
+                               f"{best.timing.step_time_s.median * 1000:.1f} ms", [metrics_link(best)]))
     else:
         card.goals.append(Goal("minimal", "Distributed run on a local Ray cluster", FAILED if tried else NOT_RUN,
                                "no successful launcher-ray run with 2+ workers"))
@@ -117,10 +124,10 @@ def build(runs: list[dict]) -> Card:
                                "passed" + (f"; failed: {', '.join(failed)}" if failed else ""),
                                [str(path)] + list(record["files"].values())))
 
-    resized = [r for r in ray if r["ray"]["world_size_changes"]]
+    resized = [r for r in ray if r.section("ray").world_size_changes]
     if resized:
-        changes = "; ".join(f"{r['experiment']}: " + ", ".join(f"{c['from']}->{c['to']} at step {c['step']}"
-                                                                for c in r["ray"]["world_size_changes"])
+        changes = "; ".join(f"{r.experiment}: " + ", ".join(f"{c['from']}->{c['to']} at step {c['step']}"
+                                                                for c in r.section("ray").world_size_changes)
                             for r in resized)
         card.goals.append(Goal("bonus", "Elastic resize observed (node joined / left)", PASSED, changes,
                                [metrics_link(r) for r in resized]))
@@ -132,12 +139,10 @@ def build(runs: list[dict]) -> Card:
                                "no recorded run changed its world size (set ray.min_workers and add or remove "
                                "a node during the run)"))
 
-    recovered = [r for r in ray if r["ray"]["restarts"] and not r["ray"]["world_size_changes"]]
+    recovered = [r for r in ray if r.section("ray").restarts and not r.section("ray").world_size_changes]
     if recovered:
         card.goals.append(Goal("bonus", "Fault recovered (worker replaced, resumed from checkpoint)", PASSED,
-                               "; ".join(f"{r['experiment']}: {len(r['ray']['faults_injected'])} injected fault(s), "
-                                         f"{r['ray']['restarts']} restart(s), resumed at step(s) "
-                                         f"{[a['start_step'] for a in r['ray']['attempts'][1:]]}" for r in recovered),
+                               "; ".join(recovery(r) for r in recovered),
                                [metrics_link(r) for r in recovered]))
     else:
         card.goals.append(Goal("bonus", "Fault recovered (worker replaced, resumed from checkpoint)", NOT_RUN,
@@ -164,10 +169,10 @@ def build(runs: list[dict]) -> Card:
     for run in ray:
         # Hosts by label (host-1: the Ray head's); records of older versions had none.
         placement = ", ".join(f"rank {r['rank']} -> node {r['node_id'][:8]} on {r.get('host', 'an unrecorded host')}"
-                              for r in run["ray"]["ranks"])
-        card.notes.append(f"{run['experiment']}: {placement}.")
+                              for r in run.section("ray").ranks)
+        card.notes.append(f"{run.experiment}: {placement}.")
     if ray:
         card.figures.append(Figure("Loss curves under Ray", loss_curves(ray, "Stage 5 loss"),
                                    "mean training loss over ranks per optimizer step (across restarts)"))
-    card.notes.append(eval_sentence([r for r in runs if r["stage"] == "ray"]))  # base vs tuned eval loss
+    card.notes.append(eval_sentence([r for r in runs if r.stage == "ray"]))  # base vs tuned eval loss
     return card

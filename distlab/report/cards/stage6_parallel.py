@@ -12,6 +12,7 @@ from distlab.report.held_out import eval_sentence
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, metrics_link, ok_runs
 from distlab.report.cards.parity import ddp_twin, loss_gap
 from distlab.report.plots import figure, loss_curves, to_png_b64
+from distlab.report.report_run import ReportRun
 
 # Its lesson (cards.parity.lesson_goal): the stage, and whether its runs must train what DDP trains.
 LESSON = ("parallel", True)
@@ -21,14 +22,14 @@ LESSON = ("parallel", True)
 LOSS_TOLERANCE = 1e-3
 
 
-def parallel_runs(runs: list[dict], strategy: str, wrapper: str) -> list[dict]:
-    return [r for r in ok_runs(runs, "parallel") if r["spec"].strategy == strategy
-            and wrapper in (r.get("as_built") or {}).get("wrappers_found", [])]
+def parallel_runs(runs: list[ReportRun], strategy: str, wrapper: str) -> list[ReportRun]:
+    return [r for r in ok_runs(runs, "parallel") if r.spec.strategy == strategy
+            and wrapper in (r.as_built or {}).get("wrappers_found", [])]
 
 
-def bubble_records(run: dict) -> list[dict]:
+def bubble_records(run: ReportRun) -> list[dict]:
     """run_files/pipeline-rank<r>.json, read by collect.load_run (a declared input)."""
-    return run.get("_pipeline_records") or []
+    return run.pipeline_records or []
 
 
 def stage_compute_ms(record: dict) -> float:
@@ -37,7 +38,7 @@ def stage_compute_ms(record: dict) -> float:
     return statistics.median(t["stage_compute_s"] for t in timed) * 1000 if timed else float("nan")
 
 
-def parity_goal(tp: list[dict], pp: list[dict], runs: list[dict], rows: list[dict]) -> Goal:
+def parity_goal(tp: list[ReportRun], pp: list[ReportRun], runs: list[ReportRun], rows: list[dict]) -> Goal:
     text = "TP and PP losses match DDP at the same global batch"
     compared = []
     for run in tp + pp:
@@ -46,48 +47,48 @@ def parity_goal(tp: list[dict], pp: list[dict], runs: list[dict], rows: list[dic
             continue
         gap, _ = loss_gap(run, twin)
         compared.append((run, twin, gap))
-        rows.append({"experiment": run["experiment"], "DDP run": twin["experiment"],
-                     "steps": len(run["loss"]["per_step"]),
-                     "max |loss - DDP loss|": f"{gap:.2e}", "last loss": round(run["loss"]["last"], 4),
-                     "DDP last loss": round(twin["loss"]["last"], 4)})
+        rows.append({"experiment": run.experiment, "DDP run": twin.experiment,
+                     "steps": len(run.loss.per_step),
+                     "max |loss - DDP loss|": f"{gap:.2e}", "last loss": round(run.loss.last, 4),
+                     "DDP last loss": round(twin.loss.last, 4)})
     if not compared:
         return Goal("bonus", text, NOT_RUN,
                     "no DDP run that read the same samples and trained them the same way (parity.training_recipe)")
     worst = max(compared, key=lambda c: c[2])
     status = PASSED if worst[2] < LOSS_TOLERANCE else FAILED
     return Goal("bonus", text, status,
-                f"{len(compared)} run(s) compared; worst max per-step gap {worst[2]:.2e} ({worst[0]['experiment']} vs "
-                f"{worst[1]['experiment']}); tolerance {LOSS_TOLERANCE:g}", [metrics_link(c[0]) for c in compared])
+                f"{len(compared)} run(s) compared; worst max per-step gap {worst[2]:.2e} ({worst[0].experiment} vs "
+                f"{worst[1].experiment}); tolerance {LOSS_TOLERANCE:g}", [metrics_link(c[0]) for c in compared])
 
 
-def build(runs: list[dict]) -> Card:
+def build(runs: list[ReportRun]) -> Card:
     import pandas as pd
 
     card = Card(6, "Stage 6 - Tensor and pipeline parallel")
     tp = parallel_runs(runs, "tp", "parallelize_module")
     pp = parallel_runs(runs, "pp", "PipelineStage")
-    tried = [r for r in runs if r["stage"] == "parallel"]
+    tried = [r for r in runs if r.stage == "parallel"]
 
     if tp:
-        a = tp[0]["as_built"]
+        a = tp[0].as_built
         card.goals.append(Goal("minimal", "Tensor-parallel training ran with attention and MLP split", PASSED,
-                               f"{tp[0]['experiment']}: {a['split_linears']} linear layers split over {a['tp_degree']} "
+                               f"{tp[0].experiment}: {a['split_linears']} linear layers split over {a['tp_degree']} "
                                f"ranks ({', '.join(f'{k} {v}' for k, v in a['split_linears_per_layer'].items())}), "
                                f"{a['heads_per_rank']} attention heads per rank", [metrics_link(tp[0])]))
     else:
         card.goals.append(Goal("minimal", "Tensor-parallel training ran with attention and MLP split",
-                               FAILED if any(r["spec"].strategy == "tp" for r in tried) else NOT_RUN,
+                               FAILED if any(r.spec.strategy == "tp" for r in tried) else NOT_RUN,
                                "no successful tensor-parallel run"))
-    schedules = sorted({r["as_built"]["schedule"] for r in pp})
+    schedules = sorted({r.as_built.schedule for r in pp})
     if pp:
         card.goals.append(Goal("minimal", "Pipeline-parallel training ran, stages split by layers", PASSED,
-                               f"{len(pp)} run(s), schedules {', '.join(schedules)}; e.g. {pp[0]['experiment']}: "
+                               f"{len(pp)} run(s), schedules {', '.join(schedules)}; e.g. {pp[0].experiment}: "
                                + "; ".join(f"stage {i} layers {s['layers']}"
-                                           for i, s in enumerate(pp[0]['as_built']['stages'])),
+                                           for i, s in enumerate(pp[0].as_built.stages)),
                                [metrics_link(r) for r in pp]))
     else:
         card.goals.append(Goal("minimal", "Pipeline-parallel training ran, stages split by layers",
-                               FAILED if any(r["spec"].strategy == "pp" for r in tried) else NOT_RUN,
+                               FAILED if any(r.spec.strategy == "pp" for r in tried) else NOT_RUN,
                                "no successful pipeline-parallel run"))
 
     rows: list[dict] = []
@@ -100,7 +101,7 @@ def build(runs: list[dict]) -> Card:
     for run in pp:
         for rec in bubble_records(run):
             idle = rec["idle_fraction"]
-            bubble_rows.append({"experiment": run["experiment"], "schedule": run["as_built"]["schedule"],
+            bubble_rows.append({"experiment": run.experiment, "schedule": run.as_built.schedule,
                                 "stage (rank)": rec["stage"], "p stages": rec["stages"],
                                 "m micro-batches": rec["microbatches"],
                                 "measured idle fraction (median)": round(idle["median"], 3),
@@ -136,5 +137,5 @@ def build(runs: list[dict]) -> Card:
     if tp or pp:
         card.figures.append(Figure("Loss curves", loss_curves(tp + pp, "Stage 6 loss"),
                                    "training loss per optimizer step (pipeline: from the last stage)"))
-    card.notes.append(eval_sentence([r for r in runs if r["stage"] == "parallel"]))  # base vs tuned eval loss
+    card.notes.append(eval_sentence([r for r in runs if r.stage == "parallel"]))  # base vs tuned eval loss
     return card

@@ -7,6 +7,7 @@ from __future__ import annotations
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Goal, Table, metrics_link
 from distlab.report.cards import finetune_tools
 from distlab.report.plots import label_axes, to_png_b64
+from distlab.report.report_run import ReportRun
 
 MIB = 2**20
 # fp32 activation checkpointing recomputes the same forward: the losses must not move.
@@ -19,28 +20,28 @@ AC_KEYS = ("id", "tag", "activation_checkpointing", "activation_checkpointing_ev
            "progress_every_s", "eval_every", "checkpoint_select", "checkpoint_every", "repeats")
 
 
-def twin_groups(runs: list[dict], free_keys: tuple, variant) -> list[dict]:
+def twin_groups(runs: list[ReportRun], free_keys: tuple, variant) -> list[dict]:
     """{variant(run): run} per group of ok runs on one machine whose specs match outside
     free_keys; runs whose variant is None are left out."""
     groups: dict = {}
     for run in runs:
-        if run.get("status") != "ok" or variant(run) is None:
+        if run.status != "ok" or variant(run) is None:
             continue
-        key = (run["machine"], repr(sorted((k, repr(v)) for k, v in run["spec"].items() if k not in free_keys)))
+        key = (run.machine, repr(sorted((k, repr(v)) for k, v in run.spec.items() if k not in free_keys)))
         groups.setdefault(key, {})[variant(run)] = run
     return list(groups.values())
 
 
-def ac_groups(runs: list[dict]) -> list[dict]:
+def ac_groups(runs: list[ReportRun]) -> list[dict]:
     """{mode: run} per group of ok runs that differ only in activation checkpointing, with a
     'none' run and at least one other mode."""
-    groups = twin_groups(runs, AC_KEYS, lambda run: run["spec"].get("activation_checkpointing", "none"))
+    groups = twin_groups(runs, AC_KEYS, lambda run: run.spec.get("activation_checkpointing", "none"))
     return [g for g in groups if "none" in g and len(g) > 1]
 
 
-def peak_per_rank(run: dict) -> list[float | None]:
+def peak_per_rank(run: ReportRun) -> list[float | None]:
     out = []
-    for rank in (run.get("memory") or {}).get("per_rank") or []:
+    for rank in (run.memory or {}).get("per_rank") or []:
         phase = rank.get("training_phase") or {}
         value = phase.get("cuda_max_reserved_bytes") or phase.get("rss_peak_bytes")
         out.append(round(value / MIB, 1) if value else None)
@@ -48,28 +49,28 @@ def peak_per_rank(run: dict) -> list[float | None]:
 
 
 def ac_rows(group: dict) -> tuple[list[dict], float]:
-    base = group["none"]["loss"]["per_step"]
+    base = group["none"].loss.per_step
     rows, worst = [], 0.0
     for mode in ("none", "selective", "full"):
         run = group.get(mode)
         if run is None:
             continue
-        diff = max(abs(a - b) for a, b in zip(base, run["loss"]["per_step"]))
+        diff = max(abs(a - b) for a, b in zip(base, run.loss.per_step))
         worst = max(worst, diff)
-        st = run["timing"]["step_time_s"]
-        saved = [((m.get("activations") or {}).get("bytes")) for m in run["memory"]["per_rank"]]
-        rows.append({"mode": mode, "experiment": run["experiment"],
-                     "layers checkpointed (rank 0)": str(run["as_built"].get("activation_checkpointing", {})
+        st = run.timing.step_time_s
+        saved = [((m.get("activations") or {}).get("bytes")) for m in run.memory.per_rank]
+        rows.append({"mode": mode, "experiment": run.experiment,
+                     "layers checkpointed (rank 0)": str(run.as_built.get("activation_checkpointing", {})
                                                           .get("checkpointed")),
                      "peak memory per rank (MiB)": ", ".join(str(p) for p in peak_per_rank(run)),
                      "saved activations per rank (MiB)": ", ".join(f"{b / MIB:.2f}" if b else "n/a" for b in saved),
-                     "median step (ms)": round(st["median"] * 1000, 1),
-                     "step p25-p75 (ms)": f"{st['p25'] * 1000:.1f}-{st['p75'] * 1000:.1f}",
+                     "median step (ms)": round(st.median * 1000, 1),
+                     "step p25-p75 (ms)": f"{st.p25 * 1000:.1f}-{st.p75 * 1000:.1f}",
                      "max |loss - none|": f"{diff:.1e}"})
     return rows, worst
 
 
-def activation_goal(card: Card, runs: list[dict]) -> None:
+def activation_goal(card: Card, runs: list[ReportRun]) -> None:
     import pandas as pd
 
     groups = ac_groups(runs)
@@ -82,7 +83,7 @@ def activation_goal(card: Card, runs: list[dict]) -> None:
         group_rows, group_worst = ac_rows(group)
         rows += group_rows
         worst = max(worst, group_worst)
-        saved = {m: (r["memory"]["per_rank"][0].get("activations") or {}).get("bytes") for m, r in group.items()}
+        saved = {m: (r.memory.per_rank[0].get("activations") or {}).get("bytes") for m, r in group.items()}
         saved_ok &= all(saved[m] is not None and saved[m] < saved["none"] for m in saved if m != "none")
         links += [metrics_link(r) for r in group.values()]
     ok = worst <= LOSS_TOLERANCE and saved_ok
@@ -97,9 +98,9 @@ def activation_goal(card: Card, runs: list[dict]) -> None:
     card.tables.append(Table("Activation checkpointing: memory and time per mode", pd.DataFrame(rows), how))
 
 
-def schedule_goal(card: Card, runs: list[dict]) -> None:
-    scheduled = [r for r in runs if r.get("status") == "ok" and (r.get("optimization") or {}).get("lr_per_step")
-                 and (r["spec"].get("lr_schedule", "constant") != "constant" or r["spec"].max_grad_norm)]
+def schedule_goal(card: Card, runs: list[ReportRun]) -> None:
+    scheduled = [r for r in runs if r.status == "ok" and (r.optimization or {}).get("lr_per_step")
+                 and (r.spec.get("lr_schedule", "constant") != "constant" or r.spec.max_grad_norm)]
     if not scheduled:
         card.goals.append(Goal("bonus", GOAL_SCHEDULE, NOT_RUN, "no run with a decaying schedule or clipping"))
         return
@@ -107,10 +108,10 @@ def schedule_goal(card: Card, runs: list[dict]) -> None:
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(8.5, 3.2))
     for run in scheduled:
-        opt = run["optimization"]
-        ax.plot(opt["lr_per_step"], label=run["experiment"], linewidth=1.1)
-        ax2.plot(opt["grad_norm_per_step"], label=run["experiment"], linewidth=1.1)
-    clip = sorted({r["spec"].max_grad_norm for r in scheduled if r["spec"].max_grad_norm})
+        opt = run.optimization
+        ax.plot(opt.lr_per_step, label=run.experiment, linewidth=1.1)
+        ax2.plot(opt.grad_norm_per_step, label=run.experiment, linewidth=1.1)
+    clip = sorted({r.spec.max_grad_norm for r in scheduled if r.spec.max_grad_norm})
     for value in clip:
         ax2.axhline(value, color="grey", linestyle="--", linewidth=0.8)
     label_axes(ax, "optimizer step", "learning rate", "Learning rate per step")
@@ -118,20 +119,20 @@ def schedule_goal(card: Card, runs: list[dict]) -> None:
     card.figures.append(Figure("Learning rate and gradient norm", to_png_b64(fig),
                                "lr read from the optimizer before each step (transformers.get_scheduler); grad norm: "
                                "global L2 norm before clipping (distlab.runtime.clipping)"))
-    clipped = sum(1 for r in scheduled for n in r["optimization"]["grad_norm_per_step"]
-                  if n is not None and r["spec"].max_grad_norm and n > r["spec"].max_grad_norm)
+    clipped = sum(1 for r in scheduled for n in r.optimization.grad_norm_per_step
+                  if n is not None and r.spec.max_grad_norm and n > r.spec.max_grad_norm)
     card.goals.append(Goal("bonus", GOAL_SCHEDULE, PASSED,
                            f"{len(scheduled)} run(s); {clipped} step(s) clipped (pre-clip norm above max_grad_norm)",
                            [metrics_link(r) for r in scheduled]))
 
 
-def eval_goal(card: Card, runs: list[dict]) -> None:
-    evaluated = [r for r in runs if r.get("status") == "ok" and (r.get("eval") or {}).get("during_training")]
+def eval_goal(card: Card, runs: list[ReportRun]) -> None:
+    evaluated = [r for r in runs if r.status == "ok" and (r.section("eval") or {}).get("during_training")]
     if not evaluated:
         card.goals.append(Goal("bonus", GOAL_EVAL, NOT_RUN, "no run set eval_every"))
         return
-    best = [r for r in evaluated if (r["eval"].get("selected") or {}).get("checkpoint")]
-    points = sum(len(r["eval"]["during_training"]) for r in evaluated)
+    best = [r for r in evaluated if (r.section("eval").get("selected") or {}).get("checkpoint")]
+    points = sum(len(r.section("eval").during_training) for r in evaluated)
     card.goals.append(Goal("bonus", GOAL_EVAL, PASSED,
                            f"{len(evaluated)} run(s), {points} eval points (plotted on each stage's loss curves); "
                            f"{len(best)} kept their best checkpoint (checkpoint_select: best)",
@@ -144,23 +145,23 @@ PACKING_KEYS = ("id", "tag", "dataset", "checkpoint_select", "checkpoint_every",
                 "progress_every_s", "repeats")
 
 
-def packing_pairs(runs: list[dict]) -> list[dict]:
+def packing_pairs(runs: list[ReportRun]) -> list[dict]:
     """{packing: run} per group of ok runs that differ only in their dataset (and bookkeeping),
     one on rows packed as documents and one on rows one per sequence (data.packing none)."""
     def packing(run):
-        mode = (run.get("data_prep") or {}).get("packing")
+        mode = (run.section("data_prep") or {}).get("packing")
         return mode if mode in ("documents", "none") else None
 
     return [g for g in twin_groups(runs, PACKING_KEYS, packing) if len(g) == 2]
 
 
-def label_tokens_per_s(run: dict) -> float:
+def label_tokens_per_s(run: ReportRun) -> float:
     """Label (trained) tokens per second: the run's trained tokens per step over its median step time."""
-    steps = len(run["loss"]["per_step"])
-    return run["data_prep"]["run_tokens"]["trained"] / steps / run["timing"]["step_time_s"]["median"]
+    steps = len(run.loss.per_step)
+    return run.section("data_prep").run_tokens.trained / steps / run.timing.step_time_s.median
 
 
-def packing_goal(card: Card, runs: list[dict]) -> None:
+def packing_goal(card: Card, runs: list[ReportRun]) -> None:
     import pandas as pd
 
     pairs = packing_pairs(runs)
@@ -174,13 +175,13 @@ def packing_goal(card: Card, runs: list[dict]) -> None:
         gains.append(rates["documents"] / rates["none"])
         for mode in ("documents", "none"):
             run = pair[mode]
-            trained = (run.get("eval") or {}).get("trained") or {}
-            rows.append({"packing": mode, "experiment": run["experiment"],
+            trained = (run.section("eval") or {}).get("trained") or {}
+            rows.append({"packing": mode, "experiment": run.experiment,
                          "label tokens/s": round(rates[mode], 1),
-                         "sequence positions/s": round(run["throughput"]["tokens_per_s"], 1)
-                         if (run.get("throughput") or {}).get("tokens_per_s") else "n/a",
-                         "median step (ms)": round(run["timing"]["step_time_s"]["median"] * 1000, 1),
-                         "last loss": round(run["loss"]["last"], 4),
+                         "sequence positions/s": round(run.throughput.tokens_per_s, 1)
+                         if (run.throughput or {}).get("tokens_per_s") else "n/a",
+                         "median step (ms)": round(run.timing.step_time_s.median * 1000, 1),
+                         "last loss": round(run.loss.last, 4),
                          "held-out loss": round(trained["loss"], 4) if isinstance(trained.get("loss"), float)
                          else "n/a"})
     card.goals.append(Goal("bonus", GOAL_PACKING, PASSED,
@@ -194,7 +195,7 @@ def packing_goal(card: Card, runs: list[dict]) -> None:
     card.tables.append(Table("Packing: documents vs one row per sequence", pd.DataFrame(rows), how))
 
 
-def build(runs: list[dict]) -> Card:
+def build(runs: list[ReportRun]) -> Card:
     card = Card(7, "Fine-tuning controls - activation checkpointing, schedules, clipping, eval")
     activation_goal(card, runs)
     schedule_goal(card, runs)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from distlab.report.cards import FAILED, PASSED, Card, Figure, Goal, Table, metrics_link
 from distlab.report.cards.stage5_ray import elastic_figure
+from distlab.report.report_run import ReportRun
 
 
-def build(run: dict | None, record: dict) -> Card:
+def build(run: ReportRun | None, record: dict) -> Card:
     import pandas as pd
 
     card = Card(5, "Two hosts, one Ray cluster (home PC + cloud box, rehearsed on one machine)")
@@ -17,12 +18,12 @@ def build(run: dict | None, record: dict) -> Card:
         card.goals.append(Goal("minimal", "A Ray Train run across two hosts", FAILED,
                                "the run left no readable metrics"))
         return card
-    ray = run["ray"]
+    ray = run.section("ray")
     attempts = ray["attempts"]
     # Each rank's host by the name the run gave it (metrics.json ray block: no addresses).
     both = [a for a in attempts if {r["host"] for r in a["ranks"]} == {h["name"] for h in hosts}]
     card.goals.append(Goal("minimal", "A Ray Train run across two hosts, each with its own address", PASSED if both
-                           else FAILED, f"{run['experiment']}: {len(both)} of {len(attempts)} worker group(s) had a "
+                           else FAILED, f"{run.experiment}: {len(both)} of {len(attempts)} worker group(s) had a "
                            f"rank on each of {names}; Ray head on {hosts[0]['name']}, worker node on "
                            f"{hosts[1]['name']}", [metrics_link(run)]))
     changes = [(c["from"], c["to"]) for c in ray["world_size_changes"]]
@@ -32,7 +33,7 @@ def build(run: dict | None, record: dict) -> Card:
                            "; ".join(f"{c['from']}->{c['to']} workers at step {c['step']} (resumed from a "
                                      f"checkpoint: {c['resumed_from_checkpoint']})" for c in ray["world_size_changes"])
                            or "the worker group never changed size", [metrics_link(run)]))
-    steps = run["spec"].steps
+    steps = run.spec.steps
     rows, part = [], {h["name"]: {"worker groups": 0, "steps trained": 0} for h in hosts}
     for i, (attempt, nxt) in enumerate(zip(attempts, attempts[1:] + [None])):
         end = nxt["start_step"] if nxt else steps
@@ -60,10 +61,10 @@ def build(run: dict | None, record: dict) -> Card:
         "the orchestrator's own clock; each stage waits for a checkpoint of the group size before the next"))
     card.figures.append(Figure("Worker-group size over the run", elastic_figure([run]),
                                "ranks of each worker group from the workers' start records"))
-    st = run["timing"]["step_time_s"]
-    card.notes.append(f"Last group's median step {st['median'] * 1000:.1f} ms over {st['n']} timed steps; "
-                      f"TorchTrainer.fit() took {ray['fit_seconds']:.1f} s. Final loss {run['loss']['last']:.3f} "
-                      f"(first {run['loss']['first']:.3f}). Each host is a network namespace of this machine joined by "
+    st = run.timing.step_time_s
+    card.notes.append(f"Last group's median step {st.median * 1000:.1f} ms over {st.n} timed steps; "
+                      f"TorchTrainer.fit() took {ray['fit_seconds']:.1f} s. Final loss {run.loss.last:.3f} "
+                      f"(first {run.loss.first:.3f}). Each host is a network namespace of this machine joined by "
                       "a veth pair through a bridge (distlab/launchers/links.py): the addresses, sockets and the link "
                       "are real, the CPU and disk are shared, so this shows the mechanics of two machines, not a real "
                       "WAN.")

@@ -8,35 +8,36 @@ import json
 from distlab.report.cards import FAILED, NOT_RUN, PASSED, SPREAD_CAVEAT, Card, Figure, Goal, Table, metrics_link
 from distlab.report.collect import clear_winner
 from distlab.report.plots import figure, label_axes, to_png_b64
+from distlab.report.report_run import ReportRun
 
 SIZING_KEYS = ("rank_micro_batch", "id", "tag")
 
 
-def device_key(run: dict) -> str:
+def device_key(run: ReportRun) -> str:
     """What makes the devices unequal, and everything else but the batch split."""
-    spec = {k: v for k, v in run["spec"].items() if k not in SIZING_KEYS}
+    spec = {k: v for k, v in run.spec.items() if k not in SIZING_KEYS}
     return json.dumps(spec, sort_keys=True)
 
 
-def devices(run: dict) -> str:
-    spec = run["spec"]
-    budget = run["as_built"].get("cpu_budget")
+def devices(run: ReportRun) -> str:
+    spec = run.spec
+    budget = run.as_built.get("cpu_budget")
     cores = [b["cores"] for b in budget] if budget else None
     threads = spec.rank_cpu_threads or [spec.cpu_threads_per_rank] * spec.world_size
     return " / ".join(f"rank {r}: {threads[r]} thread(s)" + (f", {cores[r]:g} core(s) of CPU time" if cores else "")
                       for r in range(spec.world_size))
 
 
-def sizes(run: dict) -> list[int]:
-    sized = run["as_built"].get("rank_micro_batch")
-    return sized["sizes"] if sized else [run["spec"].micro_batch] * run["spec"].world_size
+def sizes(run: ReportRun) -> list[int]:
+    sized = run.as_built.get("rank_micro_batch")
+    return sized["sizes"] if sized else [run.spec.micro_batch] * run.spec.world_size
 
 
-def waits(run: dict) -> list[float | None]:
-    return [r["comm_inflight_s_median"] for r in run.get("timing_per_rank", [])]
+def waits(run: ReportRun) -> list[float | None]:
+    return [r["comm_inflight_s_median"] for r in run.section("timing_per_rank") or []]
 
 
-def idle_ms(run: dict) -> str:
+def idle_ms(run: ReportRun) -> str:
     """Per rank: its all-reduce time in flight beyond the least of any rank (time spent waiting
     for a slower peer; the least is the transfer itself)."""
     found = waits(run)
@@ -45,34 +46,34 @@ def idle_ms(run: dict) -> str:
     return " / ".join(f"{(w - min(found)) * 1e3:.0f}" for w in found)
 
 
-def build(runs: list[dict]) -> tuple[Card, dict]:
+def build(runs: list[ReportRun]) -> tuple[Card, dict]:
     import pandas as pd
 
     card = Card(8, "Unequal devices: uniform micro-batches vs batches sized per rank")
-    ok = [r for r in runs if r.get("status") == "ok"]
+    ok = [r for r in runs if r.status == "ok"]
     pairs = {}
     for run in ok:
-        if run["as_built"]["world_size"] > 1:
+        if run.as_built.world_size > 1:
             pairs.setdefault(device_key(run), []).append(run)
-    singles = {r["throughput"]["samples_per_step"]: r for r in ok if r["as_built"]["world_size"] == 1}
+    singles = {r.throughput.samples_per_step: r for r in ok if r.as_built.world_size == 1}
     evidence = {"how": "distlab/report/cards/unequal.py", "pairs": []}
     rows, verdicts = [], []
     fig, ax = figure()
     for group in pairs.values():
-        uniform = next((r for r in group if r["spec"].rank_micro_batch is None), None)
+        uniform = next((r for r in group if r.spec.rank_micro_batch is None), None)
         if uniform is None:
             continue
-        base = uniform["throughput"]["tokens_per_s"]
+        base = uniform.throughput.tokens_per_s
         labels, values = [], []
-        for run in sorted(group, key=lambda r: r["spec"].rank_micro_batch is not None):
-            tps = run["throughput"]["tokens_per_s"]
-            one = singles.get(run["throughput"]["samples_per_step"])
+        for run in sorted(group, key=lambda r: r.spec.rank_micro_batch is not None):
+            tps = run.throughput.tokens_per_s
+            one = singles.get(run.throughput.samples_per_step)
             parity = "-" if one is None else \
-                f"{max(abs(a - b) for a, b in zip(run['loss']['per_step'], one['loss']['per_step'])):.1e}"
-            rows.append({"experiment": run["experiment"], "devices": devices(run),
+                f"{max(abs(a - b) for a, b in zip(run.loss.per_step, one.loss.per_step)):.1e}"
+            rows.append({"experiment": run.experiment, "devices": devices(run),
                          "micro-batch per rank": " / ".join(map(str, sizes(run))),
                          "tokens/s": round(tps, 1), "vs uniform": f"{tps / base:.2f}x",
-                         "median step ms": round(run["timing"]["step_time_s"]["median"] * 1e3, 1),
+                         "median step ms": round(run.timing.step_time_s.median * 1e3, 1),
                          "waiting for a slower rank, ms/step per rank": idle_ms(run),
                          "max loss diff vs 1 rank": parity})
             labels.append("uniform" if run is uniform else "sized " + "/".join(map(str, sizes(run))))
@@ -95,8 +96,8 @@ def build(runs: list[dict]) -> tuple[Card, dict]:
         won = [v for v in verdicts if v[2]]
         card.goals.append(Goal("minimal", "Sized batches beat uniform batches on unequal ranks",
                                PASSED if len(won) == len(verdicts) else FAILED,
-                               "; ".join(f"{r['experiment']}: "
-                                         f"{r['throughput']['tokens_per_s'] / u['throughput']['tokens_per_s']:.2f}x "
+                               "; ".join(f"{r.experiment}: "
+                                         f"{r.throughput.tokens_per_s / u.throughput.tokens_per_s:.2f}x "
                                          f"uniform ({'clear' if w else 'not clear: spreads overlap or slower'})"
                                          for r, u, w in verdicts),
                                [metrics_link(r) for r, _, _ in verdicts]))

@@ -3,6 +3,7 @@ runs give against it and DeepSpeed's estimator, and their figure."""
 from __future__ import annotations
 
 from distlab.report.plots import figure, to_png_b64
+from distlab.report.report_run import ReportRun
 
 MIB = 2**20
 GAP_LIMIT = 0.10  # measured vs formula beyond this is explained in a note
@@ -41,8 +42,8 @@ def state_bytes_with_offload(state: dict) -> dict:
     return {k: state.get(k, 0) + state.get(f"offloaded_{k}", 0) for k in ("params", "grads", "optimizer")}
 
 
-def largest_rank_state(run: dict) -> dict:
-    states = [s for s in run["memory"]["model_state_bytes_per_rank"] if s]
+def largest_rank_state(run: ReportRun) -> dict:
+    states = [s for s in run.memory.model_state_bytes_per_rank if s]
     return max(states, key=lambda s: sum(state_bytes_with_offload(s).values()))
 
 
@@ -51,29 +52,29 @@ def gap_note(run, measured: dict, expected: dict) -> str:
     parts = [f"{k} {measured[k] / MIB:.2f} vs {expected[k] / MIB:.2f} MiB" for k in expected
              if abs(measured[k] - expected[k]) > GAP_LIMIT * max(expected[k], 1)]
     why = []
-    if run["spec"].deepspeed["zero_stage"] == 1 and run["spec"].grad_accum == 1:
+    if run.spec.deepspeed.zero_stage == 1 and run.spec.grad_accum == 1:
         why.append("with grad_accum 1 DeepSpeed's ZeRO-1 reduces and frees the whole gradients inside the "
                    "boundary backward, so no snapshot after a backward holds them")
-    if run["spec"].deepspeed["offload_optimizer"] != "none" and measured["grads"] > expected["grads"]:
+    if run.spec.deepspeed.offload_optimizer != "none" and measured["grads"] > expected["grads"]:
         why.append("ZeRO-Offload keeps a second fp32 copy of the gradient partition in host memory for the "
                    "CPU optimizer step")
     return "; ".join(parts + why)
 
 
-def memory_rows(ds_runs: list[dict]) -> list[dict]:
+def memory_rows(ds_runs: list[ReportRun]) -> list[dict]:
     rows = []
     # The formulas assume every parameter trains; LoRA runs hold frozen weights outside them.
-    ds_runs = [r for r in ds_runs if r["spec"].method == "full"]
-    for run in sorted(ds_runs, key=lambda r: (r["machine"], r["spec"].deepspeed["zero_stage"], r["experiment"])):
-        spec, as_built = run["spec"], run["as_built"]
-        stage, world = as_built["deepspeed"]["zero_stage"], as_built["world_size"]
-        psi = run["parameters"]["trainable"]
+    ds_runs = [r for r in ds_runs if r.spec.method == "full"]
+    for run in sorted(ds_runs, key=lambda r: (r.machine, r.spec.deepspeed.zero_stage, r.experiment)):
+        spec, as_built = run.spec, run.as_built
+        stage, world = as_built.deepspeed.zero_stage, as_built.world_size
+        psi = run.section("parameters").trainable
         state = largest_rank_state(run)
         measured = state_bytes_with_offload(state)
         total = sum(measured.values())
         expected = zero_formula_parts(psi, world, stage, spec.precision)
         formula = sum(expected.values())
-        estimator = as_built["deepspeed"].get("estimator") or {}
+        estimator = as_built.deepspeed.get("estimator") or {}
         off = sum(state.get(f"offloaded_{k}", 0) for k in ("params", "grads", "optimizer"))
         device_held = total - off
         est = estimator.get("device_bytes")
@@ -83,9 +84,9 @@ def memory_rows(ds_runs: list[dict]) -> list[dict]:
                              why="n/a: on a CPU run offloaded and device state share host memory")
         gap = total / formula - 1
         rows.append({
-            "machine": run["machine"], "experiment": run["experiment"], "ZeRO stage": stage, "ranks": world,
+            "machine": run.machine, "experiment": run.experiment, "ZeRO stage": stage, "ranks": world,
             "offload (opt/param)":
-                f"{as_built['deepspeed']['offload_optimizer']}/{as_built['deepspeed']['offload_param']}",
+                f"{as_built.deepspeed.offload_optimizer}/{as_built.deepspeed.offload_param}",
             "precision": spec.precision, "params (Psi)": psi,
             "measured state (MiB/rank)": round(total / MIB, 3),
             "of it offloaded (MiB)": round(off / MIB, 3),
