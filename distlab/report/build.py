@@ -75,7 +75,7 @@ def headline(runs: list[ReportRun], advice: dict) -> list[str]:
         text = (f"Run {a['recommendation_label']} on {machine}: {a['reasons'][0]}." if a else
                 f"{machine}: no advice (rule `advise` did not run for it).")
         timed = [r for r in runs if r.machine == machine and r.throughput_spread
-                 and r.spec.sampler == "distributed" and r.spec.get("model", "default") == "default"]
+                 and r.spec.sampler == "distributed" and r.spec.model == "default"]
         groups = {}
         for run in timed:
             s = run.spec

@@ -128,7 +128,7 @@ def throughput_stats(record: RunRecord, steps=()) -> ThroughputSpread | None:
         return ThroughputSpread(statistics.median(launches), min(launches), max(launches), windows=launches,
                                 repeats=1, launches=len(launches), timed_steps=record.timing.step_time_s.n,
                                 how=f"{len(launches)} independent launches; median and min-max of their {unit}s/s")
-    repeats = max(1, int(record.spec.get("repeats", 1)))
+    repeats = max(1, int(record.spec.repeats))
     # "warmup": the row key before it was renamed "untimed" (results of older runs).
     timed = [r["step_time_s"] for r in steps if not r.get("untimed", r.get("warmup"))]
     if not timed:

@@ -62,7 +62,7 @@ def budget_goal(runs: list[ReportRun]) -> Goal:
     pairs = [(s, z) for s in single for z in sharded
              if s[0].machine == z[0].machine
              and s[0].spec.memory_budget_gib == z[0].spec.memory_budget_gib
-             and s[0].spec.get("model", "default") == z[0].spec.get("model", "default")]
+             and s[0].spec.model == z[0].spec.model]
     if not pairs:
         return Goal("bonus", GOAL_BUDGET, FAILED,
                     f"{len(single)} single-device run(s) over budget, {len(sharded)} ZeRO-3 run(s) within it: "

@@ -35,7 +35,7 @@ def twin_groups(runs: list[ReportRun], free_keys: tuple, variant) -> list[dict]:
 def ac_groups(runs: list[ReportRun]) -> list[dict]:
     """{mode: run} per group of ok runs that differ only in activation checkpointing, with a
     'none' run and at least one other mode."""
-    groups = twin_groups(runs, AC_KEYS, lambda run: run.spec.get("activation_checkpointing", "none"))
+    groups = twin_groups(runs, AC_KEYS, lambda run: (run.spec.activation_checkpointing or "none"))
     return [g for g in groups if "none" in g and len(g) > 1]
 
 
@@ -100,7 +100,7 @@ def activation_goal(card: Card, runs: list[ReportRun]) -> None:
 
 def schedule_goal(card: Card, runs: list[ReportRun]) -> None:
     scheduled = [r for r in runs if r.status == "ok" and (r.optimization or {}).get("lr_per_step")
-                 and (r.spec.get("lr_schedule", "constant") != "constant" or r.spec.max_grad_norm)]
+                 and ((r.spec.lr_schedule or "constant") != "constant" or r.spec.max_grad_norm)]
     if not scheduled:
         card.goals.append(Goal("bonus", GOAL_SCHEDULE, NOT_RUN, "no run with a decaying schedule or clipping"))
         return
