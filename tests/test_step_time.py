@@ -231,6 +231,11 @@ def test_the_report_names_the_term_furthest_from_what_the_run_measured():
            "noise": {"busy": False}}
     (row,) = predictions.check_step_times([run])
     assert row["verdict"] == "off" and row["furthest off"].startswith("communication")
+    assert row["sharding s"] is None  # every row has every term's column, in one order
+    sharded = {**prediction, "terms": {**prediction["terms"], "sharding": {"seconds": 0.25}}}
+    timing = {"step_time_s": {"median": 3.0}, "comm_inflight_s_per_step": {"median": 0.5}}
+    (row,) = predictions.check_step_times([{**run, "prediction": sharded, "timing": timing}])
+    assert row["furthest off"].startswith("compute + sharding + optimizer + bubble") and row["sharding s"] == 0.25
     status, evidence = predictions.step_time_verdict([row, {**row, "verdict": "right"}] * 2)
     assert status == "failed" and "2 of 4" in evidence
 
@@ -330,3 +335,4 @@ def test_runs_without_a_sharding_wrapper_are_predicted_as_before():
     found = S.predict(z3, SHAPE, COUNTS, probe_for(z3, flops_time), collectives_file(), 2)
     assert found["step_time_s"] == pytest.approx(sum(t["seconds"] for t in found["terms"].values()))
     assert found["terms"]["sharding"]["seconds"] > 0
+    assert list(found["terms"]) == [t for t in predictions.TERMS if t in found["terms"]]  # the report's columns

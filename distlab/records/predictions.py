@@ -7,6 +7,9 @@ from __future__ import annotations
 # Within this of the measured median, a prediction counts as right (issue 44: +-25%).
 TOLERANCE = 0.25
 LINK_TOLERANCE = 0.30
+# The terms a prediction may hold (distlab.tools.step_time.predict), in the report's column order;
+# sharding only for ZeRO-3 and FSDP runs.
+TERMS = ("compute", "communication", "sharding", "optimizer", "bubble")
 
 
 def probe_busy(prediction: dict) -> bool:
@@ -62,14 +65,15 @@ def check_step_times(runs: list[dict], tolerance: float | None = None) -> list[d
         predicted_comm = prediction["terms"]["communication"].get("total_s", terms["communication"])
         measured_rest = median - (comm or 0.0)
         predicted_rest = prediction["step_time_s"] - (predicted_comm if comm is not None else 0.0)
-        gaps = {"compute + optimizer + bubble" if comm is not None
-                else "the whole step": predicted_rest - measured_rest}
+        rest = " + ".join(name for name in TERMS if name in terms and name != "communication")
+        gaps = {rest if comm is not None else "the whole step": predicted_rest - measured_rest}
         if comm is not None:
             gaps["communication"] = predicted_comm - comm
         furthest = max(gaps, key=lambda k: abs(gaps[k]))
         rows.append({**row, "predicted s": round(prediction["step_time_s"], 4), "measured s": round(median, 4),
                      "error": f"{scored['error']:+.0%}",
-                     **{f"{name} s": round(seconds, 4) for name, seconds in terms.items()},
+                     # every term a strategy can have, in one order (sharding: ZeRO-3 and FSDP only)
+                     **{f"{name} s": round(terms[name], 4) if name in terms else None for name in TERMS},
                      "measured comm in flight s": None if comm is None else round(comm, 4),
                      "furthest off": f"{furthest} ({gaps[furthest]:+.3f} s)",
                      "why": scored.get("why")})

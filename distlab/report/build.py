@@ -213,12 +213,14 @@ def step_time_table(card: Card, machine: str, runs: list[ReportRun]) -> None:
     card.tables.append(Table(
         f"Step time: predicted before the run vs measured on {machine}", pd.DataFrame(rows),
         "predicted = compute (the step's kernels at the model's shapes, timed by the compute probe) + exposed "
-        "communication (each collective at its size from collectives.json) + optimizer and offload copies + "
-        "pipeline bubble, made by rank 0 before the first step (metrics.json prediction, its terms and "
-        "their inputs); measured = the median step after warm-up. A run timed on a busy machine, or predicted "
-        "from a compute probe timed on one (the probe's own noise record, the runs' rule: 'probe timed on a busy "
-        "machine'), is shown, not scored. 'furthest off' compares communication with the time the strategy's "
-        "collectives were in flight where it times them, and the rest of the step with the rest of the prediction."))
+        "communication (each collective at its size from collectives.json) + sharding (ZeRO-3 and FSDP: the "
+        "wrapper's hooks and copies, the toy-width model wrapped as the run wraps it, timed by the probe) + "
+        "optimizer and offload copies + pipeline bubble, made by rank 0 before the first step (metrics.json "
+        "prediction, its terms and their inputs); measured = the median step after warm-up. A run timed on a "
+        "busy machine, or predicted from a compute probe timed on one (the probe's own noise record, the runs' "
+        "rule: 'probe timed on a busy machine'), is shown, not scored. 'furthest off' compares communication with "
+        "the time the strategy's collectives were in flight where it times them, and the rest of the step with "
+        "the rest of the prediction."))
 
 
 def _versions(runs: list[ReportRun]) -> str:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 
+from distlab.records.predictions import TERMS
 from distlab.records.spec import Spec
 from distlab.tools.step_collectives import GRAD_BYTES, collective_seconds, collectives_per_step, wire_bytes_per_rank
 
@@ -338,18 +339,18 @@ def bubble_term(spec: Spec, compute: dict) -> dict:
 
 def predict(spec: Spec, shape: dict, counts: dict, probe: dict, collectives: dict | None,
             usable_cores: int, ac_layers: int = 0, others_cores: float | None = None) -> dict:
-    """metrics.json's `prediction`: the step time and its four terms, each with how. others_cores:
-    the cores other processes kept busy as the run started (None: not measured)."""
+    """metrics.json's `prediction`: the step time and its terms (records.predictions.TERMS), each
+    with how. others_cores: the cores other processes kept busy as the run started (None: not
+    measured)."""
     neighbours = neighbour_share(spec, usable_cores, others_cores)
     compute = compute_term(spec, shape, counts, probe, ac_layers, neighbours)
     busy_cores = spec.world_size * max(1, spec.cpu_threads_per_rank)
     comm = communication_term(spec, shape, counts, collectives, compute, usable_cores - busy_cores)
     optim = optimizer_term(spec, counts, probe, neighbours)
     bubble = bubble_term(spec, compute)
-    terms = {"compute": compute, "communication": comm, "optimizer": optim, "bubble": bubble}
-    sharding = sharding_term(spec, shape, counts, probe, neighbours)
-    if sharding is not None:
-        terms["sharding"] = sharding
+    sharding = sharding_term(spec, shape, counts, probe, neighbours)  # None: no sharding wrapper
+    found = {"compute": compute, "communication": comm, "sharding": sharding, "optimizer": optim, "bubble": bubble}
+    terms = {name: found[name] for name in TERMS if found[name] is not None}  # the report's order
     step = sum(t["seconds"] for t in terms.values())
     return {"status": "predicted", "step_time_s": step, "terms": terms,
             "how": "compute + exposed communication + optimizer and offload + pipeline bubble"
