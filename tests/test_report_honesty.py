@@ -211,6 +211,23 @@ def test_a_speedup_above_linear_is_flagged_with_its_likely_cause_not_passed(tmp_
     assert next(g for g in build([one, plain]).goals if g.text.startswith("Speedup")).status == PASSED
 
 
+def test_a_compiled_or_checkpointed_one_rank_run_is_never_the_baseline_of_the_speedup(tmp_path):
+    from distlab.report.cards.stage1_ddp import build, scaling_groups
+
+    # The default run trains ddp-full-w1-mb8-ga1 beside its compiled and checkpointed twins, all
+    # of the same batch: only the plain one may stand for 1 rank against the 2-rank run.
+    one = fake_run(tmp_path / "1", {"world_size": 1, "micro_batch": 8}, step_median_s=0.5)
+    compiled = fake_run(tmp_path / "c", {"world_size": 1, "micro_batch": 8, "compile": True}, step_median_s=0.3)
+    recompute = fake_run(tmp_path / "a", {"world_size": 1, "micro_batch": 8, "activation_checkpointing": "full"},
+                         step_median_s=0.7)
+    two = fake_run(tmp_path / "2", {"world_size": 2, "micro_batch": 4}, step_median_s=0.3)
+    for order in ([one, compiled, recompute, two], [compiled, recompute, one, two]):
+        (group,) = scaling_groups(order).values()
+        assert group[1].experiment == one.experiment, [r.experiment for r in order]
+    goal = next(g for g in build([one, compiled, two]).goals if g.text.startswith("Speedup"))
+    assert "1.67x" in goal.evidence and compiled.experiment not in " ".join(goal.links)
+
+
 def test_offload_faster_than_none_is_flagged_not_passed(tmp_path):
     from distlab.report.cards import DOUBTFUL, PASSED
     from distlab.report.cards.stage3_deepspeed import offload_goal

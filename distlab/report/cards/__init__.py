@@ -78,6 +78,14 @@ def is_busy(run) -> bool:
     return any((n or {}).get("busy") for n in [run.noise, *(x.get("noise") for x in run.launches)])
 
 
+def plain_speed(run) -> bool:
+    """Whether a run's step time is its strategy's and batch's alone: no activation
+    checkpointing (recomputes forwards), no torch.compile (other kernels), no profiler (traces
+    its steps). Only such runs stand for a world size in a 1-vs-N comparison."""
+    spec = run.spec
+    return (spec.activation_checkpointing or "none") == "none" and not spec.compile and not spec.profile
+
+
 def spread_caveat(runs: list[ReportRun]) -> str:
     """Where the compared spreads come from: separate launches only when every run had 2+."""
     if runs and all(len(r.launches) >= 2 for r in runs):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from distlab.records import collectives as coll
 from distlab.records.run_outputs import DEFAULT_TASK
-from distlab.report.cards import Card, Figure, Table, run_task, spread_caveat
+from distlab.report.cards import Card, Figure, Table, plain_speed, run_task, spread_caveat
 from distlab.report.collect import clear_winner
 from distlab.report.plots import bandwidth_curves, loss_panels, ranking
 from distlab.report.report_run import ReportRun
@@ -132,7 +132,7 @@ def break_even_notes(machine: str, result: dict, runs: list[ReportRun]) -> list[
     """The global batch above which N data-parallel ranks beat one, from measured numbers."""
     n = result["world_size"]
     singles = [r for r in runs if r.machine == machine and r.status == "ok" and r.stage == "ddp"
-               and r.as_built.world_size == 1 and r.unit == "token"]
+               and r.as_built.world_size == 1 and r.unit == "token" and plain_speed(r)]
     if not singles:
         return [f"{machine}: no 1-rank DDP run, so no break-even batch (needs its compute time per sample)."]
     one = singles[0]
@@ -150,7 +150,7 @@ def break_even_notes(machine: str, result: dict, runs: list[ReportRun]) -> list[
             "overlaps the all-reduce with backward).")
     peers = [r for r in runs if r.machine == machine and r.status == "ok" and r.stage == "ddp"
              and r.unit == "token" and r.as_built.world_size == n and r.spec.sampler == "distributed"
-             and r.throughput.samples_per_step == one.throughput.samples_per_step]
+             and r.throughput.samples_per_step == one.throughput.samples_per_step and plain_speed(r)]
     if peers:
         speed = peers[0].throughput.tokens_per_s / one.throughput.tokens_per_s
         batch = one.throughput.samples_per_step

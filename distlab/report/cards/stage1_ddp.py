@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from distlab.report.held_out import eval_sentence
 from distlab.report.cards import (DOUBTFUL, FAILED, NOT_RUN, PASSED, Card, Figure, Goal, Table, comm_ms,
-                                  load_cell, metrics_link, noise_cause, ok_runs, spread_caveat)
+                                  load_cell, metrics_link, noise_cause, ok_runs, plain_speed, spread_caveat)
 from distlab.report.collect import clear_winner
 from distlab.report.plots import figure, label_axes, loss_curves, to_png_b64
 from distlab.report.report_run import ReportRun
@@ -14,13 +14,14 @@ LESSON = ("ddp", False)
 
 def scaling_groups(runs):
     """Runs that differ only in world size (same machine, model shape, seq_len, method,
-    sampler on, no activation checkpointing): the honest 1-vs-N comparison."""
+    sampler on, nothing else that changes the step's speed: plain_speed): the honest 1-vs-N
+    comparison."""
     groups = {}
     for run in runs:
         s = run.spec
-        # Activation checkpointing trades time for memory: its runs are the fine-tuning card's.
-        if s.sampler != "distributed" or s.strategy != "ddp" \
-                or s.get("activation_checkpointing", "none") != "none":
+        # Activation checkpointing and compile change the step itself: their runs are the
+        # fine-tuning card's, against their own twins.
+        if s.sampler != "distributed" or s.strategy != "ddp" or not plain_speed(run):
             continue
         key = (run.machine, s.method, s.seq_len, s.micro_batch * s.grad_accum * s.world_size,
                s.precision, s.device)
