@@ -113,4 +113,4 @@ def test_distlab_reads_no_spec_as_a_dict_beyond_its_doors():
     reads = [f"{path.relative_to(root)}:{n}" for path in root.rglob("*.py")
              for n, line in enumerate(path.read_text().splitlines(), 1)
              for _ in re.findall(r"spec\[|spec\.get\(", line)]
-    assert len(reads) <= 30, reads
+    assert len(reads) <= 25, reads  # only shrinks: the issue allowed 40
