@@ -16,6 +16,7 @@ import pytest
 
 from conftest import REPO, resolve, run_experiment
 from distlab.runtime.buffers import plain_buffers
+from distlab.tasks import task_named
 from distlab.jobs.validate import PARITY_TOLERANCE, validate_run
 
 # One rank each, as on the kit's one GPU; checkpoints every 2 steps give validation a resume point.
@@ -69,7 +70,7 @@ def test_bf16_is_what_the_engines_hold_not_only_the_label(runs):
 @pytest.mark.slow
 def test_every_buffer_of_a_bf16_run_has_the_plain_models_dtype(runs, prepared):
     plain = {name: str(tensor.dtype).replace("torch.", "") for name, (tensor, _) in
-             plain_buffers(str(prepared / "model")).items()}
+             plain_buffers(str(prepared / "model"), task_named("causal-lm")).items()}
     assert plain["model.rotary_emb.inv_freq"] == "float32"
     for name, (metrics, _) in runs.items():
         held = metrics["as_built"]["buffers"]["dtypes"]
@@ -91,13 +92,14 @@ if hasattr(modeling_utils, "prevent_arange_dtype_change"):
 sys.path.insert(0, os.path.join(os.environ["PYTHONPATH"], "tests"))
 from conftest import resolve
 from distlab.runtime.buffers import plain_buffers
+from distlab.tasks import task_named
 from distlab.records.job import Job
 from distlab.rank.model_setup import prepare_model
 from distlab.strategies import strategy_for
 from distlab.rank.worker import make_context
 
 source, run_dir = sys.argv[1], sys.argv[2]
-plain = plain_buffers(source)
+plain = plain_buffers(source, task_named("causal-lm"))
 settings = {"deepspeed": {"deepspeed": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}}}
 out = {}
 for name, stage in {"ddp": "ddp", "deepspeed": "deepspeed", "fsdp": "fsdp", "tp": "parallel", "pp": "parallel"}.items():

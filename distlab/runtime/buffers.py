@@ -30,11 +30,7 @@ HOW = ("each buffer of the model as built vs the plain model's (the architecture
 
 @functools.lru_cache(maxsize=4)
 def _plain(model_source: str, task) -> tuple[tuple[str, torch.Tensor, bool], ...]:
-    if task is None:  # the causal LM, loaded as its task loads it
-        from distlab.runtime.model import load_model
-    else:
-        load_model = task.load_model
-    model = load_model(model_source, device="meta")  # the task's trained module
+    model = task.load_model(model_source, device="meta")  # the task's trained module
     out = []
     for name, buffer in model.named_buffers():
         if buffer.device.type == "meta":
@@ -45,10 +41,10 @@ def _plain(model_source: str, task) -> tuple[tuple[str, torch.Tensor, bool], ...
     return tuple(out)
 
 
-def plain_buffers(model_source: str, task=None) -> dict[str, tuple[torch.Tensor, bool]]:
+def plain_buffers(model_source: str, task) -> dict[str, tuple[torch.Tensor, bool]]:
     """{name: (tensor, persistent)} of the plain model's real buffers (Hugging Face names); the
     model is the trained module of `task` (a distlab.tasks Task, handed in by the rank: the
-    kernels name no task; None: a causal LM, distlab.runtime.model.load_model)."""
+    kernels name no task)."""
     return {name: (tensor, persistent) for name, tensor, persistent in _plain(str(model_source), task)}
 
 
